@@ -1,0 +1,238 @@
+import { Command, CommanderError, Option } from 'commander';
+import { loadEnv, type Env } from '../../shared/config/env';
+import { ConfigError } from '../../shared/config/errors';
+import { loadPolicies, requirePolicy, type PolicySet } from '../../shared/config/policies';
+import { migrate } from '../../shared/db/migrate';
+import { makePool, type Pool } from '../../shared/db/pool';
+import { runsGetSummary, runsInsertIfAbsent, runsListSummaries, type RunSummary } from '../../shared/db/queries/runs';
+import { makeLogger } from '../../shared/observability/logger';
+import { startScheduler } from '../scheduler/scheduler';
+import { startWorker } from '../worker/worker';
+import { runDemo } from './demo';
+import { printResult, table } from './output';
+
+/** A user mistake on the command line: message only, exit code 2. */
+class UsageError extends Error {}
+
+const MICROSECOND_ISO_INPUT = /^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d{1,6})?(Z|[+-]\d{2}:\d{2})$/;
+
+function context(): { env: Env; policies: PolicySet } {
+  const env = loadEnv();
+  return { env, policies: loadPolicies(env.policiesPath) };
+}
+
+async function withPool<T>(env: Env, work: (pool: Pool) => Promise<T>): Promise<T> {
+  const pool = makePool(env.databaseUrl, 2, 'reaper-cli');
+  try {
+    return await work(pool);
+  } finally {
+    await pool.end();
+  }
+}
+
+/** Runs a service in the foreground until SIGTERM/SIGINT, then drains and exits 0. */
+async function runService(kind: 'scheduler' | 'worker'): Promise<void> {
+  const { env, policies } = context();
+  const log = makeLogger({ level: env.logLevel, service: kind, workerId: env.workerId });
+  const handle = kind === 'scheduler' ? await startScheduler(env, policies, log) : await startWorker(env, policies, log);
+  log.info({ httpPort: handle.httpPort, policies: [...policies.keys()] }, `${kind} started`);
+  await new Promise<void>((resolve) => {
+    const shutdown = (signal: string) => {
+      log.info({ signal }, `${kind} draining`);
+      resolve();
+    };
+    process.once('SIGTERM', () => shutdown('SIGTERM'));
+    process.once('SIGINT', () => shutdown('SIGINT'));
+  });
+  await handle.stop();
+  log.info(`${kind} stopped`);
+}
+
+function runRow(run: RunSummary): Record<string, unknown> {
+  return {
+    run: run.runId,
+    policy: run.policy,
+    trigger: run.trigger,
+    state: run.state,
+    cutoff: run.cutoff,
+    candidates: run.candidates,
+    batches: `${run.batchesDone}/${run.batchesConfirmed}`,
+    deleted: run.deleted,
+    noop: run.noop,
+  };
+}
+
+function describeRun(run: RunSummary): string {
+  return [
+    `run        ${run.runId}`,
+    `policy     ${run.policy} (${run.trigger}${run.replayOf ? ` of ${run.replayOf}` : ''})`,
+    `state      ${run.state}${run.error ? `: ${run.error}` : ''}`,
+    `scheduled  ${run.scheduledFor}`,
+    `cutoff     ${run.cutoff}`,
+    `candidates ${run.candidates}`,
+    `batches    ${run.batchesDone} done of ${run.batchesConfirmed} confirmed`,
+    `deleted    ${run.deleted}`,
+    `no-op      ${run.noop}`,
+    `finished   ${run.finishedAt ?? '-'}`,
+  ].join('\n');
+}
+
+/** Polls a run until it completes or fails, printing progress to stderr; bounded by `timeoutMs`. */
+async function waitForRun(pool: Pool, runId: string, timeoutMs: number, quiet: boolean): Promise<RunSummary> {
+  const deadline = Date.now() + timeoutMs;
+  let last = '';
+  for (;;) {
+    const run = (await runsGetSummary(pool, runId))!;
+    const progress = `${run.state}: ${run.batchesDone}/${run.batchesConfirmed} batches, ${run.deleted} deleted, ${run.noop} no-op`;
+    if (!quiet && progress !== last) process.stderr.write(`${progress}\n`);
+    last = progress;
+    if (run.state === 'completed' || run.state === 'failed') return run;
+    if (Date.now() > deadline) throw new Error(`run ${runId} not finished after ${timeoutMs} ms (${progress})`);
+    await new Promise((resolve) => setTimeout(resolve, 250));
+  }
+}
+
+export function makeProgram(): Command {
+  const program = new Command('reaper')
+    .description('Expires data reliably: scheduler, workers and operator commands.')
+    .exitOverride()
+    .configureOutput({ writeErr: (text) => process.stderr.write(text) });
+  const json = () => new Option('--json', 'print machine-readable JSON');
+
+  program
+    .command('migrate')
+    .description('apply database migrations (safe to run from several processes at once)')
+    .addOption(json())
+    .action(async (options: { json?: boolean }) => {
+      const env = loadEnv();
+      const result = await migrate(env.databaseUrl);
+      printResult(!!options.json, result, () =>
+        result.applied.length ? `applied ${result.applied.join(', ')}; schema version ${result.current}` : `up to date (version ${result.current})`,
+      );
+    });
+
+  program.command('scheduler').description('run the scheduler in the foreground').action(() => runService('scheduler'));
+  program.command('worker').description('run a worker in the foreground').action(() => runService('worker'));
+
+  program
+    .command('trigger <policy>')
+    .description('start a run of <policy> now, with the database clock as cutoff')
+    .option('--wait', 'wait until the run completes and print its summary')
+    .option('--timeout <seconds>', 'with --wait: give up after this long', '600')
+    .addOption(json())
+    .action(async (policyName: string, options: { wait?: boolean; timeout: string; json?: boolean }) => {
+      const { env, policies } = context();
+      requirePolicy(policies, policyName);
+      const timeoutSeconds = Number(options.timeout);
+      if (!Number.isFinite(timeoutSeconds) || timeoutSeconds <= 0) throw new UsageError(`--timeout: must be a positive number of seconds (got "${options.timeout}")`);
+      await withPool(env, async (pool) => {
+        const run = await runsInsertIfAbsent(pool, { policy: policyName, trigger: 'manual', scheduledFor: null, cutoff: null });
+        if (!run) throw new Error('a run for this instant already exists; try again');
+        const result = options.wait ? await waitForRun(pool, run.runId, timeoutSeconds * 1000, !!options.json) : await runsGetSummary(pool, run.runId);
+        printResult(!!options.json, result, () => (options.wait ? describeRun(result!) : `run ${run.runId} created (cutoff ${run.cutoff}); a scheduler will execute it`));
+        if (result?.state === 'failed') process.exitCode = 1;
+      });
+    });
+
+  program
+    .command('replay')
+    .description('run a policy again with a fixed cutoff: the cutoff of --run, or --policy with --cutoff')
+    .option('--run <runId>', 'replay this run (same policy, same cutoff)')
+    .option('--policy <policy>', 'policy to run')
+    .option('--cutoff <iso>', 'cutoff, ISO 8601 with a time zone (e.g. 2026-11-29T20:00:00.000000Z)')
+    .option('--wait', 'wait until the run completes')
+    .addOption(json())
+    .action(async (options: { run?: string; policy?: string; cutoff?: string; wait?: boolean; json?: boolean }) => {
+      const { env, policies } = context();
+      if (options.run && (options.policy || options.cutoff)) throw new UsageError('give either --run, or --policy with --cutoff, not both');
+      if (!options.run && !(options.policy && options.cutoff)) throw new UsageError('give --run <runId>, or --policy <policy> with --cutoff <iso>');
+      if (options.cutoff && !MICROSECOND_ISO_INPUT.test(options.cutoff)) {
+        throw new UsageError(`--cutoff: "${options.cutoff}" is not an ISO 8601 timestamp with a time zone`);
+      }
+      if (options.run && !/^[0-9a-f-]{36}$/i.test(options.run)) throw new UsageError(`--run: "${options.run}" is not a run id (uuid)`);
+      await withPool(env, async (pool) => {
+        let policy = options.policy;
+        let cutoff = options.cutoff;
+        if (options.run) {
+          const original = await runsGetSummary(pool, options.run);
+          if (!original) throw new UsageError(`--run: no run ${options.run}`);
+          policy = original.policy;
+          cutoff = original.cutoff;
+        }
+        requirePolicy(policies, policy!);
+        const run = await runsInsertIfAbsent(pool, { policy: policy!, trigger: 'replay', scheduledFor: null, cutoff: cutoff!, replayOf: options.run ?? null });
+        if (!run) throw new Error('a run for this instant already exists; try again');
+        const result = options.wait ? await waitForRun(pool, run.runId, 600_000, !!options.json) : await runsGetSummary(pool, run.runId);
+        printResult(!!options.json, result, () => (options.wait ? describeRun(result!) : `replay run ${run.runId} created (policy ${run.policy}, cutoff ${run.cutoff})`));
+      });
+    });
+
+  program
+    .command('runs')
+    .description('list recent runs')
+    .option('--policy <policy>', 'only this policy')
+    .option('--limit <n>', 'how many', '20')
+    .addOption(json())
+    .action(async (options: { policy?: string; limit: string; json?: boolean }) => {
+      const env = loadEnv();
+      const limit = Number(options.limit);
+      if (!Number.isInteger(limit) || limit < 1 || limit > 10_000) throw new UsageError(`--limit: must be an integer from 1 to 10000 (got "${options.limit}")`);
+      await withPool(env, async (pool) => {
+        const runs = await runsListSummaries(pool, { policy: options.policy, limit });
+        printResult(!!options.json, runs, () => table(runs.map(runRow), ['run', 'policy', 'trigger', 'state', 'cutoff', 'candidates', 'batches', 'deleted', 'noop']));
+      });
+    });
+
+  program
+    .command('run <runId>')
+    .description('show one run with its counts')
+    .addOption(json())
+    .action(async (runId: string, options: { json?: boolean }) => {
+      if (!/^[0-9a-f-]{36}$/i.test(runId)) throw new UsageError(`runId: "${runId}" is not a run id (uuid)`);
+      const env = loadEnv();
+      await withPool(env, async (pool) => {
+        const run = await runsGetSummary(pool, runId);
+        if (!run) throw new UsageError(`no run ${runId}`);
+        printResult(!!options.json, run, () => describeRun(run));
+      });
+    });
+
+  program
+    .command('demo')
+    .description('run the demo end to end in the reaper_demo database (npm run demo)')
+    .action(async () => {
+      process.exitCode = await runDemo();
+    });
+
+  return program;
+}
+
+export async function main(argv: string[]): Promise<number> {
+  const program = makeProgram();
+  try {
+    await program.parseAsync(argv);
+    return typeof process.exitCode === 'number' ? process.exitCode : 0;
+  } catch (error) {
+    if (error instanceof CommanderError) {
+      // --help and --version end here with exit code 0; a bad option or argument with 1 → usage (2).
+      return error.exitCode === 0 ? 0 : 2;
+    }
+    if (error instanceof UsageError) {
+      process.stderr.write(`reaper: ${error.message}\n`);
+      return 2;
+    }
+    if (error instanceof ConfigError) {
+      process.stderr.write(`reaper: ${error.message}\n`);
+      return 1;
+    }
+    process.stderr.write(`reaper: ${(error as Error).message}\n`);
+    return 1;
+  }
+}
+
+/** Entry point: exits with main's code once stdout is flushed (a pipe may still be draining). */
+export function runCli(): void {
+  void main(process.argv).then((code) => process.stdout.write('', () => process.exit(code)));
+}
+
+if (require.main === module) runCli();

@@ -1,0 +1,167 @@
+import { schedule as scheduleCron, type ScheduledTask } from 'node-cron';
+import type { Logger } from 'pino';
+import type { Env } from '../../shared/config/env';
+import type { Policy, PolicySet } from '../../shared/config/policies';
+import { ReconnectingConnection } from '../../shared/amqp/connection';
+import { ConfirmingPublisher } from '../../shared/amqp/publisher';
+import { brokerNames, makeTopology } from '../../shared/amqp/topology';
+import { makePool, type Pool } from '../../shared/db/pool';
+import { targetResolve, type ResolvedTarget } from '../../shared/db/queries/expiring-rows';
+import {
+  runsClaimNext,
+  runsDatabaseNow,
+  runsInsertIfAbsent,
+  runsLatestScheduledTick,
+  runsReleaseLease,
+} from '../../shared/db/queries/runs';
+import { startHealthServer, type RouteHandler } from '../../shared/observability/http';
+import { makeMetrics, type Metrics } from '../../shared/observability/metrics';
+import { executeRun } from './run-executor';
+import { CRON_TIMEZONE, latestMissedTick, truncateToSecond } from './ticks';
+
+/** How long a run belongs to one scheduler without progress before another replica takes it over. */
+const RUN_LEASE_MS = 30_000;
+/** How often a scheduler looks for runs made elsewhere (CLI, webhooks, crashed replicas). */
+const CLAIM_POLL_MS = 1_000;
+
+export interface SchedulerHandle {
+  metrics: Metrics;
+  httpPort: number | undefined;
+  stop(): Promise<void>;
+}
+
+export interface SchedulerDeps {
+  pool: Pool;
+  policies: PolicySet;
+  targets: ReadonlyMap<string, ResolvedTarget>;
+  metrics: Metrics;
+  log: Logger;
+  owner: string;
+}
+
+/** Extra HTTP routes (webhooks) other modules hang on the scheduler's server. */
+export type SchedulerRoutes = (deps: SchedulerDeps) => Record<string, RouteHandler>;
+
+/**
+ * The scheduler: cron ticks, one catch-up run at start, and a single loop that claims runs (new,
+ * manual, replayed or abandoned by a crashed replica) and executes them one at a time. Ticks only
+ * PROPOSE a run: the unique (policy, scheduled_for) row decides which replica's proposal wins.
+ */
+export async function startScheduler(env: Env, policies: PolicySet, log: Logger, extraRoutes?: SchedulerRoutes): Promise<SchedulerHandle> {
+  const metrics = makeMetrics();
+  const pool = makePool(env.databaseUrl, env.dbPoolSize, 'reaper-scheduler');
+  const names = brokerNames(env.amqpPrefix);
+  const policyNames = [...policies.keys()];
+  const targets = new Map<string, ResolvedTarget>();
+  for (const policy of policies.values()) {
+    try {
+      targets.set(policy.name, await targetResolve(pool, policy));
+    } catch (error) {
+      await pool.end();
+      throw new Error(`policy ${policy.name}: ${(error as Error).message}`);
+    }
+  }
+  const connection = new ReconnectingConnection({
+    url: env.amqpUrl,
+    connectionName: `reaper-scheduler ${env.amqpPrefix} ${env.workerId}`,
+    topology: makeTopology({ prefix: env.amqpPrefix, policies: policyNames, deliveryLimit: env.deliveryLimit }),
+    log,
+  });
+  connection.on('ready', () => metrics.amqpConnected.set(1));
+  connection.on('lost', () => metrics.amqpConnected.set(0));
+  const publisher = new ConfirmingPublisher(connection);
+  await connection.start();
+
+  let stopping = false;
+  let draining: Promise<void> | null = null;
+  let wakeAgain = false;
+  const deps = { pool, publisher, names, owner: env.workerId, leaseMs: RUN_LEASE_MS, log, metrics, stopping: () => stopping };
+
+  /** Claims and executes runs until none is left. A call while draining asks for one more pass. */
+  function drainRuns(): Promise<void> {
+    if (draining) {
+      wakeAgain = true;
+      return draining;
+    }
+    draining = claimAndExecute().finally(() => {
+      draining = null;
+    });
+    return draining;
+  }
+
+  async function claimAndExecute(): Promise<void> {
+    try {
+      do {
+        wakeAgain = false;
+        for (;;) {
+          if (stopping) return;
+          const run = await runsClaimNext(pool, env.workerId, RUN_LEASE_MS, policyNames);
+          if (!run) break;
+          const outcome = await executeRun(deps, run, policies.get(run.policy)!, targets.get(run.policy)!);
+          // Shutting down mid-run: hand the run over now rather than when the lease runs out.
+          if (outcome === 'stopped') await runsReleaseLease(pool, run.runId, env.workerId);
+        }
+      } while (wakeAgain && !stopping);
+    } catch (error) {
+      log.warn({ err: (error as Error).message }, 'claiming runs failed; will retry');
+    }
+  }
+
+  async function proposeRun(policy: Policy, trigger: 'cron' | 'catch-up', scheduledFor: Date): Promise<void> {
+    try {
+      const run = await runsInsertIfAbsent(pool, { policy: policy.name, trigger, scheduledFor, cutoff: null });
+      if (run) {
+        metrics.runsTotal.inc({ policy: policy.name, trigger });
+        log.info({ runId: run.runId, policy: policy.name, trigger, scheduledFor: run.scheduledFor, cutoff: run.cutoff }, 'run created');
+      }
+    } catch (error) {
+      // The database is unreachable: this tick is missed; the next start's catch-up covers it.
+      log.error({ err: (error as Error).message, policy: policy.name }, 'could not record run for tick');
+    }
+    void drainRuns();
+  }
+
+  // One catch-up run per policy for ticks missed while no scheduler was running.
+  const now = await runsDatabaseNow(pool);
+  for (const policy of policies.values()) {
+    const latest = await runsLatestScheduledTick(pool, policy.name);
+    if (!latest) continue;
+    const missed = latestMissedTick(policy.schedule, latest, now);
+    if (missed) await proposeRun(policy, 'catch-up', missed);
+  }
+
+  const tasks: ScheduledTask[] = [...policies.values()].map((policy) =>
+    scheduleCron(policy.schedule, (context) => proposeRun(policy, 'cron', truncateToSecond(context.date)), {
+      timezone: CRON_TIMEZONE,
+      name: `reaper-${policy.name}`,
+    }),
+  );
+  const poller = setInterval(() => void drainRuns(), CLAIM_POLL_MS);
+  void drainRuns();
+
+  const server =
+    env.httpPort === undefined
+      ? undefined
+      : await startHealthServer({
+          port: env.httpPort,
+          registry: metrics.registry,
+          log,
+          ready: () => connection.connected && !stopping,
+          postRoutes: extraRoutes?.({ pool, policies, targets, metrics, log, owner: env.workerId }),
+        });
+
+  return {
+    metrics,
+    httpPort: server?.boundPort,
+    async stop() {
+      stopping = true;
+      clearInterval(poller);
+      for (const task of tasks) await task.destroy();
+      // The loop stops at its next checkpoint and hands an unfinished run over.
+      await draining;
+      server?.close();
+      await connection.close();
+      await pool.end();
+    },
+  };
+}

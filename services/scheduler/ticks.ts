@@ -1,0 +1,31 @@
+import { createTask } from 'node-cron';
+
+/** Cron expressions are evaluated in UTC (DESIGN.md). */
+export const CRON_TIMEZONE = 'Etc/UTC';
+
+export function truncateToSecond(date: Date): Date {
+  return new Date(Math.floor(date.getTime() / 1000) * 1000);
+}
+
+/**
+ * The latest tick of `schedule` strictly after `after` and at or before `now`, or null. Used once at
+ * start-up: all missed ticks together become ONE catch-up run (a missed tick adds backlog, it
+ * never changes correctness). Walks back second by second for 6-field schedules (at most a day)
+ * and minute by minute for 5-field ones (at most 31 days).
+ */
+export function latestMissedTick(schedule: string, after: Date, now: Date): Date | null {
+  const matcher = createTask(schedule, () => undefined, { timezone: CRON_TIMEZONE });
+  const withSeconds = schedule.trim().split(/\s+/).length === 6;
+  const stepMs = withSeconds ? 1000 : 60_000;
+  const lookbackMs = withSeconds ? 86_400_000 : 31 * 86_400_000;
+  const earliest = Math.max(after.getTime() + 1, now.getTime() - lookbackMs);
+  let candidate = Math.floor(now.getTime() / stepMs) * stepMs;
+  try {
+    for (; candidate >= earliest; candidate -= stepMs) {
+      if (matcher.match(new Date(candidate))) return new Date(candidate);
+    }
+    return null;
+  } finally {
+    void matcher.destroy();
+  }
+}

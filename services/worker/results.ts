@@ -1,0 +1,15 @@
+import type { DeadLetterReason } from '../../shared/contracts/batch';
+
+/**
+ * What a policy handler says happened to a batch. The handler never touches the broker; `settle`
+ * turns this into broker actions (DESIGN.md invariant 4: ack only after commit).
+ */
+export type BatchResult =
+  /** Committed. `duplicate`: this batch had been committed before (a redelivery), counted apart. */
+  | { kind: 'done'; deleted: number; noop: number; duplicate: boolean; detail?: Record<string, number> }
+  /** Durable state says "later": publish a copy to the delay tier for `delayMs`, then ack. */
+  | { kind: 'retry'; delayMs: number; reason: string }
+  /** The batch itself is wrong: publish it to the dead-letter queue with the reason, then ack. */
+  | { kind: 'dead-letter'; reason: DeadLetterReason; detail: string }
+  /** Outcome unknown (database or transport trouble): do not ack; the broker redelivers. */
+  | { kind: 'unknown'; reason: string; databaseUnavailable: boolean };

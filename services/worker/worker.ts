@@ -1,0 +1,181 @@
+import type { Channel, ChannelModel, ConsumeMessage } from 'amqplib';
+import type { Logger } from 'pino';
+import type { Env } from '../../shared/config/env';
+import type { PolicySet } from '../../shared/config/policies';
+import { ReconnectingConnection } from '../../shared/amqp/connection';
+import { ConfirmingPublisher } from '../../shared/amqp/publisher';
+import { brokerNames, makeTopology } from '../../shared/amqp/topology';
+import { decodeBatch } from '../../shared/contracts/batch';
+import { makePool } from '../../shared/db/pool';
+import { targetResolve } from '../../shared/db/queries/expiring-rows';
+import { runsCompleteIfAllBatchesDone } from '../../shared/db/queries/runs';
+import { startHealthServer } from '../../shared/observability/http';
+import { makeMetrics, type Metrics } from '../../shared/observability/metrics';
+import { classifyHandlerError } from './errors';
+import { makeRowDeleteHandler } from './handlers/row-delete';
+import type { BatchHandler, HandlerContext } from './handlers/types';
+import type { BatchResult } from './results';
+import { settle, type SettleDeps } from './settle';
+
+export interface WorkerHandle {
+  metrics: Metrics;
+  httpPort: number | undefined;
+  stop(): Promise<void>;
+}
+
+/** Extra handler kinds (remote-delete) register here; row-delete is built in. */
+export type HandlerFactory = (deps: { policy: import('../../shared/config/policies').Policy; env: Env; log: Logger; pool: import('../../shared/db/pool').Pool }) => Promise<BatchHandler | null>;
+
+/**
+ * The worker: consumes every policy's work queue with manual acks and a bounded prefetch, runs the
+ * policy handler, and settles. It owns the ack discipline and nothing else: handlers know no AMQP,
+ * settle knows no SQL. When the database is unreachable it stops consuming (so an outage costs
+ * each in-flight batch one delivery, not its whole delivery limit) and resumes once it answers.
+ */
+export async function startWorker(env: Env, policies: PolicySet, log: Logger, extraHandlers?: HandlerFactory): Promise<WorkerHandle> {
+  const metrics = makeMetrics();
+  const pool = makePool(env.databaseUrl, env.dbPoolSize, 'reaper-worker');
+  const names = brokerNames(env.amqpPrefix);
+  const handlers = new Map<string, BatchHandler>();
+  try {
+    for (const policy of policies.values()) {
+      const extra = extraHandlers ? await extraHandlers({ policy, env, log, pool }) : null;
+      if (extra) handlers.set(policy.name, extra);
+      else if (policy.kind === 'row-delete') handlers.set(policy.name, makeRowDeleteHandler(policy, await targetResolve(pool, policy)));
+      else throw new Error(`no handler for kind ${policy.kind}`);
+    }
+  } catch (error) {
+    await pool.end();
+    throw error;
+  }
+
+  const connection = new ReconnectingConnection({
+    url: env.amqpUrl,
+    connectionName: `reaper-worker ${env.amqpPrefix} ${env.workerId}`,
+    topology: makeTopology({ prefix: env.amqpPrefix, policies: [...policies.keys()], deliveryLimit: env.deliveryLimit }),
+    log,
+  });
+  connection.on('ready', () => metrics.amqpConnected.set(1));
+  connection.on('lost', () => metrics.amqpConnected.set(0));
+  const publisher = new ConfirmingPublisher(connection);
+  const settleDeps: SettleDeps = { publisher, names, metrics, deliveryLimit: env.deliveryLimit };
+
+  let channel: Channel | null = null;
+  let consumerTags: string[] = [];
+  let stopping = false;
+  let databasePaused = false;
+  let inFlight = 0;
+  let idle: (() => void) | null = null;
+
+  async function consumeAll(target: Channel): Promise<void> {
+    consumerTags = [];
+    for (const policy of policies.keys()) {
+      const { consumerTag } = await target.consume(names.workQueue(policy), (message) => {
+        if (message) void onMessage(target, message);
+      });
+      consumerTags.push(consumerTag);
+    }
+  }
+
+  connection.onReady(async (model: ChannelModel) => {
+    const opened = await model.createChannel();
+    opened.on('error', () => undefined); // 'close' follows; the connection reconnects if needed
+    await opened.prefetch(env.prefetch);
+    channel = opened;
+    if (!stopping && !databasePaused) await consumeAll(opened);
+  });
+
+  function failpoint(name: NonNullable<Env['failpoint']>): void {
+    if (env.failpoint === name) {
+      log.warn({ failpoint: name }, 'failpoint reached: killing this process');
+      process.kill(process.pid, 'SIGKILL');
+    }
+  }
+
+  async function onMessage(from: Channel, message: ConsumeMessage): Promise<void> {
+    inFlight += 1;
+    const started = process.hrtime.bigint();
+    const deliveryCount = Number(message.properties.headers?.['x-delivery-count'] ?? 0) + 1;
+    const decoded = decodeBatch(message.content);
+    const policy = decoded.ok ? decoded.batch.policy : message.fields.routingKey;
+    const batchLog = log.child({
+      batchId: decoded.ok ? decoded.batch.batchId : message.properties.messageId,
+      runId: decoded.ok ? decoded.batch.runId : message.properties.headers?.['x-run-id'],
+      policy,
+      deliveryCount,
+    });
+    let result: BatchResult;
+    if (!decoded.ok) {
+      result = { kind: 'dead-letter', reason: decoded.reason, detail: decoded.detail };
+    } else if (!handlers.has(policy)) {
+      result = { kind: 'dead-letter', reason: 'unknown-policy', detail: `policy "${policy}" is not configured on this worker` };
+    } else {
+      const context: HandlerContext = { pool, workerId: env.workerId, log: batchLog, metrics, deliveryCount, failpoint };
+      try {
+        result = await handlers.get(policy)!(decoded.batch, context);
+      } catch (error) {
+        result = classifyHandlerError(error);
+      }
+    }
+    try {
+      await settle(settleDeps, { channel: from, message, policy, deliveryCount, log: batchLog }, result);
+      if (result.kind === 'unknown' && result.databaseUnavailable) void pauseUntilDatabaseAnswers();
+      if (result.kind === 'done' && decoded.ok) {
+        await runsCompleteIfAllBatchesDone(pool, decoded.batch.runId).catch((error: Error) =>
+          batchLog.warn({ err: error.message }, 'could not check run completion; the next batch or scan will'),
+        );
+      }
+    } finally {
+      metrics.batchSeconds.observe({ policy }, Number(process.hrtime.bigint() - started) / 1e9);
+      inFlight -= 1;
+      if (inFlight === 0) idle?.();
+    }
+  }
+
+  /** Stops consuming until `SELECT 1` works again; redelivered batches then find the database. */
+  async function pauseUntilDatabaseAnswers(): Promise<void> {
+    if (databasePaused) return;
+    databasePaused = true;
+    const paused = channel;
+    log.warn('database unavailable: consumption paused');
+    if (paused) for (const tag of consumerTags) await paused.cancel(tag).catch(() => undefined); // channel gone: nothing to cancel
+    for (let attempt = 0; !stopping; attempt++) {
+      try {
+        await pool.query('SELECT 1');
+        break;
+      } catch {
+        await new Promise((resolve) => setTimeout(resolve, Math.min(5_000, 250 * 2 ** attempt)));
+      }
+    }
+    databasePaused = false;
+    log.info('database answers again: consumption resumed');
+    if (!stopping && channel) await consumeAll(channel).catch((error: Error) => log.warn({ err: error.message }, 'resume failed; reconnect will resume'));
+  }
+
+  await connection.start();
+  const server =
+    env.httpPort === undefined
+      ? undefined
+      : await startHealthServer({
+          port: env.httpPort,
+          registry: metrics.registry,
+          log,
+          ready: () => connection.connected && !databasePaused && !stopping,
+        });
+  log.info({ policies: [...policies.keys()], prefetch: env.prefetch }, 'worker consuming');
+
+  return {
+    metrics,
+    httpPort: server?.boundPort,
+    async stop() {
+      stopping = true;
+      const current = channel as Channel | null;
+      if (current) for (const tag of consumerTags) await current.cancel(tag).catch(() => undefined); // closed channel: nothing to cancel
+      // Drain: batches in flight finish and settle; nothing new arrives after the cancel.
+      if (inFlight > 0) await new Promise<void>((resolve) => (idle = resolve));
+      server?.close();
+      await connection.close();
+      await pool.end();
+    },
+  };
+}

@@ -1,0 +1,106 @@
+import type { Options } from 'amqplib';
+import type { Channel } from 'amqplib';
+
+/**
+ * Every exchange, queue and binding reaper uses, as data (DESIGN.md, "Broker topology"). Both
+ * services assert it at start-up and after each reconnect; `reaper topology` prints it.
+ */
+
+export interface ExchangeSpec {
+  name: string;
+  type: 'direct' | 'headers';
+  options: Options.AssertExchange;
+}
+export interface QueueSpec {
+  name: string;
+  options: Options.AssertQueue;
+}
+export interface BindingSpec {
+  queue: string;
+  exchange: string;
+  routingKey: string;
+  args?: Record<string, unknown>;
+}
+export interface Topology {
+  exchanges: ExchangeSpec[];
+  queues: QueueSpec[];
+  bindings: BindingSpec[];
+}
+
+/** Delay tiers in milliseconds. A delay is rounded up to the next tier; longer ones are re-delayed. */
+export const DELAY_TIERS_MS = [1_000, 5_000, 30_000, 120_000, 600_000] as const;
+
+export interface BrokerNames {
+  workExchange: string;
+  delayExchange: string;
+  deadLetterQueue: string;
+  workQueue(policy: string): string;
+  delayQueue(ms: number): string;
+}
+
+export function brokerNames(prefix: string): BrokerNames {
+  return {
+    workExchange: `${prefix}.cleanup`,
+    delayExchange: `${prefix}.delay`,
+    deadLetterQueue: `${prefix}.dead-letter`,
+    workQueue: (policy) => `${prefix}.cleanup.${policy}`,
+    delayQueue: (ms) => `${prefix}.delay.${ms}`,
+  };
+}
+
+/** Header that selects a delay tier on the delay exchange. */
+export const DELAY_HEADER = 'x-reaper-delay-ms';
+
+export function makeTopology(options: { prefix: string; policies: readonly string[]; deliveryLimit: number }): Topology {
+  const names = brokerNames(options.prefix);
+  const exchanges: ExchangeSpec[] = [
+    { name: names.workExchange, type: 'direct', options: { durable: true } },
+    // A headers exchange picks the tier from DELAY_HEADER while the routing key stays the policy
+    // name, so the expired message dead-letters back to the work exchange under its own key.
+    { name: names.delayExchange, type: 'headers', options: { durable: true } },
+  ];
+  const queues: QueueSpec[] = [
+    { name: names.deadLetterQueue, options: { durable: true, arguments: { 'x-queue-type': 'quorum' } } },
+    ...options.policies.map((policy) => ({
+      name: names.workQueue(policy),
+      options: {
+        durable: true,
+        arguments: {
+          'x-queue-type': 'quorum',
+          // A batch that fails on every delivery ends in the dead-letter queue instead of looping.
+          'x-delivery-limit': options.deliveryLimit,
+          'x-dead-letter-exchange': '',
+          'x-dead-letter-routing-key': names.deadLetterQueue,
+        },
+      },
+    })),
+    ...DELAY_TIERS_MS.map((ms) => ({
+      name: names.delayQueue(ms),
+      options: {
+        durable: true,
+        arguments: { 'x-message-ttl': ms, 'x-dead-letter-exchange': names.workExchange },
+      },
+    })),
+  ];
+  const bindings: BindingSpec[] = [
+    ...options.policies.map((policy) => ({ queue: names.workQueue(policy), exchange: names.workExchange, routingKey: policy })),
+    ...DELAY_TIERS_MS.map((ms) => ({
+      queue: names.delayQueue(ms),
+      exchange: names.delayExchange,
+      routingKey: '',
+      args: { 'x-match': 'all', [DELAY_HEADER]: String(ms) },
+    })),
+  ];
+  return { exchanges, queues, bindings };
+}
+
+export async function assertTopology(channel: Channel, topology: Topology): Promise<void> {
+  for (const exchange of topology.exchanges) await channel.assertExchange(exchange.name, exchange.type, exchange.options);
+  for (const queue of topology.queues) await channel.assertQueue(queue.name, queue.options);
+  for (const binding of topology.bindings) await channel.bindQueue(binding.queue, binding.exchange, binding.routingKey, binding.args);
+}
+
+/** The smallest tier that is at least `delayMs`, or the largest tier (the message is re-delayed on arrival). */
+export function pickDelayTier(delayMs: number): number {
+  return DELAY_TIERS_MS.find((tier) => tier >= delayMs) ?? DELAY_TIERS_MS[DELAY_TIERS_MS.length - 1]!;
+}

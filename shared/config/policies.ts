@@ -1,0 +1,156 @@
+import { readFileSync } from 'node:fs';
+import { validate as cronIsValid } from 'node-cron';
+import { parse as parseYaml } from 'yaml';
+import { z } from 'zod';
+import { ConfigError } from './errors';
+
+/**
+ * The policies file: which tables reaper expires, how often it looks, and (for remote-delete) how
+ * hard it may press the remote API. Validated once at start-up; unknown keys are refused so a typo
+ * never silently turns a guard off.
+ */
+
+const identifier = z
+  .string()
+  .regex(/^[A-Za-z_][A-Za-z0-9_]*$/, 'must be a plain SQL identifier ([A-Za-z_][A-Za-z0-9_]*)');
+const tableName = z
+  .string()
+  .regex(/^([A-Za-z_][A-Za-z0-9_]*\.)?[A-Za-z_][A-Za-z0-9_]*$/, 'must be "table" or "schema.table" of plain identifiers');
+const cron = z
+  .string()
+  .refine((value) => [5, 6].includes(value.trim().split(/\s+/).length) && cronIsValid(value), {
+    message: 'must be a valid cron expression of 5 fields, or 6 with seconds first',
+  });
+const guardValue = z.union([z.string(), z.number(), z.boolean()]);
+
+const common = {
+  name: z.string().regex(/^[a-z0-9-]+$/, 'must match [a-z0-9-]+').max(100),
+  schedule: cron,
+  table: tableName,
+  key: identifier,
+  expiresAt: identifier,
+  guard: z.record(identifier, guardValue).default({}),
+  batchSize: z.number().int().min(1).max(1000).default(100),
+};
+
+const rowDeletePolicy = z.strictObject({ ...common, kind: z.literal('row-delete') });
+
+const remotePolicy = z.strictObject({
+  ...common,
+  kind: z.literal('remote-delete'),
+  remote: z.strictObject({
+    baseUrl: z.url({ protocol: /^https?$/ }),
+    path: z.string().startsWith('/').includes('{id}', { message: 'must contain {id}' }),
+    timeoutMs: z.number().int().min(1).max(120_000).default(5000),
+    headers: z.record(z.string(), z.string()).default({}),
+  }),
+  admission: z
+    .strictObject({
+      ratePerSecond: z.number().positive().max(100_000),
+      burst: z.number().int().min(1).max(100_000),
+      concurrency: z.number().int().min(1).max(10_000),
+    }),
+  retry: z
+    .strictObject({
+      maxAttempts: z.number().int().min(1).max(1000).default(10),
+    })
+    .default({ maxAttempts: 10 }),
+  /** How long a claimed operation belongs to one worker before another may take it over. */
+  leaseMs: z.number().int().min(1000).max(3_600_000).default(30_000),
+});
+
+const policySchema = z.discriminatedUnion('kind', [rowDeletePolicy, remotePolicy]);
+
+const policiesFileSchema = z
+  .strictObject({ policies: z.array(policySchema).min(1) })
+  .superRefine((file, ctx) => {
+    const seen = new Set<string>();
+    file.policies.forEach((policy, index) => {
+      if (seen.has(policy.name)) {
+        ctx.addIssue({ code: 'custom', path: ['policies', index, 'name'], message: `duplicate policy name "${policy.name}"` });
+      }
+      seen.add(policy.name);
+      if (policy.kind === 'remote-delete' && policy.leaseMs <= policy.remote.timeoutMs) {
+        // A lease that can run out while the request is still in flight would let a second worker
+        // call the API for the same operation while the first still waits for its answer.
+        ctx.addIssue({
+          code: 'custom',
+          path: ['policies', index, 'leaseMs'],
+          message: `must be longer than remote.timeoutMs (${policy.remote.timeoutMs}); got ${policy.leaseMs}`,
+        });
+      }
+    });
+  });
+
+export type Policy = z.infer<typeof policySchema>;
+export type RowDeletePolicy = z.infer<typeof rowDeletePolicy>;
+export type RemoteDeletePolicy = z.infer<typeof remotePolicy>;
+export type PolicySet = ReadonlyMap<string, Policy>;
+
+/** Replaces `${NAME}` in every string value with the environment's value; a missing one is an error. */
+function substituteEnvironment(value: unknown, source: NodeJS.ProcessEnv, where: string): unknown {
+  if (typeof value === 'string') {
+    return value.replace(/\$\{([A-Za-z_][A-Za-z0-9_]*)\}/g, (_match, name: string) => {
+      const found = source[name];
+      if (found === undefined) throw new ConfigError(`${where}: environment variable ${name} is not set`);
+      return found;
+    });
+  }
+  if (Array.isArray(value)) return value.map((item, index) => substituteEnvironment(item, source, `${where}[${index}]`));
+  if (value !== null && typeof value === 'object') {
+    return Object.fromEntries(
+      Object.entries(value).map(([key, item]) => [key, substituteEnvironment(item, source, `${where}.${key}`)]),
+    );
+  }
+  return value;
+}
+
+/** Parses policies from YAML text. `origin` names the file in error messages. */
+export function parsePolicies(text: string, origin: string, source: NodeJS.ProcessEnv = process.env): PolicySet {
+  let document: unknown;
+  try {
+    document = parseYaml(text);
+  } catch (error) {
+    throw new ConfigError(`${origin}: not valid YAML (${(error as Error).message})`);
+  }
+  const substituted = substituteEnvironment(document, source, origin);
+  const parsed = policiesFileSchema.safeParse(substituted);
+  if (!parsed.success) {
+    const lines = parsed.error.issues.map((issue) => {
+      const at = issue.path.length > 0 ? issue.path.join('.') : '(top level)';
+      const value = valueAt(substituted, issue.path);
+      const shown = value === undefined ? '' : ` (got ${JSON.stringify(value)})`;
+      return `${at}: ${issue.message}${shown}`;
+    });
+    throw new ConfigError(`${origin}: invalid policies file:\n  ${lines.join('\n  ')}`);
+  }
+  return new Map(parsed.data.policies.map((policy) => [policy.name, policy]));
+}
+
+export function loadPolicies(filePath: string, source: NodeJS.ProcessEnv = process.env): PolicySet {
+  let text: string;
+  try {
+    text = readFileSync(filePath, 'utf8');
+  } catch (error) {
+    throw new ConfigError(`REAPER_POLICIES=${filePath}: cannot read the file (${(error as Error).message})`);
+  }
+  return parsePolicies(text, filePath, source);
+}
+
+/** Looks a policy up by name, with an error that lists the known ones. */
+export function requirePolicy(policies: PolicySet, name: string): Policy {
+  const policy = policies.get(name);
+  if (!policy) {
+    throw new ConfigError(`unknown policy "${name}"; known: ${[...policies.keys()].join(', ') || '(none)'}`);
+  }
+  return policy;
+}
+
+function valueAt(document: unknown, at: readonly PropertyKey[]): unknown {
+  let current: unknown = document;
+  for (const step of at) {
+    if (current === null || typeof current !== 'object') return undefined;
+    current = (current as Record<PropertyKey, unknown>)[step];
+  }
+  return typeof current === 'object' && current !== null ? undefined : current;
+}

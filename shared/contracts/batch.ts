@@ -1,0 +1,90 @@
+import { z } from 'zod';
+
+/**
+ * The batch message, version 1 (DESIGN.md). A consumer of version N accepts every version up to N.
+ * Decoding runs the checks in a fixed order so every rejection has exactly one reason.
+ */
+export const CURRENT_BATCH_VERSION = 1;
+export const MAX_BATCH_ITEMS = 1000;
+export const MAX_MESSAGE_BYTES = 1024 * 1024;
+
+/** ISO 8601 in UTC with exactly six fractional digits: microseconds survive the trip. */
+const MICROSECOND_ISO = /^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}\.\d{6}Z$/;
+const isoMicros = z.string().regex(MICROSECOND_ISO, 'must be UTC ISO 8601 with six fractional digits, e.g. 2026-11-29T20:00:00.000000Z');
+
+export const batchItemSchema = z.strictObject({
+  id: z.string().min(1).max(1024),
+  observedExpiry: isoMicros,
+});
+
+export const batchV1Schema = z.strictObject({
+  version: z.literal(1),
+  runId: z.uuid(),
+  batchId: z.string().min(1).max(200),
+  policy: z.string().regex(/^[a-z0-9-]+$/),
+  cutoff: isoMicros,
+  items: z.array(batchItemSchema).min(1).max(MAX_BATCH_ITEMS),
+});
+
+export type BatchV1 = z.infer<typeof batchV1Schema>;
+export type BatchItem = z.infer<typeof batchItemSchema>;
+
+/** Why a message was dead-lettered; the exact strings of the `x-reaper-reason` header. */
+export type DeadLetterReason =
+  | 'invalid-json'
+  | 'invalid-message'
+  | 'unsupported-version'
+  | 'unknown-policy'
+  | 'too-large'
+  | 'delivery-limit'
+  | 'rejected';
+
+export type DecodeResult = { ok: true; batch: BatchV1 } | { ok: false; reason: DeadLetterReason; detail: string };
+
+/**
+ * Checks, in order: size, JSON, envelope (an object with an integer version), version, schema.
+ * The policy is checked by the caller, which knows the configured policies.
+ */
+export function decodeBatch(content: Buffer): DecodeResult {
+  if (content.length > MAX_MESSAGE_BYTES) {
+    return { ok: false, reason: 'too-large', detail: `message is ${content.length} bytes; the limit is ${MAX_MESSAGE_BYTES}` };
+  }
+  let document: unknown;
+  try {
+    document = JSON.parse(content.toString('utf8'));
+  } catch (error) {
+    return { ok: false, reason: 'invalid-json', detail: (error as Error).message };
+  }
+  if (document === null || typeof document !== 'object' || Array.isArray(document)) {
+    return { ok: false, reason: 'invalid-message', detail: 'message must be a JSON object' };
+  }
+  const version = (document as { version?: unknown }).version;
+  if (typeof version !== 'number' || !Number.isInteger(version) || version < 1) {
+    return { ok: false, reason: 'invalid-message', detail: `version: must be a positive integer (got ${JSON.stringify(version)})` };
+  }
+  if (version > CURRENT_BATCH_VERSION) {
+    return {
+      ok: false,
+      reason: 'unsupported-version',
+      detail: `version ${version} is newer than this worker understands (${CURRENT_BATCH_VERSION})`,
+    };
+  }
+  const parsed = batchV1Schema.safeParse(document);
+  if (!parsed.success) {
+    const detail = parsed.error.issues
+      .slice(0, 5)
+      .map((issue) => `${issue.path.join('.') || '(message)'}: ${issue.message}`)
+      .join('; ');
+    return { ok: false, reason: 'invalid-message', detail };
+  }
+  return { ok: true, batch: parsed.data };
+}
+
+export function encodeBatch(batch: BatchV1): Buffer {
+  return Buffer.from(JSON.stringify(batch), 'utf8');
+}
+
+/** Batch ids are the run id plus a zero-padded sequence: deterministic, so a resumed scan republishes the same ids. */
+export function makeBatchId(runId: string, sequence: number): string {
+  return `${runId}:${String(sequence).padStart(6, '0')}`;
+}

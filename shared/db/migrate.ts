@@ -1,0 +1,63 @@
+import { existsSync, readdirSync, readFileSync } from 'node:fs';
+import path from 'node:path';
+import pg from 'pg';
+
+/**
+ * Forward-only migrations: numbered plain SQL files, each applied in its own transaction. An
+ * advisory lock held for the whole pass makes two migrators started at once apply each file once.
+ */
+const MIGRATION_LOCK = 7_364_917_251; // any constant; shared by every reaper migrator
+
+export function migrationsDirectory(): string {
+  // Compiled code runs from dist/shared/db; the .sql files stay in the source tree.
+  const candidates = [path.join(__dirname, 'migrations'), path.resolve(__dirname, '..', '..', '..', 'shared', 'db', 'migrations')];
+  const found = candidates.find((dir) => existsSync(dir) && readdirSync(dir).some((file) => file.endsWith('.sql')));
+  if (!found) throw new Error(`no migrations found in ${candidates.join(' or ')}`);
+  return found;
+}
+
+export interface Migration {
+  version: number;
+  name: string;
+  sql: string;
+}
+
+export function listMigrations(dir = migrationsDirectory()): Migration[] {
+  return readdirSync(dir)
+    .filter((file) => /^\d{4}_.+\.sql$/.test(file))
+    .sort()
+    .map((file) => ({ version: Number(file.slice(0, 4)), name: file, sql: readFileSync(path.join(dir, file), 'utf8') }));
+}
+
+export async function migrate(connectionString: string): Promise<{ applied: string[]; current: number }> {
+  const client = new pg.Client({ connectionString, application_name: 'reaper-migrate' });
+  await client.connect();
+  try {
+    await client.query('SELECT pg_advisory_lock($1)', [MIGRATION_LOCK]);
+    await client.query(`CREATE TABLE IF NOT EXISTS reaper_schema_migrations (
+      version integer PRIMARY KEY, name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())`);
+    const done = new Set(
+      (await client.query<{ version: number }>('SELECT version FROM reaper_schema_migrations')).rows.map((row) => row.version),
+    );
+    const applied: string[] = [];
+    let current = Math.max(0, ...done);
+    for (const migration of listMigrations()) {
+      if (done.has(migration.version)) continue;
+      await client.query('BEGIN');
+      try {
+        await client.query(migration.sql);
+        await client.query('INSERT INTO reaper_schema_migrations (version, name) VALUES ($1, $2)', [migration.version, migration.name]);
+        await client.query('COMMIT');
+      } catch (error) {
+        await client.query('ROLLBACK');
+        throw new Error(`migration ${migration.name} failed: ${(error as Error).message}`);
+      }
+      applied.push(migration.name);
+      current = migration.version;
+    }
+    return { applied, current };
+  } finally {
+    await client.query('SELECT pg_advisory_unlock($1)', [MIGRATION_LOCK]).catch(() => undefined);
+    await client.end();
+  }
+}

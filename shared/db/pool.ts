@@ -1,0 +1,57 @@
+import pg from 'pg';
+
+export type Db = pg.Pool | pg.PoolClient;
+export type Pool = pg.Pool;
+export type Client = pg.PoolClient;
+
+export function makePool(connectionString: string, max: number, applicationName: string): pg.Pool {
+  const pool = new pg.Pool({
+    connectionString,
+    max,
+    application_name: applicationName,
+    connectionTimeoutMillis: 10_000,
+    idleTimeoutMillis: 30_000,
+  });
+  // An idle client losing its connection (server restart) must not crash the process: the pool
+  // drops the client and the next query opens a fresh one.
+  pool.on('error', () => undefined);
+  return pool;
+}
+
+/**
+ * Runs `work` in one transaction on one pooled client. Commits when it returns, rolls back when it
+ * throws. `beforeCommit` runs after the work and before COMMIT (the failpoint for crash tests).
+ */
+export async function withTransaction<T>(
+  pool: pg.Pool,
+  work: (client: pg.PoolClient) => Promise<T>,
+  hooks: { beforeCommit?: () => void } = {},
+): Promise<T> {
+  const client = await pool.connect();
+  let broken = false;
+  try {
+    await client.query('BEGIN');
+    const result = await work(client);
+    hooks.beforeCommit?.();
+    await client.query('COMMIT');
+    return result;
+  } catch (error) {
+    try {
+      await client.query('ROLLBACK');
+    } catch {
+      // The connection itself failed: hand the client back as broken so the pool discards it.
+      broken = true;
+    }
+    throw error;
+  } finally {
+    client.release(broken);
+  }
+}
+
+/** Identifier quoting (pg's own escapeIdentifier). Only policy-validated names ever reach it. */
+export function quoteIdentifier(name: string): string {
+  return name
+    .split('.')
+    .map((part) => pg.escapeIdentifier(part))
+    .join('.');
+}

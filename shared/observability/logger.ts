@@ -1,0 +1,27 @@
+import pino from 'pino';
+import type { Logger } from 'pino';
+
+export type { Logger };
+
+/** Replaces the password in a connection URL, so URLs can be logged. Not a URL: returned as is. */
+export function redactUrl(value: string): string {
+  try {
+    const url = new URL(value);
+    if (url.password) url.password = '***';
+    return url.toString();
+  } catch {
+    // Not a URL (a path, a host name): nothing to redact.
+    return value;
+  }
+}
+
+/** JSON logs on stdout; every line of a service carries its name and worker id. */
+export function makeLogger(options: { level: string; service: string; workerId?: string }): Logger {
+  return pino({
+    level: options.level,
+    base: { service: options.service, ...(options.workerId ? { workerId: options.workerId } : {}) },
+    // Belt and braces: URLs are passed through redactUrl, and these keys never print at all.
+    redact: { paths: ['password', '*.password', 'databaseUrl', 'amqpUrl', 'webhookSecret', 'headers.authorization'], censor: '***' },
+    timestamp: pino.stdTimeFunctions.isoTime,
+  });
+}

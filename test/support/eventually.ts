@@ -1,0 +1,27 @@
+/**
+ * Polls `probe` until it returns a value that is not undefined/false, or fails after `timeoutMs`
+ * with `what` and the last value seen. The alternative to sleeping in a test.
+ */
+export async function eventually<T>(
+  what: string,
+  probe: () => Promise<T | undefined | false> | T | undefined | false,
+  options: { timeoutMs?: number; intervalMs?: number; describe?: () => Promise<unknown> | unknown } = {},
+): Promise<T> {
+  const timeoutMs = options.timeoutMs ?? 20_000;
+  const intervalMs = options.intervalMs ?? 100;
+  const deadline = Date.now() + timeoutMs;
+  let lastError: unknown;
+  for (;;) {
+    try {
+      const value = await probe();
+      if (value !== undefined && value !== false) return value;
+    } catch (error) {
+      lastError = error;
+    }
+    if (Date.now() > deadline) {
+      const state = options.describe ? JSON.stringify(await options.describe()) : '';
+      throw new Error(`timed out after ${timeoutMs} ms waiting for ${what}${state ? `; state: ${state}` : ''}${lastError ? `; last error: ${String(lastError)}` : ''}`);
+    }
+    await new Promise((resolve) => setTimeout(resolve, intervalMs));
+  }
+}

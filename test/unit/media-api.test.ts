@@ -1,0 +1,261 @@
+/**
+ * Unit tests for the stand-in media API (test/support/media-api.ts).
+ */
+import { test } from 'node:test';
+import assert from 'node:assert/strict';
+import { spawn } from 'node:child_process';
+import { once } from 'node:events';
+import { join } from 'node:path';
+import { createInterface } from 'node:readline';
+import { maxInSlidingWindow, startMediaApi, type MediaApi, type MediaApiOptions } from '../support/media-api';
+
+/** Starts a server, runs `fn`, and always closes the server. */
+async function withApi(options: MediaApiOptions, fn: (api: MediaApi) => Promise<void>): Promise<void> {
+  const api = await startMediaApi(options);
+  try {
+    await fn(api);
+  } finally {
+    await api.close();
+  }
+}
+
+/** DELETE /assets/:id, with an Idempotency-Key unless `key` is null. */
+function del(api: MediaApi, id: string, key: string | null): Promise<Response> {
+  const headers: Record<string, string> = key === null ? {} : { 'Idempotency-Key': key };
+  return fetch(`${api.url}/assets/${encodeURIComponent(id)}`, { method: 'DELETE', headers });
+}
+
+test('a repeated call with the same key executes once and replays the same answer', async () => {
+  await withApi({}, async (api) => {
+    const first = await del(api, 'a/1', 'k1');
+    assert.equal(first.status, 200);
+    assert.deepEqual(await first.json(), { deleted: 'a/1' });
+
+    const second = await del(api, 'a/1', 'k1');
+    assert.equal(second.status, 200);
+    assert.deepEqual(await second.json(), { deleted: 'a/1' });
+    assert.equal(second.headers.get('idempotent-replayed'), 'true');
+
+    assert.deepEqual(api.executionsByKey(), new Map([['k1', 1]]));
+    assert.deepEqual(api.deletedIds(), new Set(['a/1']));
+    assert.deepEqual(
+      api.calls.map((c) => [c.seq, c.id, c.key, c.status, c.executed]),
+      [
+        [1, 'a/1', 'k1', 200, true],
+        [2, 'a/1', 'k1', 200, false],
+      ],
+    );
+    for (const c of api.calls) assert.ok(c.finishedAt >= c.startedAt);
+  });
+});
+
+test('another key gets 404 for a deleted asset; after restore a new key deletes it again', async () => {
+  await withApi({}, async (api) => {
+    assert.equal((await del(api, 'x', 'k1')).status, 200);
+    assert.equal((await del(api, 'x', 'k2')).status, 404);
+    assert.equal((await del(api, 'x', 'k2')).status, 404, 'a 404 outcome is replayed too');
+
+    api.restore('x');
+    assert.deepEqual(api.deletedIds(), new Set());
+    assert.equal((await del(api, 'x', 'k1')).status, 200, 'old key replays without executing');
+    assert.deepEqual(api.deletedIds(), new Set(), 'replay did not delete');
+
+    assert.equal((await del(api, 'x', 'k3')).status, 200);
+    assert.deepEqual(api.deletedIds(), new Set(['x']));
+    assert.deepEqual(
+      api.executionsByKey(),
+      new Map([
+        ['k1', 1],
+        ['k3', 1],
+      ]),
+    );
+    assert.deepEqual(
+      api.calls.map((c) => c.executed),
+      [true, false, false, false, true],
+    );
+  });
+});
+
+test('token bucket: 429 with Retry-After once the burst is spent', async () => {
+  // A refill rate this low cannot add a token during the test.
+  await withApi({ ratePerSecond: 0.01, burst: 3, retryAfterSeconds: 7 }, async (api) => {
+    for (let i = 0; i < 3; i++) assert.equal((await del(api, `id${i}`, `k${i}`)).status, 200);
+
+    const limited = await del(api, 'id3', 'k3');
+    assert.equal(limited.status, 429);
+    assert.equal(limited.headers.get('retry-after'), '7');
+    assert.equal(api.calls[3]?.executed, false);
+    assert.equal(api.deletedIds().has('id3'), false);
+
+    // Removing the limit at run time lets calls through again.
+    api.configure({ ratePerSecond: undefined });
+    assert.equal((await del(api, 'id3', 'k3')).status, 200, 'the 429 did not burn the key');
+  });
+});
+
+test('forced throttle: every call gets 429 with Retry-After = seconds left', async () => {
+  await withApi({}, async (api) => {
+    api.configure({ throttleUntil: Date.now() + 2500 });
+    const res = await del(api, 'a', 'k');
+    assert.equal(res.status, 429);
+    assert.equal(res.headers.get('retry-after'), '3');
+    assert.equal(api.calls[0]?.executed, false);
+
+    api.configure({ throttleUntil: 0 });
+    assert.equal((await del(api, 'a', 'k')).status, 200);
+  });
+});
+
+test('rejectIds answers 403 without executing', async () => {
+  await withApi({}, async (api) => {
+    api.configure({ rejectIds: new Set(['nope']) });
+    assert.equal((await del(api, 'nope', 'k1')).status, 403);
+    assert.equal((await del(api, 'fine', 'k2')).status, 200);
+    assert.deepEqual(api.deletedIds(), new Set(['fine']));
+    assert.deepEqual(api.executionsByKey(), new Map([['k2', 1]]));
+    assert.equal(api.calls[0]?.status, 403);
+    assert.equal(api.calls[0]?.executed, false);
+  });
+});
+
+test('failNext answers 503 without executing; the same key then succeeds', async () => {
+  await withApi({}, async (api) => {
+    api.configure({ failNext: 2 });
+    assert.equal((await del(api, 'a', 'k')).status, 503);
+    api.configure({ failStatus: 502 });
+    assert.equal((await del(api, 'a', 'k')).status, 502);
+    assert.deepEqual(api.deletedIds(), new Set());
+
+    assert.equal((await del(api, 'a', 'k')).status, 200);
+    assert.deepEqual(
+      api.calls.map((c) => [c.status, c.executed]),
+      [
+        [503, false],
+        [502, false],
+        [200, true],
+      ],
+    );
+    assert.deepEqual(api.executionsByKey(), new Map([['k', 1]]));
+  });
+});
+
+test('executeThenFailNext deletes, answers 500, and a retry with the same key replays 200', async () => {
+  await withApi({}, async (api) => {
+    api.configure({ executeThenFailNext: 1 });
+    assert.equal((await del(api, 'a', 'k')).status, 500);
+    assert.deepEqual(api.deletedIds(), new Set(['a']));
+
+    assert.equal((await del(api, 'a', 'k')).status, 200);
+    assert.deepEqual(api.executionsByKey(), new Map([['k', 1]]));
+    assert.deepEqual(
+      api.calls.map((c) => [c.status, c.executed]),
+      [
+        [500, true],
+        [200, false],
+      ],
+    );
+  });
+});
+
+test('resetNext destroys the connection: fetch throws and nothing is executed', async () => {
+  await withApi({}, async (api) => {
+    api.configure({ resetNext: 1 });
+    await assert.rejects(del(api, 'a', 'k'), TypeError);
+    assert.equal(api.calls.length, 1);
+    assert.equal(api.calls[0]?.status, 'reset');
+    assert.equal(api.calls[0]?.executed, false);
+    assert.deepEqual(api.deletedIds(), new Set());
+
+    assert.equal((await del(api, 'a', 'k')).status, 200);
+  });
+});
+
+test('missing Idempotency-Key is 400 and recorded; other routes are 404 and not recorded', async () => {
+  await withApi({}, async (api) => {
+    assert.equal((await del(api, 'a', null)).status, 400);
+    assert.equal((await fetch(`${api.url}/assets/a`, { method: 'GET' })).status, 404);
+    assert.equal((await fetch(`${api.url}/other`, { method: 'DELETE', headers: { 'Idempotency-Key': 'k' } })).status, 404);
+
+    assert.equal(api.calls.length, 1);
+    assert.deepEqual([api.calls[0]?.status, api.calls[0]?.key, api.calls[0]?.executed], [400, null, false]);
+    assert.deepEqual(api.deletedIds(), new Set());
+  });
+});
+
+test('maxConcurrent counts requests held open by slowMs', async () => {
+  await withApi({}, async (api) => {
+    // Sequential calls never overlap.
+    for (let i = 0; i < 3; i++) await del(api, `s${i}`, `s${i}`);
+    assert.equal(api.maxConcurrent(), 1);
+
+    api.configure({ slowMs: 150 });
+    const responses = await Promise.all(Array.from({ length: 5 }, (_, i) => del(api, `p${i}`, `p${i}`)));
+    assert.deepEqual(
+      responses.map((r) => r.status),
+      [200, 200, 200, 200, 200],
+    );
+    assert.equal(api.maxConcurrent(), 5);
+    for (const c of api.calls.slice(3)) assert.ok(c.finishedAt - c.startedAt >= 100, 'slowMs delayed the answer');
+  });
+});
+
+test('close() drops requests still waiting on slowMs', async () => {
+  const api = await startMediaApi();
+  api.configure({ slowMs: 60_000 });
+  const pending = del(api, 'a', 'k');
+  // Poll until the server has the request, then close under it.
+  while (api.calls.length === 0) await new Promise<void>((resolve) => setImmediate(resolve));
+  await api.close();
+  await assert.rejects(pending, TypeError);
+  assert.ok(api.calls[0]!.finishedAt > 0);
+});
+
+test('maxCallsInWindow counts calls whose startedAt falls in a sliding window', async () => {
+  await withApi({}, async (api) => {
+    assert.equal(api.maxCallsInWindow(), 0);
+    for (let i = 0; i < 4; i++) await del(api, `w${i}`, `w${i}`);
+    assert.equal((await del(api, 'w0', null)).status, 400); // any status counts
+    // Five quick calls: all inside one second, and the 1 ms window holds at least one.
+    assert.equal(api.maxCallsInWindow(), 5);
+    assert.equal(api.maxCallsInWindow(60_000), 5);
+    assert.ok(api.maxCallsInWindow(1) >= 1);
+
+    const stats = (await (await fetch(`${api.url}/stats`)).json()) as Record<string, number>;
+    assert.deepEqual(stats, { calls: 5, executed: 4, maxConcurrent: 1, maxCallsInWindow: 5 });
+  });
+
+  // The window arithmetic itself, on fixed timestamps (half-open [t, t + w)).
+  const times = [2001, 0, 100, 900, 1000, 1500, 1999, 2000];
+  assert.equal(maxInSlidingWindow(times, 1000), 4); // [1500, 2500): 1500, 1999, 2000, 2001 ([1000, 2000) excludes 2000)
+  assert.equal(maxInSlidingWindow(times, 1002), 5); // [1000, 2002): 1000, 1500, 1999, 2000, 2001
+  assert.equal(maxInSlidingWindow([0, 999, 1000], 1000), 2);
+  assert.equal(maxInSlidingWindow([5, 5, 5], 1), 3);
+  assert.equal(maxInSlidingWindow([], 1000), 0);
+  assert.throws(() => maxInSlidingWindow([1], 0), RangeError);
+});
+
+test('media-api-main prints its url and exits cleanly on SIGTERM', async () => {
+  const child = spawn(process.execPath, [join(__dirname, '..', 'support', 'media-api-main.js'), '--rate', '0.1', '--burst', '2'], {
+    stdio: ['ignore', 'pipe', 'inherit'],
+  });
+  try {
+    const lines = createInterface({ input: child.stdout });
+    const [line] = (await once(lines, 'line')) as [string];
+    const { url } = JSON.parse(line) as { url: string };
+    assert.match(url, /^http:\/\/127\.0\.0\.1:\d+$/);
+
+    const statuses: number[] = [];
+    for (let i = 0; i < 3; i++) {
+      const res = await fetch(`${url}/assets/m${i}`, { method: 'DELETE', headers: { 'Idempotency-Key': `m${i}` } });
+      statuses.push(res.status);
+    }
+    assert.deepEqual(statuses, [200, 200, 429]);
+
+    const exited = once(child, 'exit');
+    child.kill('SIGTERM');
+    const [code] = (await exited) as [number | null];
+    assert.equal(code, 0);
+  } finally {
+    if (child.exitCode === null && child.signalCode === null) child.kill('SIGKILL');
+  }
+});
