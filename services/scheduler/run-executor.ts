@@ -1,6 +1,6 @@
 import type { Logger } from 'pino';
 import type { Policy } from '../../shared/config/policies';
-import { encodeBatch, makeBatchId, type BatchV1 } from '../../shared/contracts/batch';
+import { encodeBatch, makeBatchId, MAX_ID_LENGTH, type BatchV1 } from '../../shared/contracts/batch';
 import type { ConfirmingPublisher } from '../../shared/amqp/publisher';
 import type { BrokerNames } from '../../shared/amqp/topology';
 import type { Pool } from '../../shared/db/pool';
@@ -106,11 +106,19 @@ async function publishWindow(
 
   async function scanAndPublish(): Promise<void> {
   while (confirms.length < CONFIRM_WINDOW) {
-    const items = await expiringRowsScanPage(deps.pool, target, { cutoff: run.cutoff, after: cursor, limit: policy.batchSize });
-    if (items.length === 0) {
+    const page = await expiringRowsScanPage(deps.pool, target, { cutoff: run.cutoff, after: cursor, limit: policy.batchSize });
+    if (page.length === 0) {
       reachedEnd = true;
       break;
     }
+    const last = page[page.length - 1]!;
+    cursor = { expiry: last.observedExpiry, key: last.id };
+    const items = page.filter((item) => item.id.length <= MAX_ID_LENGTH);
+    if (items.length < page.length) {
+      // Such a key cannot travel in a message (DESIGN.md: 1 MiB per message); say so loudly.
+      deps.log.error({ skipped: page.length - items.length, maxIdLength: MAX_ID_LENGTH }, 'rows with over-long keys skipped');
+    }
+    if (items.length === 0) continue;
     const sequence = from.sequence + confirms.length + 1;
     const batch: BatchV1 = {
       version: 1,
@@ -128,9 +136,7 @@ async function publishWindow(
       }),
     );
     candidates += items.length;
-    const last = items[items.length - 1]!;
-    cursor = { expiry: last.observedExpiry, key: last.id };
-    if (items.length < policy.batchSize) {
+    if (page.length < policy.batchSize) {
       reachedEnd = true;
       break;
     }

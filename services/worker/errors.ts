@@ -15,14 +15,14 @@ const UNAVAILABLE_ERRNOS = new Set(['ECONNREFUSED', 'ECONNRESET', 'ETIMEDOUT', '
 const TRANSIENT_CODES = new Set(['40001', '40P01', '55P03', '57014']);
 
 export function classifyHandlerError(error: unknown): BatchResult {
-  const err = error as { code?: unknown; message?: unknown };
+  const err = (typeof error === 'object' && error !== null ? error : {}) as { code?: unknown; message?: unknown };
   const code = typeof err.code === 'string' ? err.code : '';
   const message = typeof err.message === 'string' ? err.message : String(error);
   const unavailable =
     UNAVAILABLE_CODES.has(code) ||
     UNAVAILABLE_CLASSES.some((prefix) => code.startsWith(prefix)) ||
     UNAVAILABLE_ERRNOS.has(code) ||
-    /Connection terminated|connection timeout|Client has encountered a connection error/i.test(message);
+    /Connection terminated|connection timeout|Client has encountered a connection error|timeout exceeded when trying to connect/i.test(message);
   if (unavailable) return { kind: 'unknown', reason: `database unavailable: ${message}`, databaseUnavailable: true };
   if (code.startsWith('22')) {
     // Data exception: a value in the message cannot be a key of this table (e.g. not a uuid). Every

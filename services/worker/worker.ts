@@ -1,12 +1,15 @@
 import type { Channel, ChannelModel, ConsumeMessage } from 'amqplib';
 import type { Logger } from 'pino';
 import type { Env } from '../../shared/config/env';
-import type { PolicySet } from '../../shared/config/policies';
+import type { Policy, PolicySet } from '../../shared/config/policies';
 import { ReconnectingConnection } from '../../shared/amqp/connection';
 import { ConfirmingPublisher } from '../../shared/amqp/publisher';
 import { brokerNames, makeTopology } from '../../shared/amqp/topology';
 import { decodeBatch } from '../../shared/contracts/batch';
-import { makePool } from '../../shared/db/pool';
+import { makePool, type Pool } from '../../shared/db/pool';
+import { ledgerReturnExpiredLeases } from '../../shared/db/queries/ledger';
+import { makeHttpRemoteClient, withCircuitBreaker } from '../../shared/remote/client';
+import { makeRemoteDeleteHandler } from './handlers/remote-delete';
 import { targetResolve } from '../../shared/db/queries/expiring-rows';
 import { runsCompleteIfAllBatchesDone } from '../../shared/db/queries/runs';
 import { startHealthServer } from '../../shared/observability/http';
@@ -23,8 +26,18 @@ export interface WorkerHandle {
   stop(): Promise<void>;
 }
 
-/** Extra handler kinds (remote-delete) register here; row-delete is built in. */
-export type HandlerFactory = (deps: { policy: import('../../shared/config/policies').Policy; env: Env; log: Logger; pool: import('../../shared/db/pool').Pool }) => Promise<BatchHandler | null>;
+/** Seconds between passes of the lease reclaimer (remote-delete). */
+const RECLAIM_INTERVAL_MS = 5_000;
+
+async function makeHandler(policy: Policy, pool: Pool): Promise<BatchHandler> {
+  const target = await targetResolve(pool, policy);
+  switch (policy.kind) {
+    case 'row-delete':
+      return makeRowDeleteHandler(policy, target);
+    case 'remote-delete':
+      return makeRemoteDeleteHandler(policy, target, withCircuitBreaker(makeHttpRemoteClient(policy.remote)));
+  }
+}
 
 /**
  * The worker: consumes every policy's work queue with manual acks and a bounded prefetch, runs the
@@ -32,22 +45,32 @@ export type HandlerFactory = (deps: { policy: import('../../shared/config/polici
  * settle knows no SQL. When the database is unreachable it stops consuming (so an outage costs
  * each in-flight batch one delivery, not its whole delivery limit) and resumes once it answers.
  */
-export async function startWorker(env: Env, policies: PolicySet, log: Logger, extraHandlers?: HandlerFactory): Promise<WorkerHandle> {
+export async function startWorker(env: Env, policies: PolicySet, log: Logger): Promise<WorkerHandle> {
   const metrics = makeMetrics();
   const pool = makePool(env.databaseUrl, env.dbPoolSize, 'reaper-worker');
   const names = brokerNames(env.amqpPrefix);
   const handlers = new Map<string, BatchHandler>();
   try {
     for (const policy of policies.values()) {
-      const extra = extraHandlers ? await extraHandlers({ policy, env, log, pool }) : null;
-      if (extra) handlers.set(policy.name, extra);
-      else if (policy.kind === 'row-delete') handlers.set(policy.name, makeRowDeleteHandler(policy, await targetResolve(pool, policy)));
-      else throw new Error(`no handler for kind ${policy.kind}`);
+      try {
+        handlers.set(policy.name, await makeHandler(policy, pool));
+      } catch (error) {
+        throw new Error(`policy ${policy.name}: ${(error as Error).message}`);
+      }
     }
   } catch (error) {
     await pool.end();
     throw error;
   }
+  // Leases of crashed or frozen workers go back to pending (the scan or a delayed batch picks them up).
+  const hasRemote = [...policies.values()].some((policy) => policy.kind === 'remote-delete');
+  const reclaimer = hasRemote
+    ? setInterval(() => {
+        ledgerReturnExpiredLeases(pool)
+          .then((returned) => returned > 0 && log.info({ returned }, 'expired leases returned to pending'))
+          .catch((error: Error) => log.warn({ err: error.message }, 'lease reclaim failed; next pass retries'));
+      }, RECLAIM_INTERVAL_MS)
+    : null;
 
   const connection = new ReconnectingConnection({
     url: env.amqpUrl,
@@ -169,6 +192,7 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger, ex
     httpPort: server?.boundPort,
     async stop() {
       stopping = true;
+      if (reclaimer) clearInterval(reclaimer);
       const current = channel as Channel | null;
       if (current) for (const tag of consumerTags) await current.cancel(tag).catch(() => undefined); // closed channel: nothing to cancel
       // Drain: batches in flight finish and settle; nothing new arrives after the cancel.

@@ -28,7 +28,7 @@ export interface Topology {
 }
 
 /** Delay tiers in milliseconds. A delay is rounded up to the next tier; longer ones are re-delayed. */
-export const DELAY_TIERS_MS = [1_000, 5_000, 30_000, 120_000, 600_000] as const;
+export const DELAY_TIERS_MS = [100, 250, 500, 1_000, 5_000, 30_000, 120_000, 600_000] as const;
 
 export interface BrokerNames {
   workExchange: string;
@@ -48,8 +48,12 @@ export function brokerNames(prefix: string): BrokerNames {
   };
 }
 
-/** Header that selects a delay tier on the delay exchange. */
-export const DELAY_HEADER = 'x-reaper-delay-ms';
+/**
+ * Header that selects a delay tier on the delay exchange. It must NOT start with "x-": a headers
+ * exchange ignores x- arguments when matching, so such a binding would match every message and
+ * copy each delayed batch into every tier.
+ */
+export const DELAY_HEADER = 'reaper-delay-ms';
 
 export function makeTopology(options: { prefix: string; policies: readonly string[]; deliveryLimit: number }): Topology {
   const names = brokerNames(options.prefix);

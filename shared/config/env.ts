@@ -17,7 +17,7 @@ const envSchema = z.object({
   REAPER_POLICIES: z.string().min(1).default(DEMO_POLICIES_PATH),
   REAPER_WORKER_ID: z.string().min(1).default(`${hostname()}:${process.pid}`),
   LOG_LEVEL: z.enum(['trace', 'debug', 'info', 'warn', 'error', 'fatal', 'silent']).default('info'),
-  HTTP_PORT: z.coerce.number().int().min(0).max(65535).optional(),
+  HTTP_PORT: z.string().trim().regex(/^\d+$/, 'must be a port number (0-65535)').transform(Number).pipe(z.number().int().min(0).max(65535)).optional(),
   /** Unacknowledged batches a worker holds at once (AMQP prefetch). */
   REAPER_PREFETCH: z.coerce.number().int().min(1).max(1000).default(8),
   /** PostgreSQL connections per process. */

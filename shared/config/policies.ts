@@ -55,6 +55,8 @@ const remotePolicy = z.strictObject({
       maxAttempts: z.number().int().min(1).max(1000).default(10),
     })
     .default({ maxAttempts: 10 }),
+  /** After the remote confirms: set these columns on the row. Absent: the row is deleted. */
+  markConfirmed: z.record(identifier, guardValue).optional(),
   /** How long a claimed operation belongs to one worker before another may take it over. */
   leaseMs: z.number().int().min(1000).max(3_600_000).default(30_000),
 });

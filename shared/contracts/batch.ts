@@ -7,13 +7,24 @@ import { z } from 'zod';
 export const CURRENT_BATCH_VERSION = 1;
 export const MAX_BATCH_ITEMS = 1000;
 export const MAX_MESSAGE_BYTES = 1024 * 1024;
+/** Longest id a message may carry: 1000 items of this size still fit in MAX_MESSAGE_BYTES. */
+export const MAX_ID_LENGTH = 512;
 
 /** ISO 8601 in UTC with exactly six fractional digits: microseconds survive the trip. */
 const MICROSECOND_ISO = /^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}\.\d{6}Z$/;
-const isoMicros = z.string().regex(MICROSECOND_ISO, 'must be UTC ISO 8601 with six fractional digits, e.g. 2026-11-29T20:00:00.000000Z');
+const isoMicros = z
+  .string()
+  .regex(MICROSECOND_ISO, 'must be UTC ISO 8601 with six fractional digits, e.g. 2026-11-29T20:00:00.000000Z')
+  .refine((value) => isRealInstant(value), 'is not a real date and time');
+
+/** 2026-13-45 matches the pattern but is no date: it must survive a round trip through Date. */
+function isRealInstant(value: string): boolean {
+  const parsed = new Date(value.slice(0, 23) + 'Z');
+  return !Number.isNaN(parsed.getTime()) && parsed.toISOString().slice(0, 23) === value.slice(0, 23);
+}
 
 export const batchItemSchema = z.strictObject({
-  id: z.string().min(1).max(1024),
+  id: z.string().min(1).max(MAX_ID_LENGTH),
   observedExpiry: isoMicros,
 });
 

@@ -1,0 +1,72 @@
+import type { RemoteDeletePolicy } from '../config/policies';
+import { withTransaction, type Pool } from '../db/pool';
+import { admissionBlockFor, admissionLockAndRefill, admissionStoreTokens } from '../db/queries/admission';
+import { ledgerClaimDue, ledgerCountInFlight, ledgerDeferPending, type ClaimedOperation } from '../db/queries/ledger';
+
+/**
+ * Global admission: no token, no call. One short transaction locks the policy's admission row,
+ * refills the bucket from the database clock, checks the pause switch, the 429 block and the
+ * concurrency in use (live in-flight leases of every worker), and claims at most that many due
+ * operations. Operations not admitted are deferred with a not_before: durable state, not a
+ * sleeping worker (DESIGN.md invariants 9 and 10).
+ */
+
+/** Shortest wait before an operation that found no token or no free slot asks again. */
+export const MIN_ADMISSION_WAIT_MS = 100;
+/** Waits at least this long are written to the operations' not_before. */
+export const DEFER_IN_LEDGER_FROM_MS = 1_000;
+/** How often paused work looks at the switch again. */
+export const PAUSED_RECHECK_MS = 1_000;
+
+export type AdmissionVerdict = 'admitted' | 'paused' | 'blocked' | 'no-token' | 'concurrency' | 'none-due';
+
+export interface AdmissionGrant {
+  claimed: ClaimedOperation[];
+  verdict: AdmissionVerdict;
+  /** Operations due now whose not_before was moved by waitMs (long waits only). */
+  deferred: number;
+  /** When the deferred ones should ask again. */
+  waitMs: number;
+}
+
+export async function admitAndClaim(
+  pool: Pool,
+  policy: RemoteDeletePolicy,
+  request: { keys: readonly string[]; owner: string },
+): Promise<AdmissionGrant> {
+  const { ratePerSecond, burst, concurrency } = policy.admission;
+  return withTransaction(pool, async (client) => {
+    const state = await admissionLockAndRefill(client, policy.name, { ratePerSecond, burst });
+    let verdict: AdmissionVerdict = 'admitted';
+    let allowance = 0;
+    let waitMs = MIN_ADMISSION_WAIT_MS;
+    if (state.paused) {
+      verdict = 'paused';
+      waitMs = PAUSED_RECHECK_MS;
+    } else if (state.blockedForMs > 0) {
+      verdict = 'blocked';
+      waitMs = state.blockedForMs;
+    } else {
+      const free = concurrency - (await ledgerCountInFlight(client, policy.name));
+      const whole = Math.floor(state.tokens);
+      allowance = Math.max(0, Math.min(whole, free));
+      if (allowance === 0) {
+        verdict = whole === 0 ? 'no-token' : 'concurrency';
+        // A token arrives in (1 - fraction) / rate seconds; a slot frees when a call ends.
+        waitMs = whole === 0 ? Math.max(MIN_ADMISSION_WAIT_MS, ((1 - (state.tokens - whole)) / ratePerSecond) * 1000) : MIN_ADMISSION_WAIT_MS;
+      }
+    }
+    const claimed = await ledgerClaimDue(client, { keys: request.keys, owner: request.owner, leaseMs: policy.leaseMs, limit: allowance });
+    if (claimed.length > 0) await admissionStoreTokens(client, policy.name, state.tokens - claimed.length);
+    // A wait of a token or a free slot is short: the batch waits in a delay tier and the operations
+    // stay due. A pause or a 429 block can be long: the operations themselves record when to retry.
+    const deferred = waitMs >= DEFER_IN_LEDGER_FROM_MS ? await ledgerDeferPending(client, request.keys, waitMs) : 0;
+    if (claimed.length === 0 && verdict === 'admitted') verdict = 'none-due';
+    return { claimed, verdict, deferred, waitMs };
+  });
+}
+
+/** A 429 tells every worker to hold off: the whole policy is blocked for the Retry-After. */
+export async function blockAdmission(pool: Pool, policy: string, delayMs: number): Promise<void> {
+  await admissionBlockFor(pool, policy, delayMs);
+}
