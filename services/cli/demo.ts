@@ -2,22 +2,28 @@ import { spawn, type ChildProcess } from 'node:child_process';
 import path from 'node:path';
 import amqp from 'amqplib';
 import pg from 'pg';
-import { loadEnv } from '../../shared/config/env';
-import { loadPolicies } from '../../shared/config/policies';
+import { DEMO_POLICIES_PATH, loadEnv } from '../../shared/config/env';
+import { loadPolicies, type RemoteDeletePolicy } from '../../shared/config/policies';
 import { migrate } from '../../shared/db/migrate';
 import { makeTopology } from '../../shared/amqp/topology';
-import { runsGetSummary, runsInsertIfAbsent, type RunSummary } from '../../shared/db/queries/runs';
+import { runsGetSummary, runsInsertIfAbsent, type Run, type RunSummary } from '../../shared/db/queries/runs';
+import { startMediaApi, type MediaApi } from '../../test/support/media-api';
 
 /**
- * `npm run demo`: the main job end to end on the real servers. Creates and migrates the
- * reaper_demo database, seeds holds, starts one scheduler and two workers as separate processes,
- * triggers a run, renews some expired holds after the scan and before the workers see them, waits
- * for the queue to drain and prints what happened. Exits 1 if any hold was wrongly kept or deleted.
+ * `npm run demo`: both demo policies end to end on the real servers, in a database of their own.
+ *  - seat-holds (row-delete): holds expired, future and confirmed; some expired holds are renewed
+ *    AFTER the scan published their batches and before any worker saw them.
+ *  - media-assets (remote-delete): expired assets deleted through a stand-in media API on
+ *    127.0.0.1:8081 that enforces its own rate limit, throttles for a moment (429 + Retry-After),
+ *    fails a few calls (503) and permanently rejects a few assets (403).
+ * One scheduler and two workers run as separate processes. Exits 1 if any count is wrong.
  */
 
 const DEMO_DATABASE = 'reaper_demo';
 const DEMO_PREFIX = 'reaper-demo';
-const SEED = { expiredHeld: 12_000, futureHeld: 5_000, expiredConfirmed: 3_000, renewAfterScan: 500 };
+const HOLDS = { expiredHeld: 12_000, futureHeld: 5_000, expiredConfirmed: 3_000, renewAfterScan: 500 };
+const MEDIA = { expiredActive: 600, futureActive: 100, rejected: 5, failingCalls: 5, throttleMs: 1_500 };
+const STAND_IN_PORT = 8081; // the demo policies file points media-assets here
 const BIN = path.resolve(__dirname, '..', '..', '..', 'bin', 'reaper');
 
 function say(text: string): void {
@@ -27,99 +33,191 @@ function say(text: string): void {
 export async function runDemo(): Promise<number> {
   const started = Date.now();
   const env = loadEnv();
-  const adminUrl = env.databaseUrl;
-  const demoUrl = new URL(adminUrl);
+  const demoUrl = new URL(env.databaseUrl);
   demoUrl.pathname = `/${DEMO_DATABASE}`;
+  const policies = loadPolicies(DEMO_POLICIES_PATH);
+  const media = policies.get('media-assets') as RemoteDeletePolicy;
 
   say(`1. creating database ${DEMO_DATABASE} and applying migrations`);
-  const admin = new pg.Client({ connectionString: adminUrl });
+  const admin = new pg.Client({ connectionString: env.databaseUrl });
   await admin.connect();
   await admin.query(`DROP DATABASE IF EXISTS ${DEMO_DATABASE} WITH (FORCE)`);
   await admin.query(`CREATE DATABASE ${DEMO_DATABASE}`);
   await admin.end();
   await migrate(demoUrl.toString());
   const pool = new pg.Pool({ connectionString: demoUrl.toString(), max: 2 });
-
-  const policies = loadPolicies(env.policiesPath);
   await resetBroker(env.amqpUrl, [...policies.keys()]);
 
-  say(`2. seeding ${SEED.expiredHeld + SEED.futureHeld + SEED.expiredConfirmed} holds: ${SEED.expiredHeld} expired and held, ${SEED.futureHeld} held until tomorrow, ${SEED.expiredConfirmed} expired but confirmed`);
+  say(`2. seeding ${HOLDS.expiredHeld} expired holds, ${HOLDS.futureHeld} held until tomorrow, ${HOLDS.expiredConfirmed} expired but confirmed;`);
+  say(`   ${MEDIA.expiredActive} media assets past retention (${MEDIA.rejected} of which the API will refuse), ${MEDIA.futureActive} still retained`);
+  await seed(pool);
+
+  let api: MediaApi;
+  try {
+    api = await startMediaApi({ port: STAND_IN_PORT, ratePerSecond: media.admission.ratePerSecond, burst: media.admission.burst * 2 });
+  } catch (error) {
+    await pool.end();
+    throw new Error(`demo: cannot start the stand-in media API on 127.0.0.1:${STAND_IN_PORT} (${(error as Error).message}); is something else using the port?`);
+  }
+  api.configure({
+    throttleUntil: Date.now() + 60_000, // rate limited until the workers start (reset below)
+    failNext: MEDIA.failingCalls,
+    rejectIds: new Set(Array.from({ length: MEDIA.rejected }, (_, i) => `asset-${i * 97 + 1}`)),
+  });
+
+  const children: ChildProcess[] = [];
+  const serviceEnv = {
+    ...process.env,
+    DATABASE_URL: demoUrl.toString(),
+    REAPER_AMQP_PREFIX: DEMO_PREFIX,
+    REAPER_POLICIES: DEMO_POLICIES_PATH,
+    LOG_LEVEL: process.env.LOG_LEVEL ?? 'warn',
+  };
+  const startService = (args: string[], workerId: string): void => {
+    children.push(spawn(process.execPath, [BIN, ...args], { env: { ...serviceEnv, REAPER_WORKER_ID: workerId }, stdio: ['ignore', 'inherit', 'inherit'] }));
+  };
+  try {
+    say('3. starting one scheduler; triggering a run of each policy (cutoff = database clock now)');
+    startService(['scheduler'], 'demo-scheduler');
+    const holdsRun = (await runsInsertIfAbsent(pool, { policy: 'seat-holds', trigger: 'manual', scheduledFor: null, cutoff: null }))!;
+    const mediaRun = (await runsInsertIfAbsent(pool, { policy: 'media-assets', trigger: 'manual', scheduledFor: null, cutoff: null }))!;
+    for (const run of [holdsRun, mediaRun]) {
+      const published = await waitFor(pool, run.runId, (r) => r.state !== 'pending' && r.state !== 'scanning', 120_000);
+      say(`   ${run.policy}: ${published.candidates} candidates in ${published.batchesConfirmed} batches, confirmed by the broker`);
+    }
+
+    say(`4. renewing ${HOLDS.renewAfterScan} expired holds AFTER the scan (their batches are already queued)`);
+    const renewedIds = await renewSomeHolds(pool, holdsRun);
+
+    say('5. starting two workers; the media API throttles (429) for the first moments, fails a few calls (503), refuses a few assets (403)');
+    api.configure({ throttleUntil: Date.now() + MEDIA.throttleMs });
+    const remoteStarted = Date.now();
+    startService(['worker'], 'demo-worker-1');
+    startService(['worker'], 'demo-worker-2');
+    const holdsDone = await waitFor(pool, holdsRun.runId, finished, 300_000);
+    let lastProgress = '';
+    const mediaDone = await waitFor(pool, mediaRun.runId, finished, 300_000, (r) => {
+      const progress = `   media-assets: ${r.batchesDone}/${r.batchesConfirmed} batches finished, ${r.deleted} confirmed`;
+      if (progress !== lastProgress) say(progress);
+      lastProgress = progress;
+    });
+    const remoteSeconds = (Date.now() - remoteStarted) / 1000;
+
+    const holdsOk = await summariseHolds(pool, holdsRun, holdsDone, renewedIds);
+    const mediaOk = await summariseMedia(pool, api, media, mediaDone, remoteSeconds);
+    say(`\nseconds in all: ${((Date.now() - started) / 1000).toFixed(1)}`);
+    const ok = holdsOk && mediaOk;
+    say(ok ? 'OK: every expired, unrenewed, unconfirmed hold and every expired asset was deleted, once, and nothing else.' : 'FAILED: see the counts above.');
+    return ok ? 0 : 1;
+  } finally {
+    for (const child of children) child.kill('SIGTERM');
+    await Promise.all(children.map((child) => new Promise((resolve) => (child.exitCode !== null ? resolve(null) : child.once('exit', resolve)))));
+    await api.close();
+    await pool.end();
+  }
+}
+
+const finished = (run: RunSummary): boolean => run.state === 'completed' || run.state === 'failed';
+
+async function seed(pool: pg.Pool): Promise<void> {
   await pool.query(
     `INSERT INTO seat_reservations (reservation_id, status, expires_at, seat, holder)
      SELECT gen_random_uuid(), kind.status, kind.base + (random() * interval '50 minutes'), 'seat-' || i, 'guest-' || i
      FROM (VALUES ('held', now() - interval '1 hour', $1::int), ('held', now() + interval '1 day', $2::int),
                   ('confirmed', now() - interval '1 hour', $3::int)) AS kind(status, base, n),
           LATERAL generate_series(1, kind.n) i`,
-    [SEED.expiredHeld, SEED.futureHeld, SEED.expiredConfirmed],
+    [HOLDS.expiredHeld, HOLDS.futureHeld, HOLDS.expiredConfirmed],
   );
+  await pool.query(
+    `INSERT INTO media_assets (asset_id, status, retention_expires_at, url, metadata)
+     SELECT 'asset-' || i, 'active',
+            CASE WHEN i <= $1::int THEN now() - interval '1 day' + (random() * interval '1 hour') ELSE now() + interval '30 days' END,
+            'https://media.example/originals/' || i || '.jpg', jsonb_build_object('bytes', 1000 + i, 'owner', 'user-' || (i % 50))
+     FROM generate_series(1, $1::int + $2::int) i`,
+    [MEDIA.expiredActive, MEDIA.futureActive],
+  );
+}
 
-  const children: ChildProcess[] = [];
-  const serviceEnv = { ...process.env, DATABASE_URL: demoUrl.toString(), REAPER_AMQP_PREFIX: DEMO_PREFIX, LOG_LEVEL: process.env.LOG_LEVEL ?? 'warn' };
-  const startService = (args: string[], workerId: string): void => {
-    const child = spawn(process.execPath, [BIN, ...args], { env: { ...serviceEnv, REAPER_WORKER_ID: workerId }, stdio: ['ignore', 'inherit', 'inherit'] });
-    children.push(child);
-  };
-  try {
-    say('3. starting one scheduler; triggering a run (cutoff = database clock now)');
-    startService(['scheduler'], 'demo-scheduler');
-    const run = (await runsInsertIfAbsent(pool, { policy: 'seat-holds', trigger: 'manual', scheduledFor: null, cutoff: null }))!;
-    const published = await waitFor(pool, run.runId, (r) => r.state !== 'pending' && r.state !== 'scanning', 120_000);
-    say(`   run ${run.runId}: ${published.candidates} candidates in ${published.batchesConfirmed} batches, confirmed by the broker`);
+async function renewSomeHolds(pool: pg.Pool, run: Run): Promise<string[]> {
+  const renewed = await pool.query<{ reservation_id: string }>(
+    `UPDATE seat_reservations SET expires_at = now() + interval '15 minutes', updated_at = now()
+     WHERE reservation_id IN (SELECT reservation_id FROM seat_reservations WHERE status = 'held' AND expires_at <= $1::timestamptz LIMIT $2)
+     RETURNING reservation_id`,
+    [run.cutoff, HOLDS.renewAfterScan],
+  );
+  return renewed.rows.map((row) => row.reservation_id);
+}
 
-    say(`4. renewing ${SEED.renewAfterScan} expired holds AFTER the scan (their batches are already queued)`);
-    const renewed = await pool.query<{ reservation_id: string }>(
-      `UPDATE seat_reservations SET expires_at = now() + interval '15 minutes', updated_at = now()
-       WHERE reservation_id IN (SELECT reservation_id FROM seat_reservations WHERE status = 'held' AND expires_at <= $1::timestamptz LIMIT $2)
-       RETURNING reservation_id`,
-      [run.cutoff, SEED.renewAfterScan],
-    );
-    const renewedIds = renewed.rows.map((row) => row.reservation_id);
+async function summariseHolds(pool: pg.Pool, run: Run, done: RunSummary, renewedIds: string[]): Promise<boolean> {
+  const counts = (
+    await pool.query<{ expired_held_left: number; renewed_kept: number; confirmed_kept: number; future_kept: number }>(
+      `SELECT count(*) FILTER (WHERE status = 'held' AND expires_at <= $1::timestamptz)::int AS expired_held_left,
+              count(*) FILTER (WHERE reservation_id = ANY($2::uuid[]))::int AS renewed_kept,
+              count(*) FILTER (WHERE status = 'confirmed')::int AS confirmed_kept,
+              count(*) FILTER (WHERE status = 'held' AND expires_at > now() + interval '1 hour')::int AS future_kept
+       FROM seat_reservations`,
+      [run.cutoff, renewedIds],
+    )
+  ).rows[0]!;
+  const expectedDeleted = HOLDS.expiredHeld - renewedIds.length;
+  say('');
+  say('seat-holds (row-delete)');
+  say(`  candidates found by the scan    ${done.candidates}`);
+  say(`  deleted                         ${done.deleted}   (expected ${expectedDeleted})`);
+  say(`  no-ops (changed since the scan) ${done.noop}`);
+  say(`  renewed after the scan, kept    ${counts.renewed_kept} of ${renewedIds.length}`);
+  say(`  confirmed, kept                 ${counts.confirmed_kept} of ${HOLDS.expiredConfirmed}`);
+  say(`  not yet expired, kept           ${counts.future_kept} of ${HOLDS.futureHeld}`);
+  say(`  expired holds left behind       ${counts.expired_held_left}`);
+  return (
+    done.state === 'completed' &&
+    done.deleted === expectedDeleted &&
+    counts.expired_held_left === 0 &&
+    counts.renewed_kept === renewedIds.length &&
+    counts.confirmed_kept === HOLDS.expiredConfirmed &&
+    counts.future_kept === HOLDS.futureHeld
+  );
+}
 
-    say('5. starting two workers; waiting for the queue to drain');
-    startService(['worker'], 'demo-worker-1');
-    startService(['worker'], 'demo-worker-2');
-    const done = await waitFor(pool, run.runId, (r) => r.state === 'completed' || r.state === 'failed', 300_000, (r) =>
-      process.stdout.write(`   ${r.batchesDone}/${r.batchesConfirmed} batches, ${r.deleted} deleted, ${r.noop} no-op\r`),
-    );
-    process.stdout.write('\n');
-
-    const counts = (
-      await pool.query<{ expired_held_left: number; renewed_kept: number; confirmed_kept: number; future_kept: number }>(
-        `SELECT count(*) FILTER (WHERE status = 'held' AND expires_at <= $1::timestamptz)::int AS expired_held_left,
-                count(*) FILTER (WHERE reservation_id = ANY($2::uuid[]))::int AS renewed_kept,
-                count(*) FILTER (WHERE status = 'confirmed')::int AS confirmed_kept,
-                count(*) FILTER (WHERE status = 'held' AND expires_at > now() + interval '1 hour')::int AS future_kept
-         FROM seat_reservations`,
-        [run.cutoff, renewedIds],
-      )
-    ).rows[0]!;
-    const seconds = (Date.now() - started) / 1000;
-    const expectedDeleted = SEED.expiredHeld - renewedIds.length;
-    const correct =
-      done.state === 'completed' &&
-      done.deleted === expectedDeleted &&
-      counts.expired_held_left === 0 &&
-      counts.renewed_kept === renewedIds.length &&
-      counts.confirmed_kept === SEED.expiredConfirmed &&
-      counts.future_kept === SEED.futureHeld;
-
-    say('');
-    say('summary (seat-holds)');
-    say(`  candidates found by the scan    ${done.candidates}`);
-    say(`  deleted                         ${done.deleted}   (expected ${expectedDeleted})`);
-    say(`  no-ops (changed since the scan) ${done.noop}`);
-    say(`  renewed after the scan, kept    ${counts.renewed_kept} of ${renewedIds.length}`);
-    say(`  confirmed, kept                 ${counts.confirmed_kept} of ${SEED.expiredConfirmed}`);
-    say(`  not yet expired, kept           ${counts.future_kept} of ${SEED.futureHeld}`);
-    say(`  expired holds left behind       ${counts.expired_held_left}`);
-    say(`  seconds                         ${seconds.toFixed(1)}`);
-    say(correct ? 'OK: every expired, unrenewed, unconfirmed hold was deleted, and no other.' : 'FAILED: see the counts above.');
-    return correct ? 0 : 1;
-  } finally {
-    for (const child of children) child.kill('SIGTERM');
-    await Promise.all(children.map((child) => new Promise((resolve) => (child.exitCode !== null ? resolve(null) : child.once('exit', resolve)))));
-    await pool.end();
-  }
+async function summariseMedia(pool: pg.Pool, api: MediaApi, policy: RemoteDeletePolicy, done: RunSummary, seconds: number): Promise<boolean> {
+  const ledger = (
+    await pool.query<{ confirmed: number; rejected: number; gave_up: number; retried: number; payload_left: number; still_active_expired: number; future_active: number }>(
+      `SELECT (SELECT count(*) FROM cleanup_ledger WHERE outcome = 'confirmed')::int AS confirmed,
+              (SELECT count(*) FROM cleanup_ledger WHERE outcome = 'rejected')::int AS rejected,
+              (SELECT count(*) FROM cleanup_ledger WHERE outcome = 'gave-up')::int AS gave_up,
+              (SELECT count(*) FROM cleanup_ledger WHERE attempt_count > 1)::int AS retried,
+              (SELECT count(*) FROM cleanup_ledger WHERE outcome = 'confirmed' AND payload IS NOT NULL)::int AS payload_left,
+              (SELECT count(*) FROM media_assets WHERE status = 'active' AND retention_expires_at <= now())::int AS still_active_expired,
+              (SELECT count(*) FROM media_assets WHERE status = 'active' AND retention_expires_at > now())::int AS future_active`,
+    )
+  ).rows[0]!;
+  const rateLimited = api.calls.filter((call) => call.status === 429).length;
+  const duplicates = [...api.executionsByKey().values()].filter((n) => n > 1).length;
+  const executed = api.calls.filter((call) => call.executed).length;
+  const { ratePerSecond, burst, concurrency } = policy.admission;
+  const maxWindow = api.maxCallsInWindow(1000);
+  say('');
+  say(`media-assets (remote-delete; limit ${ratePerSecond}/s, burst ${burst}, ${concurrency} at once, across all workers)`);
+  say(`  confirmed deleted               ${ledger.confirmed}   (expected ${MEDIA.expiredActive - MEDIA.rejected})`);
+  say(`  rejected by the API, kept       ${ledger.rejected}   (expected ${MEDIA.rejected}; left for review with their payload)`);
+  say(`  gave up                         ${ledger.gave_up}`);
+  say(`  rate limited calls (429)        ${rateLimited}`);
+  say(`  operations retried              ${ledger.retried}`);
+  say(`  calls in all / executed         ${api.calls.length} / ${executed}; keys executed twice: ${duplicates}`);
+  say(`  calls per second                ${(executed / seconds).toFixed(1)} over ${seconds.toFixed(1)} s; most in any second ${maxWindow} (limit + burst ${ratePerSecond + burst})`);
+  say(`  most calls at once              ${api.maxConcurrent()} (cap ${concurrency})`);
+  say(`  retained assets, kept           ${ledger.future_active} of ${MEDIA.futureActive}`);
+  return (
+    done.state === 'completed' &&
+    ledger.confirmed === MEDIA.expiredActive - MEDIA.rejected &&
+    ledger.rejected === MEDIA.rejected &&
+    ledger.gave_up === 0 &&
+    ledger.payload_left === 0 &&
+    ledger.still_active_expired === MEDIA.rejected &&
+    ledger.future_active === MEDIA.futureActive &&
+    duplicates === 0 &&
+    api.maxConcurrent() <= concurrency
+  );
 }
 
 async function waitFor(

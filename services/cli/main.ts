@@ -1,7 +1,12 @@
 import { Command, CommanderError, Option } from 'commander';
 import { loadEnv, type Env } from '../../shared/config/env';
 import { ConfigError } from '../../shared/config/errors';
-import { loadPolicies, requirePolicy, type PolicySet } from '../../shared/config/policies';
+import amqp from 'amqplib';
+import { loadPolicies, requirePolicy, type PolicySet, type RemoteDeletePolicy } from '../../shared/config/policies';
+import { brokerNames, makeTopology } from '../../shared/amqp/topology';
+import { admissionList, admissionSetPaused } from '../../shared/db/queries/admission';
+import { ledgerCountsByPolicy } from '../../shared/db/queries/ledger';
+import { deadLettersList, deadLettersPurge, deadLettersRequeue } from './dead-letters';
 import { migrate } from '../../shared/db/migrate';
 import { makePool, type Pool } from '../../shared/db/pool';
 import { runsGetSummary, runsInsertIfAbsent, runsListSummaries, type RunSummary } from '../../shared/db/queries/runs';
@@ -90,6 +95,86 @@ async function waitForRun(pool: Pool, runId: string, timeoutMs: number, quiet: b
     if (Date.now() > deadline) throw new Error(`run ${runId} not finished after ${timeoutMs} ms (${progress})`);
     await new Promise((resolve) => setTimeout(resolve, 250));
   }
+}
+
+function parseLimit(value: string): number {
+  const limit = Number(value);
+  if (!Number.isInteger(limit) || limit < 1 || limit > 100_000) throw new UsageError(`--limit: must be an integer from 1 to 100000 (got "${value}")`);
+  return limit;
+}
+
+async function setPaused(policyName: string | undefined, paused: boolean, json: boolean): Promise<void> {
+  const { env, policies } = context();
+  const remote = [...policies.values()].filter((policy): policy is RemoteDeletePolicy => policy.kind === 'remote-delete');
+  let chosen = remote;
+  if (policyName !== undefined) {
+    const policy = requirePolicy(policies, policyName);
+    if (policy.kind !== 'remote-delete') throw new UsageError(`policy "${policyName}" is ${policy.kind}; pause applies to remote-delete policies`);
+    chosen = [policy];
+  }
+  await withPool(env, async (pool) => {
+    const names = chosen.map((policy) => policy.name);
+    const changed = await admissionSetPaused(pool, names, paused, new Map(chosen.map((policy) => [policy.name, policy.admission.burst])));
+    printResult(json, { paused, policies: names, changed }, () =>
+      `${paused ? 'paused' : 'resumed'}: ${names.join(', ') || '(no remote-delete policy)'}${changed.length < names.length ? ` (already ${paused ? 'paused' : 'running'}: ${names.filter((n) => !changed.includes(n)).join(', ')})` : ''}`,
+    );
+  });
+}
+
+async function collectStatus(env: Env, policies: PolicySet) {
+  return withPool(env, async (pool) => {
+    const ledger = new Map((await ledgerCountsByPolicy(pool)).map((row) => [row.policy, row]));
+    const admission = new Map((await admissionList(pool)).map((row) => [row.policy, row]));
+    const recent = await runsListSummaries(pool, { limit: 500 });
+    const depths = await queueDepths(env, [...policies.keys()]);
+    return {
+      policies: [...policies.values()].map((policy) => {
+        const last = recent.find((run) => run.policy === policy.name);
+        const counts = ledger.get(policy.name);
+        return {
+          policy: policy.name,
+          kind: policy.kind,
+          paused: admission.get(policy.name)?.paused ?? false,
+          lastRun: last?.createdAt ?? null,
+          lastRunState: last?.state ?? null,
+          queued: depths.work.get(policy.name) ?? null,
+          pending: counts?.pending ?? 0,
+          inFlight: counts?.inFlight ?? 0,
+          confirmed: counts?.confirmed ?? 0,
+          rejected: counts?.rejected ?? 0,
+          gaveUp: counts?.gaveUp ?? 0,
+        };
+      }),
+      deadLetters: depths.deadLetters,
+    };
+  });
+}
+
+/** Message counts of the work queues and the dead-letter queue; null where the broker does not answer. */
+async function queueDepths(env: Env, policyNames: string[]): Promise<{ work: Map<string, number>; deadLetters: number | null }> {
+  const names = brokerNames(env.amqpPrefix);
+  const work = new Map<string, number>();
+  let deadLetters: number | null = null;
+  try {
+    const connection = await amqp.connect(env.amqpUrl, { timeout: 5000 });
+    try {
+      for (const policy of policyNames) {
+        const channel = await connection.createChannel();
+        channel.on('error', () => undefined); // a missing queue closes the channel; reported as null
+        const found = await channel.checkQueue(names.workQueue(policy)).catch(() => null);
+        if (found) work.set(policy, found.messageCount);
+        await channel.close().catch(() => undefined);
+      }
+      const channel = await connection.createChannel();
+      channel.on('error', () => undefined);
+      deadLetters = (await channel.checkQueue(names.deadLetterQueue).catch(() => null))?.messageCount ?? null;
+    } finally {
+      await connection.close();
+    }
+  } catch {
+    // Broker unreachable: the status still shows what the database knows.
+  }
+  return { work, deadLetters };
 }
 
 export function makeProgram(): Command {
@@ -195,6 +280,84 @@ export function makeProgram(): Command {
         if (!run) throw new UsageError(`no run ${runId}`);
         printResult(!!options.json, run, () => describeRun(run));
       });
+    });
+
+  program
+    .command('pause [policy]')
+    .description('stop remote calls for a remote-delete policy (all when omitted); no ledger row is touched')
+    .addOption(json())
+    .action((policy: string | undefined, options: { json?: boolean }) => setPaused(policy, true, !!options.json));
+
+  program
+    .command('resume [policy]')
+    .description('resume remote calls; the backlog drains from where it stopped')
+    .addOption(json())
+    .action((policy: string | undefined, options: { json?: boolean }) => setPaused(policy, false, !!options.json));
+
+  program
+    .command('status')
+    .description('per policy: last run, queue depths, ledger states, admission')
+    .addOption(json())
+    .action(async (options: { json?: boolean }) => {
+      const { env, policies } = context();
+      const status = await collectStatus(env, policies);
+      printResult(!!options.json, status, () =>
+        [
+          table(status.policies, ['policy', 'kind', 'paused', 'lastRun', 'lastRunState', 'queued', 'pending', 'inFlight', 'confirmed', 'rejected', 'gaveUp']),
+          `dead-letter queue: ${status.deadLetters ?? 'unknown'} message(s)`,
+        ].join('\n'),
+      );
+    });
+
+  program
+    .command('topology')
+    .description('print the broker topology (exchanges, queues, bindings) the services assert')
+    .addOption(json())
+    .action((options: { json?: boolean }) => {
+      const { env, policies } = context();
+      const topology = makeTopology({ prefix: env.amqpPrefix, policies: [...policies.keys()], deliveryLimit: env.deliveryLimit });
+      printResult(!!options.json, topology, () =>
+        [
+          ...topology.exchanges.map((e) => `exchange ${e.name} (${e.type})`),
+          ...topology.queues.map((q) => `queue    ${q.name} ${JSON.stringify(q.options.arguments ?? {})}`),
+          ...topology.bindings.map((b) => `binding  ${b.exchange} -> ${b.queue}${b.routingKey ? ` key ${b.routingKey}` : ''}${b.args ? ` ${JSON.stringify(b.args)}` : ''}`),
+        ].join('\n'),
+      );
+    });
+
+  const dlq = program.command('dlq').description('inspect and handle the dead-letter queue');
+  const limitOption = () => new Option('--limit <n>', 'at most this many messages').default('100');
+  dlq
+    .command('list')
+    .description('show dead-lettered messages with their reasons (they stay in the queue)')
+    .addOption(limitOption())
+    .addOption(json())
+    .action(async (options: { limit: string; json?: boolean }) => {
+      const env = loadEnv();
+      const messages = await deadLettersList(env.amqpUrl, env.amqpPrefix, parseLimit(options.limit));
+      printResult(!!options.json, messages, () => table(messages.map((m) => ({ ...m, detail: m.detail.slice(0, 80) })), ['messageId', 'policy', 'reason', 'bytes', 'detail']));
+    });
+  dlq
+    .command('requeue')
+    .description('publish dead-lettered messages back to their work queue (after you fixed the cause)')
+    .addOption(limitOption())
+    .option('--reason <reason>', 'only messages dead-lettered for this reason')
+    .addOption(json())
+    .action(async (options: { limit: string; reason?: string; json?: boolean }) => {
+      const env = loadEnv();
+      const result = await deadLettersRequeue(env.amqpUrl, env.amqpPrefix, { limit: parseLimit(options.limit), reason: options.reason });
+      printResult(!!options.json, result, () => `requeued ${result.requeued}, left ${result.skipped} in the dead-letter queue`);
+    });
+  dlq
+    .command('purge')
+    .description('delete every message in the dead-letter queue')
+    .option('--yes', 'confirm: the messages are gone for good')
+    .addOption(json())
+    .action(async (options: { yes?: boolean; json?: boolean }) => {
+      if (!options.yes) throw new UsageError('purge deletes every dead-lettered message for good; add --yes to confirm');
+      const env = loadEnv();
+      const purged = await deadLettersPurge(env.amqpUrl, env.amqpPrefix);
+      printResult(!!options.json, { purged }, () => `purged ${purged} message(s)`);
     });
 
   program

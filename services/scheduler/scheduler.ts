@@ -5,7 +5,7 @@ import type { Policy, PolicySet } from '../../shared/config/policies';
 import { ReconnectingConnection } from '../../shared/amqp/connection';
 import { ConfirmingPublisher } from '../../shared/amqp/publisher';
 import { brokerNames, makeTopology } from '../../shared/amqp/topology';
-import { makePool, type Pool } from '../../shared/db/pool';
+import { makePool } from '../../shared/db/pool';
 import { targetResolve, type ResolvedTarget } from '../../shared/db/queries/expiring-rows';
 import {
   runsClaimNext,
@@ -14,10 +14,11 @@ import {
   runsLatestScheduledTick,
   runsReleaseLease,
 } from '../../shared/db/queries/runs';
-import { startHealthServer, type RouteHandler } from '../../shared/observability/http';
+import { startHealthServer } from '../../shared/observability/http';
 import { makeMetrics, type Metrics } from '../../shared/observability/metrics';
 import { executeRun } from './run-executor';
 import { CRON_TIMEZONE, latestMissedTick, truncateToSecond } from './ticks';
+import { makeWebhookRoutes, WEBHOOK_MAX_BODY_BYTES } from './webhooks';
 
 /** How long a run belongs to one scheduler without progress before another replica takes it over. */
 const RUN_LEASE_MS = 30_000;
@@ -30,24 +31,12 @@ export interface SchedulerHandle {
   stop(): Promise<void>;
 }
 
-export interface SchedulerDeps {
-  pool: Pool;
-  policies: PolicySet;
-  targets: ReadonlyMap<string, ResolvedTarget>;
-  metrics: Metrics;
-  log: Logger;
-  owner: string;
-}
-
-/** Extra HTTP routes (webhooks) other modules hang on the scheduler's server. */
-export type SchedulerRoutes = (deps: SchedulerDeps) => Record<string, RouteHandler>;
-
 /**
  * The scheduler: cron ticks, one catch-up run at start, and a single loop that claims runs (new,
  * manual, replayed or abandoned by a crashed replica) and executes them one at a time. Ticks only
  * PROPOSE a run: the unique (policy, scheduled_for) row decides which replica's proposal wins.
  */
-export async function startScheduler(env: Env, policies: PolicySet, log: Logger, extraRoutes?: SchedulerRoutes): Promise<SchedulerHandle> {
+export async function startScheduler(env: Env, policies: PolicySet, log: Logger): Promise<SchedulerHandle> {
   const metrics = makeMetrics();
   const pool = makePool(env.databaseUrl, env.dbPoolSize, 'reaper-scheduler');
   const names = brokerNames(env.amqpPrefix);
@@ -147,7 +136,8 @@ export async function startScheduler(env: Env, policies: PolicySet, log: Logger,
           registry: metrics.registry,
           log,
           ready: () => connection.connected && !stopping,
-          postRoutes: extraRoutes?.({ pool, policies, targets, metrics, log, owner: env.workerId }),
+          postRoutes: makeWebhookRoutes({ secret: env.webhookSecret, pool, policies, targets, log, onRunProposed: () => void drainRuns() }),
+          maxBodyBytes: WEBHOOK_MAX_BODY_BYTES,
         });
 
   return {

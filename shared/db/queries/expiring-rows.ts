@@ -136,3 +136,23 @@ export async function expiringRowsDeleteIfStillExpired(
   const row = result.rows[0]!;
   return { receiptWritten: row.receipt_written, deleted: row.deleted };
 }
+
+/**
+ * One row by key if it is expired now (database clock) and its guard holds, with that "now".
+ * An id that cannot be a key of this type raises a 22xxx error for the caller to report.
+ */
+export async function expiringRowGetIfExpired(
+  db: Db,
+  target: ResolvedTarget,
+  id: string,
+): Promise<(ExpiringItem & { now: string }) | null> {
+  const { table, key, expiresAt, keyType } = target;
+  const result = await db.query<{ id: string; observed_expiry: string; now: string }>(
+    `SELECT t.${key}::text AS id, reaper_iso(t.${expiresAt}) AS observed_expiry, reaper_iso(statement_timestamp()) AS now
+     FROM ${table} t
+     WHERE t.${key} = $1::${keyType} AND t.${expiresAt} <= statement_timestamp()${guardSql(target, 2)}`,
+    [id, ...target.guardValues],
+  );
+  const row = result.rows[0];
+  return row ? { id: row.id, observedExpiry: row.observed_expiry, now: row.now } : null;
+}

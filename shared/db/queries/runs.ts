@@ -88,6 +88,22 @@ export async function runsInsertIfAbsent(
 }
 
 /**
+ * A manual run for `policy` unless one is already waiting to start (pending): many webhooks in a
+ * burst propose one run, not one each. Returns null when one was waiting.
+ */
+export async function runsInsertManualUnlessOneWaits(db: Db, policy: string): Promise<Run | null> {
+  const result = await db.query<RunRow>(
+    `INSERT INTO cleanup_runs (run_id, policy, trigger, scheduled_for, cutoff)
+     SELECT $1, $2, 'manual', clock_timestamp(), statement_timestamp()
+     WHERE NOT EXISTS (SELECT 1 FROM cleanup_runs WHERE policy = $2 AND state = 'pending')
+     ON CONFLICT (policy, scheduled_for) DO NOTHING
+     RETURNING ${RUN_COLUMNS}`,
+    [randomUUID(), policy],
+  );
+  return result.rows[0] ? toRun(result.rows[0]) : null;
+}
+
+/**
  * Claims the oldest run that is waiting (pending) or was abandoned mid-scan (its owner's lease
  * expired), for `owner`, with a fresh lease. SKIP LOCKED keeps replicas from blocking each other.
  */

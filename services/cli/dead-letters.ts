@@ -1,0 +1,113 @@
+import amqp from 'amqplib';
+import type { GetMessage } from 'amqplib';
+import { brokerNames } from '../../shared/amqp/topology';
+import type { DeadLetterReason } from '../../shared/contracts/batch';
+
+/**
+ * `reaper dlq list|requeue|purge`. Messages are read with basic.get; whatever a command does not
+ * take is returned to the queue unchanged (nack with requeue), so listing never loses anything.
+ */
+
+export interface DeadLetterView {
+  messageId: string | null;
+  reason: DeadLetterReason | string;
+  detail: string;
+  policy: string | null;
+  bytes: number;
+  deadLetteredBy: 'worker' | 'broker';
+}
+
+/** The broker's own dead-lettering (delivery limit) leaves x-first-death-reason instead of our header. */
+function describe(message: GetMessage): DeadLetterView {
+  const headers = (message.properties.headers ?? {}) as Record<string, unknown>;
+  const ours = typeof headers['x-reaper-reason'] === 'string';
+  const brokerReason = String(headers['x-first-death-reason'] ?? 'unknown');
+  return {
+    messageId: (message.properties.messageId as string | undefined) ?? null,
+    reason: ours ? String(headers['x-reaper-reason']) : brokerReason === 'delivery_limit' ? 'delivery-limit' : brokerReason,
+    detail: ours ? String(headers['x-reaper-detail'] ?? '') : `dead-lettered by the broker (${brokerReason})`,
+    policy: (headers['x-reaper-original-routing-key'] as string | undefined) ?? originalRoutingKey(headers),
+    bytes: message.content.length,
+    deadLetteredBy: ours ? 'worker' : 'broker',
+  };
+}
+
+function originalRoutingKey(headers: Record<string, unknown>): string | null {
+  const deaths = headers['x-death'];
+  if (Array.isArray(deaths) && deaths.length > 0) {
+    const keys = (deaths[deaths.length - 1] as { 'routing-keys'?: unknown })['routing-keys'];
+    if (Array.isArray(keys) && typeof keys[0] === 'string') return keys[0];
+  }
+  return null;
+}
+
+async function withDeadLetters<T>(
+  amqpUrl: string,
+  prefix: string,
+  work: (tools: { queue: string; take: (limit: number) => Promise<GetMessage[]>; channel: amqp.ConfirmChannel }) => Promise<T>,
+): Promise<T> {
+  const connection = await amqp.connect(amqpUrl, { noDelay: true });
+  try {
+    const channel = await connection.createConfirmChannel();
+    const queue = brokerNames(prefix).deadLetterQueue;
+    await channel.checkQueue(queue).catch(() => {
+      throw new Error(`dead-letter queue ${queue} does not exist (has a reaper service with REAPER_AMQP_PREFIX=${prefix} ever started?)`);
+    });
+    const take = async (limit: number): Promise<GetMessage[]> => {
+      const taken: GetMessage[] = [];
+      while (taken.length < limit) {
+        const message = await channel.get(queue, { noAck: false });
+        if (message === false) break;
+        taken.push(message);
+      }
+      return taken;
+    };
+    return await work({ queue, take, channel });
+  } finally {
+    // Closing returns every message not acked to the queue, in order.
+    await connection.close();
+  }
+}
+
+export function deadLettersList(amqpUrl: string, prefix: string, limit: number): Promise<DeadLetterView[]> {
+  return withDeadLetters(amqpUrl, prefix, async ({ take }) => (await take(limit)).map(describe));
+}
+
+/**
+ * Publishes dead letters back to the work exchange under their policy's routing key (confirmed),
+ * then acks each. Only messages with `reason` when given. Returns what was requeued and skipped.
+ */
+export function deadLettersRequeue(
+  amqpUrl: string,
+  prefix: string,
+  options: { limit: number; reason?: string | undefined },
+): Promise<{ requeued: number; skipped: number }> {
+  return withDeadLetters(amqpUrl, prefix, async ({ take, channel }) => {
+    const names = brokerNames(prefix);
+    let requeued = 0;
+    let skipped = 0;
+    for (const message of await take(options.limit)) {
+      const view = describe(message);
+      if ((options.reason && view.reason !== options.reason) || !view.policy) {
+        skipped += 1;
+        continue; // stays unacked: back in the queue when the connection closes
+      }
+      const { 'x-reaper-reason': _r, 'x-reaper-detail': _d, 'x-death': _x, 'x-delivery-count': _c, ...headers } = (message.properties.headers ?? {}) as Record<string, unknown>;
+      channel.publish(names.workExchange, view.policy, message.content, {
+        persistent: true,
+        mandatory: true,
+        contentType: message.properties.contentType as string | undefined,
+        messageId: message.properties.messageId as string | undefined,
+        headers,
+      });
+      await channel.waitForConfirms();
+      channel.ack(message);
+      requeued += 1;
+    }
+    return { requeued, skipped };
+  });
+}
+
+export function deadLettersPurge(amqpUrl: string, prefix: string): Promise<number> {
+  return withDeadLetters(amqpUrl, prefix, async ({ channel, queue }) => (await channel.purgeQueue(queue)).messageCount);
+}
