@@ -100,13 +100,27 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
     }
   }
 
-  connection.onReady(async (model: ChannelModel) => {
+  async function openConsumer(model: ChannelModel): Promise<void> {
     const opened = await model.createChannel();
-    opened.on('error', () => undefined); // 'close' follows; the connection reconnects if needed
+    opened.on('error', (error: Error) => log.warn({ err: error.message }, 'consume channel error'));
+    opened.on('close', () => {
+      if (channel !== opened) return;
+      channel = null;
+      // A channel can die alone (a queue deleted under it, a broker-side error) while the
+      // connection lives on; its ready hook would then never run again, so reopen here.
+      if (!stopping && connection.connected) {
+        setTimeout(() => {
+          if (!stopping && channel === null && connection.connected) {
+            openConsumer(model).catch((error: Error) => log.warn({ err: error.message }, 'reopening the consume channel failed; reconnect will'));
+          }
+        }, 1_000);
+      }
+    });
     await opened.prefetch(env.prefetch);
     channel = opened;
     if (!stopping && !databasePaused) await consumeAll(opened);
-  });
+  }
+  connection.onReady(openConsumer);
 
   function failpoint(name: NonNullable<Env['failpoint']>): void {
     if (env.failpoint === name) {

@@ -22,6 +22,7 @@ export class ConfirmingPublisher {
   private readonly returned = new Set<string>();
   private readonly pending = new Set<(error: Error) => void>();
   private sequence = 0;
+  private opening: Promise<void> | null = null;
 
   constructor(
     private readonly connection: ReconnectingConnection,
@@ -47,18 +48,31 @@ export class ConfirmingPublisher {
     return this.channel !== null;
   }
 
-  async publish(exchange: string, routingKey: string, content: Buffer, options: Options.Publish): Promise<void> {
-    let channel = this.channel;
-    if (!channel) {
-      await this.connection.waitReady(this.confirmTimeoutMs).catch((error: Error) => {
-        throw new PublishError(error.message);
+  /**
+   * The open confirm channel, reopened on demand: a channel error (e.g. publishing to an exchange
+   * an operator deleted) closes only the channel, and the connection's ready hook will not run again.
+   */
+  private async currentChannel(): Promise<ConfirmChannel> {
+    if (this.channel) return this.channel;
+    const model = await this.connection.waitReady(this.confirmTimeoutMs).catch((error: Error) => {
+      throw new PublishError(error.message);
+    });
+    if (!this.channel) {
+      this.opening ??= this.open(model).finally(() => {
+        this.opening = null;
       });
-      channel = this.channel;
-      if (!channel) throw new PublishError('no confirm channel');
+      await this.opening.catch((error: Error) => {
+        throw new PublishError(`cannot open a confirm channel: ${error.message}`);
+      });
     }
+    if (!this.channel) throw new PublishError('no confirm channel');
+    return this.channel;
+  }
+
+  async publish(exchange: string, routingKey: string, content: Buffer, options: Options.Publish): Promise<void> {
+    const channel = await this.currentChannel();
     // Each publish gets its own message id for return correlation unless the caller set one.
     const messageId = options.messageId ?? `reaper-publish-${process.pid}-${++this.sequence}`;
-    const publishChannel = channel;
     await new Promise<void>((resolve, reject) => {
       let settled = false;
       const finish = (error: Error | null): void => {
@@ -73,7 +87,7 @@ export class ConfirmingPublisher {
       const timer = setTimeout(() => finish(new PublishError(`no confirm within ${this.confirmTimeoutMs} ms`)), this.confirmTimeoutMs);
       this.pending.add(fail);
       try {
-        publishChannel.publish(exchange, routingKey, content, { ...options, messageId, mandatory: true, persistent: true }, (error) => {
+        channel.publish(exchange, routingKey, content, { ...options, messageId, mandatory: true, persistent: true }, (error) => {
           if (error) return finish(new PublishError(`broker nacked the message (${String(error)})`));
           if (this.returned.delete(messageId)) {
             return finish(new PublishError(`unroutable: no queue bound to ${exchange || '(default)'} with key ${routingKey}`));
