@@ -57,7 +57,7 @@ export async function admitAndClaim(
       }
     }
     const claimed = await ledgerClaimDue(client, { keys: request.keys, owner: request.owner, leaseMs: policy.leaseMs, limit: allowance });
-    if (claimed.length > 0) await admissionStoreTokens(client, policy.name, state.tokens - claimed.length);
+    if (claimed.length > 0) await admissionStoreTokens(client, policy.name, { tokens: state.tokens - claimed.length, refilledAt: state.refilledAt });
     // A wait of a token or a free slot is short: the batch waits in a delay tier and the operations
     // stay due. A pause or a 429 block can be long: the operations themselves record when to retry.
     const deferred = waitMs >= DEFER_IN_LEDGER_FROM_MS ? await ledgerDeferPending(client, request.keys, waitMs) : 0;

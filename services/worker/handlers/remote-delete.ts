@@ -1,4 +1,4 @@
-import { admitAndClaim, blockAdmission } from '../../../shared/admission/controller';
+import { admitAndClaim, blockAdmission, type AdmissionGrant } from '../../../shared/admission/controller';
 import type { RemoteDeletePolicy } from '../../../shared/config/policies';
 import { withTransaction } from '../../../shared/db/pool';
 import { batchesRecordReceipt } from '../../../shared/db/queries/batches';
@@ -17,6 +17,8 @@ import type { BatchHandler, HandlerContext } from './types';
 
 /** Upper bound of the random extra wait added to a Retry-After (bounded jitter, never negative). */
 export const RETRY_AFTER_JITTER_MS = 500;
+/** Longest a worker keeps one batch in the admit-call loop before handing it to a delay tier. */
+export const HOLD_BATCH_MAX_MS = 5_000;
 /** Retry-After assumed when a 429 carries none. */
 export const DEFAULT_RETRY_AFTER_MS = 1_000;
 
@@ -51,8 +53,18 @@ export function makeRemoteDeleteHandler(policy: RemoteDeletePolicy, target: Reso
       const superseded = await ledgerSupersedeChanged(client, target, candidates.known);
       return { ...candidates, superseded };
     });
-    const grant = await admitAndClaim(context.pool, policy, { keys: recorded.known, owner: context.workerId });
-    const results = await Promise.all(grant.claimed.map((operation) => callAndRecord(policy, target, remote, operation, context)));
+    // Admit, call, record, and ask again while admission keeps granting: a batch keeps the tokens
+    // flowing instead of waiting a delay tier per grant. It stops at the first empty grant (no
+    // token, no slot, paused, blocked, nothing due) or after HOLD_BATCH_MAX_MS, never sleeping.
+    const results: CallResult[] = [];
+    const holdUntil = Date.now() + HOLD_BATCH_MAX_MS;
+    let grant: AdmissionGrant;
+    let admitted = 0;
+    do {
+      grant = await admitAndClaim(context.pool, policy, { keys: recorded.known, owner: context.workerId });
+      admitted += grant.claimed.length;
+      results.push(...(await Promise.all(grant.claimed.map((operation) => callAndRecord(policy, target, remote, operation, context)))));
+    } while (grant.claimed.length > 0 && Date.now() < holdUntil);
     const tally = countResults(results);
     for (const [result, count] of Object.entries(tally)) context.metrics.operationsTotal.inc({ policy: policy.name, result }, count);
 
@@ -62,7 +74,7 @@ export function makeRemoteDeleteHandler(policy: RemoteDeletePolicy, target: Reso
       recorded: recorded.inserted,
       superseded: recorded.superseded,
       notEligible: batch.items.length - recorded.known.length,
-      admitted: grant.claimed.length,
+      admitted,
       deferred: grant.deferred,
     };
     if (remaining.open > 0) {

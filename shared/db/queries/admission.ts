@@ -8,6 +8,8 @@ import type { Db } from '../pool';
 export interface AdmissionState {
   /** Whole and fractional tokens available now (after refill). */
   tokens: number;
+  /** The database instant the refill was computed for; stored back as refilled_at. */
+  refilledAt: string;
   paused: boolean;
   /** Milliseconds until a remote 429 block ends; 0 when not blocked. */
   blockedForMs: number;
@@ -19,25 +21,28 @@ export async function admissionLockAndRefill(db: Db, policy: string, rate: { rat
     `INSERT INTO cleanup_admission (policy, tokens, refilled_at) VALUES ($1, $2, clock_timestamp()) ON CONFLICT (policy) DO NOTHING`,
     [policy, rate.burst],
   );
-  const result = await db.query<{ tokens: number; paused: boolean; blocked_for_ms: number }>(
-    `SELECT least($2::float8, tokens + greatest(0, extract(epoch FROM clock_timestamp() - refilled_at)) * $3::float8) AS tokens,
-            paused,
-            greatest(0, coalesce(extract(epoch FROM blocked_until - clock_timestamp()) * 1000, 0))::float8 AS blocked_for_ms
-     FROM cleanup_admission WHERE policy = $1 FOR UPDATE`,
+  const result = await db.query<{ tokens: number; refilled_at: string; paused: boolean; blocked_for_ms: number }>(
+    `SELECT least($2::float8, a.tokens + greatest(0, extract(epoch FROM n.at - a.refilled_at)) * $3::float8) AS tokens,
+            reaper_iso(n.at) AS refilled_at,
+            a.paused,
+            greatest(0, coalesce(extract(epoch FROM a.blocked_until - n.at) * 1000, 0))::float8 AS blocked_for_ms
+     FROM cleanup_admission a, (SELECT clock_timestamp() AS at) n
+     WHERE a.policy = $1 FOR UPDATE OF a`,
     [policy, rate.burst, rate.ratePerSecond],
   );
   const row = result.rows[0]!;
-  return { tokens: row.tokens, paused: row.paused, blockedForMs: row.blocked_for_ms };
+  return { tokens: row.tokens, refilledAt: row.refilled_at, paused: row.paused, blockedForMs: row.blocked_for_ms };
 }
 
 /**
- * Stores the bucket after a grant. refilled_at moves to "now", which is a little later than the
- * instant the refill was computed: the error only ever loses tokens, never invents them.
+ * Stores the bucket after a grant, as of the instant its refill was computed (the row is still
+ * locked, so nobody refilled in between): neither losing nor inventing tokens.
  */
-export async function admissionStoreTokens(db: Db, policy: string, tokens: number): Promise<void> {
-  await db.query(`UPDATE cleanup_admission SET tokens = $2, refilled_at = clock_timestamp(), updated_at = clock_timestamp() WHERE policy = $1`, [
+export async function admissionStoreTokens(db: Db, policy: string, bucket: { tokens: number; refilledAt: string }): Promise<void> {
+  await db.query(`UPDATE cleanup_admission SET tokens = $2, refilled_at = $3::timestamptz, updated_at = clock_timestamp() WHERE policy = $1`, [
     policy,
-    tokens,
+    bucket.tokens,
+    bucket.refilledAt,
   ]);
 }
 
