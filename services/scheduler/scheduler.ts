@@ -5,10 +5,12 @@ import type { Policy, PolicySet } from '../../shared/config/policies';
 import { ReconnectingConnection } from '../../shared/amqp/connection';
 import { ConfirmingPublisher } from '../../shared/amqp/publisher';
 import { brokerNames, makeTopology } from '../../shared/amqp/topology';
+import { assertSchemaCurrent } from '../../shared/db/migrate';
 import { makePool } from '../../shared/db/pool';
 import { targetResolve, type ResolvedTarget } from '../../shared/db/queries/expiring-rows';
 import {
   runsClaimNext,
+  runsCompleteFinished,
   runsDatabaseNow,
   runsInsertIfAbsent,
   runsLatestScheduledTick,
@@ -24,6 +26,8 @@ import { makeWebhookRoutes, WEBHOOK_MAX_BODY_BYTES } from './webhooks';
 const RUN_LEASE_MS = 30_000;
 /** How often a scheduler looks for runs made elsewhere (CLI, webhooks, crashed replicas). */
 const CLAIM_POLL_MS = 1_000;
+/** How often published runs are checked for completion (every confirmed batch has a receipt). */
+const COMPLETION_POLL_MS = 250;
 
 export interface SchedulerHandle {
   metrics: Metrics;
@@ -42,6 +46,12 @@ export async function startScheduler(env: Env, policies: PolicySet, log: Logger)
   const names = brokerNames(env.amqpPrefix);
   const policyNames = [...policies.keys()];
   const targets = new Map<string, ResolvedTarget>();
+  try {
+    await assertSchemaCurrent(pool);
+  } catch (error) {
+    await pool.end();
+    throw error;
+  }
   for (const policy of policies.values()) {
     try {
       targets.set(policy.name, await targetResolve(pool, policy));
@@ -110,7 +120,14 @@ export async function startScheduler(env: Env, policies: PolicySet, log: Logger)
     void drainRuns();
   }
 
-  // One catch-up run per policy for ticks missed while no scheduler was running.
+  const tasks: ScheduledTask[] = [...policies.values()].map((policy) =>
+    scheduleCron(policy.schedule, (context) => proposeRun(policy, 'cron', truncateToSecond(context.date)), {
+      timezone: CRON_TIMEZONE,
+      name: `reaper-${policy.name}`,
+    }),
+  );
+  // One catch-up run per policy for ticks missed while no scheduler was running. Read the clock
+  // after the cron tasks started: a tick in between is then made by cron, or by both (one wins).
   const now = await runsDatabaseNow(pool);
   for (const policy of policies.values()) {
     const latest = await runsLatestScheduledTick(pool, policy.name);
@@ -119,13 +136,20 @@ export async function startScheduler(env: Env, policies: PolicySet, log: Logger)
     if (missed) await proposeRun(policy, 'catch-up', missed);
   }
 
-  const tasks: ScheduledTask[] = [...policies.values()].map((policy) =>
-    scheduleCron(policy.schedule, (context) => proposeRun(policy, 'cron', truncateToSecond(context.date)), {
-      timezone: CRON_TIMEZONE,
-      name: `reaper-${policy.name}`,
-    }),
-  );
   const poller = setInterval(() => void drainRuns(), CLAIM_POLL_MS);
+  let completing = false;
+  const completer = setInterval(() => {
+    if (completing) return;
+    completing = true;
+    runsCompleteFinished(pool)
+      .then((completed) => {
+        for (const runId of completed) log.info({ runId }, 'run completed');
+      })
+      .catch((error: Error) => log.warn({ err: error.message }, 'completion check failed; next pass retries'))
+      .finally(() => {
+        completing = false;
+      });
+  }, COMPLETION_POLL_MS);
   void drainRuns();
 
   const server =
@@ -146,6 +170,7 @@ export async function startScheduler(env: Env, policies: PolicySet, log: Logger)
     async stop() {
       stopping = true;
       clearInterval(poller);
+      clearInterval(completer);
       for (const task of tasks) await task.destroy();
       // The loop stops at its next checkpoint and hands an unfinished run over.
       await draining;

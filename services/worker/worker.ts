@@ -6,12 +6,12 @@ import { ReconnectingConnection } from '../../shared/amqp/connection';
 import { ConfirmingPublisher } from '../../shared/amqp/publisher';
 import { brokerNames, makeTopology } from '../../shared/amqp/topology';
 import { decodeBatch } from '../../shared/contracts/batch';
+import { assertSchemaCurrent } from '../../shared/db/migrate';
 import { makePool, type Pool } from '../../shared/db/pool';
 import { ledgerReturnExpiredLeases } from '../../shared/db/queries/ledger';
 import { makeHttpRemoteClient, withCircuitBreaker } from '../../shared/remote/client';
 import { makeRemoteDeleteHandler } from './handlers/remote-delete';
 import { targetResolve } from '../../shared/db/queries/expiring-rows';
-import { runsCompleteIfAllBatchesDone } from '../../shared/db/queries/runs';
 import { startHealthServer } from '../../shared/observability/http';
 import { makeMetrics, type Metrics } from '../../shared/observability/metrics';
 import { classifyHandlerError } from './errors';
@@ -51,6 +51,7 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
   const names = brokerNames(env.amqpPrefix);
   const handlers = new Map<string, BatchHandler>();
   try {
+    await assertSchemaCurrent(pool);
     for (const policy of policies.values()) {
       try {
         handlers.set(policy.name, await makeHandler(policy, pool));
@@ -157,11 +158,6 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
     try {
       await settle(settleDeps, { channel: from, message, policy, deliveryCount, log: batchLog }, result);
       if (result.kind === 'unknown' && result.databaseUnavailable) void pauseUntilDatabaseAnswers();
-      if (result.kind === 'done' && decoded.ok) {
-        await runsCompleteIfAllBatchesDone(pool, decoded.batch.runId).catch((error: Error) =>
-          batchLog.warn({ err: error.message }, 'could not check run completion; the next batch or scan will'),
-        );
-      }
     } finally {
       metrics.batchSeconds.observe({ policy }, Number(process.hrtime.bigint() - started) / 1e9);
       inFlight -= 1;

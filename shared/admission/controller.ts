@@ -11,6 +11,18 @@ import { ledgerClaimDue, ledgerCountInFlight, ledgerDeferPending, type ClaimedOp
  * sleeping worker (DESIGN.md invariants 9 and 10).
  */
 
+/**
+ * A grant is good for this long: a call that cannot start within it is not made (the operation is
+ * rescheduled). Calls therefore reach the remote at most GRANT_LIFETIME_MS (+ a network margin)
+ * after the bucket was read, and refilling at rate / (1 + that delay) keeps every one-second
+ * window AT THE REMOTE within rate + burst, not just the grants.
+ */
+export const GRANT_LIFETIME_MS = 25;
+const NETWORK_MARGIN_MS = 5;
+export function effectiveRefillRate(ratePerSecond: number): number {
+  return ratePerSecond / (1 + (GRANT_LIFETIME_MS + NETWORK_MARGIN_MS) / 1000);
+}
+
 /** Shortest wait before an operation that found no token or no free slot asks again. */
 export const MIN_ADMISSION_WAIT_MS = 100;
 /** Waits at least this long are written to the operations' not_before. */
@@ -22,6 +34,8 @@ export type AdmissionVerdict = 'admitted' | 'paused' | 'blocked' | 'no-token' | 
 
 export interface AdmissionGrant {
   claimed: ClaimedOperation[];
+  /** Process clock (ms) taken before the bucket was read; the grant expires GRANT_LIFETIME_MS later. */
+  readAt: number;
   verdict: AdmissionVerdict;
   /** Operations due now whose not_before was moved by waitMs (long waits only). */
   deferred: number;
@@ -34,7 +48,9 @@ export async function admitAndClaim(
   policy: RemoteDeletePolicy,
   request: { keys: readonly string[]; owner: string },
 ): Promise<AdmissionGrant> {
-  const { ratePerSecond, burst, concurrency } = policy.admission;
+  const { burst, concurrency } = policy.admission;
+  const ratePerSecond = effectiveRefillRate(policy.admission.ratePerSecond);
+  const readAt = performance.now();
   return withTransaction(pool, async (client) => {
     const state = await admissionLockAndRefill(client, policy.name, { ratePerSecond, burst });
     let verdict: AdmissionVerdict = 'admitted';
@@ -62,7 +78,7 @@ export async function admitAndClaim(
     // stay due. A pause or a 429 block can be long: the operations themselves record when to retry.
     const deferred = waitMs >= DEFER_IN_LEDGER_FROM_MS ? await ledgerDeferPending(client, request.keys, waitMs) : 0;
     if (claimed.length === 0 && verdict === 'admitted') verdict = 'none-due';
-    return { claimed, verdict, deferred, waitMs };
+    return { claimed, readAt, verdict, deferred, waitMs };
   });
 }
 

@@ -95,7 +95,11 @@ export function encodeBatch(batch: BatchV1): Buffer {
   return Buffer.from(JSON.stringify(batch), 'utf8');
 }
 
-/** Batch ids are the run id plus a zero-padded sequence: deterministic, so a resumed scan republishes the same ids. */
-export function makeBatchId(runId: string, sequence: number): string {
-  return `${runId}:${String(sequence).padStart(6, '0')}`;
+/**
+ * Batch ids are the run id plus a zero-padded sequence, and, when a scheduler took the run over
+ * from one that died, the claim number: the new owner's pages may differ from what the old one
+ * published after its last checkpoint, and an id must never name two different sets of rows.
+ */
+export function makeBatchId(runId: string, sequence: number, claim = 1): string {
+  return `${runId}:${String(sequence).padStart(6, '0')}${claim > 1 ? `-c${claim}` : ''}`;
 }

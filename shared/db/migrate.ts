@@ -61,3 +61,21 @@ export async function migrate(connectionString: string): Promise<{ applied: stri
     await client.end();
   }
 }
+
+/**
+ * Refuses to run against a database whose schema is behind this build: a clear message at start-up
+ * instead of "relation does not exist" in the middle of a run.
+ */
+export async function assertSchemaCurrent(db: { query: pg.Pool['query'] }): Promise<void> {
+  const wanted = Math.max(0, ...listMigrations().map((migration) => migration.version));
+  let current = 0;
+  try {
+    const result = await db.query<{ version: number | null }>('SELECT max(version) AS version FROM reaper_schema_migrations');
+    current = result.rows[0]?.version ?? 0;
+  } catch (error) {
+    if ((error as { code?: string }).code !== '42P01') throw error; // 42P01: the table does not exist yet
+  }
+  if (current < wanted) {
+    throw new Error(`database schema is at version ${current}, this reaper needs ${wanted}: run \`reaper migrate\` first`);
+  }
+}

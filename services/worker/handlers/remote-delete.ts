@@ -1,4 +1,4 @@
-import { admitAndClaim, blockAdmission, type AdmissionGrant } from '../../../shared/admission/controller';
+import { admitAndClaim, blockAdmission, GRANT_LIFETIME_MS, type AdmissionGrant } from '../../../shared/admission/controller';
 import type { RemoteDeletePolicy } from '../../../shared/config/policies';
 import { withTransaction } from '../../../shared/db/pool';
 import { batchesRecordReceipt } from '../../../shared/db/queries/batches';
@@ -27,7 +27,7 @@ export function uncertainBackoffMs(attempt: number): number {
   return Math.min(60_000, 1000 * 2 ** Math.max(0, attempt - 1)) + Math.random() * 250;
 }
 
-type CallResult = 'confirmed' | 'rate-limited' | 'uncertain' | 'rejected' | 'gave-up' | 'circuit-open' | 'stale-lease';
+type CallResult = 'confirmed' | 'rate-limited' | 'uncertain' | 'rejected' | 'gave-up' | 'circuit-open' | 'grant-expired' | 'stale-lease';
 
 /**
  * remote-delete. Per delivery:
@@ -63,7 +63,7 @@ export function makeRemoteDeleteHandler(policy: RemoteDeletePolicy, target: Reso
     do {
       grant = await admitAndClaim(context.pool, policy, { keys: recorded.known, owner: context.workerId });
       admitted += grant.claimed.length;
-      results.push(...(await Promise.all(grant.claimed.map((operation) => callAndRecord(policy, target, remote, operation, context)))));
+      results.push(...(await Promise.all(grant.claimed.map((operation) => callAndRecord(policy, target, remote, operation, grant.readAt, context)))));
     } while (grant.claimed.length > 0 && Date.now() < holdUntil);
     const tally = countResults(results);
     for (const [result, count] of Object.entries(tally)) context.metrics.operationsTotal.inc({ policy: policy.name, result }, count);
@@ -106,8 +106,20 @@ async function callAndRecord(
   target: ResolvedTarget,
   remote: RemoteCleanupClient,
   operation: ClaimedOperation,
+  grantReadAt: number,
   context: HandlerContext,
 ): Promise<CallResult> {
+  if (performance.now() - grantReadAt > GRANT_LIFETIME_MS) {
+    // Too late to call on this grant (a busy event loop, a slow commit): no call, no attempt.
+    const applied = await ledgerReschedule(context.pool, {
+      operationKey: operation.operationKey,
+      owner: context.workerId,
+      delayMs: 0,
+      lastResult: 'grant-expired',
+      uncountAttempt: true,
+    });
+    return applied ? 'grant-expired' : 'stale-lease';
+  }
   const outcome: RemoteOutcome = await remote.delete(operation.assetId, operation.operationKey);
   context.metrics.remoteCallsTotal.inc({ policy: policy.name, outcome: outcome.kind });
   context.failpoint('after-remote-call');

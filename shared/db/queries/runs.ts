@@ -15,6 +15,8 @@ export interface Run {
   state: RunState;
   replayOf: string | null;
   cursor: { expiry: string; key: string } | null;
+  /** Times a scheduler claimed the run (more than 1 after a takeover). */
+  claimCount: number;
   candidates: number;
   batchesConfirmed: number;
   error: string | null;
@@ -39,6 +41,7 @@ interface RunRow {
   replay_of: string | null;
   cursor_expiry: string | null;
   cursor_key: string | null;
+  claim_count: number;
   candidates: string;
   batches_confirmed: number;
   error: string | null;
@@ -47,7 +50,7 @@ interface RunRow {
 }
 
 const RUN_COLUMNS = `run_id, policy, trigger, reaper_iso(scheduled_for) AS scheduled_for, reaper_iso(cutoff) AS cutoff,
-  state, replay_of, reaper_iso(cursor_expiry) AS cursor_expiry, cursor_key, candidates, batches_confirmed, error,
+  state, replay_of, reaper_iso(cursor_expiry) AS cursor_expiry, cursor_key, claim_count, candidates, batches_confirmed, error,
   reaper_iso(created_at) AS created_at, reaper_iso(finished_at) AS finished_at`;
 
 function toRun(row: RunRow): Run {
@@ -60,6 +63,7 @@ function toRun(row: RunRow): Run {
     state: row.state,
     replayOf: row.replay_of,
     cursor: row.cursor_expiry !== null && row.cursor_key !== null ? { expiry: row.cursor_expiry, key: row.cursor_key } : null,
+    claimCount: row.claim_count,
     candidates: Number(row.candidates),
     batchesConfirmed: row.batches_confirmed,
     error: row.error,
@@ -110,7 +114,7 @@ export async function runsInsertManualUnlessOneWaits(db: Db, policy: string): Pr
 export async function runsClaimNext(db: Db, owner: string, leaseMs: number, policies: readonly string[]): Promise<Run | null> {
   const result = await db.query<RunRow>(
     `UPDATE cleanup_runs SET owner = $1, lease_expires_at = clock_timestamp() + $2 * interval '1 millisecond',
-       state = 'scanning', started_at = coalesce(started_at, clock_timestamp())
+       state = 'scanning', started_at = coalesce(started_at, clock_timestamp()), claim_count = claim_count + 1
      WHERE run_id = (
        SELECT run_id FROM cleanup_runs
        WHERE state IN ('pending', 'scanning') AND policy = ANY($3::text[])
@@ -123,21 +127,31 @@ export async function runsClaimNext(db: Db, owner: string, leaseMs: number, poli
 }
 
 /**
- * Stores scan progress after the broker confirmed every batch up to `cursor`, and extends the
- * lease. Conditional on still owning the run: false means another replica took it over, and this
- * one must stop publishing.
+ * Stores scan progress after the broker confirmed every batch up to `cursor`: the cursor, the
+ * counts, the ids of those batches (what completion waits for), and a longer lease. Conditional on
+ * still owning the run: false means another replica took it over, and this one must stop.
  */
 export async function runsRecordProgress(
   db: Db,
-  progress: { runId: string; owner: string; cursor: { expiry: string; key: string }; candidates: number; batches: number; leaseMs: number },
+  progress: { runId: string; owner: string; cursor: { expiry: string; key: string }; candidates: number; batchIds: readonly string[]; leaseMs: number },
 ): Promise<boolean> {
-  const result = await db.query(
-    `UPDATE cleanup_runs SET cursor_expiry = $3::timestamptz, cursor_key = $4, candidates = candidates + $5,
-       batches_confirmed = batches_confirmed + $6, lease_expires_at = clock_timestamp() + $7 * interval '1 millisecond'
-     WHERE run_id = $1 AND owner = $2 AND state = 'scanning'`,
-    [progress.runId, progress.owner, progress.cursor.expiry, progress.cursor.key, progress.candidates, progress.batches, progress.leaseMs],
+  const result = await db.query<{ updated: number }>(
+    `WITH progress AS (
+       UPDATE cleanup_runs SET cursor_expiry = $3::timestamptz, cursor_key = $4, candidates = candidates + $5,
+         batches_confirmed = batches_confirmed + cardinality($6::text[]),
+         lease_expires_at = clock_timestamp() + $7 * interval '1 millisecond'
+       WHERE run_id = $1 AND owner = $2 AND state = 'scanning'
+       RETURNING run_id
+     ), expected AS (
+       INSERT INTO cleanup_run_batches (batch_id, run_id)
+       SELECT id, progress.run_id FROM progress CROSS JOIN unnest($6::text[]) AS id
+       ON CONFLICT (batch_id) DO NOTHING
+       RETURNING 1
+     )
+     SELECT (SELECT count(*) FROM progress)::int AS updated, (SELECT count(*) FROM expected) AS expected`,
+    [progress.runId, progress.owner, progress.cursor.expiry, progress.cursor.key, progress.candidates, progress.batchIds, progress.leaseMs],
   );
-  return result.rowCount === 1;
+  return result.rows[0]!.updated === 1;
 }
 
 /** The scan reached the end: every batch is confirmed by the broker. Conditional on ownership. */
@@ -167,19 +181,25 @@ export async function runsMarkFailed(db: Db, runId: string, owner: string, error
   return result.rowCount === 1;
 }
 
-/**
- * Marks a published run completed once a receipt exists for every confirmed batch. Called after
- * each batch commits (and by the scheduler after publishing): whichever commit comes last sees
- * all receipts, so no interleaving leaves a finished run open.
- */
+/** Published runs every one of whose confirmed batches has a receipt become completed. */
+const COMPLETE_WHERE_ALL_RECEIPTS = `r.state = 'published' AND NOT EXISTS (
+    SELECT 1 FROM cleanup_run_batches rb
+    WHERE rb.run_id = r.run_id AND NOT EXISTS (SELECT 1 FROM cleanup_batches b WHERE b.batch_id = rb.batch_id))`;
+
 export async function runsCompleteIfAllBatchesDone(db: Db, runId: string): Promise<boolean> {
   const result = await db.query(
-    `UPDATE cleanup_runs r SET state = 'completed', finished_at = clock_timestamp()
-     WHERE r.run_id = $1 AND r.state = 'published'
-       AND r.batches_confirmed <= (SELECT count(*) FROM cleanup_batches b WHERE b.run_id = $1)`,
+    `UPDATE cleanup_runs r SET state = 'completed', finished_at = clock_timestamp() WHERE r.run_id = $1 AND ${COMPLETE_WHERE_ALL_RECEIPTS}`,
     [runId],
   );
   return result.rowCount === 1;
+}
+
+/** The scheduler's completion pass over every published run; returns the ids it completed. */
+export async function runsCompleteFinished(db: Db): Promise<string[]> {
+  const result = await db.query<{ run_id: string }>(
+    `UPDATE cleanup_runs r SET state = 'completed', finished_at = clock_timestamp() WHERE ${COMPLETE_WHERE_ALL_RECEIPTS} RETURNING r.run_id`,
+  );
+  return result.rows.map((row) => row.run_id);
 }
 
 /** The latest tick a cron or catch-up run was made for: where catch-up starts counting. */
@@ -196,11 +216,13 @@ export async function runsDatabaseNow(db: Db): Promise<Date> {
   return result.rows[0]!.now;
 }
 
+// batches_done: confirmed batches with a receipt; deleted/noop: every receipt of the run (a batch a
+// dead scheduler published after its last checkpoint still deleted what it deleted).
 const SUMMARY_SELECT = `SELECT ${RUN_COLUMNS},
-    coalesce(b.batches_done, 0) AS batches_done, coalesce(b.deleted, 0) AS deleted, coalesce(b.noop, 0) AS noop
+    (SELECT count(*) FROM cleanup_run_batches rb JOIN cleanup_batches b USING (batch_id) WHERE rb.run_id = r.run_id) AS batches_done,
+    coalesce(b.deleted, 0) AS deleted, coalesce(b.noop, 0) AS noop
   FROM cleanup_runs r
-  LEFT JOIN LATERAL (SELECT count(*) AS batches_done, sum(deleted) AS deleted, sum(noop) AS noop
-                     FROM cleanup_batches WHERE run_id = r.run_id) b ON true`;
+  LEFT JOIN LATERAL (SELECT sum(deleted) AS deleted, sum(noop) AS noop FROM cleanup_batches WHERE run_id = r.run_id) b ON true`;
 
 interface SummaryRow extends RunRow {
   batches_done: string;

@@ -1,0 +1,159 @@
+import assert from 'node:assert/strict';
+import { after, before, describe, test } from 'node:test';
+import amqp from 'amqplib';
+import type { Channel, ChannelModel } from 'amqplib';
+import { brokerNames } from '../../shared/amqp/topology';
+import { openTestBroker, type TestBroker } from '../support/broker';
+import { eventually } from '../support/eventually';
+import { assertNoLeakedProcesses, runReaperCli, startReaper, type ReaperProcess } from '../support/processes';
+import { countReservations, seedHolds } from '../support/seed';
+import { makeTestBed, type TestBed } from '../support/testbed';
+
+/**
+ * The scheduler's publishes start failing in the middle of a publish window, deterministically:
+ * the work queue's binding is removed, so every publish comes back unroutable (mandatory) and is
+ * refused. Batches published earlier in the same window were routed and the workers are already
+ * deleting them. The scheduler must not die; it retries the window from its last checkpoint, and
+ * once the binding is back the run completes with every expired hold deleted exactly once.
+ *
+ * (broker-restart.test.ts hits the same code path by closing connections, which lands mid-window
+ * only some of the time; this is the reproducible form of that fault.)
+ */
+const EXPIRED = 20_000;
+const FUTURE = 500;
+const CONFIRMED = 500;
+const BATCH_SIZE = 50;
+
+describe('scheduler publishes refused mid-window', () => {
+  let bed: TestBed;
+  let broker: TestBroker;
+  let names: ReturnType<typeof brokerNames>;
+  let admin: ChannelModel;
+  let adminChannel: Channel;
+
+  before(async () => {
+    bed = await makeTestBed('fault_publish_failure');
+    bed.writePolicies(`policies:
+  - name: seat-holds
+    kind: row-delete
+    schedule: "0 0 1 1 *"
+    table: seat_reservations
+    key: reservation_id
+    expiresAt: expires_at
+    guard: { status: held }
+    batchSize: ${BATCH_SIZE}
+`);
+    broker = await openTestBroker(bed.amqpUrl);
+    names = brokerNames(bed.prefix);
+    admin = await amqp.connect(bed.amqpUrl);
+    adminChannel = await admin.createChannel();
+  });
+
+  after(async () => {
+    try {
+      await assertNoLeakedProcesses();
+    } finally {
+      await admin?.close().catch(() => undefined); // already closed: nothing to release
+      await broker?.close();
+      await bed?.close();
+    }
+  });
+
+  const receiptsOf = async (runId: string) =>
+    (
+      await bed.pool.query<{ batches: number; deleted: number; noop: number }>(
+        'SELECT count(*)::int AS batches, coalesce(sum(deleted), 0)::int AS deleted, coalesce(sum(noop), 0)::int AS noop FROM cleanup_batches WHERE run_id = $1',
+        [runId],
+      )
+    ).rows[0]!;
+
+  const runRow = async (runId: string) =>
+    (
+      await bed.pool.query<{ state: string; candidates: number; batches_confirmed: number }>(
+        'SELECT state, candidates::int AS candidates, batches_confirmed FROM cleanup_runs WHERE run_id = $1',
+        [runId],
+      )
+    ).rows[0]!;
+
+  test('the scheduler retries the refused window instead of dying, and the run deletes every expired hold once', async () => {
+    const seeded = await seedHolds(bed.pool, { expiredHeld: EXPIRED, futureHeld: FUTURE, expiredConfirmed: CONFIRMED });
+    const services: ReaperProcess[] = [
+      startReaper('scheduler', ['scheduler'], bed.processEnv({ REAPER_WORKER_ID: 'scheduler-1' })),
+      startReaper('worker-1', ['worker'], bed.processEnv({ REAPER_WORKER_ID: 'worker-1', REAPER_PREFETCH: '1' })),
+      startReaper('worker-2', ['worker'], bed.processEnv({ REAPER_WORKER_ID: 'worker-2', REAPER_PREFETCH: '1' })),
+    ];
+    const [scheduler, ...workers] = services as [ReaperProcess, ReaperProcess, ReaperProcess];
+    const died = new Map<string, unknown>();
+    for (const service of services) void service.exited.then((exit) => died.set(service.label, exit));
+    const assertAlive = () =>
+      assert.deepEqual(
+        services.filter((s) => died.has(s.label)).map((s) => ({ service: s.label, exit: died.get(s.label), lastOutput: s.output.slice(-20) })),
+        [],
+        'no service may die because a publish was refused',
+      );
+    /** eventually(), but a dead service ends the wait at once and is what the failure reports. */
+    const eventuallyAlive = async <T>(what: string, probe: () => Promise<T | undefined | false>, options: Parameters<typeof eventually>[2] = {}) => {
+      const result = await eventually<T | 'died'>(what, async () => (services.some((s) => died.has(s.label)) ? 'died' : probe()), options).catch((error: Error) => {
+        assertAlive();
+        throw error;
+      });
+      assertAlive();
+      return result as T;
+    };
+
+    let passed = false;
+    try {
+      await scheduler.waitForLine('scheduler started', (line) => line.msg === 'scheduler started');
+      await Promise.all(workers.map((w) => w.waitForLine('worker consuming', (line) => line.msg === 'worker consuming')));
+      const triggered = await runReaperCli(['trigger', 'seat-holds', '--json'], bed.processEnv());
+      assert.equal(triggered.code, 0, triggered.stdout);
+      const runId = (JSON.parse(triggered.stdout) as { runId: string }).runId;
+
+      // Mid-window: a first window is confirmed, and the workers have already committed batches
+      // beyond it, i.e. of the window being published now.
+      await eventuallyAlive(
+        'the workers to be ahead of the confirmed windows',
+        async () => {
+          const row = await runRow(runId);
+          return row.state === 'scanning' && row.batches_confirmed > 0 && (await receiptsOf(runId)).batches > row.batches_confirmed;
+        },
+        { intervalMs: 10 },
+      );
+      await adminChannel.unbindQueue(names.workQueue('seat-holds'), names.workExchange, 'seat-holds');
+      const refused = await eventuallyAlive(
+        'the scheduler to report the refused window',
+        async () => scheduler.lines.find((line) => line.msg === 'run publish failed; retrying'),
+        { timeoutMs: 15_000 },
+      );
+      assert.match(String(refused.err), /unroutable/, 'the window failed because its publishes were unroutable');
+      await adminChannel.bindQueue(names.workQueue('seat-holds'), names.workExchange, 'seat-holds');
+
+      await eventuallyAlive('the run to complete', async () => (await runRow(runId)).state === 'completed', { timeoutMs: 40_000, intervalMs: 250 });
+      const receipts = await receiptsOf(runId);
+      const remaining = await countReservations(bed.pool, seeded.expiredHeld);
+      const diagnosis = JSON.stringify({
+        run: await runRow(runId),
+        receipts,
+        remainingExpired: remaining,
+        windowRetries: scheduler.lines.filter((line) => line.msg === 'run publish failed; retrying').length,
+        duplicateSettles: workers.flatMap((w) => w.lines.filter((line) => line.msg === 'batch settled' && line.outcome === 'duplicate')).length,
+      });
+      assert.equal(remaining, 0, `every expired hold is deleted by the completed run; ${diagnosis}`);
+      assert.equal(receipts.deleted, EXPIRED, `the receipts add up to the seeded expired count; ${diagnosis}`);
+      assert.equal(await countReservations(bed.pool, seeded.futureHeld), FUTURE, 'no hold that had not expired is gone');
+      assert.equal(await countReservations(bed.pool, seeded.expiredConfirmed), CONFIRMED, 'no confirmed reservation is gone');
+      await eventually('the work queue to be empty', async () => (await broker.messageCount(names.workQueue('seat-holds'))) === 0);
+      assert.equal((await broker.drain(names.deadLetterQueue)).length, 0, 'nothing dead-lettered');
+
+      const exits = await Promise.all(services.map((s) => s.stop()));
+      assert.deepEqual(exits.map((e) => e.code), [0, 0, 0], 'every service drains and exits 0');
+      passed = true;
+    } finally {
+      if (!passed) {
+        const alive = services.filter((s) => !died.has(s.label));
+        for (const service of alive) service.signal('SIGKILL');
+        await Promise.all(alive.map((s) => s.exited));
+      }
+    }
+  });
+});

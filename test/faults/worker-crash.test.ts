@@ -1,0 +1,165 @@
+import assert from 'node:assert/strict';
+import { randomUUID } from 'node:crypto';
+import { after, before, describe, test } from 'node:test';
+import { brokerNames } from '../../shared/amqp/topology';
+import { encodeBatch, makeBatchId, type BatchV1 } from '../../shared/contracts/batch';
+import { openTestBroker, type TestBroker } from '../support/broker';
+import { eventually } from '../support/eventually';
+import { assertNoLeakedProcesses, startReaper, type LogLine, type ReaperProcess } from '../support/processes';
+import { countReservations, databaseNowIso, itemsFor, seedHolds } from '../support/seed';
+import { makeTestBed, type TestBed } from '../support/testbed';
+
+/**
+ * A worker process really killed (SIGKILL, by its own failpoint) in the two places that matter for
+ * "ack only after commit":
+ *  - before COMMIT: the transaction dies with the connection, nothing is deleted, the unacked batch
+ *    comes back and a fresh worker deletes it, once;
+ *  - after COMMIT and before the ack: the rows are gone and the receipt is written, the batch comes
+ *    back anyway, and the fresh worker counts it as a duplicate no-op without touching the receipt.
+ */
+describe('worker crash around the commit', () => {
+  let bed: TestBed;
+  let broker: TestBroker;
+  let names: ReturnType<typeof brokerNames>;
+
+  before(async () => {
+    bed = await makeTestBed('fault_worker_crash');
+    // The schedule never matters here: no scheduler runs in this file, batches are crafted.
+    bed.writePolicies(`policies:
+  - name: seat-holds
+    kind: row-delete
+    schedule: "0 0 1 1 *"
+    table: seat_reservations
+    key: reservation_id
+    expiresAt: expires_at
+    guard: { status: held }
+    batchSize: 100
+`);
+    broker = await openTestBroker(bed.amqpUrl);
+    names = brokerNames(bed.prefix);
+  });
+
+  after(async () => {
+    try {
+      await assertNoLeakedProcesses();
+    } finally {
+      await broker?.close();
+      await bed?.close();
+    }
+  });
+
+  const startWorker = (label: string, extra: Record<string, string> = {}): ReaperProcess =>
+    startReaper(label, ['worker'], bed.processEnv({ REAPER_WORKER_ID: label, REAPER_PREFETCH: '4', ...extra }));
+
+  async function batchFor(ids: string[]): Promise<BatchV1> {
+    const runId = randomUUID();
+    return {
+      version: 1,
+      runId,
+      batchId: makeBatchId(runId, 1),
+      policy: 'seat-holds',
+      cutoff: await databaseNowIso(bed.pool),
+      items: await itemsFor(bed.pool, ids),
+    };
+  }
+
+  const publishBatch = (batch: BatchV1) =>
+    broker.publish(names.workExchange, 'seat-holds', encodeBatch(batch), { messageId: batch.batchId, headers: { 'x-run-id': batch.runId } });
+
+  const receipts = async (batchId: string) =>
+    (await bed.pool.query<{ deleted: number; noop: number; worker_id: string }>('SELECT deleted, noop, worker_id FROM cleanup_batches WHERE batch_id = $1', [batchId])).rows;
+
+  const settledLines = (worker: ReaperProcess, batchId: string): LogLine[] =>
+    worker.lines.filter((line) => line.msg === 'batch settled' && line.batchId === batchId);
+
+  /** The process's exit, or a failure naming it if it is still running after `timeoutMs`. */
+  async function diedWithin(worker: ReaperProcess, timeoutMs: number): Promise<{ code: number | null; signal: NodeJS.Signals | null }> {
+    let exit: { code: number | null; signal: NodeJS.Signals | null } | undefined;
+    void worker.exited.then((result) => (exit = result));
+    return eventually(`${worker.label} to die at its failpoint`, () => exit, { timeoutMs, describe: () => worker.output.slice(-8) });
+  }
+
+  /** Ready messages in the work queue (a message held unacked by a live consumer is not counted). */
+  const readyInWorkQueue = () => broker.messageCount(names.workQueue('seat-holds'));
+
+  test('SIGKILL before commit: nothing is deleted, the batch comes back, a fresh worker deletes it once', async () => {
+    const seeded = await seedHolds(bed.pool, { expiredHeld: 40 });
+    const batch = await batchFor(seeded.expiredHeld);
+
+    const doomed = startWorker('crash-before-commit', { REAPER_FAILPOINT: 'before-commit' });
+    await doomed.waitForLine('worker consuming', (line) => line.msg === 'worker consuming', 30_000);
+    await publishBatch(batch);
+
+    const exit = await diedWithin(doomed, 30_000);
+    assert.deepEqual(exit, { code: null, signal: 'SIGKILL' }, 'the worker must die by SIGKILL at its failpoint');
+    // Its 'failpoint reached' log line is not asserted: pino writes asynchronously, so the SIGKILL
+    // that follows it may win. The database below says where the process died.
+    assert.equal(settledLines(doomed, batch.batchId).length, 0, 'the doomed worker never settled (acked) the batch');
+
+    // The open transaction died with the process: every row is still there and no receipt exists.
+    await eventually('the killed backend to be gone (no transaction left open on the table)', async () => {
+      const open = await bed.pool.query<{ n: number }>(
+        `SELECT count(*)::int AS n FROM pg_stat_activity WHERE datname = current_database() AND state LIKE 'idle in transaction%'`,
+      );
+      return open.rows[0]!.n === 0;
+    });
+    assert.equal(await countReservations(bed.pool, seeded.expiredHeld), 40, 'a crash before commit deletes nothing');
+    assert.deepEqual(await receipts(batch.batchId), [], 'no receipt for an uncommitted batch');
+
+    // The unacked batch went back to the queue when the connection died.
+    await eventually('the batch to be back in the work queue', async () => (await readyInWorkQueue()) === 1);
+
+    const fresh = startWorker('fresh-after-before-commit');
+    const settled = await fresh.waitForLine('the redelivered batch to settle', (line) => line.msg === 'batch settled' && line.batchId === batch.batchId, 30_000);
+    assert.equal(settled.outcome, 'done');
+    assert.equal(settled.deleted, 40);
+    assert.equal(settled.noop, 0);
+    assert.ok(Number(settled.deliveryCount) >= 2, `a redelivery, not a first delivery (deliveryCount ${String(settled.deliveryCount)})`);
+    assert.equal(await countReservations(bed.pool, seeded.expiredHeld), 0, 'the fresh worker deleted every row');
+    assert.deepEqual(await receipts(batch.batchId), [{ deleted: 40, noop: 0, worker_id: 'fresh-after-before-commit' }], 'exactly one receipt, from the fresh worker');
+    await eventually('the work queue to be empty', async () => (await readyInWorkQueue()) === 0);
+
+    const stopped = await fresh.stop();
+    assert.equal(stopped.code, 0, 'the fresh worker drains and exits 0');
+    assert.equal(settledLines(fresh, batch.batchId).length, 1, 'the batch was settled exactly once');
+    assert.equal(await readyInWorkQueue(), 0, 'nothing came back after the ack');
+    assert.equal((await broker.drain(names.deadLetterQueue)).length, 0, 'nothing dead-lettered');
+  });
+
+  test('SIGKILL after commit, before ack: rows are gone, the batch comes back and is a counted duplicate no-op', async () => {
+    const seeded = await seedHolds(bed.pool, { expiredHeld: 25, futureHeld: 5 });
+    const batch = await batchFor(seeded.expiredHeld);
+
+    const doomed = startWorker('crash-after-commit', { REAPER_FAILPOINT: 'after-commit' });
+    await doomed.waitForLine('worker consuming', (line) => line.msg === 'worker consuming', 30_000);
+    await publishBatch(batch);
+
+    const exit = await diedWithin(doomed, 30_000);
+    assert.deepEqual(exit, { code: null, signal: 'SIGKILL' }, 'the worker must die by SIGKILL at its failpoint');
+    assert.equal(settledLines(doomed, batch.batchId).length, 0, 'the doomed worker never acked the batch');
+
+    // The commit happened: rows gone, receipt written by the killed worker.
+    assert.equal(await countReservations(bed.pool, seeded.expiredHeld), 0, 'the committed deletion stands');
+    assert.equal(await countReservations(bed.pool, seeded.futureHeld), 5, 'rows outside the batch are untouched');
+    const committed = await receipts(batch.batchId);
+    assert.deepEqual(committed, [{ deleted: 25, noop: 0, worker_id: 'crash-after-commit' }]);
+
+    // Never acked: the broker hands the batch out again.
+    await eventually('the batch to be back in the work queue', async () => (await readyInWorkQueue()) === 1);
+
+    const fresh = startWorker('fresh-after-after-commit');
+    const settled = await fresh.waitForLine('the redelivered batch to settle', (line) => line.msg === 'batch settled' && line.batchId === batch.batchId, 30_000);
+    assert.equal(settled.outcome, 'duplicate', 'a redelivered committed batch is a duplicate');
+    assert.equal(settled.deleted, 0, 'the duplicate deletes nothing');
+    assert.ok(Number(settled.deliveryCount) >= 2, `a redelivery, not a first delivery (deliveryCount ${String(settled.deliveryCount)})`);
+    assert.deepEqual(await receipts(batch.batchId), committed, 'the receipt is unchanged (not overwritten, not doubled)');
+    assert.equal(await countReservations(bed.pool, seeded.futureHeld), 5);
+    await eventually('the work queue to be empty', async () => (await readyInWorkQueue()) === 0);
+
+    const stopped = await fresh.stop();
+    assert.equal(stopped.code, 0, 'the fresh worker drains and exits 0');
+    assert.equal(settledLines(fresh, batch.batchId).length, 1, 'the duplicate was settled exactly once');
+    assert.equal(await readyInWorkQueue(), 0, 'the duplicate was acked: nothing came back');
+    assert.equal((await broker.drain(names.deadLetterQueue)).length, 0, 'nothing dead-lettered');
+  });
+});

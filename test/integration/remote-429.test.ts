@@ -1,0 +1,133 @@
+import assert from 'node:assert/strict';
+import { after, before, describe, test } from 'node:test';
+import { eventually } from '../support/eventually';
+import { startMediaApi, type MediaApi, type MediaApiCall } from '../support/media-api';
+import { assertNoLeakedProcesses, runReaperCli, type ReaperProcess } from '../support/processes';
+import {
+  assertRetention,
+  callsByKey,
+  errorsLogged,
+  ledgerRows,
+  ledgerSummary,
+  MEDIA_POLICY,
+  mediaPolicyYaml,
+  seedAssets,
+  startSchedulerProcess,
+  started,
+  startWorkerProcess,
+  stopStarted,
+} from '../support/remote-helpers';
+import { makeTestBed, type TestBed } from '../support/testbed';
+
+/**
+ * 429 + Retry-After (DESIGN.md "Remote API calls", invariants 7, 10 and 11), two worker processes:
+ * the stand-in first throttles every call for a few seconds (Retry-After counting down to the end
+ * of the throttle), then enforces its own token bucket that is tighter than the policy's (so 429s
+ * with Retry-After: 1 keep coming while there is backlog). For every key, no call starts before
+ * the previous 429's Retry-After elapsed; every operation ends confirmed; each key executed once;
+ * each call is one cleanup attempt.
+ */
+const ASSETS = 20;
+const THROTTLE_MS = 2_500;
+const API_RATE = 10;
+const API_BURST = 2;
+const API_RETRY_AFTER_S = 1;
+
+describe('remote-delete: 429 with Retry-After', () => {
+  let bed: TestBed;
+  let api: MediaApi;
+
+  before(async () => {
+    bed = await makeTestBed('remote_429');
+    api = await startMediaApi({ ratePerSecond: API_RATE, burst: API_BURST, retryAfterSeconds: API_RETRY_AFTER_S });
+    // The policy allows twice what the stand-in accepts: the remote's 429s, not admission, limit the pace.
+    bed.writePolicies(mediaPolicyYaml({ baseUrl: api.url, ratePerSecond: 20, burst: 5, concurrency: 4, batchSize: 10, timeoutMs: 2000, leaseMs: 10_000 }));
+  });
+
+  after(async () => {
+    try {
+      await stopStarted();
+      await assertNoLeakedProcesses();
+    } finally {
+      await api?.close();
+      await bed?.close();
+    }
+  });
+
+  test('no key is called again before its Retry-After; all confirmed; each key executed once', async () => {
+    const ids = await seedAssets(bed.pool, 'throttled', ASSETS);
+    const scheduler = startSchedulerProcess(bed, 'r429-scheduler');
+    const workers = ['r429-worker-1', 'r429-worker-2'].map((label) => startWorkerProcess(bed, label));
+    const all: ReaperProcess[] = [scheduler, ...workers];
+    await Promise.all([started(scheduler, 'scheduler'), ...workers.map((w) => started(w, 'worker'))]);
+
+    const throttleUntil = Date.now() + THROTTLE_MS;
+    api.configure({ throttleUntil });
+    const trigger = await runReaperCli(['trigger', MEDIA_POLICY], bed.processEnv());
+    assert.equal(trigger.code, 0, trigger.stdout);
+
+    await eventually(
+      `all ${ASSETS} operations confirmed`,
+      async () => (await ledgerSummary(bed.pool))['done/confirmed'] === ASSETS,
+      { timeoutMs: 45_000, intervalMs: 250, describe: async () => ({ ledger: await ledgerSummary(bed.pool), calls: api.calls.length }) },
+    );
+
+    /**
+     * The Retry-After the stand-in sent with a 429 (it is not recorded, so it is recomputed). The
+     * throttle answers ceil((throttleUntil - now) / 1000) where now is taken right after startedAt
+     * (same or next millisecond): the smaller candidate is used, which only ever favours the product.
+     */
+    const retryAfterMsOf = (call: MediaApiCall): number => {
+      const throttle = (at: number) => (throttleUntil > at ? Math.ceil((throttleUntil - at) / 1000) : API_RETRY_AFTER_S);
+      return Math.min(throttle(call.startedAt), throttle(call.startedAt + 1)) * 1000;
+    };
+
+    const byKey = callsByKey(api);
+    const throttled = api.calls.filter((call) => call.status === 429 && call.startedAt < throttleUntil).length;
+    const bucketLimited = api.calls.filter((call) => call.status === 429 && call.startedAt >= throttleUntil).length;
+    const violations: string[] = [];
+    let smallestMarginMs = Infinity;
+    for (const [key, calls] of byKey) {
+      for (let i = 1; i < calls.length; i++) {
+        const previous = calls[i - 1]!;
+        if (previous.status !== 429) continue;
+        const earliest = previous.finishedAt + retryAfterMsOf(previous);
+        smallestMarginMs = Math.min(smallestMarginMs, calls[i]!.startedAt - earliest);
+        if (calls[i]!.startedAt < earliest) {
+          violations.push(`${key}: call ${calls[i]!.seq} at +${calls[i]!.startedAt - previous.finishedAt} ms after a 429 with Retry-After ${retryAfterMsOf(previous)} ms`);
+        }
+      }
+    }
+    console.log(
+      `[remote-429] calls=${api.calls.length} 429-throttle=${throttled} 429-bucket=${bucketLimited} ` +
+        `keys-with-429=${[...byKey.values()].filter((c) => c.some((x) => x.status === 429)).length} smallest-margin-after-retry-after=${smallestMarginMs} ms`,
+    );
+    if (process.env.TEST_TIMELINE) {
+      const t0 = api.calls[0]!.startedAt;
+      console.log(api.calls.map((call) => `+${call.startedAt - t0} ms ${call.status} ${call.id}`).join('\n'));
+    }
+    assert.ok(throttled > 0, 'the throttle answered 429 to some calls (else this test proves nothing)');
+    assert.ok(bucketLimited > 0, "the stand-in's own rate limit answered 429 to some calls (else this test proves less)");
+    assert.deepEqual(violations, [], 'no call before the previous 429 Retry-After elapsed');
+
+    const rows = await ledgerRows(bed.pool);
+    assert.equal(rows.length, ASSETS, 'one operation per asset');
+    assert.deepEqual(rows.map((row) => row.asset_id).sort(), ids);
+    const executions = api.executionsByKey();
+    for (const row of rows) {
+      assert.equal(row.outcome, 'confirmed', `${row.operation_key} confirmed`);
+      assert.equal(executions.get(row.operation_key), 1, `${row.operation_key} executed exactly once`);
+      const calls = byKey.get(row.operation_key) ?? [];
+      // Invariant 11: attempts are remote calls (a 429 is an attempt); deliveries are counted apart.
+      assert.equal(row.attempt_count, calls.length, `${row.operation_key}: attempt_count ${row.attempt_count} = calls ${calls.length}`);
+      assert.equal(calls.filter((call) => call.status === 200).length, 1, `${row.operation_key}: one 200`);
+      assert.equal(calls[calls.length - 1]!.status, 200, `${row.operation_key}: the last call is the one that deleted`);
+    }
+    assert.equal(byKey.size, ASSETS, 'every call carried a ledger operation key');
+    assertRetention(rows);
+
+    const exits = await Promise.all(all.map((p) => p.stop()));
+    for (const [index, exit] of exits.entries()) assert.equal(exit.code, 0, `${all[index]!.label} drains and exits 0`);
+    assert.deepEqual(errorsLogged(all), []);
+  });
+});
