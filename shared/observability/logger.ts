@@ -16,12 +16,15 @@ export function redactUrl(value: string): string {
 }
 
 /** JSON logs on stdout; every line of a service carries its name and worker id. */
-export function makeLogger(options: { level: string; service: string; workerId?: string }): Logger {
-  return pino({
+export function makeLogger(options: { level: string; service: string; workerId?: string }, destination?: pino.DestinationStream): Logger {
+  return pino(
+    {
     level: options.level,
     base: { service: options.service, ...(options.workerId ? { workerId: options.workerId } : {}) },
     // Belt and braces: URLs are passed through redactUrl, and these keys never print at all.
     redact: { paths: ['password', '*.password', 'databaseUrl', 'amqpUrl', 'webhookSecret', 'headers.authorization'], censor: '***' },
     timestamp: pino.stdTimeFunctions.isoTime,
-  });
+    },
+    destination ?? pino.destination(1),
+  );
 }

@@ -60,11 +60,15 @@ export function makeRemoteDeleteHandler(policy: RemoteDeletePolicy, target: Reso
     const holdUntil = Date.now() + HOLD_BATCH_MAX_MS;
     let grant: AdmissionGrant;
     let admitted = 0;
+    let called: boolean;
     do {
       grant = await admitAndClaim(context.pool, policy, { keys: recorded.known, owner: context.workerId });
       admitted += grant.claimed.length;
-      results.push(...(await Promise.all(grant.claimed.map((operation) => callAndRecord(policy, target, remote, operation, grant.readAt, context)))));
-    } while (grant.claimed.length > 0 && Date.now() < holdUntil);
+      const round = await Promise.all(grant.claimed.map((operation) => callAndRecord(policy, target, remote, operation, grant.readAt, context)));
+      results.push(...round);
+      // A round whose grants all expired (an overloaded process) made no call: let the batch wait.
+      called = round.some((result) => result !== 'grant-expired');
+    } while (called && Date.now() < holdUntil);
     const tally = countResults(results);
     for (const [result, count] of Object.entries(tally)) context.metrics.operationsTotal.inc({ policy: policy.name, result }, count);
 
