@@ -3,7 +3,7 @@ import { loadEnv, type Env } from '../../shared/config/env';
 import { ConfigError } from '../../shared/config/errors';
 import amqp from 'amqplib';
 import { loadPolicies, requirePolicy, type PolicySet, type RemoteDeletePolicy } from '../../shared/config/policies';
-import { brokerNames, makeTopology } from '../../shared/amqp/topology';
+import { brokerNames, makeTopology, topologyAsDefinitions } from '../../shared/amqp/topology';
 import { admissionList, admissionSetPaused } from '../../shared/db/queries/admission';
 import { ledgerCountsByPolicy } from '../../shared/db/queries/ledger';
 import { deadLettersList, deadLettersPurge, deadLettersRequeue } from './dead-letters';
@@ -312,10 +312,12 @@ export function makeProgram(): Command {
   program
     .command('topology')
     .description('print the broker topology (exchanges, queues, bindings) the services assert')
+    .option('--definitions', 'print it as a RabbitMQ definitions file (JSON) to pre-declare it')
     .addOption(json())
-    .action((options: { json?: boolean }) => {
+    .action((options: { json?: boolean; definitions?: boolean }) => {
       const { env, policies } = context();
       const topology = makeTopology({ prefix: env.amqpPrefix, policies: [...policies.keys()], deliveryLimit: env.deliveryLimit });
+      if (options.definitions) return printResult(true, topologyAsDefinitions(topology), () => '');
       printResult(!!options.json, topology, () =>
         [
           ...topology.exchanges.map((e) => `exchange ${e.name} (${e.type})`),

@@ -1,7 +1,7 @@
 import type { RemoteDeletePolicy } from '../config/policies';
 import { withTransaction, type Pool } from '../db/pool';
-import { admissionBlockFor, admissionLockAndRefill, admissionStoreTokens } from '../db/queries/admission';
-import { ledgerClaimDue, ledgerCountInFlight, ledgerDeferPending, type ClaimedOperation } from '../db/queries/ledger';
+import { admissionBlockFor, admissionGrantAndClaim, admissionLock, admissionRefund } from '../db/queries/admission';
+import { ledgerDeferPending, type ClaimedOperation } from '../db/queries/ledger';
 
 /**
  * Global admission: no token, no call. One short transaction locks the policy's admission row,
@@ -34,7 +34,7 @@ export type AdmissionVerdict = 'admitted' | 'paused' | 'blocked' | 'no-token' | 
 
 export interface AdmissionGrant {
   claimed: ClaimedOperation[];
-  /** Process clock (ms) taken before the bucket was read; the grant expires GRANT_LIFETIME_MS later. */
+  /** Process clock (ms) when the refilled bucket was read; the grant expires GRANT_LIFETIME_MS later. */
   readAt: number;
   verdict: AdmissionVerdict;
   /** Operations due now whose not_before was moved by waitMs (long waits only). */
@@ -50,11 +50,21 @@ export async function admitAndClaim(
 ): Promise<AdmissionGrant> {
   const { burst, concurrency } = policy.admission;
   const ratePerSecond = effectiveRefillRate(policy.admission.ratePerSecond);
-  const readAt = performance.now();
   return withTransaction(pool, async (client) => {
-    const state = await admissionLockAndRefill(client, policy.name, { ratePerSecond, burst });
+    await admissionLock(client, policy.name, burst);
+    const state = await admissionGrantAndClaim(client, {
+      policy: policy.name,
+      ratePerSecond,
+      burst,
+      concurrency,
+      keys: request.keys,
+      owner: request.owner,
+      leaseMs: policy.leaseMs,
+    });
+    // The bucket was read a moment before this answer arrived: the grant's age is undercounted by
+    // that one trip back, which NETWORK_MARGIN_MS covers.
+    const readAt = performance.now();
     let verdict: AdmissionVerdict = 'admitted';
-    let allowance = 0;
     let waitMs = MIN_ADMISSION_WAIT_MS;
     if (state.paused) {
       verdict = 'paused';
@@ -62,24 +72,23 @@ export async function admitAndClaim(
     } else if (state.blockedForMs > 0) {
       verdict = 'blocked';
       waitMs = state.blockedForMs;
-    } else {
-      const free = concurrency - (await ledgerCountInFlight(client, policy.name));
-      const whole = Math.floor(state.tokens);
-      allowance = Math.max(0, Math.min(whole, free));
-      if (allowance === 0) {
-        verdict = whole === 0 ? 'no-token' : 'concurrency';
-        // A token arrives in (1 - fraction) / rate seconds; a slot frees when a call ends.
-        waitMs = whole === 0 ? Math.max(MIN_ADMISSION_WAIT_MS, ((1 - (state.tokens - whole)) / ratePerSecond) * 1000) : MIN_ADMISSION_WAIT_MS;
-      }
+    } else if (state.claimed.length === 0 && (state.wholeTokens === 0 || state.freeSlots <= 0)) {
+      verdict = state.wholeTokens === 0 ? 'no-token' : 'concurrency';
+      // A token arrives in (1 - fraction) / rate seconds; a slot frees when a call ends.
+      waitMs = state.wholeTokens === 0 ? Math.max(MIN_ADMISSION_WAIT_MS, ((1 - (state.tokens - state.wholeTokens)) / ratePerSecond) * 1000) : MIN_ADMISSION_WAIT_MS;
+    } else if (state.claimed.length === 0) {
+      verdict = 'none-due';
     }
-    const claimed = await ledgerClaimDue(client, { keys: request.keys, owner: request.owner, leaseMs: policy.leaseMs, limit: allowance });
-    if (claimed.length > 0) await admissionStoreTokens(client, policy.name, { tokens: state.tokens - claimed.length, refilledAt: state.refilledAt });
     // A wait of a token or a free slot is short: the batch waits in a delay tier and the operations
     // stay due. A pause or a 429 block can be long: the operations themselves record when to retry.
     const deferred = waitMs >= DEFER_IN_LEDGER_FROM_MS ? await ledgerDeferPending(client, request.keys, waitMs) : 0;
-    if (claimed.length === 0 && verdict === 'admitted') verdict = 'none-due';
-    return { claimed, readAt, verdict, deferred, waitMs };
+    return { claimed: state.claimed, readAt, verdict, deferred, waitMs };
   });
+}
+
+/** Tokens of grants that expired unused go back to the bucket (capped at the burst). */
+export async function refundExpiredGrants(pool: Pool, policy: RemoteDeletePolicy, count: number): Promise<void> {
+  if (count > 0) await admissionRefund(pool, policy.name, count, policy.admission.burst);
 }
 
 /** A 429 tells every worker to hold off: the whole policy is blocked for the Retry-After. */

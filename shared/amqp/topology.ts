@@ -27,8 +27,8 @@ export interface Topology {
   bindings: BindingSpec[];
 }
 
-/** Delay tiers in milliseconds. A delay is rounded up to the next tier; longer ones are re-delayed. */
-export const DELAY_TIERS_MS = [100, 250, 500, 1_000, 5_000, 30_000, 120_000, 600_000] as const;
+/** Delay tiers in milliseconds. A delay takes the longest tier that does not exceed it; the remainder is delayed again on arrival. */
+export const DELAY_TIERS_MS = [100, 250, 500, 1_000, 2_000, 5_000, 10_000, 30_000, 120_000, 600_000] as const;
 
 export interface BrokerNames {
   workExchange: string;
@@ -104,7 +104,36 @@ export async function assertTopology(channel: Channel, topology: Topology): Prom
   for (const binding of topology.bindings) await channel.bindQueue(binding.queue, binding.exchange, binding.routingKey, binding.args);
 }
 
-/** The smallest tier that is at least `delayMs`, or the largest tier (the message is re-delayed on arrival). */
+/**
+ * The longest tier not longer than `delayMs` (the smallest tier for shorter delays). A message
+ * comes back at or before its due time and is delayed again for the remainder, so work is late
+ * by at most about the smallest tier instead of by the gap between two tiers.
+ */
 export function pickDelayTier(delayMs: number): number {
-  return DELAY_TIERS_MS.find((tier) => tier >= delayMs) ?? DELAY_TIERS_MS[DELAY_TIERS_MS.length - 1]!;
+  let chosen: number = DELAY_TIERS_MS[0];
+  for (const tier of DELAY_TIERS_MS) if (tier <= delayMs) chosen = tier;
+  return chosen;
+}
+
+/**
+ * The topology as a RabbitMQ definitions file (what `rabbitmqctl export_definitions` writes, with
+ * amqplib's defaults filled in), for operators who pre-declare it: `reaper topology --definitions`.
+ */
+export function topologyAsDefinitions(topology: Topology, vhost = '/') {
+  return {
+    rabbit_version: '3.10.0',
+    rabbitmq_version: '3.10.0',
+    vhosts: [{ name: vhost }],
+    queues: topology.queues.map((q) => ({ name: q.name, vhost, durable: q.options.durable ?? true, auto_delete: q.options.autoDelete ?? false, arguments: q.options.arguments ?? {} })),
+    exchanges: topology.exchanges.map((e) => ({
+      name: e.name,
+      vhost,
+      type: e.type,
+      durable: e.options.durable ?? true,
+      auto_delete: e.options.autoDelete ?? false,
+      internal: e.options.internal ?? false,
+      arguments: e.options.arguments ?? {},
+    })),
+    bindings: topology.bindings.map((b) => ({ source: b.exchange, vhost, destination: b.queue, destination_type: 'queue', routing_key: b.routingKey, arguments: b.args ?? {} })),
+  };
 }

@@ -8,6 +8,7 @@ import {
   assetStatuses,
   callsByKey,
   errorsLogged,
+  ledgerDiagnosis,
   ledgerRows,
   ledgerSummary,
   MEDIA_POLICY,
@@ -91,7 +92,7 @@ describe('remote-delete: worker killed between the remote call and recording its
     await eventually(
       `all ${ASSETS} operations confirmed`,
       async () => (await ledgerSummary(bed.pool))['done/confirmed'] === ASSETS,
-      { timeoutMs: 20_000, intervalMs: 200, describe: async () => ({ ledger: await ledgerSummary(bed.pool), calls: api.calls.map((c) => [c.id, c.status]) }) },
+      { timeoutMs: 20_000, intervalMs: 200, describe: async () => ({ ...(await ledgerDiagnosis(bed.pool)), calls: api.calls.map((c) => [c.id, c.status]) }) },
     );
 
     const callsForKey = callsByKey(api).get(key)!;

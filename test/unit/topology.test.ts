@@ -150,7 +150,7 @@ test('DELAY_TIERS_MS is strictly increasing', () => {
   for (let i = 1; i < DELAY_TIERS_MS.length; i += 1) assert.ok(DELAY_TIERS_MS[i]! > DELAY_TIERS_MS[i - 1]!);
 });
 
-test('pickDelayTier rounds up to the next tier', () => {
+test('pickDelayTier takes the longest tier that does not exceed the delay', () => {
   const smallest = DELAY_TIERS_MS[0];
   assert.equal(pickDelayTier(0), smallest);
   assert.equal(pickDelayTier(1), smallest);
@@ -158,17 +158,17 @@ test('pickDelayTier rounds up to the next tier', () => {
   for (let i = 0; i < DELAY_TIERS_MS.length; i += 1) {
     const tier = DELAY_TIERS_MS[i]!;
     assert.equal(pickDelayTier(tier), tier, `exactly ${tier}`);
-    if (i + 1 < DELAY_TIERS_MS.length) assert.equal(pickDelayTier(tier + 1), DELAY_TIERS_MS[i + 1], `just over ${tier}`);
+    assert.equal(pickDelayTier(tier + 1), tier, `just over ${tier}`);
+    if (i > 0) assert.equal(pickDelayTier(tier - 1), DELAY_TIERS_MS[i - 1], `just under ${tier}`);
   }
 });
 
-test('pickDelayTier never returns a tier shorter than the delay, except past the largest tier', () => {
+test('pickDelayTier never returns a tier longer than the delay, except below the smallest tier', () => {
   const largest = DELAY_TIERS_MS[DELAY_TIERS_MS.length - 1]!;
-  for (const delay of [250, 999, 1000, 1001, 4999, 29_999, 30_001, 119_999, largest - 1]) {
+  for (const delay of [250, 999, 1000, 1001, 1500, 4999, 29_999, 30_001, 119_999, largest - 1]) {
     const tier = pickDelayTier(delay);
-    assert.ok(tier >= delay, `${delay} -> ${tier}`);
+    assert.ok(tier <= delay, `${delay} -> ${tier}`);
     assert.ok((DELAY_TIERS_MS as readonly number[]).includes(tier));
   }
-  assert.equal(pickDelayTier(largest + 1), largest, 'longer delays take the largest tier (re-delayed on arrival)');
-  assert.equal(pickDelayTier(24 * 3600 * 1000), largest);
+  assert.equal(pickDelayTier(24 * 3600 * 1000), largest, 'longer delays take the largest tier (delayed again on arrival)');
 });

@@ -1,4 +1,4 @@
-import { admitAndClaim, blockAdmission, GRANT_LIFETIME_MS, type AdmissionGrant } from '../../../shared/admission/controller';
+import { admitAndClaim, blockAdmission, GRANT_LIFETIME_MS, refundExpiredGrants, type AdmissionGrant } from '../../../shared/admission/controller';
 import type { RemoteDeletePolicy } from '../../../shared/config/policies';
 import { withTransaction } from '../../../shared/db/pool';
 import { batchesRecordReceipt } from '../../../shared/db/queries/batches';
@@ -66,6 +66,7 @@ export function makeRemoteDeleteHandler(policy: RemoteDeletePolicy, target: Reso
       admitted += grant.claimed.length;
       const round = await Promise.all(grant.claimed.map((operation) => callAndRecord(policy, target, remote, operation, grant.readAt, context)));
       results.push(...round);
+      await refundExpiredGrants(context.pool, policy, round.filter((result) => result === 'grant-expired').length);
       // A round whose grants all expired (an overloaded process) made no call: let the batch wait.
       called = round.some((result) => result !== 'grant-expired');
     } while (called && Date.now() < holdUntil);

@@ -1,4 +1,5 @@
 import type { Db } from '../pool';
+import type { ClaimedOperation } from './ledger';
 
 /**
  * Global admission per policy (cleanup_admission): one row, locked for the few milliseconds of a
@@ -15,43 +16,112 @@ export interface AdmissionState {
   blockedForMs: number;
 }
 
-/** Locks the policy's admission row (creating it full) and returns its refilled state. Call inside a transaction. */
-export async function admissionLockAndRefill(db: Db, policy: string, rate: { ratePerSecond: number; burst: number }): Promise<AdmissionState> {
+/** Locks the policy's admission row, creating it with a full bucket. Call first in a transaction. */
+export async function admissionLock(db: Db, policy: string, burst: number): Promise<void> {
   await db.query(
     `INSERT INTO cleanup_admission (policy, tokens, refilled_at) VALUES ($1, $2, clock_timestamp()) ON CONFLICT (policy) DO NOTHING`,
-    [policy, rate.burst],
+    [policy, burst],
   );
-  const result = await db.query<{ tokens: number; refilled_at: string; paused: boolean; blocked_for_ms: number }>(
-    `SELECT least($2::float8, a.tokens + greatest(0, extract(epoch FROM n.at - a.refilled_at)) * $3::float8) AS tokens,
-            reaper_iso(n.at) AS refilled_at,
-            a.paused,
-            greatest(0, coalesce(extract(epoch FROM a.blocked_until - n.at) * 1000, 0))::float8 AS blocked_for_ms
-     FROM cleanup_admission a, (SELECT clock_timestamp() AS at) n
-     WHERE a.policy = $1 FOR UPDATE OF a`,
-    [policy, rate.burst, rate.ratePerSecond],
-  );
-  const row = result.rows[0]!;
-  return { tokens: row.tokens, refilledAt: row.refilled_at, paused: row.paused, blockedForMs: row.blocked_for_ms };
+  await db.query('SELECT 1 FROM cleanup_admission WHERE policy = $1 FOR UPDATE', [policy]);
+}
+
+export interface GrantOutcome extends AdmissionState {
+  /** Operations now in_flight for the caller, each with one more attempt counted. */
+  claimed: ClaimedOperation[];
+  /** Whole tokens and free concurrency slots there were, before claiming. */
+  wholeTokens: number;
+  freeSlots: number;
 }
 
 /**
- * Stores the bucket after a grant, as of the instant its refill was computed (the row is still
- * locked, so nobody refilled in between): neither losing nor inventing tokens.
+ * The grant, in ONE statement once the row is locked (admissionLock): refill the bucket from the
+ * database clock read now (after the lock, so the refill never goes backwards), count the live
+ * in-flight leases of the policy (the concurrency every worker uses), claim at most
+ * min(whole tokens, free slots) due operations of `keys` (pending and due, or in flight under an
+ * expired lease; SKIP LOCKED), and store the bucket as of that same instant. One statement keeps
+ * the time from reading the bucket to the call short: only COMMIT lies between.
  */
-export async function admissionStoreTokens(db: Db, policy: string, bucket: { tokens: number; refilledAt: string }): Promise<void> {
-  await db.query(`UPDATE cleanup_admission SET tokens = $2, refilled_at = $3::timestamptz, updated_at = clock_timestamp() WHERE policy = $1`, [
+export async function admissionGrantAndClaim(
+  db: Db,
+  grant: { policy: string; ratePerSecond: number; burst: number; concurrency: number; keys: readonly string[]; owner: string; leaseMs: number },
+): Promise<GrantOutcome> {
+  const result = await db.query<{
+    tokens: number;
+    refilled_at: string;
+    paused: boolean;
+    blocked_for_ms: number;
+    whole_tokens: number;
+    free_slots: number;
+    claimed: Array<{ operation_key: string; asset_id: string; attempt_count: number }> | null;
+  }>(
+    `WITH bucket AS (
+       SELECT least($2::float8, a.tokens + greatest(0, extract(epoch FROM n.at - a.refilled_at)) * $3::float8) AS tokens,
+              greatest(n.at, a.refilled_at) AS at, a.paused,
+              greatest(0, coalesce(extract(epoch FROM a.blocked_until - n.at) * 1000, 0))::float8 AS blocked_for_ms
+       FROM cleanup_admission a, (SELECT clock_timestamp() AS at) n
+       WHERE a.policy = $1
+     ), slots AS (
+       SELECT $4::int - count(*)::int AS free FROM cleanup_ledger
+       WHERE policy = $1 AND state = 'in_flight' AND lease_expires_at >= clock_timestamp()
+     ), allowance AS (
+       SELECT CASE WHEN b.paused OR b.blocked_for_ms > 0 THEN 0 ELSE greatest(0, least(floor(b.tokens)::int, s.free)) END AS n
+       FROM bucket b, slots s
+     ), claimed AS (
+       UPDATE cleanup_ledger l SET state = 'in_flight', lease_owner = $6,
+         lease_expires_at = clock_timestamp() + $7 * interval '1 millisecond', attempt_count = l.attempt_count + 1, updated_at = clock_timestamp()
+       WHERE l.operation_key IN (
+         SELECT operation_key FROM cleanup_ledger
+         WHERE operation_key = ANY($5::text[])
+           AND ((state = 'pending' AND not_before <= clock_timestamp()) OR (state = 'in_flight' AND lease_expires_at < clock_timestamp()))
+         ORDER BY not_before, operation_key
+         LIMIT (SELECT n FROM allowance)
+         FOR UPDATE SKIP LOCKED)
+       RETURNING l.operation_key, l.asset_id, l.attempt_count
+     ), stored AS (
+       UPDATE cleanup_admission a SET tokens = b.tokens - (SELECT count(*) FROM claimed), refilled_at = b.at, updated_at = clock_timestamp()
+       FROM bucket b
+       WHERE a.policy = $1 AND EXISTS (SELECT 1 FROM claimed)
+       RETURNING 1
+     )
+     SELECT b.tokens, reaper_iso(b.at) AS refilled_at, b.paused, b.blocked_for_ms,
+            floor(b.tokens)::int AS whole_tokens, s.free AS free_slots,
+            (SELECT json_agg(claimed) FROM claimed) AS claimed,
+            (SELECT count(*) FROM stored) AS stored
+     FROM bucket b, slots s`,
+    [grant.policy, grant.burst, grant.ratePerSecond, grant.concurrency, grant.keys, grant.owner, grant.leaseMs],
+  );
+  const row = result.rows[0]!;
+  return {
+    tokens: row.tokens,
+    refilledAt: row.refilled_at,
+    paused: row.paused,
+    blockedForMs: row.blocked_for_ms,
+    wholeTokens: row.whole_tokens,
+    freeSlots: row.free_slots,
+    claimed: (row.claimed ?? []).map((c) => ({ operationKey: c.operation_key, assetId: c.asset_id, attemptCount: c.attempt_count })),
+  };
+}
+
+/** Gives back tokens of grants that expired before their call could start (no call was made). */
+export async function admissionRefund(db: Db, policy: string, tokens: number, burst: number): Promise<void> {
+  await db.query(`UPDATE cleanup_admission SET tokens = least($3::float8, tokens + $2), updated_at = clock_timestamp() WHERE policy = $1`, [
     policy,
-    bucket.tokens,
-    bucket.refilledAt,
+    tokens,
+    burst,
   ]);
 }
 
-/** A 429 from the remote applies to every worker: no calls for this policy until `delayMs` from now. */
+/**
+ * A 429 from the remote applies to every worker: no calls for this policy until `delayMs` from
+ * now, and the bucket starts EMPTY when the block ends (refilled_at = blocked_until below), so the
+ * end of a block is not a burst that trips the remote's limit again.
+ */
 export async function admissionBlockFor(db: Db, policy: string, delayMs: number): Promise<void> {
   await db.query(
-    `UPDATE cleanup_admission SET blocked_until = greatest(coalesce(blocked_until, clock_timestamp()), clock_timestamp() + $2 * interval '1 millisecond'),
-       tokens = 0, refilled_at = clock_timestamp(), updated_at = clock_timestamp()
-     WHERE policy = $1`,
+    `UPDATE cleanup_admission a SET blocked_until = b.until, refilled_at = b.until, tokens = 0, updated_at = clock_timestamp()
+     FROM (SELECT greatest(coalesce(blocked_until, clock_timestamp()), clock_timestamp() + $2 * interval '1 millisecond') AS until
+           FROM cleanup_admission WHERE policy = $1) b
+     WHERE a.policy = $1`,
     [policy, Math.max(0, Math.round(delayMs))],
   );
 }

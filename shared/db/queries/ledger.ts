@@ -40,7 +40,8 @@ export async function ledgerRecordCandidates(
                       AND t.${expiresAt} <= $4::timestamptz${guard}
      ), recorded AS (
        INSERT INTO cleanup_ledger AS l (operation_key, policy, asset_id, observed_expiry, run_id, source, payload, delivery_count)
-       SELECT operation_key, $1, id, observed_expiry, $5, $6, payload, 1 FROM eligible
+       -- a webhook is not a broker delivery (transport and cleanup attempts are counted apart)
+       SELECT operation_key, $1, id, observed_expiry, $5, $6, payload, CASE WHEN $6 = 'webhook' THEN 0 ELSE 1 END FROM eligible
        ORDER BY operation_key -- rows are locked in key order by every writer: no deadlock between duplicate deliveries
        ON CONFLICT (operation_key) DO UPDATE SET delivery_count = l.delivery_count + 1, updated_at = now()
        RETURNING l.operation_key, (xmax = 0) AS inserted
@@ -83,32 +84,6 @@ export async function ledgerSupersedeChanged(db: Db, target: ResolvedTarget, key
   return result.rowCount ?? 0;
 }
 
-/**
- * Claims up to `limit` of `keys` that are due (pending with not_before passed, or in flight under
- * an expired lease) for `owner`, counting one cleanup attempt each. SKIP LOCKED: two workers never
- * claim the same operation.
- */
-export async function ledgerClaimDue(
-  db: Db,
-  claim: { keys: readonly string[]; owner: string; leaseMs: number; limit: number },
-): Promise<ClaimedOperation[]> {
-  if (claim.limit <= 0) return [];
-  const result = await db.query<{ operation_key: string; asset_id: string; attempt_count: number }>(
-    `UPDATE cleanup_ledger l SET state = 'in_flight', lease_owner = $2,
-       lease_expires_at = clock_timestamp() + $3 * interval '1 millisecond', attempt_count = l.attempt_count + 1, updated_at = clock_timestamp()
-     WHERE l.operation_key IN (
-       SELECT operation_key FROM cleanup_ledger
-       WHERE operation_key = ANY($1::text[])
-         AND ((state = 'pending' AND not_before <= clock_timestamp()) OR (state = 'in_flight' AND lease_expires_at < clock_timestamp()))
-       ORDER BY not_before, operation_key
-       LIMIT $4
-       FOR UPDATE SKIP LOCKED)
-     RETURNING l.operation_key, l.asset_id, l.attempt_count`,
-    [claim.keys, claim.owner, claim.leaseMs, claim.limit],
-  );
-  return result.rows.map((row) => ({ operationKey: row.operation_key, assetId: row.asset_id, attemptCount: row.attempt_count }));
-}
-
 /** Of `keys`: how many are due now, open, confirmed, and when the earliest not-yet-due or leased one will be. */
 export async function ledgerDueSummary(
   db: Db,
@@ -125,15 +100,6 @@ export async function ledgerDueSummary(
   );
   const row = result.rows[0]!;
   return { due: row.due, open: row.open, confirmed: row.confirmed, nextInMs: row.next_in_ms };
-}
-
-/** Operations of `policy` in flight under a live lease: the global concurrency in use. */
-export async function ledgerCountInFlight(db: Db, policy: string): Promise<number> {
-  const result = await db.query<{ n: number }>(
-    `SELECT count(*)::int AS n FROM cleanup_ledger WHERE policy = $1 AND state = 'in_flight' AND lease_expires_at >= clock_timestamp()`,
-    [policy],
-  );
-  return result.rows[0]!.n;
 }
 
 /**

@@ -7,6 +7,7 @@ import {
   assertRetention,
   callsByKey,
   errorsLogged,
+  ledgerDiagnosis,
   ledgerRows,
   ledgerSummary,
   MEDIA_POLICY,
@@ -66,7 +67,7 @@ describe('remote-delete: global rate and concurrency across three workers', () =
     await eventually(
       `all ${BACKLOG} operations confirmed`,
       async () => (await ledgerSummary(bed.pool))['done/confirmed'] === BACKLOG,
-      { timeoutMs: 40_000, intervalMs: 250, describe: async () => ({ ledger: await ledgerSummary(bed.pool), calls: api.calls.length }) },
+      { timeoutMs: 40_000, intervalMs: 250, describe: async () => ({ ...(await ledgerDiagnosis(bed.pool)), calls: api.calls.length }) },
     );
 
     const starts = api.calls.map((call) => call.startedAt).sort((a, b) => a - b);
