@@ -1,4 +1,5 @@
 import { schedule as scheduleCron, type ScheduledTask } from 'node-cron';
+import pg from 'pg';
 import type { Logger } from 'pino';
 import type { Env } from '../../shared/config/env';
 import type { Policy, PolicySet } from '../../shared/config/policies';
@@ -15,6 +16,7 @@ import {
   runsInsertIfAbsent,
   runsLatestScheduledTick,
   runsReleaseLease,
+  RUNS_CHANNEL,
 } from '../../shared/db/queries/runs';
 import { startHealthServer } from '../../shared/observability/http';
 import { makeMetrics, type Metrics } from '../../shared/observability/metrics';
@@ -40,6 +42,44 @@ export interface SchedulerHandle {
  * manual, replayed or abandoned by a crashed replica) and executes them one at a time. Ticks only
  * PROPOSE a run: the unique (policy, scheduled_for) row decides which replica's proposal wins.
  */
+/**
+ * LISTEN for new runs on a dedicated connection; reconnects after an error. Notifications only
+ * wake the claim loop early: correctness never depends on them.
+ */
+function listenForNewRuns(databaseUrl: string, log: Logger, wake: () => void): { close(): Promise<void> } {
+  let client: pg.Client | null = null;
+  let closed = false;
+  let retry: NodeJS.Timeout | null = null;
+  const connect = async (): Promise<void> => {
+    retry = null;
+    const next = new pg.Client({ connectionString: databaseUrl, application_name: 'reaper-scheduler-listen' });
+    next.on('notification', () => wake());
+    next.on('error', (error: Error) => {
+      log.warn({ err: error.message }, 'run notifications lost; polling until reconnected');
+      void next.end().catch(() => undefined); // already broken
+      if (!closed && !retry) retry = setTimeout(() => void connect(), 2_000);
+    });
+    try {
+      await next.connect();
+      await next.query(`LISTEN ${RUNS_CHANNEL}`);
+      client = next;
+      if (closed) await next.end();
+    } catch (error) {
+      log.warn({ err: (error as Error).message }, 'cannot listen for run notifications; polling');
+      void next.end().catch(() => undefined); // never connected
+      if (!closed && !retry) retry = setTimeout(() => void connect(), 2_000);
+    }
+  };
+  void connect();
+  return {
+    async close() {
+      closed = true;
+      if (retry) clearTimeout(retry);
+      await client?.end().catch(() => undefined); // closing anyway
+    },
+  };
+}
+
 export async function startScheduler(env: Env, policies: PolicySet, log: Logger): Promise<SchedulerHandle> {
   const metrics = makeMetrics();
   const pool = makePool(env.databaseUrl, env.dbPoolSize, 'reaper-scheduler');
@@ -137,6 +177,7 @@ export async function startScheduler(env: Env, policies: PolicySet, log: Logger)
   }
 
   const poller = setInterval(() => void drainRuns(), CLAIM_POLL_MS);
+  const listener = listenForNewRuns(env.databaseUrl, log, () => void drainRuns());
   let completing = false;
   const completer = setInterval(() => {
     if (completing) return;
@@ -171,6 +212,7 @@ export async function startScheduler(env: Env, policies: PolicySet, log: Logger)
       stopping = true;
       clearInterval(poller);
       clearInterval(completer);
+      await listener.close();
       for (const task of tasks) await task.destroy();
       // The loop stops at its next checkpoint and hands an unfinished run over.
       await draining;

@@ -1,6 +1,12 @@
 import { randomUUID } from 'node:crypto';
 import type { Db } from '../pool';
 
+/**
+ * NOTIFY channel: every new run is announced on commit, so schedulers start it at once instead of
+ * at their next poll (the poll stays, for a lost notification or a scheduler that was reconnecting).
+ */
+export const RUNS_CHANNEL = 'reaper_runs';
+
 /** Run triggers (DESIGN.md). Only cron and catch-up runs take part in the one-run-per-tick rule. */
 export type RunTrigger = 'cron' | 'catch-up' | 'replay' | 'manual';
 export type RunState = 'pending' | 'scanning' | 'published' | 'completed' | 'failed';
@@ -82,10 +88,12 @@ export async function runsInsertIfAbsent(
   run: { policy: string; trigger: RunTrigger; scheduledFor: Date | null; cutoff: string | null; replayOf?: string | null },
 ): Promise<Run | null> {
   const result = await db.query<RunRow>(
-    `INSERT INTO cleanup_runs (run_id, policy, trigger, scheduled_for, cutoff, replay_of)
-     VALUES ($1, $2, $3, coalesce($4::timestamptz, clock_timestamp()), coalesce($5::timestamptz, statement_timestamp()), $6)
-     ON CONFLICT (policy, scheduled_for) DO NOTHING
-     RETURNING ${RUN_COLUMNS}`,
+    `WITH inserted AS (
+       INSERT INTO cleanup_runs (run_id, policy, trigger, scheduled_for, cutoff, replay_of)
+       VALUES ($1, $2, $3, coalesce($4::timestamptz, clock_timestamp()), coalesce($5::timestamptz, statement_timestamp()), $6)
+       ON CONFLICT (policy, scheduled_for) DO NOTHING
+       RETURNING *)
+     SELECT ${RUN_COLUMNS}, pg_notify('${RUNS_CHANNEL}', policy) FROM inserted`,
     [randomUUID(), run.policy, run.trigger, run.scheduledFor?.toISOString() ?? null, run.cutoff, run.replayOf ?? null],
   );
   return result.rows[0] ? toRun(result.rows[0]) : null;
@@ -97,11 +105,13 @@ export async function runsInsertIfAbsent(
  */
 export async function runsInsertManualUnlessOneWaits(db: Db, policy: string): Promise<Run | null> {
   const result = await db.query<RunRow>(
-    `INSERT INTO cleanup_runs (run_id, policy, trigger, scheduled_for, cutoff)
-     SELECT $1, $2, 'manual', clock_timestamp(), statement_timestamp()
-     WHERE NOT EXISTS (SELECT 1 FROM cleanup_runs WHERE policy = $2 AND state = 'pending')
-     ON CONFLICT (policy, scheduled_for) DO NOTHING
-     RETURNING ${RUN_COLUMNS}`,
+    `WITH inserted AS (
+       INSERT INTO cleanup_runs (run_id, policy, trigger, scheduled_for, cutoff)
+       SELECT $1, $2, 'manual', clock_timestamp(), statement_timestamp()
+       WHERE NOT EXISTS (SELECT 1 FROM cleanup_runs WHERE policy = $2 AND state = 'pending')
+       ON CONFLICT (policy, scheduled_for) DO NOTHING
+       RETURNING *)
+     SELECT ${RUN_COLUMNS}, pg_notify('${RUNS_CHANNEL}', policy) FROM inserted`,
     [randomUUID(), policy],
   );
   return result.rows[0] ? toRun(result.rows[0]) : null;
