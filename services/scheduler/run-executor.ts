@@ -8,7 +8,7 @@ import { expiringRowsScanPage, type ResolvedTarget } from '../../shared/db/queri
 import { runsCompleteIfAllBatchesDone, runsMarkPublished, runsRecordProgress, type Run } from '../../shared/db/queries/runs';
 import type { Metrics } from '../../shared/observability/metrics';
 
-/** Batches built per window; all are confirmed before progress is stored. */
+/** Batches built per window (one scan query); all are confirmed before progress is stored. */
 const CONFIRM_WINDOW = 32;
 
 export interface RunExecutorDeps {
@@ -92,7 +92,10 @@ async function retrying<T>(deps: RunExecutorDeps, log: Logger, what: string, ste
   }
 }
 
-/** Scans up to CONFIRM_WINDOW pages after `from` and builds their batches (nothing is published yet). */
+/**
+ * Scans the next CONFIRM_WINDOW pages after `from` in ONE query (a page per batch, cut in memory;
+ * at most CONFIRM_WINDOW × batchSize rows held) and builds their batches; nothing is published yet.
+ */
 async function scanWindow(
   deps: RunExecutorDeps,
   run: Run,
@@ -100,13 +103,11 @@ async function scanWindow(
   target: ResolvedTarget,
   from: { cursor: Run['cursor']; sequence: number },
 ): Promise<Window> {
-  const window: Window = { batches: [], candidates: 0, cursor: from.cursor, reachedEnd: false };
-  while (window.batches.length < CONFIRM_WINDOW) {
-    const page = await expiringRowsScanPage(deps.pool, target, { cutoff: run.cutoff, after: window.cursor, limit: policy.batchSize });
-    if (page.length === 0) {
-      window.reachedEnd = true;
-      break;
-    }
+  const limit = policy.batchSize * CONFIRM_WINDOW;
+  const rows = await expiringRowsScanPage(deps.pool, target, { cutoff: run.cutoff, after: from.cursor, limit });
+  const window: Window = { batches: [], candidates: 0, cursor: from.cursor, reachedEnd: rows.length < limit };
+  for (let start = 0; start < rows.length; start += policy.batchSize) {
+    const page = rows.slice(start, start + policy.batchSize);
     const last = page[page.length - 1]!;
     window.cursor = { expiry: last.observedExpiry, key: last.id };
     const items = page.filter((item) => item.id.length <= MAX_ID_LENGTH);
@@ -114,23 +115,17 @@ async function scanWindow(
       // Such a key cannot travel in a message (DESIGN.md: 1 MiB per message); say so loudly.
       deps.log.error({ runId: run.runId, skipped: page.length - items.length, maxIdLength: MAX_ID_LENGTH }, 'rows with over-long keys skipped');
     }
-    if (items.length > 0) {
-      const sequence = from.sequence + window.batches.length + 1;
-      const batch: BatchV1 = {
-        version: 1,
-        runId: run.runId,
-        batchId: makeBatchId(run.runId, sequence, run.claimCount),
-        policy: run.policy,
-        cutoff: run.cutoff,
-        items,
-      };
-      window.batches.push({ batch, content: encodeBatch(batch), confirmed: false });
-      window.candidates += items.length;
-    }
-    if (page.length < policy.batchSize) {
-      window.reachedEnd = true;
-      break;
-    }
+    if (items.length === 0) continue;
+    const batch: BatchV1 = {
+      version: 1,
+      runId: run.runId,
+      batchId: makeBatchId(run.runId, from.sequence + window.batches.length + 1, run.claimCount),
+      policy: run.policy,
+      cutoff: run.cutoff,
+      items,
+    };
+    window.batches.push({ batch, content: encodeBatch(batch), confirmed: false });
+    window.candidates += items.length;
   }
   return window;
 }

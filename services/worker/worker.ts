@@ -148,7 +148,7 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
     } else if (!handlers.has(policy)) {
       result = { kind: 'dead-letter', reason: 'unknown-policy', detail: `policy "${policy}" is not configured on this worker` };
     } else {
-      const context: HandlerContext = { pool, workerId: env.workerId, log: batchLog, metrics, deliveryCount, failpoint };
+      const context: HandlerContext = { pool, workerId: env.workerId, log: batchLog, metrics, deliveryCount, failpoint, failpointArmed: (name) => env.failpoint === name };
       try {
         result = await handlers.get(policy)!(decoded.batch, context);
       } catch (error) {

@@ -10,11 +10,13 @@ import { countReservations, seedHolds } from '../support/seed';
 import { makeTestBed, type TestBed } from '../support/testbed';
 
 /**
- * The scheduler's publishes start failing in the middle of a publish window, deterministically:
- * the work queue's binding is removed, so every publish comes back unroutable (mandatory) and is
- * refused. Batches published earlier in the same window were routed and the workers are already
- * deleting them. The scheduler must not die; it retries the window from its last checkpoint, and
- * once the binding is back the run completes with every expired hold deleted exactly once.
+ * The scheduler's publishes start failing in the middle of a run, deterministically: the test
+ * holds a lock on cleanup_run_batches, so the scheduler's first checkpoint waits while the workers
+ * are already deleting that window's batches (they are ahead of every confirmed window). Then the
+ * work queue's binding is removed and the lock released: the next window's publishes come back
+ * unroutable (mandatory) and are refused. The scheduler must not die; it publishes the same
+ * batches again, and once the binding is back the run completes with every expired hold deleted
+ * exactly once and counted once.
  *
  * (broker-restart.test.ts hits the same code path by closing connections, which lands mid-window
  * only some of the time; this is the reproducible form of that fault.)
@@ -105,21 +107,28 @@ describe('scheduler publishes refused mid-window', () => {
     try {
       await scheduler.waitForLine('scheduler started', (line) => line.msg === 'scheduler started');
       await Promise.all(workers.map((w) => w.waitForLine('worker consuming', (line) => line.msg === 'worker consuming')));
+      // Hold the scheduler's first checkpoint: it writes the confirmed batch ids to this table.
+      const holder = await bed.pool.connect();
+      await holder.query('BEGIN');
+      // SHARE mode blocks the checkpoint's INSERT but not the reads of `reaper trigger` or this test.
+      await holder.query('LOCK TABLE cleanup_run_batches IN SHARE MODE');
       const triggered = await runReaperCli(['trigger', 'seat-holds', '--json'], bed.processEnv());
       assert.equal(triggered.code, 0, triggered.stdout);
       const runId = (JSON.parse(triggered.stdout) as { runId: string }).runId;
 
-      // Mid-window: a first window is confirmed, and the workers have already committed batches
-      // beyond it, i.e. of the window being published now.
+      // Mid-run: the first window is published and confirmed, its checkpoint waits on the lock,
+      // and the workers have already committed batches of it.
       await eventuallyAlive(
         'the workers to be ahead of the confirmed windows',
         async () => {
           const row = await runRow(runId);
-          return row.state === 'scanning' && row.batches_confirmed > 0 && (await receiptsOf(runId)).batches > row.batches_confirmed;
+          return row.state === 'scanning' && (await receiptsOf(runId)).batches > row.batches_confirmed;
         },
-        { intervalMs: 10 },
+        { intervalMs: 20 },
       );
       await adminChannel.unbindQueue(names.workQueue('seat-holds'), names.workExchange, 'seat-holds');
+      await holder.query('COMMIT');
+      holder.release();
       const refused = await eventuallyAlive(
         'the scheduler to report the refused window',
         async () => scheduler.lines.find((line) => line.msg === 'run publish failed; retrying'),

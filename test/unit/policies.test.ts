@@ -148,11 +148,11 @@ test('the DESIGN.md example parses, both policies, with defaults filled in', () 
   assert.ok(media.leaseMs > media.remote.timeoutMs, 'the default lease outlives the request timeout');
 });
 
-test('a minimal row-delete policy gets the documented defaults (guard {}, batchSize 100)', () => {
+test('a minimal row-delete policy gets the documented defaults (guard {}, batchSize 500)', () => {
   const { guard: _guard, batchSize: _batchSize, ...minimal } = rowPolicy();
   const policy = parse({ policies: [minimal] }).get('seat-holds') as RowDeletePolicy;
   assert.deepEqual(policy.guard, {});
-  assert.equal(policy.batchSize, 100);
+  assert.equal(policy.batchSize, 500);
 });
 
 test('boundary values parse: batchSize 1 and 1000, a 6-field cron, schema.table, underscore names', () => {

@@ -12,8 +12,9 @@ export interface HandlerContext {
   metrics: Metrics;
   /** Broker deliveries of this message so far (1 on first delivery): transport, not cleanup, attempts. */
   deliveryCount: number;
-  /** Test-only crash points (REAPER_FAILPOINT). */
+  /** Test-only crash points (REAPER_FAILPOINT): kills the process when `name` is the one set. */
   failpoint: (name: NonNullable<Env['failpoint']>) => void;
+  failpointArmed: (name: NonNullable<Env['failpoint']>) => boolean;
 }
 
 /** A policy handler: a validated batch in, a result out. It never acks, nacks or publishes. */

@@ -70,7 +70,7 @@ function guardSql(target: ResolvedTarget, firstParameter: number): string {
 }
 
 /**
- * One page of the keyset scan: rows that satisfy the guard and expired at or before the cutoff,
+ * One page of the keyset scan (the caller cuts it into batches): rows that satisfy the guard and expired at or before the cutoff,
  * strictly after `after`, in (expiry, key) order. Memory stays bounded by `limit` whatever the backlog.
  */
 export async function expiringRowsScanPage(
