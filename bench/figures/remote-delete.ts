@@ -1,0 +1,150 @@
+import { runsInsertIfAbsent } from '../../shared/db/queries/runs';
+import { startMediaApi, type MediaApi } from '../../test/support/media-api';
+import { check, checkFinished, reaperEnvironment, type BenchContext } from '../lib/context';
+import { REMOTE_POLICY, NEVER, writePolicies } from '../lib/policies';
+import { startServices, stopServices, type ReaperService } from '../lib/services';
+import { pollUntil } from '../lib/wait';
+
+/**
+ * Figure 5: remote-delete against the stand-in media API (in this process; it records every call),
+ * which enforces the same rate R and burst as the policy's admission, so any call over the global
+ * budget shows up as a 429. Three workers share one budget through PostgreSQL. The API answers
+ * after `slowMs`, like a real remote, so the concurrency cap has something to hold.
+ */
+
+export interface RemoteFigure {
+  ratePerSecond: number;
+  burst: number;
+  concurrency: number;
+  workers: number;
+  backlog: number;
+  slowMs: number;
+  /** Executed deletions per second from the first to the last one (the backlog existed all along). */
+  achievedPerSecond: number;
+  achievedRatio: number;
+  /** The same between the 10th and the 90th percentile of executions: the start and the tail left out. */
+  steadyPerSecond: number;
+  /** Executed deletions in each second from the first call: where the rate was lost. */
+  executedPerSecond: number[];
+  /** Most calls (any answer) starting in any one-second window. */
+  maxCallsInOneSecond: number;
+  maxWindowRatio: number;
+  peakConcurrency: number;
+  concurrencyRatio: number;
+  calls: number;
+  rateLimited: number;
+  duplicates: number;
+  /** The workers' reaper_operations_total by result (confirmed, rate-limited, grant-expired, ...). */
+  operations: Record<string, number>;
+  seconds: number;
+  bounded: boolean;
+}
+
+export async function runRemoteDelete(
+  context: BenchContext,
+  options: { ratePerSecond: number; burst: number; concurrency: number; backlog: number; slowMs: number; workers: number },
+): Promise<RemoteFigure> {
+  await context.databases.fresh();
+  await context.broker.preparePhase([REMOTE_POLICY]);
+  const pool = context.databases.pool(2, 'bench-observer');
+  let api: MediaApi | null = null;
+  let services: ReaperService[] = [];
+  try {
+    await pool.query(
+      `INSERT INTO media_assets (asset_id, status, retention_expires_at, url)
+       SELECT 'asset-' || i, 'active', now() - interval '1 hour' + i * interval '1 millisecond' + random() * interval '1 millisecond',
+              'https://media.invalid/asset-' || i
+       FROM generate_series(1, $1) i`,
+      [options.backlog],
+    );
+    api = await startMediaApi({ ratePerSecond: options.ratePerSecond, burst: options.burst });
+    api.configure({ slowMs: options.slowMs });
+    const policiesPath = writePolicies(context.workDir, 'remote', [
+      {
+        name: REMOTE_POLICY,
+        kind: 'remote-delete',
+        schedule: NEVER,
+        table: 'media_assets',
+        key: 'asset_id',
+        expiresAt: 'retention_expires_at',
+        guard: { status: 'active' },
+        batchSize: 100,
+        remote: { baseUrl: api.url, path: '/assets/{id}', timeoutMs: 5000 },
+        admission: { ratePerSecond: options.ratePerSecond, burst: options.burst, concurrency: options.concurrency },
+        retry: { maxAttempts: 10 },
+      },
+    ]);
+    services = await startServices(reaperEnvironment(context, policiesPath), [
+      { kind: 'scheduler', id: 'bench-scheduler' },
+      ...Array.from({ length: options.workers }, (_, i) => ({ kind: 'worker' as const, id: `bench-worker-${i + 1}` })),
+    ]);
+    const run = (await runsInsertIfAbsent(pool, { policy: REMOTE_POLICY, trigger: 'manual', scheduledFor: null, cutoff: null }))!;
+    const deadline = Date.now() + Math.min(context.boundMs, ((3 * options.backlog) / options.ratePerSecond + 30) * 1000);
+    const done = await pollUntil(
+      async () => {
+        const state = (await pool.query<{ state: string }>('SELECT state FROM cleanup_runs WHERE run_id = $1', [run.runId])).rows[0]!.state;
+        return state === 'completed' ? state : undefined;
+      },
+      { deadline, everyMs: 250 },
+    );
+    for (const service of services) service.assertRunning();
+    const operations: Record<string, number> = {};
+    for (const worker of services.slice(1)) {
+      for (const [result, n] of Object.entries(await worker.metric('reaper_operations_total', 'result'))) operations[result] = (operations[result] ?? 0) + n;
+    }
+    await stopServices(services);
+
+    const executed = api.calls.filter((call) => call.executed).map((call) => call.startedAt).sort((a, b) => a - b);
+    const spanSeconds = executed.length > 1 ? (executed[executed.length - 1]! - executed[0]!) / 1000 : 0;
+    const achievedPerSecond = spanSeconds > 0 ? (executed.length - 1) / spanSeconds : 0;
+    const [p10, p90] = [Math.floor(executed.length * 0.1), Math.floor(executed.length * 0.9)];
+    const steadySeconds = executed.length > 10 ? (executed[p90]! - executed[p10]!) / 1000 : 0;
+    const steadyPerSecond = steadySeconds > 0 ? (p90 - p10) / steadySeconds : 0;
+    const executedPerSecond: number[] = [];
+    for (const at of executed) {
+      const second = Math.floor((at - executed[0]!) / 1000);
+      while (executedPerSecond.length <= second) executedPerSecond.push(0);
+      executedPerSecond[second]! += 1;
+    }
+    const maxCallsInOneSecond = api.maxCallsInWindow(1000);
+    const duplicates = [...api.executionsByKey().values()].filter((count) => count > 1).length;
+    const figure = `remote-delete, R=${options.ratePerSecond}, backlog ${options.backlog}, ${options.workers} workers`;
+    const ledger = (
+      await pool.query<{ confirmed: number; left: number }>(
+        `SELECT (SELECT count(*)::int FROM cleanup_ledger WHERE outcome = 'confirmed') AS confirmed, (SELECT count(*)::int FROM media_assets) AS left`,
+      )
+    ).rows[0]!;
+    check(context, figure, 'duplicate executions at the remote', 0, duplicates);
+    if (checkFinished(context, figure, done !== undefined)) {
+      check(context, figure, 'assets deleted at the remote', options.backlog, api.deletedIds().size);
+      check(context, figure, 'ledger operations confirmed', options.backlog, ledger.confirmed);
+      check(context, figure, 'media_assets rows left', 0, ledger.left);
+    }
+    return {
+      ratePerSecond: options.ratePerSecond,
+      burst: options.burst,
+      concurrency: options.concurrency,
+      workers: options.workers,
+      backlog: options.backlog,
+      slowMs: options.slowMs,
+      achievedPerSecond,
+      achievedRatio: achievedPerSecond / options.ratePerSecond,
+      steadyPerSecond,
+      executedPerSecond,
+      maxCallsInOneSecond,
+      maxWindowRatio: maxCallsInOneSecond / (options.ratePerSecond + options.burst),
+      peakConcurrency: api.maxConcurrent(),
+      concurrencyRatio: api.maxConcurrent() / options.concurrency,
+      calls: api.calls.length,
+      rateLimited: api.calls.filter((call) => call.status === 429).length,
+      duplicates,
+      operations,
+      seconds: spanSeconds,
+      bounded: done === undefined,
+    };
+  } finally {
+    await stopServices(services);
+    await api?.close();
+    await pool.end();
+  }
+}

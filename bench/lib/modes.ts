@@ -1,0 +1,70 @@
+/**
+ * How big each mode measures. quick: the whole picture in under three minutes. full: the sizes the
+ * README reports. smoke: CI, small enough for a minute; it checks counts, and its speeds mean nothing.
+ */
+export type Mode = 'smoke' | 'quick' | 'full';
+
+export interface ModeConfig {
+  mode: Mode;
+  /** Candidates (expired held rows) per seed; each seed also holds as many rows that must survive. */
+  sizes: number[];
+  batchSize: number;
+  /** Rounds of figure 1's contenders, taken in turns; each reports its fastest. */
+  repeats: number;
+  /** pg-boss one job per row runs on the first this-many candidates of the first seed. */
+  rowJobRows: number;
+  /** Raw DELETE with 4 clients as well (the issue quotes it). */
+  rawFourClients: boolean;
+  /** Scheduler memory is also measured for a run of this many candidates (taken from the first seed). */
+  schedulerMemoryAt: number | null;
+  sweep: { batchSizes: number[] } | null;
+  latency: { rows: number; spreadSeconds: number; schedule: string; tickSeconds: number };
+  remote: { ratePerSecond: number; burst: number; concurrency: number; backlogSeconds: number; slowMs: number; workers: number };
+  /** Longest any one contender may run before its figure is reported as bounded. */
+  boundMs: number;
+}
+
+const LATENCY_TICK = { schedule: '*/2 * * * * *', tickSeconds: 2 };
+const REMOTE = { ratePerSecond: 200, burst: 20, concurrency: 16, slowMs: 20, workers: 3 };
+
+export const MODES: Record<Mode, ModeConfig> = {
+  smoke: {
+    mode: 'smoke',
+    sizes: [20_000],
+    batchSize: 100,
+    repeats: 1,
+    rowJobRows: 2_000,
+    rawFourClients: false,
+    schedulerMemoryAt: null,
+    sweep: null,
+    latency: { rows: 200, spreadSeconds: 3, ...LATENCY_TICK },
+    remote: { ...REMOTE, backlogSeconds: 2 },
+    boundMs: 45_000,
+  },
+  quick: {
+    mode: 'quick',
+    sizes: [200_000],
+    batchSize: 100,
+    repeats: 2,
+    rowJobRows: 10_000,
+    rawFourClients: false,
+    schedulerMemoryAt: null,
+    sweep: { batchSizes: [50, 100, 500, 1000] },
+    latency: { rows: 1_000, spreadSeconds: 6, ...LATENCY_TICK },
+    remote: { ...REMOTE, backlogSeconds: 10 },
+    boundMs: 60_000,
+  },
+  full: {
+    mode: 'full',
+    sizes: [500_000, 2_000_000],
+    batchSize: 100,
+    repeats: 3,
+    rowJobRows: 20_000,
+    rawFourClients: true,
+    schedulerMemoryAt: 200_000,
+    sweep: { batchSizes: [50, 100, 500, 1000] },
+    latency: { rows: 2_000, spreadSeconds: 10, ...LATENCY_TICK },
+    remote: { ...REMOTE, backlogSeconds: 10 },
+    boundMs: 300_000,
+  },
+};

@@ -1,0 +1,215 @@
+import type { PgBossResult } from '../contenders/pgboss';
+import type { LatencyFigure } from '../figures/latency';
+import type { RemoteFigure } from '../figures/remote-delete';
+import type { ReaperRun, StageSplit } from '../figures/row-delete';
+import type { CountCheck, Measured, Throughput } from './context';
+import type { CpuSplit } from './cpu';
+import type { Mode } from './modes';
+import type { ProfileSummary } from './profile';
+
+/** Everything one benchmark run measured; written as JSON and rendered as the table. */
+export interface BenchReport {
+  date: string;
+  mode: Mode;
+  startedAt: string;
+  seconds: number;
+  machine: { cores: number; node: string; postgres: string; rabbitmq: string; loadAverageAtStart: number[] };
+  settings: Record<string, unknown>;
+  sizes: SizeResult[];
+  schedulerMemory: Array<{ candidates: number; peakRssMb: number; restRssMb: number }>;
+  sweep: Array<{ batchSize: number; endToEnd: Throughput; claimedToCompleted: Throughput }>;
+  latency: LatencyFigure | null;
+  remote: RemoteFigure | null;
+  profiles: ProfileSummary[];
+  checks: CountCheck[];
+  countsOk: boolean;
+}
+
+export interface SizeResult {
+  candidates: number;
+  seedSeconds: number;
+  reaper: ReaperRun;
+  raw2: Measured;
+  raw4: Measured | null;
+  /** Diagnostic: reaper's own DELETE + receipt statement on 2 clients, no scan or broker. */
+  reaperStatement: Measured;
+  pgbossBatch: PgBossResult;
+  pgbossRow: PgBossResult | null;
+  stages: StageSplit;
+  /** rows/s of every round of figure 1 (the figures above are the fastest round). */
+  rounds: Record<string, number[]>;
+}
+
+interface Row {
+  figure: string;
+  measure: string;
+  value: string;
+  ratio: string;
+  target: string;
+  met: string;
+}
+
+const number = (value: number, digits = 0): string => value.toLocaleString('en-US', { maximumFractionDigits: digits, minimumFractionDigits: digits });
+const rate = (t: Throughput): string => `${number(t.rowsPerSecond)} rows/s${t.bounded ? ' (bounded)' : ''}`;
+const ratio = (value: number): string => (Number.isFinite(value) ? value.toFixed(2) : '-');
+const verdict = (ok: boolean): string => (ok ? 'yes' : 'NO');
+/** CPU seconds (all processes of a contender, its PostgreSQL backends, RabbitMQ for reaper) per 100,000 rows. */
+const cpuPer100k = (cpu: CpuSplit, rows: number): number => (rows > 0 ? (cpu.totalSeconds / rows) * 100_000 : 0);
+/** "1.23 CPU s/100k rows (node 45%, pg 40%, mq 15%)" */
+const cpuText = (cpu: CpuSplit, rows: number): string =>
+  `${cpuPer100k(cpu, rows).toFixed(2)} CPU s/100k rows: node ${(cpu.shares.node * 100).toFixed(0)}%, pg ${(cpu.shares.postgres * 100).toFixed(0)}%, mq ${(cpu.shares.rabbitmq * 100).toFixed(0)}%`;
+const count = (n: number): string => (n >= 1_000_000 ? `${n / 1_000_000}M` : n >= 1000 ? `${n / 1000}k` : String(n));
+
+function rows(report: BenchReport): Row[] {
+  const out: Row[] = [];
+  const add = (figure: string, measure: string, value: string, r = '', target = '', met = ''): void => {
+    out.push({ figure, measure, value, ratio: r, target, met });
+  };
+  for (const size of report.sizes) {
+    const n = count(size.candidates);
+    const e2e = size.reaper.endToEnd.rowsPerSecond;
+    const raw = size.raw2.rowsPerSecond;
+    add(`1 (${n})`, 'reaper end to end: trigger to completed', rate(size.reaper.endToEnd));
+    add(`1 (${n})`, `  / raw DELETE, 2 clients (${rate(size.raw2)})`, '', ratio(e2e / raw), '>= 0.80', verdict(e2e / raw >= 0.8));
+    if (size.raw4) add(`1 (${n})`, `  / raw DELETE, 4 clients (${rate(size.raw4)})`, '', ratio(e2e / size.raw4.rowsPerSecond));
+    add(`1 (${n})`, `  / reaper's DELETE+receipt statement alone, 2 clients (${rate(size.reaperStatement)})`, '', ratio(e2e / size.reaperStatement.rowsPerSecond), '(diagnostic)');
+    const boss = size.pgbossBatch.rowsPerSecond;
+    add(`1 (${n})`, `  / pg-boss, ${report.settings.batchSize}-row batch jobs (${rate(size.pgbossBatch)})`, '', ratio(e2e / boss), '>= 1.0', verdict(e2e / boss >= 1));
+    if (size.pgbossRow) {
+      const perRow = size.pgbossRow.rowsPerSecond;
+      add(`1 (${n})`, `  / pg-boss, one job per row (${rate(size.pgbossRow)} on ${count(size.pgbossRow.rows)} rows)`, '', ratio(e2e / perRow), '>= 50', verdict(e2e / perRow >= 50));
+    }
+    const claimed = size.reaper.claimedToCompleted.rowsPerSecond;
+    add(`1 (${n})`, `reaper claimed to completed (claim poll wait ${number(size.reaper.claimWaitSeconds, 2)} s left out)`, rate(size.reaper.claimedToCompleted), ratio(claimed / raw), '(vs raw)');
+    const cpu = size.reaper.cpu;
+    const reaperCpu = cpuPer100k(cpu, size.reaper.endToEnd.rows);
+    const rawCpu = cpuPer100k(size.raw2.cpu, size.raw2.rows);
+    const bossCpu = cpuPer100k(size.pgbossBatch.cpu, size.pgbossBatch.rows);
+    add(
+      `1 (${n})`,
+      `CPU s per 100k rows: reaper (node ${(cpu.shares.node * 100).toFixed(0)}%, pg ${(cpu.shares.postgres * 100).toFixed(0)}%, mq ${(cpu.shares.rabbitmq * 100).toFixed(0)}%) / raw 2 clients / pg-boss batches`,
+      `${reaperCpu.toFixed(2)} / ${rawCpu.toFixed(2)} / ${bossCpu.toFixed(2)}`,
+      ratio(reaperCpu / rawCpu),
+      '(reaper / raw)',
+    );
+    const stages = size.stages;
+    add(`2 (${n})`, `scheduler alone: scan + publish + confirm (${cpuText(stages.scheduler.cpu, stages.scheduler.rows)})`, rate(stages.scheduler), ratio(stages.scheduler.rowsPerSecond / raw), '(vs raw)');
+    add(`2 (${n})`, `workers alone: drain a full queue (${cpuText(stages.workers.cpu, stages.workers.rows)})`, rate(stages.workers), ratio(stages.workers.rowsPerSecond / raw), '>= 0.90', verdict(stages.workers.rowsPerSecond / raw >= 0.9));
+  }
+  const memory = [...report.schedulerMemory].sort((a, b) => a.candidates - b.candidates);
+  for (const entry of memory) {
+    add('3', `scheduler peak RSS, ${count(entry.candidates)} candidates (${number(entry.restRssMb, 1)} MB at rest)`, `${number(entry.peakRssMb, 1)} MB`, '', '< 150 MB', verdict(entry.peakRssMb < 150));
+  }
+  const small = memory.find((entry) => entry.candidates === 200_000);
+  const large = memory.find((entry) => entry.candidates === 2_000_000);
+  if (small && large) {
+    const growth = large.peakRssMb / small.peakRssMb;
+    add('3', 'scheduler peak RSS, 2M / 200k', '', ratio(growth), '<= 1.2', verdict(growth <= 1.2));
+  } else {
+    add('3', 'scheduler peak RSS, 2M / 200k', 'full mode only');
+  }
+  const workerPeaks = report.sizes.flatMap((size) => [...size.reaper.memory.slice(1), ...size.stages.workerPeakRssMb.map((peakRssMb) => ({ label: 'worker', peakRssMb }))]);
+  if (workerPeaks.length > 0) {
+    const worst = Math.max(...workerPeaks.map((entry) => entry.peakRssMb));
+    add('3', 'worker peak RSS, largest of all runs', `${number(worst, 1)} MB`, '', '< 150 MB', verdict(worst < 150));
+  }
+  if (report.latency) {
+    const l = report.latency;
+    add('4', `expiry to deletion p50, tick ${l.tickSeconds} s ("${l.schedule}"), ${l.rows} rows`, `${number(l.p50Ms)} ms${l.bounded ? ' (bounded)' : ''}`);
+    add('4', 'expiry to deletion p99', `${number(l.p99Ms)} ms`, '', `(tick ${l.tickSeconds * 1000} ms)`);
+  }
+  if (report.remote) {
+    const r = report.remote;
+    const head = `R=${r.ratePerSecond}, burst ${r.burst}, cap ${r.concurrency}, ${r.workers} workers, backlog ${r.backlog}`;
+    add('5', `remote achieved rate (${head})`, `${number(r.achievedPerSecond, 1)} calls/s${r.bounded ? ' (bounded)' : ''}`, ratio(r.achievedRatio), '>= 0.95', verdict(r.achievedRatio >= 0.95));
+    add('5', 'remote most calls in one second / (R + burst)', String(r.maxCallsInOneSecond), ratio(r.maxWindowRatio), '<= 1.0', verdict(r.maxWindowRatio <= 1));
+    add('5', `remote peak concurrency / cap (API answers after ${r.slowMs} ms)`, String(r.peakConcurrency), ratio(r.concurrencyRatio), '<= 1.0', verdict(r.concurrencyRatio <= 1));
+    add('5', 'remote duplicate executions', String(r.duplicates), '', '0', verdict(r.duplicates === 0));
+    add('5', 'remote 429 answers', String(r.rateLimited));
+    const operations = Object.entries(r.operations).sort((a, b) => b[1] - a[1]).map(([result, n]) => `${result} ${n}`).join(', ');
+    add('5', `remote ledger outcomes (steady ${number(r.steadyPerSecond)} calls/s from 10% to 90% done)`, operations);
+  }
+  // The ratio compares claimed-to-completed: the claim poll's random wait (up to 1 s) is noise here.
+  const base = report.sweep.find((entry) => entry.batchSize === 100);
+  for (const entry of report.sweep) {
+    add(
+      '6',
+      `end to end, batch ${entry.batchSize} (claimed to completed ${rate(entry.claimedToCompleted)})`,
+      rate(entry.endToEnd),
+      base ? ratio(entry.claimedToCompleted.rowsPerSecond / base.claimedToCompleted.rowsPerSecond) : '',
+      '(claimed, vs 100)',
+    );
+  }
+  const failed = report.checks.filter((entry) => !entry.ok);
+  add('counts', `${report.checks.length} count checks`, failed.length === 0 ? 'all correct' : `${failed.length} WRONG`, '', 'all correct', verdict(failed.length === 0));
+  return out;
+}
+
+const HEADERS: Row = { figure: 'fig', measure: 'measure', value: 'value', ratio: 'ratio', target: 'target', met: 'met' };
+const COLUMNS = ['figure', 'measure', 'value', 'ratio', 'target', 'met'] as const;
+
+export function renderText(report: BenchReport): string {
+  const all = [HEADERS, ...rows(report)];
+  const widths = COLUMNS.map((column) => Math.max(...all.map((row) => row[column].length)));
+  const line = (row: Row): string => COLUMNS.map((column, i) => row[column].padEnd(widths[i]!)).join('  ').trimEnd();
+  return [line(HEADERS), widths.map((w) => '-'.repeat(w)).join('  '), ...all.slice(1).map(line)].join('\n');
+}
+
+export function renderMarkdown(report: BenchReport): string {
+  const escape = (text: string): string => text.replace(/\|/g, '\\|');
+  const table = [
+    `| ${COLUMNS.map((column) => HEADERS[column]).join(' | ')} |`,
+    `|${COLUMNS.map(() => '---').join('|')}|`,
+    ...rows(report).map((row) => `| ${COLUMNS.map((column) => escape(row[column].trim())).join(' | ')} |`),
+  ].join('\n');
+  const m = report.machine;
+  const lines = [
+    `# reaper benchmark, ${report.mode} mode, ${report.date}`,
+    '',
+    `${m.cores} cores, load average at start ${m.loadAverageAtStart.map((l) => l.toFixed(2)).join(' ')}; Node ${m.node}; ${m.postgres}; RabbitMQ ${m.rabbitmq}. ` +
+      `Took ${number(report.seconds)} s. Every ratio compares figures measured in this same run: absolute rows/s drift by ±20% or more on a shared machine, ratios much less.`,
+    '',
+    ...(report.mode === 'smoke' ? ['Smoke mode checks counts; at this size start-up costs dominate and its speeds say nothing.', ''] : []),
+    table,
+    '',
+    '## How each figure was measured',
+    '',
+    `- Figure 1's contenders ran in turns, ${String(report.settings.repeats)} round(s); each shows its fastest round (all rounds are in the JSON): other load on a shared machine only slows a run down, and taking turns exposes every contender to the same moments.`,
+    '- Data: per size, N expired held rows plus N rows that must survive (N/2 held until 2999, N/2 expired but confirmed), generated with generate_series (ids md5(i)::uuid, expiries with microseconds) once, then file-copied (CREATE DATABASE ... TEMPLATE) for every contender: identical bytes each time.',
+    `- reaper: real processes (\`bin/reaper scheduler\` and 2 \`bin/reaper worker\`, prefetch ${String(report.settings.prefetch)}, ${String(report.settings.dbPoolSize)} connections each, LOG_LEVEL=warn), a run inserted as \`reaper trigger\` does; times from the run row (created_at, started_at, published_at, finished_at) on the database clock, so "completed" includes the scheduler noticing it (a completion pass every 250 ms). "claimed to completed" leaves out the wait for the scheduler's once-a-second poll for new runs.`,
+    `- raw DELETE: candidates read first (untimed) in scan order, then BEGIN / DELETE ... USING unnest(ids, expiries) WHERE still expired / COMMIT per batch, on 2 (and 4) connections; no scan, broker or receipt.`,
+    `- pg-boss ${String(report.settings.pgbossVersion)}: the same keyset scan (reaper's own query) inserts jobs (${String(report.settings.batchSize)} rows each, 32 per insert) while 2 worker processes drain them with fetch()/complete() in a tight loop (${String(report.settings.pgbossLoops)} loops x ${String(report.settings.pgbossFetch)} jobs per fetch each; work() itself would sleep 0.5 s+ between fetches), one transaction per job. One job per row: the same with ${String(report.settings.pgbossRowLoops)} loops x ${String(report.settings.pgbossRowFetch)} jobs per fetch, one autocommitted single-row DELETE per job, on the first rows only (its rows/s is extrapolated to the full size).`,
+    '- Stage split: the scheduler alone publishes into a queue nobody consumes (claim to published), then 2 workers start and drain it (from the first batch transaction begun to the last).',
+    '- CPU: user + system seconds from /proc of every process of a contender (for raw and pg-boss, the bench process too), of the PostgreSQL backends its connections use, and for reaper of the RabbitMQ server (whole server: other users of the broker add to it). Per 100k rows it is steadier than rows/s on a shared machine; on 2 busy cores, rows/s follows 1 / CPU per row.',
+    '- Memory: VmHWM (peak resident set) of each process read from /proc just before it is stopped.',
+    '- Latency: rows expiring over the next seconds while the policy runs on the seconds cron shown; an AFTER DELETE statement trigger in the bench database stamps each deletion with clock_timestamp().',
+    '- Remote: the stand-in media API (test/support/media-api.ts) in the bench process, limiting to R with the same burst; 3 workers share the admission budget through PostgreSQL. Achieved rate = executed deletions per second from the first to the last one.',
+    '',
+  ];
+  if (report.sizes[0]) {
+    lines.push('## CPU during the end-to-end run', '');
+    for (const size of report.sizes) {
+      const cpu = size.reaper.cpu;
+      const processes = Object.entries(cpu.processSeconds).map(([labelName, seconds]) => `${labelName} ${seconds.toFixed(2)} s`).join(', ');
+      lines.push(
+        `- ${count(size.candidates)}: ${cpu.wallSeconds.toFixed(1)} s wall; ${processes}; PostgreSQL backends ${cpu.postgresBackendSeconds.toFixed(2)} s; RabbitMQ server ${cpu.rabbitmqSeconds.toFixed(2)} s (includes other users of the broker).`,
+      );
+    }
+    lines.push('');
+  }
+  for (const profile of report.profiles) {
+    lines.push(`## Profile: ${profile.file.replace(/^.*\//, '')} (${number(profile.busyMs)} ms busy of ${number(profile.totalMs)} ms)`, '');
+    lines.push(
+      'Sampled on the wall clock, start-up included: on two saturated cores a write to a socket wakes the reader and the writer waits for the CPU inside the system call, so writev/writeBuffer stand for round trips to PostgreSQL and RabbitMQ more than for CPU spent writing.',
+      '',
+    );
+    lines.push('| self time by library or file | ms | share of busy |', '|---|---|---|');
+    for (const entry of profile.byCategory) lines.push(`| ${escape(entry.name)} | ${number(entry.ms)} | ${(entry.share * 100).toFixed(1)}% |`);
+    lines.push('', '| product function, inclusive | ms | share of busy |', '|---|---|---|');
+    for (const entry of profile.topProductInclusive) lines.push(`| ${escape(entry.name)} | ${number(entry.ms)} | ${(entry.share * 100).toFixed(1)}% |`);
+    lines.push('');
+  }
+  const failed = report.checks.filter((entry) => !entry.ok);
+  lines.push('## Count checks', '', failed.length === 0 ? `All ${report.checks.length} correct.` : failed.map((entry) => `- WRONG: ${entry.figure}: ${entry.what}: expected ${entry.expected}, got ${entry.actual}`).join('\n'), '');
+  return lines.join('\n');
+}

@@ -1,0 +1,253 @@
+/**
+ * reaper's benchmark (issue 4): throughput, memory, latency and rate-limit accuracy, each as a
+ * ratio to a contender measured in the same run.
+ *
+ *   npm run bench -- --quick      the whole picture in under three minutes
+ *   npm run bench -- --full       the sizes the README reports (500k and 2M candidates)
+ *   npm run bench -- --smoke      CI: small sizes; exits 1 if any count is wrong (never on speed)
+ *   add --profile                 one extra end-to-end run under --cpu-prof (scheduler, worker 1), summarised
+ *
+ * It needs PostgreSQL and RabbitMQ (DATABASE_URL / AMQP_URL, defaults 127.0.0.1). It creates and
+ * drops its own databases (reaper_bench, reaper_bench_seed) and broker objects under a random
+ * prefix, and writes bench/results/<date>-<mode>.json and .md.
+ */
+import { mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { execFileSync } from 'node:child_process';
+import { cpus, loadavg, tmpdir } from 'node:os';
+import path from 'node:path';
+import { parseArgs } from 'node:util';
+import pg from 'pg';
+import { loadEnv } from '../shared/config/env';
+import { runPgBoss, type PgBossOptions, type PgBossResult } from './contenders/pgboss';
+import { runRawDelete } from './contenders/raw';
+import { runLatency } from './figures/latency';
+import { runRemoteDelete } from './figures/remote-delete';
+import { runReaperEndToEnd, runStageSplit, type ReaperRun } from './figures/row-delete';
+import { BenchBroker } from './lib/broker';
+import type { BenchContext, Measured, Throughput } from './lib/context';
+import { BenchDatabases, type Seed } from './lib/database';
+import { MODES, type Mode, type ModeConfig } from './lib/modes';
+import { summariseProfile } from './lib/profile';
+import { renderMarkdown, renderText, type BenchReport, type SizeResult } from './lib/report';
+import { killLeftoverServices } from './lib/services';
+
+const RESULTS_DIR = path.resolve(__dirname, '..', '..', 'bench', 'results');
+
+/** pg-boss's best settings found on this machine (loops per worker process, jobs per fetch). */
+const PGBOSS_BATCH: Omit<PgBossOptions, 'batchSize'> = { mode: 'batch', workers: 2, loopsPerWorker: 2, fetchSize: 4 };
+const PGBOSS_ROW: Omit<PgBossOptions, 'batchSize'> = { mode: 'row', workers: 2, loopsPerWorker: 4, fetchSize: 100 };
+
+function parseMode(): { config: ModeConfig; profile: boolean } {
+  const { values } = parseArgs({
+    options: { quick: { type: 'boolean' }, full: { type: 'boolean' }, smoke: { type: 'boolean' }, profile: { type: 'boolean' } },
+    strict: true,
+  });
+  const chosen = (['quick', 'full', 'smoke'] as const).filter((mode) => values[mode]);
+  if (chosen.length > 1) throw new Error('give one of --quick, --full, --smoke');
+  const mode: Mode = chosen[0] ?? 'quick';
+  return { config: MODES[mode], profile: !!values.profile };
+}
+
+async function serverVersions(adminUrl: string): Promise<{ postgres: string; rabbitmq: string }> {
+  const client = new pg.Client({ connectionString: adminUrl });
+  await client.connect();
+  const postgres = `PostgreSQL ${(await client.query<{ server_version: string }>('SHOW server_version')).rows[0]!.server_version}`;
+  await client.end();
+  let rabbitmq = 'unknown';
+  try {
+    rabbitmq = execFileSync('rabbitmqctl', ['version'], { encoding: 'utf8', stdio: ['ignore', 'pipe', 'ignore'] }).trim();
+  } catch {
+    // rabbitmqctl is not on every machine (a remote broker): the version is then just not reported.
+  }
+  return { postgres, rabbitmq };
+}
+
+/** The fastest of several runs: other load on a shared machine only ever slows a run down. */
+function fastest<T>(runs: readonly T[], rowsPerSecond: (run: T) => number): T {
+  return runs.reduce((best, run) => (rowsPerSecond(run) > rowsPerSecond(best) ? run : best));
+}
+
+/**
+ * Figure 1 and 2 for one size. The contenders of figure 1 run in turns, `repeats` rounds, and each
+ * reports its fastest round (all rounds are kept in the JSON): interleaving puts every contender
+ * through the same moments of the machine's other load.
+ */
+async function measureSize(context: BenchContext, config: ModeConfig, candidates: number, first: boolean): Promise<{ size: SizeResult; seed: Seed }> {
+  const batchSize = config.batchSize;
+  context.progress(`seeding ${candidates.toLocaleString('en-US')} candidates (+ as many rows that must survive)`);
+  const seed = await context.databases.seed(candidates);
+  context.progress(`  seeded in ${seed.seedSeconds.toFixed(1)} s`);
+
+  const reaperRuns: ReaperRun[] = [];
+  const raw2Runs: Measured[] = [];
+  const statementRuns: Measured[] = [];
+  const pgbossRuns: PgBossResult[] = [];
+  const show = (label: string, t: Throughput): void => context.progress(`    ${label}: ${Math.round(t.rowsPerSecond)} rows/s${t.bounded ? ' (bounded)' : ''}`);
+  for (let round = 1; round <= config.repeats; round++) {
+    context.progress(`  round ${round} of ${config.repeats}`);
+    reaperRuns.push(await runReaperEndToEnd(context, seed, { batchSize }));
+    show('reaper end to end', reaperRuns.at(-1)!.endToEnd);
+    raw2Runs.push(await runRawDelete(context, seed, { clients: 2, batchSize }));
+    show('raw DELETE, 2 clients', raw2Runs.at(-1)!);
+    statementRuns.push(await runRawDelete(context, seed, { clients: 2, batchSize, statement: 'reaper' }));
+    show("reaper's statement alone, 2 clients", statementRuns.at(-1)!);
+    pgbossRuns.push(await runPgBoss(context, seed, { ...PGBOSS_BATCH, batchSize }));
+    show('pg-boss, batch jobs', pgbossRuns.at(-1)!);
+  }
+  let raw4 = null;
+  if (config.rawFourClients) {
+    raw4 = await runRawDelete(context, seed, { clients: 4, batchSize });
+    show('raw DELETE, 4 clients', raw4);
+  }
+  let pgbossRow = null;
+  if (first) {
+    pgbossRow = await runPgBoss(context, seed, { ...PGBOSS_ROW, batchSize, limitRows: Math.min(config.rowJobRows, candidates) });
+    show(`pg-boss, one job per row (${config.rowJobRows} rows)`, pgbossRow);
+  }
+  const stages = await runStageSplit(context, seed, { batchSize });
+  show('stage split, scheduler alone', stages.scheduler);
+  show('stage split, workers alone', stages.workers);
+  const size: SizeResult = {
+    candidates,
+    seedSeconds: seed.seedSeconds,
+    reaper: fastest(reaperRuns, (run) => run.endToEnd.rowsPerSecond),
+    raw2: fastest(raw2Runs, (run) => run.rowsPerSecond),
+    raw4,
+    reaperStatement: fastest(statementRuns, (run) => run.rowsPerSecond),
+    pgbossBatch: fastest(pgbossRuns, (run) => run.rowsPerSecond),
+    pgbossRow,
+    stages,
+    rounds: {
+      reaperEndToEnd: reaperRuns.map((run) => run.endToEnd.rowsPerSecond),
+      reaperClaimedToCompleted: reaperRuns.map((run) => run.claimedToCompleted.rowsPerSecond),
+      raw2: raw2Runs.map((run) => run.rowsPerSecond),
+      reaperStatement: statementRuns.map((run) => run.rowsPerSecond),
+      pgbossBatch: pgbossRuns.map((run) => run.rowsPerSecond),
+    },
+  };
+  return { size, seed };
+}
+
+/** Figures that need only the first size's seed: scheduler memory at 200k, the batch-size sweep, the profile. */
+async function measureFirstSizeExtras(context: BenchContext, config: ModeConfig, seed: Seed, size: SizeResult, report: BenchReport, profile: boolean): Promise<void> {
+  if (config.schedulerMemoryAt !== null && config.schedulerMemoryAt < seed.candidates) {
+    context.progress(`  scheduler memory at ${config.schedulerMemoryAt} candidates`);
+    const stages = await runStageSplit(context, seed, { batchSize: config.batchSize, candidates: config.schedulerMemoryAt });
+    report.schedulerMemory.push({ candidates: config.schedulerMemoryAt, peakRssMb: stages.schedulerPeakRssMb, restRssMb: stages.schedulerRestRssMb });
+  }
+  for (const batchSize of config.sweep?.batchSizes ?? []) {
+    if (batchSize === config.batchSize) {
+      report.sweep.push({ batchSize, endToEnd: size.reaper.endToEnd, claimedToCompleted: size.reaper.claimedToCompleted });
+      continue;
+    }
+    context.progress(`  sweep: batch ${batchSize}`);
+    const run = await runReaperEndToEnd(context, seed, { batchSize });
+    report.sweep.push({ batchSize, endToEnd: run.endToEnd, claimedToCompleted: run.claimedToCompleted });
+  }
+  report.sweep.sort((a, b) => a.batchSize - b.batchSize);
+  if (profile) {
+    // The raw profiles (several MB) stay out of bench/results; open them in Chrome DevTools.
+    const profileDir = mkdtempSync(path.join(tmpdir(), 'reaper-bench-profiles-'));
+    context.progress(`  profiled end-to-end run (--cpu-prof on the scheduler and worker 1) into ${profileDir}`);
+    await runReaperEndToEnd(context, seed, { batchSize: config.batchSize, profileDir });
+    for (const file of readdirSync(profileDir).filter((name) => name.endsWith('.cpuprofile')).sort()) {
+      report.profiles.push(summariseProfile(path.join(profileDir, file)));
+    }
+  }
+}
+
+async function measureAll(context: BenchContext, config: ModeConfig, report: BenchReport, profile: boolean): Promise<void> {
+  for (const [index, candidates] of config.sizes.entries()) {
+    // Every figure copies the bench database from this size's seed afresh: the seed never changes.
+    const { size, seed } = await measureSize(context, config, candidates, index === 0);
+    report.sizes.push(size);
+    report.schedulerMemory.push({ candidates, peakRssMb: size.stages.schedulerPeakRssMb, restRssMb: size.stages.schedulerRestRssMb });
+    if (index === 0) await measureFirstSizeExtras(context, config, seed, size, report, profile);
+  }
+  const latency = config.latency;
+  context.progress(`latency: ${latency.rows} rows expiring over ${latency.spreadSeconds} s, schedule "${latency.schedule}"`);
+  report.latency = await runLatency(context, latency);
+  const remote = config.remote;
+  const backlog = remote.ratePerSecond * remote.backlogSeconds;
+  context.progress(`remote-delete: R=${remote.ratePerSecond}, backlog ${backlog}`);
+  report.remote = await runRemoteDelete(context, { ...remote, backlog });
+}
+
+async function main(): Promise<number> {
+  const { config, profile } = parseMode();
+  const started = Date.now();
+  const env = loadEnv();
+  const workDir = mkdtempSync(path.join(tmpdir(), 'reaper-bench-'));
+  const context: BenchContext = {
+    databases: new BenchDatabases(env.databaseUrl),
+    broker: new BenchBroker(env.amqpUrl),
+    amqpUrl: env.amqpUrl,
+    workDir,
+    boundMs: config.boundMs,
+    checks: [],
+    requireFinished: config.mode === 'smoke',
+    progress: (text) => process.stderr.write(`[bench ${((Date.now() - started) / 1000).toFixed(0).padStart(4)} s] ${text}\n`),
+  };
+  const cleanUp = async (): Promise<void> => {
+    killLeftoverServices();
+    await context.broker.deleteAll().catch((error: Error) => context.progress(`broker cleanup failed: ${error.message}`));
+    await context.databases.dropAll().catch((error: Error) => context.progress(`database cleanup failed: ${error.message}`));
+    rmSync(workDir, { recursive: true, force: true });
+  };
+  const interrupted = (): void => void cleanUp().finally(() => process.exit(130));
+  process.once('SIGINT', interrupted);
+  process.once('SIGTERM', interrupted);
+
+  const report: BenchReport = {
+    date: new Date().toISOString().slice(0, 10),
+    mode: config.mode,
+    startedAt: new Date(started).toISOString(),
+    seconds: 0,
+    machine: { cores: cpus().length, node: process.version, ...(await serverVersions(env.databaseUrl)), loadAverageAtStart: loadavg() },
+    settings: {
+      batchSize: config.batchSize,
+      workers: 2,
+      prefetch: 8,
+      dbPoolSize: 4,
+      pgbossVersion: (JSON.parse(readFileSync(require.resolve('pg-boss/package.json'), 'utf8')) as { version: string }).version,
+      pgbossLoops: PGBOSS_BATCH.loopsPerWorker,
+      pgbossFetch: PGBOSS_BATCH.fetchSize,
+      pgbossRowLoops: PGBOSS_ROW.loopsPerWorker,
+      pgbossRowFetch: PGBOSS_ROW.fetchSize,
+      repeats: config.repeats,
+      boundSeconds: config.boundMs / 1000,
+    },
+    sizes: [],
+    schedulerMemory: [],
+    sweep: [],
+    latency: null,
+    remote: null,
+    profiles: [],
+    checks: context.checks,
+    countsOk: false,
+  };
+  context.progress(`${config.mode} mode; broker prefix ${context.broker.prefix}`);
+  try {
+    await measureAll(context, config, report, profile);
+  } finally {
+    await cleanUp();
+  }
+
+  report.seconds = (Date.now() - started) / 1000;
+  report.countsOk = context.checks.every((entry) => entry.ok);
+  mkdirSync(RESULTS_DIR, { recursive: true });
+  const base = path.join(RESULTS_DIR, `${report.date}-${config.mode}`);
+  writeFileSync(`${base}.json`, `${JSON.stringify(report, null, 2)}\n`);
+  writeFileSync(`${base}.md`, renderMarkdown(report));
+  process.stdout.write(`\n${renderText(report)}\n\nwrote ${path.relative(process.cwd(), base)}.json and .md (${report.seconds.toFixed(0)} s)\n`);
+  return report.countsOk ? 0 : 1;
+}
+
+main().then(
+  (code) => process.exit(code),
+  (error: unknown) => {
+    killLeftoverServices();
+    process.stderr.write(`bench failed: ${error instanceof Error ? (error.stack ?? error.message) : String(error)}\n`);
+    process.exit(1);
+  },
+);
