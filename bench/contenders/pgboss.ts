@@ -81,15 +81,19 @@ export async function runPgBoss(context: BenchContext, seed: Seed, options: PgBo
     let scanned = false;
     while (!scanned && rows < limit && Date.now() < deadline) {
       const window: PgBoss.JobInsert<BatchJobData | RowJobData>[] = [];
-      for (let page = 0; page < (options.mode === 'batch' ? PAGES_PER_INSERT : 1) && rows < limit; page++) {
-        const pageSize = Math.min(options.mode === 'batch' ? options.batchSize : ROW_MODE_PAGE, limit - rows);
-        const items = await expiringRowsScanPage(pool, target, { cutoff, after, limit: pageSize });
-        if (items.length === 0) {
-          scanned = true;
-          break;
-        }
-        after = { expiry: items[items.length - 1]!.observedExpiry, key: items[items.length - 1]!.id };
-        rows += items.length;
+      // One scan query per insert, cut into jobs in memory: the same way reaper's scheduler reads
+      // a window, so both enqueue from an identical scan.
+      const pageSize = options.mode === 'batch' ? options.batchSize : ROW_MODE_PAGE;
+      const windowRows = Math.min(pageSize * (options.mode === 'batch' ? PAGES_PER_INSERT : 1), limit - rows);
+      const scannedRows = await expiringRowsScanPage(pool, target, { cutoff, after, limit: windowRows });
+      if (scannedRows.length < windowRows) scanned = true;
+      if (scannedRows.length > 0) {
+        const last = scannedRows[scannedRows.length - 1]!;
+        after = { expiry: last.observedExpiry, key: last.id };
+        rows += scannedRows.length;
+      }
+      for (let start = 0; start < scannedRows.length; start += pageSize) {
+        const items = scannedRows.slice(start, start + pageSize);
         if (options.mode === 'batch') window.push({ name: queue, data: { cutoff, items } });
         else for (const item of items) window.push({ name: queue, data: { cutoff, ...item } });
       }
