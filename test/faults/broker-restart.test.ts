@@ -154,6 +154,29 @@ describe('broker closes connections mid-run', () => {
     return result as T;
   }
 
+  /**
+   * Holds the scheduler between two windows: a SHARE lock on cleanup_run_batches makes its next
+   * checkpoint (an INSERT there) wait, while reads go on. Released by the returned function.
+   */
+  async function holdCheckpoints(): Promise<() => Promise<void>> {
+    const holder = await bed.pool.connect();
+    await holder.query('BEGIN');
+    await holder.query('LOCK TABLE cleanup_run_batches IN SHARE MODE');
+    return async () => {
+      await holder.query('COMMIT');
+      holder.release();
+    };
+  }
+
+  /** True while a scheduler's checkpoint waits on that lock. */
+  const schedulerWaitsOnCheckpoint = async (): Promise<boolean> =>
+    (
+      await bed.pool.query<{ n: number }>(
+        `SELECT count(*)::int AS n FROM pg_stat_activity
+         WHERE datname = current_database() AND application_name = 'reaper-scheduler' AND wait_event_type = 'Lock'`,
+      )
+    ).rows[0]!.n > 0;
+
   test('every connection closed mid-run: services reconnect, the run completes, each expired hold is deleted once and nothing else', async () => {
     bed.writePolicies(policiesYaml('seat-holds', 'seat_reservations'));
     const seeded = await seedHolds(bed.pool, { expiredHeld: EXPIRED, futureHeld: FUTURE, expiredConfirmed: CONFIRMED });
@@ -170,11 +193,13 @@ describe('broker closes connections mid-run', () => {
       await Promise.all(workers.map((w) => w.waitForLine('worker consuming', (line) => line.msg === 'worker consuming')));
       assert.deepEqual(services.map(amqpConnectedCount), [1, 1, 1], 'each service connected once');
 
+      // Mid-run, deterministically: the scheduler publishes its first window and then waits to
+      // record it; the workers commit some of that window's batches; then every connection closes.
+      const release = await holdCheckpoints();
       const triggered = await runReaperCli(['trigger', 'seat-holds', '--json'], bed.processEnv());
       assert.equal(triggered.code, 0, triggered.stdout);
       const runId = (JSON.parse(triggered.stdout) as { runId: string }).runId;
-
-      // Mid-run: some batches committed, most not.
+      await eventuallyAlive(assertAlive, 'the scheduler to wait on its first checkpoint', schedulerWaitsOnCheckpoint, { timeoutMs: 20_000, intervalMs: 20 });
       await eventuallyAlive(assertAlive, 'a few batches to be committed', async () => (await receiptsOf(runId)).batches >= 5, { timeoutMs: 20_000, intervalMs: 20 });
       const connections = await connectionsWithPrefix(bed.prefix);
       assert.deepEqual(
@@ -185,6 +210,7 @@ describe('broker closes connections mid-run', () => {
       const stateAtClose = (await runRow(runId)).state;
       await Promise.all(connections.map((c) => closeConnection(c.pid)));
       const doneAtClose = (await receiptsOf(runId)).batches;
+      await release();
       assert.ok(doneAtClose < expectedBatches, `the connections were closed mid-run (${doneAtClose}/${expectedBatches} batches done)`);
 
       // Every service notices and comes back by itself.
@@ -265,16 +291,23 @@ describe('broker closes connections mid-run', () => {
 
       let closes = 0;
       while (closes < CLOSES) {
-        // Publishing is under way (a first window confirmed) and the scan is not finished.
-        const state = await eventuallyAlive(assertAlive, 'the run to be publishing', async () => {
+        // Between two windows, deterministically: hold the next checkpoint, close the scheduler's
+        // connection while it waits there, let it go on once it has reconnected.
+        const release = await holdCheckpoints();
+        const state = await eventuallyAlive(assertAlive, 'the scheduler to wait on a checkpoint', async () => {
+          if (await schedulerWaitsOnCheckpoint()) return 'scanning';
           const row = await runRow(runId);
-          return (row.state === 'scanning' && row.batches_confirmed > 0) || ['published', 'completed', 'failed'].includes(row.state) ? row.state : undefined;
+          return ['published', 'completed', 'failed'].includes(row.state) ? row.state : undefined;
         }, { intervalMs: 20 });
-        if (state !== 'scanning') break;
+        if (state !== 'scanning') {
+          await release();
+          break;
+        }
         const connections = (await connectionsWithPrefix(bed.prefix)).filter((c) => c.name.split(' ').includes('scheduler-2'));
         assert.equal(connections.length, 1, "the scheduler's one connection");
         await closeConnection(connections[0]!.pid);
         closes += 1;
+        await release();
         await eventuallyAlive(assertAlive, `the scheduler to reconnect after close ${closes}`, () => amqpConnectedCount(scheduler) >= closes + 1, { intervalMs: 20 });
       }
       assert.ok(closes >= 2, `the connection was closed at least twice while the run was scanning (${closes})`);
