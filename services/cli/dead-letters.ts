@@ -44,7 +44,7 @@ function originalRoutingKey(headers: Record<string, unknown>): string | null {
 async function withDeadLetters<T>(
   amqpUrl: string,
   prefix: string,
-  work: (tools: { queue: string; take: (limit: number) => Promise<GetMessage[]>; channel: amqp.ConfirmChannel }) => Promise<T>,
+  work: (tools: { queue: string; take: (limit: number) => Promise<GetMessage[]>; ack: (message: GetMessage) => void; channel: amqp.ConfirmChannel }) => Promise<T>,
 ): Promise<T> {
   const connection = await amqp.connect(amqpUrl, { noDelay: true });
   try {
@@ -53,18 +53,30 @@ async function withDeadLetters<T>(
     await channel.checkQueue(queue).catch(() => {
       throw new Error(`dead-letter queue ${queue} does not exist (has a reaper service with REAPER_AMQP_PREFIX=${prefix} ever started?)`);
     });
+    const taken: GetMessage[] = [];
+    const acked = new Set<GetMessage>();
     const take = async (limit: number): Promise<GetMessage[]> => {
-      const taken: GetMessage[] = [];
-      while (taken.length < limit) {
+      const got: GetMessage[] = [];
+      while (got.length < limit) {
         const message = await channel.get(queue, { noAck: false });
         if (message === false) break;
-        taken.push(message);
+        got.push(message);
       }
-      return taken;
+      taken.push(...got);
+      return got;
     };
-    return await work({ queue, take, channel });
+    const ack = (message: GetMessage): void => {
+      channel.ack(message);
+      acked.add(message);
+    };
+    const result = await work({ queue, take, ack, channel });
+    // Give back what was not taken care of explicitly and wait for the broker to have handled it
+    // all: closing a channel right after an ack can return the acked message too (seen with
+    // quorum queues on RabbitMQ 3.10), and requeue would then send a batch twice.
+    for (const message of taken) if (!acked.has(message)) channel.nack(message, false, true);
+    await channel.checkQueue(queue);
+    return result;
   } finally {
-    // Closing returns every message not acked to the queue, in order.
     await connection.close();
   }
 }
@@ -82,7 +94,7 @@ export function deadLettersRequeue(
   prefix: string,
   options: { limit: number; reason?: string | undefined },
 ): Promise<{ requeued: number; skipped: number }> {
-  return withDeadLetters(amqpUrl, prefix, async ({ take, channel }) => {
+  return withDeadLetters(amqpUrl, prefix, async ({ take, ack, channel }) => {
     const names = brokerNames(prefix);
     let requeued = 0;
     let skipped = 0;
@@ -90,7 +102,7 @@ export function deadLettersRequeue(
       const view = describe(message);
       if ((options.reason && view.reason !== options.reason) || !view.policy) {
         skipped += 1;
-        continue; // stays unacked: back in the queue when the connection closes
+        continue; // given back (nack, requeue) at the end
       }
       const { 'x-reaper-reason': _r, 'x-reaper-detail': _d, 'x-death': _x, 'x-delivery-count': _c, ...headers } = (message.properties.headers ?? {}) as Record<string, unknown>;
       channel.publish(names.workExchange, view.policy, message.content, {
@@ -101,7 +113,7 @@ export function deadLettersRequeue(
         headers,
       });
       await channel.waitForConfirms();
-      channel.ack(message);
+      ack(message);
       requeued += 1;
     }
     return { requeued, skipped };

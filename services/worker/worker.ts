@@ -207,6 +207,10 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
       if (current) for (const tag of consumerTags) await current.cancel(tag).catch(() => undefined); // closed channel: nothing to cancel
       // Drain: batches in flight finish and settle; nothing new arrives after the cancel.
       if (inFlight > 0) await new Promise<void>((resolve) => (idle = resolve));
+      // One round trip on the channel before closing, so the last acks are handled first: closing
+      // right after an ack can return the acked message (it would come back as a duplicate no-op).
+      const last = channel as Channel | null;
+      if (last) await last.checkQueue(names.deadLetterQueue).catch(() => undefined); // channel already gone: nothing to flush
       server?.close();
       await connection.close();
       await pool.end();
