@@ -1,5 +1,6 @@
 import amqp from 'amqplib';
 import type { GetMessage } from 'amqplib';
+import { headersForRepublish } from '../../shared/amqp/headers';
 import { brokerNames } from '../../shared/amqp/topology';
 import type { DeadLetterReason } from '../../shared/contracts/batch';
 
@@ -104,7 +105,7 @@ export function deadLettersRequeue(
         skipped += 1;
         continue; // given back (nack, requeue) at the end
       }
-      const { 'x-reaper-reason': _r, 'x-reaper-detail': _d, 'x-death': _x, 'x-delivery-count': _c, ...headers } = (message.properties.headers ?? {}) as Record<string, unknown>;
+      const headers = headersForRepublish(message.properties.headers, ['x-reaper-reason', 'x-reaper-detail']);
       channel.publish(names.workExchange, view.policy, message.content, {
         persistent: true,
         mandatory: true,

@@ -1,6 +1,7 @@
 import type { Channel, ConsumeMessage, Options } from 'amqplib';
 import type { Logger } from 'pino';
 import type { ConfirmingPublisher } from '../../shared/amqp/publisher';
+import { headersForRepublish } from '../../shared/amqp/headers';
 import { DELAY_HEADER, pickDelayTier, type BrokerNames } from '../../shared/amqp/topology';
 import type { DeadLetterReason } from '../../shared/contracts/batch';
 import type { Metrics } from '../../shared/observability/metrics';
@@ -48,7 +49,7 @@ export async function settle(deps: SettleDeps, delivery: Delivery, result: Batch
       try {
         await deps.publisher.publish(deps.names.delayExchange, policy, delivery.message.content, {
           ...copyProperties(delivery.message),
-          headers: { ...carriedHeaders(delivery.message), [DELAY_HEADER]: String(tier), 'x-reaper-retry-reason': result.reason },
+          headers: { ...headersForRepublish(delivery.message.properties.headers), [DELAY_HEADER]: String(tier), 'x-reaper-retry-reason': result.reason },
         });
       } catch (error) {
         return requeue(deps, delivery, `delay publish failed: ${(error as Error).message}`);
@@ -74,7 +75,7 @@ async function deadLetter(deps: SettleDeps, delivery: Delivery, reason: DeadLett
     await deps.publisher.publish('', deps.names.deadLetterQueue, message.content, {
       ...copyProperties(message),
       headers: {
-        ...carriedHeaders(message),
+        ...headersForRepublish(message.properties.headers),
         'x-reaper-reason': reason,
         'x-reaper-detail': detail.slice(0, 2000),
         'x-reaper-original-routing-key': message.fields.routingKey,
@@ -124,9 +125,3 @@ function copyProperties(message: ConsumeMessage): Options.Publish {
   return copy;
 }
 
-/** Headers a republished copy keeps: the broker's own bookkeeping headers are not ours to copy. */
-function carriedHeaders(message: ConsumeMessage): Record<string, unknown> {
-  const { 'x-delivery-count': _count, 'x-death': _death, 'x-first-death-exchange': _e, 'x-first-death-queue': _q, 'x-first-death-reason': _r, ...rest } =
-    (message.properties.headers ?? {}) as Record<string, unknown>;
-  return rest;
-}
