@@ -1,10 +1,12 @@
 import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
 import { eventually } from '../support/eventually';
-import { startMediaApi, type MediaApi } from '../support/media-api';
-import { assertNoLeakedProcesses, runReaperCli } from '../support/processes';
+import { type MediaApi } from '../support/media-api';
+import { runReaperCli } from '../support/processes';
 import {
   assertRetention,
+  closeRemoteWorld,
+  openRemoteWorld,
   assetStatuses,
   callsByKey,
   errorsLogged,
@@ -12,14 +14,12 @@ import {
   ledgerRows,
   ledgerSummary,
   MEDIA_POLICY,
-  mediaPolicyYaml,
   seedAssets,
   startSchedulerProcess,
   started,
   startWorkerProcess,
-  stopStarted,
 } from '../support/remote-helpers';
-import { makeTestBed, type TestBed } from '../support/testbed';
+import type { TestBed } from '../support/testbed';
 
 /**
  * A worker process SIGKILLed by its own failpoint right after the remote API answered and before
@@ -38,23 +38,11 @@ describe('remote-delete: worker killed between the remote call and recording its
   let api: MediaApi;
 
   before(async () => {
-    bed = await makeTestBed('fault_remote_crash');
-    api = await startMediaApi();
     // Concurrency 1: the doomed worker makes exactly one call before it dies.
-    bed.writePolicies(
-      mediaPolicyYaml({ baseUrl: api.url, ratePerSecond: 20, burst: 5, concurrency: 1, batchSize: 10, timeoutMs: TIMEOUT_MS, leaseMs: LEASE_MS }),
-    );
+    ({ bed, api } = await openRemoteWorld('fault_remote_crash', { ratePerSecond: 20, burst: 5, concurrency: 1, batchSize: 10, timeoutMs: TIMEOUT_MS, leaseMs: LEASE_MS }));
   });
 
-  after(async () => {
-    try {
-      await stopStarted();
-      await assertNoLeakedProcesses();
-    } finally {
-      await api?.close();
-      await bed?.close();
-    }
-  });
+  after(() => closeRemoteWorld({ bed, api }));
 
   test('the operation is retried with the same key after the lease expires; deleted once; ledger done', async () => {
     const ids = await seedAssets(bed.pool, 'crash', ASSETS);

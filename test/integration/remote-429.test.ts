@@ -1,24 +1,24 @@
 import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
 import { eventually } from '../support/eventually';
-import { startMediaApi, type MediaApi, type MediaApiCall } from '../support/media-api';
-import { assertNoLeakedProcesses, runReaperCli, type ReaperProcess } from '../support/processes';
+import { type MediaApi, type MediaApiCall } from '../support/media-api';
+import { runReaperCli, type ReaperProcess } from '../support/processes';
 import {
   assertRetention,
+  closeRemoteWorld,
+  openRemoteWorld,
   callsByKey,
   errorsLogged,
   ledgerDiagnosis,
   ledgerRows,
   ledgerSummary,
   MEDIA_POLICY,
-  mediaPolicyYaml,
   seedAssets,
   startSchedulerProcess,
   started,
   startWorkerProcess,
-  stopStarted,
 } from '../support/remote-helpers';
-import { makeTestBed, type TestBed } from '../support/testbed';
+import type { TestBed } from '../support/testbed';
 
 /**
  * 429 + Retry-After (DESIGN.md "Remote API calls", invariants 7, 10 and 11), two worker processes:
@@ -39,21 +39,11 @@ describe('remote-delete: 429 with Retry-After', () => {
   let api: MediaApi;
 
   before(async () => {
-    bed = await makeTestBed('remote_429');
-    api = await startMediaApi({ ratePerSecond: API_RATE, burst: API_BURST, retryAfterSeconds: API_RETRY_AFTER_S });
     // The policy allows twice what the stand-in accepts: the remote's 429s, not admission, limit the pace.
-    bed.writePolicies(mediaPolicyYaml({ baseUrl: api.url, ratePerSecond: 20, burst: 5, concurrency: 4, batchSize: 10, timeoutMs: 2000, leaseMs: 10_000 }));
+    ({ bed, api } = await openRemoteWorld('remote_429', { ratePerSecond: 20, burst: 5, concurrency: 4, batchSize: 10, timeoutMs: 2000, leaseMs: 10_000 }, { ratePerSecond: API_RATE, burst: API_BURST, retryAfterSeconds: API_RETRY_AFTER_S }));
   });
 
-  after(async () => {
-    try {
-      await stopStarted();
-      await assertNoLeakedProcesses();
-    } finally {
-      await api?.close();
-      await bed?.close();
-    }
-  });
+  after(() => closeRemoteWorld({ bed, api }));
 
   test('no key is called again before its Retry-After; all confirmed; each key executed once', async () => {
     const ids = await seedAssets(bed.pool, 'throttled', ASSETS);

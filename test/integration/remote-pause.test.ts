@@ -1,10 +1,12 @@
 import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
 import { eventually } from '../support/eventually';
-import { startMediaApi, type MediaApi } from '../support/media-api';
-import { assertNoLeakedProcesses, runReaperCli, type ReaperProcess } from '../support/processes';
+import { type MediaApi } from '../support/media-api';
+import { runReaperCli, type ReaperProcess } from '../support/processes';
 import {
   assertRetention,
+  closeRemoteWorld,
+  openRemoteWorld,
   assetStatuses,
   callsByKey,
   errorsLogged,
@@ -12,14 +14,12 @@ import {
   ledgerRows,
   ledgerSummary,
   MEDIA_POLICY,
-  mediaPolicyYaml,
   seedAssets,
   startSchedulerProcess,
   started,
   startWorkerProcess,
-  stopStarted,
 } from '../support/remote-helpers';
-import { makeTestBed, type TestBed } from '../support/testbed';
+import type { TestBed } from '../support/testbed';
 
 /**
  * The pause switch (DESIGN.md invariant 9, "pausing admission stops calls without deleting ledger
@@ -41,21 +41,10 @@ describe('remote-delete: pause and resume', () => {
   let api: MediaApi;
 
   before(async () => {
-    bed = await makeTestBed('remote_pause');
-    api = await startMediaApi();
-    api.configure({ slowMs: SLOW_MS });
-    bed.writePolicies(mediaPolicyYaml({ baseUrl: api.url, ratePerSecond: R, burst: BURST, concurrency: C, batchSize: 10, timeoutMs: 2000, leaseMs: 10_000 }));
+    ({ bed, api } = await openRemoteWorld('remote_pause', { ratePerSecond: R, burst: BURST, concurrency: C, batchSize: 10, timeoutMs: 2000, leaseMs: 10_000 }, { slowMs: SLOW_MS }));
   });
 
-  after(async () => {
-    try {
-      await stopStarted();
-      await assertNoLeakedProcesses();
-    } finally {
-      await api?.close();
-      await bed?.close();
-    }
-  });
+  after(() => closeRemoteWorld({ bed, api }));
 
   test('pause stops calls within one admission interval and loses nothing; resume drains the backlog', async () => {
     const ids = await seedAssets(bed.pool, 'paused', ASSETS);

@@ -1,24 +1,24 @@
 import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
 import { eventually } from '../support/eventually';
-import { startMediaApi, type MediaApi } from '../support/media-api';
-import { assertNoLeakedProcesses, runReaperCli, type ReaperProcess } from '../support/processes';
+import { type MediaApi } from '../support/media-api';
+import { runReaperCli, type ReaperProcess } from '../support/processes';
 import {
   assertRetention,
+  closeRemoteWorld,
+  openRemoteWorld,
   callsByKey,
   errorsLogged,
   ledgerDiagnosis,
   ledgerRows,
   ledgerSummary,
   MEDIA_POLICY,
-  mediaPolicyYaml,
   seedAssets,
   startSchedulerProcess,
   started,
   startWorkerProcess,
-  stopStarted,
 } from '../support/remote-helpers';
-import { makeTestBed, type TestBed } from '../support/testbed';
+import type { TestBed } from '../support/testbed';
 
 /**
  * DESIGN.md invariant 9 with real processes: three workers share ONE token bucket (R calls/s,
@@ -38,21 +38,10 @@ describe('remote-delete: global rate and concurrency across three workers', () =
   let api: MediaApi;
 
   before(async () => {
-    bed = await makeTestBed('remote_rate');
-    api = await startMediaApi();
-    api.configure({ slowMs: SLOW_MS });
-    bed.writePolicies(mediaPolicyYaml({ baseUrl: api.url, ratePerSecond: R, burst: BURST, concurrency: C, batchSize: 10, timeoutMs: 2000, leaseMs: 10_000 }));
+    ({ bed, api } = await openRemoteWorld('remote_rate', { ratePerSecond: R, burst: BURST, concurrency: C, batchSize: 10, timeoutMs: 2000, leaseMs: 10_000 }, { slowMs: SLOW_MS }));
   });
 
-  after(async () => {
-    try {
-      await stopStarted();
-      await assertNoLeakedProcesses();
-    } finally {
-      await api?.close();
-      await bed?.close();
-    }
-  });
+  after(() => closeRemoteWorld({ bed, api }));
 
   test(`a backlog of ${BACKLOG} assets drains at ~${R}/s, never above ${R}+${BURST} per second nor ${C} at once`, async () => {
     const ids = await seedAssets(bed.pool, 'rate', BACKLOG);

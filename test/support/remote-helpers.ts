@@ -1,8 +1,8 @@
 import assert from 'node:assert/strict';
 import type pg from 'pg';
-import type { MediaApi, MediaApiCall } from './media-api';
-import { startReaper, type ReaperProcess } from './processes';
-import type { TestBed } from './testbed';
+import { startMediaApi, type MediaApi, type MediaApiCall, type MediaApiOptions } from './media-api';
+import { assertNoLeakedProcesses, startReaper, type ReaperProcess } from './processes';
+import { makeTestBed, type TestBed } from './testbed';
 
 /**
  * Shared pieces of the remote-delete tests (test/integration/remote-*.test.ts and
@@ -187,4 +187,33 @@ export async function ledgerDiagnosis(pool: pg.Pool): Promise<{ ledger: Record<s
     [MEDIA_POLICY],
   );
   return { ledger: await ledgerSummary(pool), open: open.rows };
+}
+
+/** A remote-delete test file's world: its test bed with a media policy pointed at a fresh stand-in API. */
+export interface RemoteWorld {
+  bed: TestBed;
+  api: MediaApi;
+}
+
+export async function openRemoteWorld(
+  label: string,
+  policy: Omit<MediaPolicyOptions, 'baseUrl'>,
+  stand: MediaApiOptions & { slowMs?: number } = {},
+): Promise<RemoteWorld> {
+  const bed = await makeTestBed(label);
+  const api = await startMediaApi(stand);
+  if (stand.slowMs !== undefined) api.configure({ slowMs: stand.slowMs });
+  bed.writePolicies(mediaPolicyYaml({ baseUrl: api.url, ...policy }));
+  return { bed, api };
+}
+
+/** For `after()`: stops what this module started, fails on leaked processes, then frees the API and the bed. */
+export async function closeRemoteWorld(world: Partial<RemoteWorld> | undefined): Promise<void> {
+  try {
+    await stopStarted();
+    await assertNoLeakedProcesses();
+  } finally {
+    await world?.api?.close();
+    await world?.bed?.close();
+  }
 }
