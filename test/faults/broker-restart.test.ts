@@ -7,6 +7,7 @@ import { openTestBroker, type TestBroker } from '../support/broker';
 import { eventually } from '../support/eventually';
 import { assertNoLeakedProcesses, runReaperCli, startReaper, type ReaperProcess } from '../support/processes';
 import { countReservations, seedHolds } from '../support/seed';
+import { assertRunDeletedExactlyOnce } from '../support/run-checks';
 import { makeTestBed, type TestBed } from '../support/testbed';
 
 const run = promisify(execFile);
@@ -317,25 +318,18 @@ describe('broker closes connections mid-run', () => {
         intervalMs: 250,
         describe: async () => ({ run: await runRow(runId), receipts: await receiptsOf(runId) }),
       });
-      const receipts = await receiptsOf(runId);
-      const remaining = await countReservations(bed.pool, seeded.expiredHeld);
-      const diagnosis = JSON.stringify({
-        closes,
-        run: await runRow(runId),
-        receipts,
-        remainingExpired: remaining,
-        schedulerWindowRetries: scheduler.lines.filter((line) => line.msg === 'run publish failed; retrying').length,
-        duplicateSettles: workers.flatMap((w) => w.lines.filter((line) => line.msg === 'batch settled' && line.outcome === 'duplicate')).length,
+      await assertRunDeletedExactlyOnce({
+        pool: bed.pool,
+        broker,
+        workQueue: names.workQueue('flap-holds'),
+        deadLetterQueue: names.deadLetterQueue,
+        runId,
+        seeded,
+        scheduler,
+        workers,
+        services,
+        diagnosis: { closes },
       });
-      assert.equal(remaining, 0, `every expired hold is deleted by the completed run; ${diagnosis}`);
-      assert.equal(receipts.deleted, FLAP_EXPIRED, `the receipts add up to the seeded expired count; ${diagnosis}`);
-      assert.equal(await countReservations(bed.pool, seeded.futureHeld), FUTURE, 'no hold that had not expired is gone');
-      assert.equal(await countReservations(bed.pool, seeded.expiredConfirmed), CONFIRMED, 'no confirmed reservation is gone');
-      await eventually('the work queue to be empty', async () => (await broker.messageCount(names.workQueue('flap-holds'))) === 0);
-      assert.equal((await broker.drain(names.deadLetterQueue)).length, 0, 'nothing dead-lettered');
-
-      const exits = await Promise.all(services.map((s) => s.stop()));
-      assert.deepEqual(exits.map((e) => e.code), [0, 0, 0], 'every service drains and exits 0');
       passed = true;
     } finally {
       if (!passed) await killLeftovers();

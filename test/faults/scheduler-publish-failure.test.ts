@@ -6,7 +6,8 @@ import { brokerNames } from '../../shared/amqp/topology';
 import { openTestBroker, type TestBroker } from '../support/broker';
 import { eventually } from '../support/eventually';
 import { assertNoLeakedProcesses, runReaperCli, startReaper, type ReaperProcess } from '../support/processes';
-import { countReservations, seedHolds } from '../support/seed';
+import { seedHolds } from '../support/seed';
+import { assertRunDeletedExactlyOnce } from '../support/run-checks';
 import { makeTestBed, type TestBed } from '../support/testbed';
 
 /**
@@ -138,24 +139,17 @@ describe('scheduler publishes refused mid-window', () => {
       await adminChannel.bindQueue(names.workQueue('seat-holds'), names.workExchange, 'seat-holds');
 
       await eventuallyAlive('the run to complete', async () => (await runRow(runId)).state === 'completed', { timeoutMs: 40_000, intervalMs: 250 });
-      const receipts = await receiptsOf(runId);
-      const remaining = await countReservations(bed.pool, seeded.expiredHeld);
-      const diagnosis = JSON.stringify({
-        run: await runRow(runId),
-        receipts,
-        remainingExpired: remaining,
-        windowRetries: scheduler.lines.filter((line) => line.msg === 'run publish failed; retrying').length,
-        duplicateSettles: workers.flatMap((w) => w.lines.filter((line) => line.msg === 'batch settled' && line.outcome === 'duplicate')).length,
+      await assertRunDeletedExactlyOnce({
+        pool: bed.pool,
+        broker,
+        workQueue: names.workQueue('seat-holds'),
+        deadLetterQueue: names.deadLetterQueue,
+        runId,
+        seeded,
+        scheduler,
+        workers,
+        services,
       });
-      assert.equal(remaining, 0, `every expired hold is deleted by the completed run; ${diagnosis}`);
-      assert.equal(receipts.deleted, EXPIRED, `the receipts add up to the seeded expired count; ${diagnosis}`);
-      assert.equal(await countReservations(bed.pool, seeded.futureHeld), FUTURE, 'no hold that had not expired is gone');
-      assert.equal(await countReservations(bed.pool, seeded.expiredConfirmed), CONFIRMED, 'no confirmed reservation is gone');
-      await eventually('the work queue to be empty', async () => (await broker.messageCount(names.workQueue('seat-holds'))) === 0);
-      assert.equal((await broker.drain(names.deadLetterQueue)).length, 0, 'nothing dead-lettered');
-
-      const exits = await Promise.all(services.map((s) => s.stop()));
-      assert.deepEqual(exits.map((e) => e.code), [0, 0, 0], 'every service drains and exits 0');
       passed = true;
     } finally {
       if (!passed) {
