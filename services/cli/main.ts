@@ -8,6 +8,7 @@ import { admissionList, admissionSetPaused } from '../../shared/db/queries/admis
 import { ledgerCountsByPolicy } from '../../shared/db/queries/ledger';
 import { deadLettersList, deadLettersPurge, deadLettersRequeue } from './dead-letters';
 import { migrate } from '../../shared/db/migrate';
+import { clockCheckCutoff } from '../../shared/db/queries/clock';
 import { makePool, type Pool } from '../../shared/db/pool';
 import { runsGetSummary, runsInsertIfAbsent, runsListSummaries, type RunSummary } from '../../shared/db/queries/runs';
 import { makeLogger } from '../../shared/observability/logger';
@@ -27,7 +28,7 @@ function context(): { env: Env; policies: PolicySet } {
 }
 
 async function withPool<T>(env: Env, work: (pool: Pool) => Promise<T>): Promise<T> {
-  const pool = makePool(env.databaseUrl, 2, 'reaper-cli');
+  const pool = makePool(env.databaseUrl, 2, 'reaper-cli', env.sessionTimeouts);
   try {
     return await work(pool);
   } finally {
@@ -245,6 +246,15 @@ export function makeProgram(): Command {
           cutoff = original.cutoff;
         }
         requirePolicy(policies, policy!);
+        // A cutoff can only narrow what is eligible: one later than the database clock would make
+        // rows eligible that have not expired yet (a typo of a year deletes live data).
+        const checked = await clockCheckCutoff(pool, cutoff!).catch((error: { code?: string; message: string }) => {
+          if (String(error.code).startsWith('22')) throw new UsageError(`--cutoff: "${cutoff}" is not a valid timestamp (${error.message})`);
+          throw error;
+        });
+        if (checked.inFuture) {
+          throw new UsageError(`--cutoff: ${checked.cutoff} is later than the database clock (${checked.now}); a replay may only look at the past`);
+        }
         const run = await runsInsertIfAbsent(pool, { policy: policy!, trigger: 'replay', scheduledFor: null, cutoff: cutoff!, replayOf: options.run ?? null });
         if (!run) throw new Error('a run for this instant already exists; try again');
         const result = options.wait ? await waitForRun(pool, run.runId, 600_000, !!options.json) : await runsGetSummary(pool, run.runId);

@@ -82,7 +82,7 @@ function listenForNewRuns(databaseUrl: string, log: Logger, wake: () => void): {
 
 export async function startScheduler(env: Env, policies: PolicySet, log: Logger): Promise<SchedulerHandle> {
   const metrics = makeMetrics();
-  const pool = makePool(env.databaseUrl, env.dbPoolSize, 'reaper-scheduler');
+  const pool = makePool(env.databaseUrl, env.dbPoolSize, 'reaper-scheduler', env.sessionTimeouts);
   const names = brokerNames(env.amqpPrefix);
   const policyNames = [...policies.keys()];
   const targets = new Map<string, ResolvedTarget>();

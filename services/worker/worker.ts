@@ -47,7 +47,7 @@ async function makeHandler(policy: Policy, pool: Pool): Promise<BatchHandler> {
  */
 export async function startWorker(env: Env, policies: PolicySet, log: Logger): Promise<WorkerHandle> {
   const metrics = makeMetrics();
-  const pool = makePool(env.databaseUrl, env.dbPoolSize, 'reaper-worker');
+  const pool = makePool(env.databaseUrl, env.dbPoolSize, 'reaper-worker', env.sessionTimeouts);
   const names = brokerNames(env.amqpPrefix);
   const handlers = new Map<string, BatchHandler>();
   try {

@@ -3,6 +3,7 @@ import { hostname } from 'node:os';
 import path from 'node:path';
 import { z } from 'zod';
 import { ConfigError } from './errors';
+import type { SessionTimeouts } from '../db/pool';
 
 /** The demo policies shipped in the repository: used when REAPER_POLICIES is not set. */
 export const DEMO_POLICIES_PATH = path.resolve(__dirname, '..', '..', '..', 'infra', 'policies.demo.yaml');
@@ -26,6 +27,10 @@ const envSchema = z.object({
   REAPER_DELIVERY_LIMIT: z.coerce.number().int().min(1).max(1000).default(20),
   /** Shared secret for POST /webhooks/<policy> (HMAC-SHA256). Webhooks are refused while unset. */
   REAPER_WEBHOOK_SECRET: z.string().min(16, 'at least 16 characters').optional(),
+  /** PostgreSQL statement_timeout per session (0 turns it off). */
+  REAPER_STATEMENT_TIMEOUT_MS: z.coerce.number().int().min(0).max(86_400_000).default(60_000),
+  /** PostgreSQL lock_timeout per session: a DELETE waiting this long for a row lock is retried later. */
+  REAPER_LOCK_TIMEOUT_MS: z.coerce.number().int().min(0).max(86_400_000).default(5_000),
   /** Test-only crash points: "before-commit" or "after-commit" (the worker SIGKILLs itself there). */
   REAPER_FAILPOINT: z.enum(['before-commit', 'after-commit', 'after-remote-call']).optional(),
 });
@@ -43,6 +48,7 @@ export type Env = {
   deliveryLimit: number;
   webhookSecret: string | undefined;
   failpoint: z.infer<typeof envSchema>['REAPER_FAILPOINT'];
+  sessionTimeouts: SessionTimeouts;
 };
 
 /** Variables that may hold secrets: each may instead name a file through `<NAME>_FILE`. */
@@ -97,6 +103,7 @@ export function loadEnv(source: NodeJS.ProcessEnv = process.env): Env {
     deliveryLimit: env.REAPER_DELIVERY_LIMIT,
     webhookSecret: env.REAPER_WEBHOOK_SECRET,
     failpoint: env.REAPER_FAILPOINT,
+    sessionTimeouts: { statementTimeoutMs: env.REAPER_STATEMENT_TIMEOUT_MS, lockTimeoutMs: env.REAPER_LOCK_TIMEOUT_MS },
   };
 }
 

@@ -4,13 +4,34 @@ export type Db = pg.Pool | pg.PoolClient;
 export type Pool = pg.Pool;
 export type Client = pg.PoolClient;
 
-export function makePool(connectionString: string, max: number, applicationName: string): pg.Pool {
+/**
+ * Per-session limits. A DELETE blocked by an application's row lock, or a statement stuck behind
+ * anything else, must give its connection and its message back (a lock timeout is a retry) instead
+ * of holding both forever.
+ */
+export interface SessionTimeouts {
+  statementTimeoutMs: number;
+  lockTimeoutMs: number;
+}
+export const DEFAULT_SESSION_TIMEOUTS: SessionTimeouts = { statementTimeoutMs: 60_000, lockTimeoutMs: 5_000 };
+
+export function makePool(
+  connectionString: string,
+  max: number,
+  applicationName: string,
+  timeouts: SessionTimeouts = DEFAULT_SESSION_TIMEOUTS,
+): pg.Pool {
   const pool = new pg.Pool({
     connectionString,
     max,
     application_name: applicationName,
     connectionTimeoutMillis: 10_000,
     idleTimeoutMillis: 30_000,
+    // Sent as session parameters at connect time (no extra round trip per statement).
+    statement_timeout: timeouts.statementTimeoutMs,
+    lock_timeout: timeouts.lockTimeoutMs,
+    // A transaction left open by a bug or a frozen process must not hold locks forever either.
+    idle_in_transaction_session_timeout: Math.max(timeouts.statementTimeoutMs, 60_000),
   });
   // An idle client losing its connection (server restart) must not crash the process: the pool
   // drops the client and the next query opens a fresh one.

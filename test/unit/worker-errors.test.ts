@@ -117,3 +117,9 @@ test('a handler rejecting with undefined or null -> unknown, and classifying it 
     if (result?.kind === 'unknown') assert.equal(result.databaseUnavailable, false);
   }
 });
+
+test('a pool checkout timeout (every pooled connection busy) -> retry, database NOT unavailable', () => {
+  const result = classifyHandlerError(new Error('timeout exceeded when trying to connect'));
+  assert.equal(result.kind, 'unknown');
+  assert.equal(result.kind === 'unknown' && result.databaseUnavailable, false);
+});

@@ -12,6 +12,8 @@ export interface TargetSpec {
   key: string;
   expiresAt: string;
   guard: Readonly<Record<string, string | number | boolean>>;
+  /** remote-delete: columns set on the row once the remote confirmed (checked at start-up too). */
+  markConfirmed?: Readonly<Record<string, string | number | boolean>> | undefined;
 }
 
 /** A target whose names were checked against the catalog. */
@@ -35,7 +37,8 @@ export interface ExpiringItem {
  */
 export async function targetResolve(db: Db, spec: TargetSpec): Promise<ResolvedTarget> {
   const guardNames = Object.keys(spec.guard);
-  const wanted = [spec.key, spec.expiresAt, ...guardNames];
+  const markNames = Object.keys(spec.markConfirmed ?? {});
+  const wanted = [spec.key, spec.expiresAt, ...guardNames, ...markNames];
   const result = await db.query<{ attname: string; type: string }>(
     `SELECT a.attname, format_type(a.atttypid, a.atttypmod) AS type
      FROM pg_attribute a
@@ -55,6 +58,8 @@ export async function targetResolve(db: Db, spec: TargetSpec): Promise<ResolvedT
   if (expiryType !== 'timestamp with time zone') {
     throw new Error(`column "${spec.expiresAt}" must be timestamptz, it is ${expiryType}`);
   }
+  await requireUniqueKey(db, spec);
+  await requireCastableValues(db, spec, types);
   return {
     table: quoteIdentifier(spec.table),
     key: quoteIdentifier(spec.key),
@@ -63,6 +68,47 @@ export async function targetResolve(db: Db, spec: TargetSpec): Promise<ResolvedT
     guardColumns: guardNames.map(quoteIdentifier),
     guardValues: guardNames.map((name) => String(spec.guard[name])),
   };
+}
+
+/**
+ * One item must name one row: the DELETE deletes `key = id`, the receipt counts items, and the
+ * keyset scan orders by (expiry, key). A key that is not unique would delete several rows per item
+ * and skip rows sharing (expiry, key), so a primary key or a non-partial unique index on exactly
+ * this column is required.
+ */
+async function requireUniqueKey(db: Db, spec: TargetSpec): Promise<void> {
+  const result = await db.query<{ unique: boolean }>(
+    `SELECT EXISTS (
+       SELECT 1 FROM pg_index i
+       JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0]
+       WHERE i.indrelid = to_regclass($1) AND i.indisunique AND i.indisvalid AND i.indpred IS NULL
+         AND i.indexprs IS NULL AND i.indnkeyatts = 1 AND a.attname = $2) AS unique`,
+    [quoteIdentifier(spec.table), spec.key],
+  );
+  if (!result.rows[0]?.unique) {
+    throw new Error(
+      `key column "${spec.key}" of table "${spec.table}" is not unique: reaper needs a primary key or a non-partial unique index on exactly "${spec.key}"`,
+    );
+  }
+}
+
+/**
+ * Every guard and markConfirmed value must be a value of its column's type: a typo found only
+ * after the remote confirmed would roll the ledger write back and call the remote again and again.
+ */
+async function requireCastableValues(db: Db, spec: TargetSpec, types: ReadonlyMap<string, string>): Promise<void> {
+  const checks = [
+    ...Object.entries(spec.guard).map(([column, value]) => ({ where: 'guard', column, value })),
+    ...Object.entries(spec.markConfirmed ?? {}).map(([column, value]) => ({ where: 'markConfirmed', column, value })),
+  ];
+  for (const check of checks) {
+    const type = types.get(check.column)!;
+    try {
+      await db.query(`SELECT $1::${type}`, [String(check.value)]);
+    } catch (error) {
+      throw new Error(`${check.where}.${check.column}: ${JSON.stringify(check.value)} is not a valid ${type} (${(error as Error).message})`);
+    }
+  }
 }
 
 function guardSql(target: ResolvedTarget, firstParameter: number): string {
@@ -87,12 +133,25 @@ export async function expiringRowsScanPage(
   const result = await db.query<{ id: string; observed_expiry: string }>(
     `SELECT t.${key}::text AS id, reaper_iso(t.${expiresAt}) AS observed_expiry
      FROM ${table} t
-     WHERE t.${expiresAt} <= $1::timestamptz${afterClause}${guardSql(target, guardFrom)}
+     WHERE t.${expiresAt} <= $1::timestamptz AND t.${expiresAt} > '-infinity'::timestamptz${afterClause}${guardSql(target, guardFrom)}
      ORDER BY t.${expiresAt}, t.${key}
      LIMIT $2`,
     params,
   );
   return result.rows.map((row) => ({ id: row.id, observedExpiry: row.observed_expiry }));
+}
+
+/**
+ * Rows satisfying the guard whose expiry is '-infinity': they have no instant a batch could carry,
+ * so the scan leaves them out (they would otherwise hold their whole batch back on every run);
+ * the scheduler counts them once per run and says so. ('infinity' never passes a cutoff.)
+ */
+export async function expiringRowsCountNonFinite(db: Db, target: ResolvedTarget): Promise<number> {
+  const result = await db.query<{ n: number }>(
+    `SELECT count(*)::int AS n FROM ${target.table} t WHERE t.${target.expiresAt} = '-infinity'::timestamptz${guardSql(target, 1)}`,
+    [...target.guardValues],
+  );
+  return result.rows[0]!.n;
 }
 
 /**
@@ -112,7 +171,14 @@ export async function expiringRowsDeleteIfStillExpired(
     `WITH removed AS (
        DELETE FROM ${table} t
        USING unnest($1::${keyType}[], $2::timestamptz[]) AS item(id, observed_expiry)
-       WHERE t.${key} = item.id AND t.${expiresAt} = item.observed_expiry AND t.${expiresAt} <= $3::timestamptz${guardSql(target, 9)}
+       WHERE t.${key} = item.id AND t.${expiresAt} = item.observed_expiry
+         -- A cutoff can only narrow what is eligible: a batch carrying a future cutoff (a replay
+         -- typo, a buggy or forged publisher) never makes an unexpired row eligible.
+         AND t.${expiresAt} <= least($3::timestamptz, statement_timestamp())${guardSql(target, 9)}
+         -- A batch whose receipt exists was committed before: it deletes nothing now, so every
+         -- deletion is counted by exactly one receipt (a row re-inserted with the same key and
+         -- expiry after the first delivery is left for the next run to find).
+         AND NOT EXISTS (SELECT 1 FROM cleanup_batches done WHERE done.batch_id = $4)
        RETURNING 1
      ), receipt AS (
        INSERT INTO cleanup_batches (batch_id, run_id, policy, items, deleted, noop, worker_id)
@@ -150,7 +216,7 @@ export async function expiringRowGetIfExpired(
   const result = await db.query<{ id: string; observed_expiry: string; now: string }>(
     `SELECT t.${key}::text AS id, reaper_iso(t.${expiresAt}) AS observed_expiry, reaper_iso(statement_timestamp()) AS now
      FROM ${table} t
-     WHERE t.${key} = $1::${keyType} AND t.${expiresAt} <= statement_timestamp()${guardSql(target, 2)}`,
+     WHERE t.${key} = $1::${keyType} AND t.${expiresAt} <= statement_timestamp() AND t.${expiresAt} > '-infinity'::timestamptz${guardSql(target, 2)}`,
     [id, ...target.guardValues],
   );
   const row = result.rows[0];

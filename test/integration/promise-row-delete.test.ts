@@ -1,0 +1,213 @@
+import assert from 'node:assert/strict';
+import { randomUUID } from 'node:crypto';
+import { after, before, describe, test } from 'node:test';
+import pino from 'pino';
+import { loadPolicies } from '../../shared/config/policies';
+import { brokerNames } from '../../shared/amqp/topology';
+import { encodeBatch, makeBatchId, type BatchV1 } from '../../shared/contracts/batch';
+import { targetResolve } from '../../shared/db/queries/expiring-rows';
+import { runsGetSummary, runsInsertIfAbsent } from '../../shared/db/queries/runs';
+import { startScheduler, type SchedulerHandle } from '../../services/scheduler/scheduler';
+import { startWorker, type WorkerHandle } from '../../services/worker/worker';
+import { openTestBroker, type TestBroker } from '../support/broker';
+import { eventually } from '../support/eventually';
+import { assertNoLeakedProcesses, runReaperCli, startReaper, type ReaperProcess } from '../support/processes';
+import { countReservations, databaseNowIso, itemsFor, seedHolds } from '../support/seed';
+import { makeTestBed, type TestBed } from '../support/testbed';
+
+/**
+ * Issue "Keep the promise", row-delete side: nothing deleted early (item 1), every deletion counted
+ * by exactly one receipt (item 17), a non-unique key or a bad markConfirmed refused at start-up
+ * (items 4, 5), '-infinity' expiries never hold other rows back (item 6), and a DELETE blocked by an
+ * application's row lock gives its message back as a retry (item 15).
+ */
+describe('keep the promise: row-delete', () => {
+  let bed: TestBed;
+  let worker: WorkerHandle;
+  let broker: TestBroker;
+  let names: ReturnType<typeof brokerNames>;
+  const log = pino({ level: process.env.TEST_LOG_LEVEL ?? 'silent' });
+
+  before(async () => {
+    bed = await makeTestBed('promise_rows');
+    bed.writePolicies(`policies:
+  - name: seat-holds
+    kind: row-delete
+    schedule: "0 0 1 1 *"
+    table: seat_reservations
+    key: reservation_id
+    expiresAt: expires_at
+    guard: { status: held }
+    batchSize: 10
+`);
+    // A short lock timeout so the blocked-DELETE test does not wait the default 5 s per delivery.
+    const env = bed.env({ REAPER_LOCK_TIMEOUT_MS: '300' });
+    worker = await startWorker(env, loadPolicies(env.policiesPath), log);
+    broker = await openTestBroker(bed.amqpUrl);
+    names = brokerNames(bed.prefix);
+  });
+
+  after(async () => {
+    await broker?.close();
+    await worker?.stop();
+    await assertNoLeakedProcesses();
+    await bed?.close();
+  });
+
+  const counter = async (name: string, labels: Record<string, string>): Promise<number> => {
+    const metric = await worker.metrics.registry.getSingleMetric(name)!.get();
+    return metric.values.filter((v) => Object.entries(labels).every(([k, l]) => v.labels[k] === l)).reduce((sum, v) => sum + v.value, 0);
+  };
+
+  async function batchFor(ids: string[], overrides: Partial<BatchV1> = {}): Promise<BatchV1> {
+    const runId = randomUUID();
+    return {
+      version: 1,
+      runId,
+      batchId: makeBatchId(runId, 1),
+      policy: 'seat-holds',
+      cutoff: await databaseNowIso(bed.pool),
+      items: await itemsFor(bed.pool, ids),
+      ...overrides,
+    };
+  }
+  const publishBatch = (batch: BatchV1) =>
+    broker.publish(names.workExchange, 'seat-holds', encodeBatch(batch), { messageId: batch.batchId, headers: { 'x-run-id': batch.runId } });
+  const receipt = async (batchId: string) =>
+    (await bed.pool.query<{ deleted: number; noop: number }>('SELECT deleted, noop FROM cleanup_batches WHERE batch_id = $1', [batchId])).rows[0];
+
+  test('item 1: a batch whose cutoff is a year ahead deletes no row that has not expired', async () => {
+    const seeded = await seedHolds(bed.pool, { expiredHeld: 3, futureHeld: 5 });
+    const yearAhead = (await bed.pool.query<{ at: string }>(`SELECT reaper_iso(now() + interval '1 year') AS at`)).rows[0]!.at;
+    const batch = await batchFor([...seeded.expiredHeld, ...seeded.futureHeld], { cutoff: yearAhead });
+    await publishBatch(batch);
+    await eventually('the receipt', () => receipt(batch.batchId));
+    assert.deepEqual(await receipt(batch.batchId), { deleted: 3, noop: 5 });
+    assert.equal(await countReservations(bed.pool, seeded.futureHeld), 5, 'live holds survive a forged future cutoff');
+    assert.equal(await countReservations(bed.pool, seeded.expiredHeld), 0);
+  });
+
+  test('item 1: `reaper replay` refuses a cutoff later than the database clock (exit 2, names --cutoff)', async () => {
+    const yearAhead = (await bed.pool.query<{ at: string }>(`SELECT reaper_iso(now() + interval '1 year') AS at`)).rows[0]!.at;
+    const refused = await runReaperCli(['replay', '--policy', 'seat-holds', '--cutoff', yearAhead], bed.processEnv());
+    assert.equal(refused.code, 2, refused.stdout);
+    assert.match(refused.stdout, /--cutoff: .* is later than the database clock/);
+    assert.doesNotMatch(refused.stdout, /\n\s+at /, 'no stack trace');
+    const runs = await bed.pool.query('SELECT 1 FROM cleanup_runs WHERE trigger = $1', ['replay']);
+    assert.equal(runs.rowCount, 0, 'nothing recorded');
+    const past = (await bed.pool.query<{ at: string }>(`SELECT reaper_iso(now() - interval '1 minute') AS at`)).rows[0]!.at;
+    const accepted = await runReaperCli(['replay', '--policy', 'seat-holds', '--cutoff', past, '--json'], bed.processEnv());
+    assert.equal(accepted.code, 0, accepted.stdout);
+    // No scheduler runs in this file yet; the item-6 test starts one, which must not execute this run.
+    await bed.pool.query(`DELETE FROM cleanup_runs WHERE trigger = 'replay'`);
+  });
+
+  test('item 17: a redelivered batch whose receipt exists deletes nothing, even rows that match again', async () => {
+    const seeded = await seedHolds(bed.pool, { expiredHeld: 4 });
+    const batch = await batchFor(seeded.expiredHeld);
+    await publishBatch(batch);
+    await eventually('the first receipt', () => receipt(batch.batchId));
+    // The same rows come back with the same keys and expiries (restored from a backup, say).
+    await bed.pool.query(
+      `INSERT INTO seat_reservations (reservation_id, status, expires_at) SELECT id::uuid, 'held', e::timestamptz
+       FROM unnest($1::text[], $2::text[]) AS x(id, e)`,
+      [batch.items.map((item) => item.id), batch.items.map((item) => item.observedExpiry)],
+    );
+    const duplicatesBefore = await counter('reaper_batches_total', { outcome: 'duplicate' });
+    await publishBatch(batch);
+    await eventually('the redelivery settled as a duplicate', async () => (await counter('reaper_batches_total', { outcome: 'duplicate' })) > duplicatesBefore);
+    assert.equal(await countReservations(bed.pool, seeded.expiredHeld), 4, 'no deletion outside a counted receipt');
+    assert.deepEqual(await receipt(batch.batchId), { deleted: 4, noop: 0 });
+  });
+
+  test('item 15: a DELETE blocked by an application row lock is retried (not dead-lettered) and completes once the lock goes', async () => {
+    const seeded = await seedHolds(bed.pool, { expiredHeld: 2 });
+    const holder = await bed.pool.connect();
+    const unknownBefore = await counter('reaper_batches_total', { outcome: 'unknown' });
+    let released = false;
+    try {
+      await holder.query('BEGIN');
+      await holder.query('SELECT 1 FROM seat_reservations WHERE reservation_id = $1 FOR UPDATE', [seeded.expiredHeld[0]]);
+      const batch = await batchFor(seeded.expiredHeld);
+      await publishBatch(batch);
+      await eventually('a delivery given back after the lock timeout', async () => (await counter('reaper_batches_total', { outcome: 'unknown' })) > unknownBefore, {
+        timeoutMs: 15_000,
+      });
+      assert.equal(await receipt(batch.batchId), undefined, 'nothing committed while the row is locked');
+      await holder.query('COMMIT');
+      released = true;
+      await eventually('the receipt once the lock is gone', () => receipt(batch.batchId), { timeoutMs: 20_000 });
+      assert.deepEqual(await receipt(batch.batchId), { deleted: 2, noop: 0 });
+      assert.equal(await broker.messageCount(names.deadLetterQueue), 0, 'a lock timeout is not a dead letter');
+    } finally {
+      if (!released) await holder.query('ROLLBACK').catch(() => undefined); // already failed: release below anyway
+      holder.release();
+    }
+  });
+
+  test("item 6: rows expiring at '-infinity' never hold the valid rows of their window back", async () => {
+    await bed.pool.query('DELETE FROM seat_reservations'); // rows earlier tests left on purpose
+    const seeded = await seedHolds(bed.pool, { expiredHeld: 25 });
+    const infinite = await bed.pool.query<{ id: string }>(
+      `INSERT INTO seat_reservations (reservation_id, status, expires_at) SELECT gen_random_uuid(), 'held', '-infinity' FROM generate_series(1, 7)
+       RETURNING reservation_id::text AS id`,
+    );
+    const env = bed.env();
+    const scheduler: SchedulerHandle = await startScheduler(env, loadPolicies(env.policiesPath), log);
+    try {
+      const run = (await runsInsertIfAbsent(bed.pool, { policy: 'seat-holds', trigger: 'manual', scheduledFor: null, cutoff: null }))!;
+      const done = await eventually('the run completed', async () => {
+        const summary = await runsGetSummary(bed.pool, run.runId);
+        return summary?.state === 'completed' ? summary : undefined;
+      });
+      assert.equal(done.deleted, 25);
+      assert.equal(await countReservations(bed.pool, seeded.expiredHeld), 0);
+      assert.equal(await countReservations(bed.pool, infinite.rows.map((row) => row.id)), 7, "'-infinity' rows are left out (documented), not deleted");
+      assert.equal(await broker.messageCount(names.deadLetterQueue), 0, 'no batch dead-lettered');
+    } finally {
+      await scheduler.stop();
+    }
+  });
+
+  test('item 4: a key column that is not unique is refused at start-up, naming table and column', async () => {
+    await bed.pool.query(`CREATE TABLE dup_holds (hold_key text NOT NULL, status text, expires_at timestamptz)`);
+    await bed.pool.query(`CREATE UNIQUE INDEX dup_holds_partial ON dup_holds (hold_key) WHERE status = 'held'`);
+    const spec = { table: 'dup_holds', key: 'hold_key', expiresAt: 'expires_at', guard: { status: 'held' } };
+    await assert.rejects(targetResolve(bed.pool, spec), /key column "hold_key" of table "dup_holds" is not unique/);
+    const policies = bed.writePolicies(`policies:
+  - name: dup-holds
+    kind: row-delete
+    schedule: "0 0 1 1 *"
+    table: dup_holds
+    key: hold_key
+    expiresAt: expires_at
+`);
+    const worker = startReaper('worker dup-holds', ['worker'], bed.processEnv({ REAPER_POLICIES: policies, REAPER_AMQP_PREFIX: `${bed.prefix}-dup` }));
+    const exit = await exitWithin(worker, 20_000);
+    assert.equal(exit.code, 1, worker.output.join('\n'));
+    assert.match(worker.output.join('\n'), /dup-holds.*key column "hold_key" of table "dup_holds" is not unique/);
+    await bed.pool.query(`CREATE UNIQUE INDEX dup_holds_key ON dup_holds (hold_key)`);
+    await targetResolve(bed.pool, spec);
+  });
+
+  test('item 5: markConfirmed columns and values are checked at start-up', async () => {
+    await bed.pool.query(`CREATE TABLE marked_assets (asset_id text PRIMARY KEY, status text, gone boolean, expires_at timestamptz)`);
+    const base = { table: 'marked_assets', key: 'asset_id', expiresAt: 'expires_at', guard: { status: 'active' } };
+    await assert.rejects(targetResolve(bed.pool, { ...base, markConfirmed: { stauts: 'deleted' } }), /has no column "stauts"/);
+    await assert.rejects(targetResolve(bed.pool, { ...base, markConfirmed: { gone: 'maybe' } }), /markConfirmed\.gone: "maybe" is not a valid boolean/);
+    await targetResolve(bed.pool, { ...base, markConfirmed: { gone: true, status: 'deleted' } });
+  });
+});
+
+/** The process's exit, or a failure (and SIGKILL) when it is still running after `timeoutMs`. */
+async function exitWithin(process: ReaperProcess, timeoutMs: number): Promise<{ code: number | null }> {
+  let timer: NodeJS.Timeout | undefined;
+  const late = new Promise<'late'>((resolve) => (timer = setTimeout(() => resolve('late'), timeoutMs)));
+  const result = await Promise.race([process.exited, late]);
+  clearTimeout(timer);
+  if (result === 'late') {
+    await process.stop(1_000);
+    assert.fail(`${process.label} still running after ${timeoutMs} ms: ${process.output.slice(-5).join(' | ')}`);
+  }
+  return result;
+}
