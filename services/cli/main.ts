@@ -2,14 +2,13 @@ import { Command, CommanderError, Option } from 'commander';
 import { loadEnv, type Env } from '../../shared/config/env';
 import { ConfigError } from '../../shared/config/errors';
 import amqp from 'amqplib';
-import { loadPolicies, requirePolicy, type PolicySet, type RemoteDeletePolicy } from '../../shared/config/policies';
+import { requirePolicy, type PolicySet, type RemoteDeletePolicy } from '../../shared/config/policies';
 import { brokerNames, makeTopology, topologyAsDefinitions } from '../../shared/amqp/topology';
 import { admissionList, admissionSetPaused } from '../../shared/db/queries/admission';
 import { ledgerCountsByPolicy } from '../../shared/db/queries/ledger';
 import { deadLettersList, deadLettersPurge, deadLettersRequeue } from './dead-letters';
 import { migrate } from '../../shared/db/migrate';
-import { clockCheckCutoff } from '../../shared/db/queries/clock';
-import { makePool, type Pool } from '../../shared/db/pool';
+import type { Pool } from '../../shared/db/pool';
 import { runsGetSummary, runsInsertIfAbsent, runsListSummaries, type RunSummary } from '../../shared/db/queries/runs';
 import { makeLogger } from '../../shared/observability/logger';
 import { startScheduler } from '../scheduler/scheduler';
@@ -17,24 +16,10 @@ import { startWorker } from '../worker/worker';
 import { runDemo } from './demo';
 import { printResult, table } from './output';
 
-/** A user mistake on the command line: message only, exit code 2. */
-class UsageError extends Error {}
-
-const MICROSECOND_ISO_INPUT = /^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d{1,6})?(Z|[+-]\d{2}:\d{2})$/;
-
-function context(): { env: Env; policies: PolicySet } {
-  const env = loadEnv();
-  return { env, policies: loadPolicies(env.policiesPath) };
-}
-
-async function withPool<T>(env: Env, work: (pool: Pool) => Promise<T>): Promise<T> {
-  const pool = makePool(env.databaseUrl, 2, 'reaper-cli', env.sessionTimeouts);
-  try {
-    return await work(pool);
-  } finally {
-    await pool.end();
-  }
-}
+import { context, ISO_INPUT, pastCutoff, UsageError, withPool } from './common';
+import { registerAuditCommand } from './audit';
+import { registerHoldCommands } from './holds';
+import { registerPlanCommand } from './plan';
 
 /** Runs a service in the foreground until SIGTERM/SIGINT, then drains and exits 0. */
 async function runService(kind: 'scheduler' | 'worker'): Promise<void> {
@@ -232,7 +217,7 @@ export function makeProgram(): Command {
       const { env, policies } = context();
       if (options.run && (options.policy || options.cutoff)) throw new UsageError('give either --run, or --policy with --cutoff, not both');
       if (!options.run && !(options.policy && options.cutoff)) throw new UsageError('give --run <runId>, or --policy <policy> with --cutoff <iso>');
-      if (options.cutoff && !MICROSECOND_ISO_INPUT.test(options.cutoff)) {
+      if (options.cutoff && !ISO_INPUT.test(options.cutoff)) {
         throw new UsageError(`--cutoff: "${options.cutoff}" is not an ISO 8601 timestamp with a time zone`);
       }
       if (options.run && !/^[0-9a-f-]{36}$/i.test(options.run)) throw new UsageError(`--run: "${options.run}" is not a run id (uuid)`);
@@ -246,15 +231,8 @@ export function makeProgram(): Command {
           cutoff = original.cutoff;
         }
         requirePolicy(policies, policy!);
-        // A cutoff can only narrow what is eligible: one later than the database clock would make
-        // rows eligible that have not expired yet (a typo of a year deletes live data).
-        const checked = await clockCheckCutoff(pool, cutoff!).catch((error: { code?: string; message: string }) => {
-          if (String(error.code).startsWith('22')) throw new UsageError(`--cutoff: "${cutoff}" is not a valid timestamp (${error.message})`);
-          throw error;
-        });
-        if (checked.inFuture) {
-          throw new UsageError(`--cutoff: ${checked.cutoff} is later than the database clock (${checked.now}); a replay may only look at the past`);
-        }
+        // A cutoff can only narrow what is eligible (DESIGN invariant 2): a future one is refused.
+        if (options.cutoff) await pastCutoff(pool, options.cutoff);
         const run = await runsInsertIfAbsent(pool, { policy: policy!, trigger: 'replay', scheduledFor: null, cutoff: cutoff!, replayOf: options.run ?? null });
         if (!run) throw new Error('a run for this instant already exists; try again');
         const result = options.wait ? await waitForRun(pool, run.runId, 600_000, !!options.json) : await runsGetSummary(pool, run.runId);
@@ -371,6 +349,10 @@ export function makeProgram(): Command {
       const purged = await deadLettersPurge(env.amqpUrl, env.amqpPrefix);
       printResult(!!options.json, { purged }, () => `purged ${purged} message(s)`);
     });
+
+  registerPlanCommand(program);
+  registerHoldCommands(program);
+  registerAuditCommand(program);
 
   program
     .command('demo')

@@ -3,9 +3,9 @@ export function printResult(json: boolean, value: unknown, asText: () => string)
   process.stdout.write(json ? `${JSON.stringify(value, null, 2)}\n` : `${asText()}\n`);
 }
 
-export function table(rows: Array<Record<string, unknown>>, columns: string[]): string {
+export function table(rows: ReadonlyArray<object>, columns: string[]): string {
   if (rows.length === 0) return '(none)';
-  const cells = rows.map((row) => columns.map((column) => formatCell(row[column])));
+  const cells = rows.map((row) => columns.map((column) => formatCell((row as Record<string, unknown>)[column])));
   const widths = columns.map((column, index) => Math.max(column.length, ...cells.map((line) => line[index]!.length)));
   const line = (values: string[]) => values.map((value, index) => value.padEnd(widths[index]!)).join('  ').trimEnd();
   return [line(columns), ...cells.map(line)].join('\n');

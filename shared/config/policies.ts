@@ -1,3 +1,4 @@
+import { createHash } from 'node:crypto';
 import { readFileSync } from 'node:fs';
 import { validate as cronIsValid } from 'node-cron';
 import { parse as parseYaml } from 'yaml';
@@ -32,6 +33,24 @@ const common = {
   guard: z.record(identifier, guardValue).default({}),
   // 500 by the batch-size sweep (bench/): 1.6-1.8x the rows/s of 100, a message of about 47 KB.
   batchSize: z.number().int().min(1).max(1000).default(500),
+  /**
+   * Blast-radius brake: a run whose scan finds more candidates than either limit publishes nothing
+   * and waits for `reaper approve`. Absent: no brake (README "Guardrails" says why).
+   */
+  limits: z
+    .strictObject({
+      maxPerRun: z.number().int().min(1).optional(),
+      /** Of the rows that satisfy the guard (expired or not). */
+      maxFractionPerRun: z.number().gt(0).max(1).optional(),
+    })
+    .optional(),
+  /** Audit trail: one cleanup_audit row per deletion, in the deleting statement; kept retainDays. */
+  audit: z
+    .strictObject({
+      enabled: z.boolean().default(true),
+      retainDays: z.number().int().min(1).max(3650).default(90),
+    })
+    .optional(),
 };
 
 const rowDeletePolicy = z.strictObject({ ...common, kind: z.literal('row-delete') });
@@ -89,6 +108,22 @@ export type Policy = z.infer<typeof policySchema>;
 export type RowDeletePolicy = z.infer<typeof rowDeletePolicy>;
 export type RemoteDeletePolicy = z.infer<typeof remotePolicy>;
 export type PolicySet = ReadonlyMap<string, Policy>;
+
+/**
+ * The version of a policy's definition: a short hash of its validated form (keys sorted), stored
+ * on each run and each audit row, so "which version of the rule deleted this" has an answer.
+ */
+export function policyVersion(policy: Policy): string {
+  const canonical = (value: unknown): unknown =>
+    Array.isArray(value)
+      ? value.map(canonical)
+      : value !== null && typeof value === 'object'
+        ? Object.fromEntries(Object.keys(value).sort().map((key) => [key, canonical((value as Record<string, unknown>)[key])]))
+        : value;
+  // Headers carry credentials: rotating a token is not a change of the rule.
+  const rule = policy.kind === 'remote-delete' ? { ...policy, remote: { ...policy.remote, headers: Object.keys(policy.remote.headers).sort() } } : policy;
+  return createHash('sha256').update(JSON.stringify(canonical(rule))).digest('hex').slice(0, 16);
+}
 
 /** Replaces `${NAME}` in every string value with the environment's value; a missing one is an error. */
 function substituteEnvironment(value: unknown, source: NodeJS.ProcessEnv, where: string): unknown {

@@ -69,6 +69,24 @@ export async function withTransaction<T>(
   }
 }
 
+/**
+ * Runs `work` in a READ ONLY transaction (always rolled back): for commands that promise to change
+ * nothing, such as `reaper plan`, the database itself refuses any write.
+ */
+export async function withReadOnlyTransaction<T>(pool: pg.Pool, work: (client: pg.PoolClient) => Promise<T>): Promise<T> {
+  const client = await pool.connect();
+  let broken = false;
+  try {
+    await client.query('BEGIN READ ONLY');
+    return await work(client);
+  } finally {
+    await client.query('ROLLBACK').catch(() => {
+      broken = true; // the connection itself failed: the pool discards it
+    });
+    client.release(broken);
+  }
+}
+
 /** Identifier quoting (pg's own escapeIdentifier). Only policy-validated names ever reach it. */
 export function quoteIdentifier(name: string): string {
   return name

@@ -1,4 +1,4 @@
-import type { RowDeletePolicy } from '../../../shared/config/policies';
+import { policyVersion, type RowDeletePolicy } from '../../../shared/config/policies';
 import { withTransaction, type Db } from '../../../shared/db/pool';
 import { expiringRowsDeleteIfStillExpired, type ResolvedTarget } from '../../../shared/db/queries/expiring-rows';
 import type { BatchHandler } from './types';
@@ -7,7 +7,8 @@ import type { BatchHandler } from './types';
  * row-delete: one statement (its own transaction): a conditional DELETE over every item of the
  * batch plus the batch receipt. The database decides what is still expired; a renewed or confirmed row is a no-op.
  */
-export function makeRowDeleteHandler(_policy: RowDeletePolicy, target: ResolvedTarget): BatchHandler {
+export function makeRowDeleteHandler(policy: RowDeletePolicy, target: ResolvedTarget): BatchHandler {
+  const audit = policy.audit?.enabled ? { policyVersion: policyVersion(policy) } : null;
   return async (batch, context) => {
     const deleteAndRecord = (db: Db) =>
       expiringRowsDeleteIfStillExpired(db, target, {
@@ -17,6 +18,7 @@ export function makeRowDeleteHandler(_policy: RowDeletePolicy, target: ResolvedT
         cutoff: batch.cutoff,
         items: batch.items,
         workerId: context.workerId,
+        audit,
       });
     // The DELETE and the receipt are ONE statement, atomic on its own: run as is, it saves the
     // BEGIN and COMMIT round trips (measured: about 13% more batches per second). Only a crash

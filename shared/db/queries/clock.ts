@@ -12,3 +12,9 @@ export async function clockCheckCutoff(db: Db, cutoff: string): Promise<{ inFutu
   const row = result.rows[0]!;
   return { inFuture: row.in_future, now: row.now, cutoff: row.cutoff };
 }
+
+/** The database clock now, in the microsecond form batches carry. */
+export async function databaseNow(db: Db): Promise<string> {
+  const result = await db.query<{ now: string }>('SELECT reaper_iso(statement_timestamp()) AS now');
+  return result.rows[0]!.now;
+}

@@ -1,5 +1,6 @@
 import type { Db } from '../pool';
 import { quoteIdentifier } from '../pool';
+import { noActiveHold } from './holds';
 
 /**
  * SQL over a policy's own table ("the target"): the keyset scan the scheduler runs and the
@@ -8,6 +9,8 @@ import { quoteIdentifier } from '../pool';
  */
 
 export interface TargetSpec {
+  /** The policy's name: holds and audit rows are per policy. Defaults to the table's name. */
+  name?: string;
   table: string;
   key: string;
   expiresAt: string;
@@ -18,6 +21,7 @@ export interface TargetSpec {
 
 /** A target whose names were checked against the catalog. */
 export interface ResolvedTarget {
+  readonly policy: string;
   readonly table: string; // quoted
   readonly key: string; // quoted
   readonly expiresAt: string; // quoted
@@ -61,6 +65,7 @@ export async function targetResolve(db: Db, spec: TargetSpec): Promise<ResolvedT
   await requireUniqueKey(db, spec);
   await requireCastableValues(db, spec, types);
   return {
+    policy: spec.name ?? spec.table,
     table: quoteIdentifier(spec.table),
     key: quoteIdentifier(spec.key),
     expiresAt: quoteIdentifier(spec.expiresAt),
@@ -126,14 +131,16 @@ export async function expiringRowsScanPage(
 ): Promise<ExpiringItem[]> {
   const { table, key, expiresAt, keyType } = target;
   const afterClause = page.after ? ` AND (t.${expiresAt}, t.${key}) > ($3::timestamptz, $4::${keyType})` : '';
-  const guardFrom = page.after ? 5 : 3;
+  const policyParameter = page.after ? 5 : 3;
+  const guardFrom = policyParameter + 1;
   const params: unknown[] = [page.cutoff, page.limit];
   if (page.after) params.push(page.after.expiry, page.after.key);
-  params.push(...target.guardValues);
+  params.push(target.policy, ...target.guardValues);
   const result = await db.query<{ id: string; observed_expiry: string }>(
     `SELECT t.${key}::text AS id, reaper_iso(t.${expiresAt}) AS observed_expiry
      FROM ${table} t
      WHERE t.${expiresAt} <= $1::timestamptz AND t.${expiresAt} > '-infinity'::timestamptz${afterClause}${guardSql(target, guardFrom)}
+       AND ${noActiveHold(`$${policyParameter}`, `t.${key}`)}
      ORDER BY t.${expiresAt}, t.${key}
      LIMIT $2`,
     params,
@@ -164,9 +171,25 @@ export async function expiringRowsCountNonFinite(db: Db, target: ResolvedTarget)
 export async function expiringRowsDeleteIfStillExpired(
   db: Db,
   target: ResolvedTarget,
-  batch: { batchId: string; runId: string; policy: string; cutoff: string; items: readonly ExpiringItem[]; workerId: string },
+  batch: {
+    batchId: string;
+    runId: string;
+    policy: string;
+    cutoff: string;
+    items: readonly ExpiringItem[];
+    workerId: string;
+    /** Audit on: one cleanup_audit row per deleted row, written by this same statement. */
+    audit?: { policyVersion: string } | null;
+  },
 ): Promise<{ receiptWritten: boolean; deleted: number }> {
   const { table, key, expiresAt, keyType } = target;
+  // The audit rows are part of the deleting statement: they exist exactly when the deletion commits.
+  const audited = batch.audit
+    ? `, audited AS (
+       INSERT INTO cleanup_audit (policy, key, observed_expiry, run_id, batch_id, policy_version)
+       SELECT $6, r.key, r.expiry, $5, $4, $9 FROM removed r
+     )`
+    : '';
   const result = await db.query<{ receipt_written: boolean; deleted: number }>(
     `WITH removed AS (
        DELETE FROM ${table} t
@@ -174,19 +197,22 @@ export async function expiringRowsDeleteIfStillExpired(
        WHERE t.${key} = item.id AND t.${expiresAt} = item.observed_expiry
          -- A cutoff can only narrow what is eligible: a batch carrying a future cutoff (a replay
          -- typo, a buggy or forged publisher) never makes an unexpired row eligible.
-         AND t.${expiresAt} <= least($3::timestamptz, statement_timestamp())${guardSql(target, 9)}
+         AND t.${expiresAt} <= least($3::timestamptz, statement_timestamp())${guardSql(target, 10)}
+         -- A legal hold placed after the scan, while the batch waited, still wins.
+         AND ${noActiveHold('$6', `t.${key}`)}
          -- A batch whose receipt exists was committed before: it deletes nothing now, so every
          -- deletion is counted by exactly one receipt (a row re-inserted with the same key and
          -- expiry after the first delivery is left for the next run to find).
          AND NOT EXISTS (SELECT 1 FROM cleanup_batches done WHERE done.batch_id = $4)
-       RETURNING 1
+       RETURNING t.${key}::text AS key, t.${expiresAt} AS expiry
      ), receipt AS (
        INSERT INTO cleanup_batches (batch_id, run_id, policy, items, deleted, noop, worker_id)
        SELECT $4, $5, $6, $7, n.deleted, $7 - n.deleted, $8 FROM (SELECT count(*)::int AS deleted FROM removed) n
        ON CONFLICT (batch_id) DO NOTHING
        RETURNING 1
-     )
-     SELECT EXISTS (SELECT 1 FROM receipt) AS receipt_written, (SELECT count(*)::int FROM removed) AS deleted`,
+     )${audited}
+     -- $9 is named here too so its type is known when the audit CTE is left out
+     SELECT EXISTS (SELECT 1 FROM receipt) AS receipt_written, (SELECT count(*)::int FROM removed) AS deleted, $9::text AS policy_version`,
     [
       batch.items.map((item) => item.id),
       batch.items.map((item) => item.observedExpiry),
@@ -196,6 +222,7 @@ export async function expiringRowsDeleteIfStillExpired(
       batch.policy,
       batch.items.length,
       batch.workerId,
+      batch.audit?.policyVersion ?? null,
       ...target.guardValues,
     ],
   );

@@ -1,0 +1,78 @@
+import type { Db } from '../pool';
+import type { ResolvedTarget } from './expiring-rows';
+import { noActiveHold } from './holds';
+
+/**
+ * What a run would do at a cutoff, read without writing anything: the same predicate as the scan
+ * (guard, finite expiry <= cutoff, no active hold), counted, plus what the brake compares with.
+ */
+export interface PlanCounts {
+  candidates: number;
+  /** Expired rows left out by an active legal hold. */
+  held: number;
+  /** Rows satisfying the guard, expired or not: the base of maxFractionPerRun. */
+  guarded: number;
+  /** Rows whose expiry is '-infinity' (never published; see expiringRowsCountNonFinite). */
+  nonFinite: number;
+  oldestExpiry: string | null;
+  newestExpiry: string | null;
+}
+
+export async function planCount(db: Db, target: ResolvedTarget, cutoff: string): Promise<PlanCounts> {
+  const guard = target.guardColumns.map((column, index) => ` AND t.${column} = $${3 + index}`).join('');
+  const result = await db.query<{
+    candidates: string;
+    held: string;
+    guarded: string;
+    non_finite: string;
+    oldest: string | null;
+    newest: string | null;
+  }>(
+    `SELECT count(*) FILTER (WHERE expired AND NOT held) AS candidates, count(*) FILTER (WHERE expired AND held) AS held,
+            count(*) AS guarded, count(*) FILTER (WHERE non_finite) AS non_finite,
+            reaper_iso(min(expiry) FILTER (WHERE expired AND NOT held)) AS oldest,
+            reaper_iso(max(expiry) FILTER (WHERE expired AND NOT held)) AS newest
+     FROM (SELECT t.${target.expiresAt} AS expiry,
+                  t.${target.expiresAt} <= $1::timestamptz AND t.${target.expiresAt} > '-infinity'::timestamptz AS expired,
+                  t.${target.expiresAt} = '-infinity'::timestamptz AS non_finite,
+                  NOT ${noActiveHold('$2', `t.${target.key}`)} AS held
+           FROM ${target.table} t WHERE true${guard}) x`,
+    [cutoff, target.policy, ...target.guardValues],
+  );
+  const row = result.rows[0]!;
+  return {
+    candidates: Number(row.candidates),
+    held: Number(row.held),
+    guarded: Number(row.guarded),
+    nonFinite: Number(row.non_finite),
+    oldestExpiry: row.oldest,
+    newestExpiry: row.newest,
+  };
+}
+
+/** The first `limit` candidate keys in scan order. */
+export async function planSample(db: Db, target: ResolvedTarget, cutoff: string, limit: number): Promise<string[]> {
+  const guard = target.guardColumns.map((column, index) => ` AND t.${column} = $${4 + index}`).join('');
+  const result = await db.query<{ id: string }>(
+    `SELECT t.${target.key}::text AS id FROM ${target.table} t
+     WHERE t.${target.expiresAt} <= $1::timestamptz AND t.${target.expiresAt} > '-infinity'::timestamptz${guard}
+       AND ${noActiveHold('$2', `t.${target.key}`)}
+     ORDER BY t.${target.expiresAt}, t.${target.key} LIMIT $3`,
+    [cutoff, target.policy, limit, ...target.guardValues],
+  );
+  return result.rows.map((row) => row.id);
+}
+
+/** Rows per second of the policy's recent completed runs (trigger to finish); null without history. */
+export async function planRecentRowsPerSecond(db: Db, policy: string): Promise<number | null> {
+  const result = await db.query<{ rate: number | null }>(
+    `SELECT sum(b.deleted + b.noop) / nullif(sum(extract(epoch FROM r.finished_at - r.started_at)), 0) AS rate
+     FROM (SELECT run_id, started_at, finished_at FROM cleanup_runs
+           WHERE policy = $1 AND state = 'completed' AND started_at IS NOT NULL AND finished_at > started_at
+           ORDER BY finished_at DESC LIMIT 5) r
+     CROSS JOIN LATERAL (SELECT coalesce(sum(deleted), 0) AS deleted, coalesce(sum(noop), 0) AS noop FROM cleanup_batches WHERE run_id = r.run_id) b`,
+    [policy],
+  );
+  const rate = result.rows[0]?.rate;
+  return rate === null || rate === undefined ? null : Number(rate);
+}
