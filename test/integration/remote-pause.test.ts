@@ -41,7 +41,7 @@ describe('remote-delete: pause and resume', () => {
   let api: MediaApi;
 
   before(async () => {
-    ({ bed, api } = await openRemoteWorld('remote_pause', { ratePerSecond: R, burst: BURST, concurrency: C, batchSize: 10, timeoutMs: 2000, leaseMs: 10_000 }, { slowMs: SLOW_MS }));
+    ({ bed, api } = await openRemoteWorld('remote_pause', { ratePerSecond: R, burst: BURST, concurrency: C, batchSize: 10, timeoutMs: 2000, leaseMs: 12_000 }, { slowMs: SLOW_MS }));
   });
 
   after(() => closeRemoteWorld({ bed, api }));

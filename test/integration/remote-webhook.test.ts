@@ -37,7 +37,7 @@ describe('remote-delete: webhooks', () => {
   before(async () => {
     bed = await makeTestBed('remote_webhook');
     api = await startMediaApi();
-    bed.writePolicies(mediaPolicyYaml({ baseUrl: api.url, ratePerSecond: 20, burst: 5, concurrency: 2, batchSize: 10, timeoutMs: 2000, leaseMs: 5000 }));
+    bed.writePolicies(mediaPolicyYaml({ baseUrl: api.url, ratePerSecond: 20, burst: 5, concurrency: 2, batchSize: 10, timeoutMs: 2000, leaseMs: 12_000 }));
     const scheduler = startSchedulerProcess(bed, 'webhook-scheduler', { HTTP_PORT: '0', REAPER_WEBHOOK_SECRET: SECRET });
     const worker = startWorkerProcess(bed, 'webhook-worker');
     processes = [scheduler, worker];
