@@ -111,6 +111,10 @@ export async function admitAndClaim(
       if (state.wholeTokens === 0) waitMs = Math.max(MIN_ADMISSION_WAIT_MS, ((1 - (state.tokens - state.wholeTokens)) / bucket.ratePerSecond) * 1000);
     } else if (state.claimed.length === 0) {
       verdict = 'none-due';
+    } else {
+      // Admitted: the next token is due when the fraction left completes to one.
+      const left = state.tokens - state.claimed.length;
+      waitMs = left >= 1 ? MIN_ADMISSION_WAIT_MS : Math.max(MIN_ADMISSION_WAIT_MS / 2, ((1 - (left - Math.floor(left))) / bucket.ratePerSecond) * 1000);
     }
     return { claimed: state.claimed, readAt, tokensAfter: state.tokens - state.claimed.length, verdict, superseded: state.superseded, waitMs, lockWaitMs };
   });

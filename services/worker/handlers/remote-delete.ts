@@ -85,25 +85,42 @@ export function makeRemoteDeleteHandler(policy: RemoteDeletePolicy, target: Reso
     let admitted = 0;
     let superseded = 0;
     let waitedInWorker = 0;
-    while (recorded.known.length > 0) {
+    // Calls run while the loop asks for the next grant: a batch at the head of the line takes every
+    // token as it arrives (within the concurrency cap), not one round of calls at a time.
+    const inProgress = new Set<Promise<void>>();
+    const startCall = (operation: ClaimedOperation, from: AdmissionGrant): void => {
+      const call: Promise<void> = callAndRecord(policy, target, remote, operation, from, context)
+        .then((result) => void results.push(result))
+        .finally(() => inProgress.delete(call));
+      inProgress.add(call);
+    };
+    const callEnds = () => Promise.race(inProgress);
+    while (recorded.known.length > 0 && Date.now() < holdUntil) {
       grant = await admitAndClaim(context.pool, policy, target, { keys: recorded.known, owner: context.workerId, cutoff: batch.cutoff, batchId: batch.batchId });
       lockWait.observe({ policy: policy.name }, grant.lockWaitMs / 1000);
       superseded += grant.superseded;
-      if (grant.claimed.length > 0) {
-        admitted += grant.claimed.length;
-        const current = grant;
-        results.push(...(await Promise.all(current.claimed.map((operation) => callAndRecord(policy, target, remote, operation, current, context)))));
-        if (Date.now() >= holdUntil) break;
+      for (const operation of grant.claimed) startCall(operation, grant);
+      admitted += grant.claimed.length;
+      if (grant.verdict === 'paused' || grant.verdict === 'blocked') break;
+      if (grant.verdict === 'none-due') {
+        // Everything of the batch is claimed or waiting a backoff: wait for a call to end, if any.
+        if (inProgress.size === 0) break;
+        await callEnds();
         continue;
       }
-      // Nothing admitted. Wait here only at the head of the line and only for a token or a slot.
-      if ((grant.verdict !== 'no-token' && grant.verdict !== 'concurrency') || Date.now() + grant.waitMs >= holdUntil) break;
-      const line = await ledgerDueSummary(context.pool, { policy: policy.name, keys: recorded.known, batchId: batch.batchId });
-      const turnMs = (line.ahead / rate) * 1000;
-      if (line.due === 0 || turnMs > WAIT_IN_WORKER_MAX_MS) break;
-      waitedInWorker += 1;
-      await sleep(Math.max(grant.waitMs, turnMs));
+      if (grant.claimed.length === 0 && inProgress.size === 0) {
+        // No token or no slot, and nothing of ours running: wait here only when our turn is near.
+        const line = await ledgerDueSummary(context.pool, { policy: policy.name, keys: recorded.known, batchId: batch.batchId });
+        const turnMs = (line.ahead / rate) * 1000;
+        if (line.due === 0 || turnMs > WAIT_IN_WORKER_MAX_MS || Date.now() + Math.max(grant.waitMs, turnMs) >= holdUntil) break;
+        waitedInWorker += 1;
+        await sleep(Math.max(grant.waitMs, turnMs));
+        continue;
+      }
+      // Ask again when the next token is due, or as soon as one of our calls frees its slot.
+      await Promise.race([sleep(grant.waitMs), ...(inProgress.size > 0 ? [callEnds()] : [])]);
     }
+    await Promise.all(inProgress);
     const tally = countResults(results);
     for (const [result, count] of Object.entries(tally)) context.metrics.operationsTotal.inc({ policy: policy.name, result }, count);
 
