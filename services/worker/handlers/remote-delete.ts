@@ -36,7 +36,7 @@ export const WAIT_IN_WORKER_MAX_MS = 1_000;
  * (its turn is far, the policy is paused or blocked for long, a backoff) is kept in the ledger
  * only: the message is acked and the ledger sweeper publishes the batch again when its turn is near.
  */
-export const WAIT_IN_BROKER_MAX_MS = 10_000;
+export const WAIT_IN_BROKER_MAX_MS = 2_000;
 /** Retry-After assumed when a 429 carries none. */
 export const DEFAULT_RETRY_AFTER_MS = 1_000;
 
