@@ -21,7 +21,7 @@ import { loadEnv } from '../shared/config/env';
 import { runPgBoss, type PgBossOptions, type PgBossResult } from './contenders/pgboss';
 import { runRawDelete } from './contenders/raw';
 import { runLatency } from './figures/latency';
-import { runRemoteDelete } from './figures/remote-delete';
+import { runRemoteBacklog, runRemoteDelete } from './figures/remote-delete';
 import { runReaperEndToEnd, runStageSplit, type ReaperRun } from './figures/row-delete';
 import { BenchBroker } from './lib/broker';
 import type { BenchContext, Measured, Throughput } from './lib/context';
@@ -171,6 +171,11 @@ async function measureAll(context: BenchContext, config: ModeConfig, report: Ben
   const backlog = remote.ratePerSecond * remote.backlogSeconds;
   context.progress(`remote-delete: R=${remote.ratePerSecond}, backlog ${backlog}`);
   report.remote = await runRemoteDelete(context, { ...remote, backlog });
+  if (config.remoteBacklog) {
+    const b = config.remoteBacklog;
+    context.progress(`remote backlog: ${b.assets} assets, R=${b.ratePerSecond}, a run every ${b.runEverySeconds} s while it drains`);
+    report.remoteBacklog = await runRemoteBacklog(context, b);
+  }
 }
 
 async function main(): Promise<number> {
@@ -222,6 +227,7 @@ async function main(): Promise<number> {
     sweep: [],
     latency: null,
     remote: null,
+    remoteBacklog: null,
     profiles: [],
     checks: context.checks,
     countsOk: false,

@@ -1,3 +1,4 @@
+import { brokerNames, DELAY_TIERS_MS } from '../../shared/amqp/topology';
 import { runsInsertIfAbsent } from '../../shared/db/queries/runs';
 import { startMediaApi, type MediaApi } from '../../test/support/media-api';
 import { check, checkFinished, reaperEnvironment, type BenchContext } from '../lib/context';
@@ -140,6 +141,160 @@ export async function runRemoteDelete(
       duplicates,
       operations,
       seconds: spanSeconds,
+      bounded: done === undefined,
+    };
+  } finally {
+    await stopServices(services);
+    await api?.close();
+    await pool.end();
+  }
+}
+
+/**
+ * Figure 5b (issue 7, item 10): a remote backlog that takes far longer to drain than the schedule
+ * interval. `assets` expired assets, the policy's run every `runEverySeconds` throughout the drain,
+ * three workers sharing one budget. It shows that the ledger, not the broker, carries the waiting
+ * work: messages published in all (scheduler + delay tiers + ledger sweeper) stay within a small
+ * multiple of one scan's batches, queue depth never grows past the first scan's, the rate at the
+ * remote holds, nothing is executed twice; and how long workers waited for the admission lock.
+ */
+export interface RemoteBacklogFigure {
+  assets: number;
+  ratePerSecond: number;
+  burst: number;
+  concurrency: number;
+  workers: number;
+  runEverySeconds: number;
+  runs: number;
+  firstScanBatches: number;
+  /** Batches the scheduler published, copies sent to delay tiers, batches the ledger sweeper sent. */
+  published: { scheduler: number; delayTiers: number; sweeper: number; total: number };
+  publishedRatio: number;
+  /** Most messages in the work queue plus every delay tier at any sample (every 500 ms). */
+  maxQueueDepth: number;
+  achievedPerSecond: number;
+  achievedRatio: number;
+  duplicates: number;
+  rateLimited: number;
+  maxCallsInOneSecond: number;
+  /** The workers' reaper_admission_lock_wait_seconds: p50 and p99 as bucket upper bounds (ms), and grants. */
+  lockWait: { p50Ms: number; p99Ms: number; grants: number };
+  operations: Record<string, number>;
+  seconds: number;
+  bounded: boolean;
+}
+
+function histogramQuantileMs(buckets: Record<string, number>, quantile: number): number {
+  const ordered = Object.entries(buckets)
+    .map(([le, count]) => ({ le: le === '+Inf' ? Infinity : Number(le), count }))
+    .sort((a, b) => a.le - b.le);
+  const total = ordered.at(-1)?.count ?? 0;
+  const found = ordered.find((bucket) => bucket.count >= quantile * total);
+  return found ? found.le * 1000 : 0;
+}
+
+export async function runRemoteBacklog(
+  context: BenchContext,
+  options: { assets: number; ratePerSecond: number; burst: number; concurrency: number; workers: number; runEverySeconds: number; slowMs: number },
+): Promise<RemoteBacklogFigure> {
+  await context.databases.fresh();
+  await context.broker.preparePhase([REMOTE_POLICY]);
+  const pool = context.databases.pool(2, 'bench-observer');
+  const names = brokerNames(context.broker.prefix);
+  const queues = [names.workQueue(REMOTE_POLICY), ...DELAY_TIERS_MS.map((ms) => names.delayQueue(ms))];
+  let api: MediaApi | null = null;
+  let services: ReaperService[] = [];
+  try {
+    await pool.query(
+      `INSERT INTO media_assets (asset_id, status, retention_expires_at, url)
+       SELECT 'asset-' || i, 'active', now() - interval '1 hour' + i * interval '1 millisecond' + random() * interval '1 millisecond',
+              'https://media.invalid/asset-' || i
+       FROM generate_series(1, $1) i`,
+      [options.assets],
+    );
+    api = await startMediaApi({ ratePerSecond: options.ratePerSecond, burst: options.burst });
+    api.configure({ slowMs: options.slowMs });
+    const policiesPath = writePolicies(context.workDir, 'remote-backlog', [
+      {
+        name: REMOTE_POLICY,
+        kind: 'remote-delete',
+        schedule: `*/${options.runEverySeconds} * * * * *`,
+        table: 'media_assets',
+        key: 'asset_id',
+        expiresAt: 'retention_expires_at',
+        guard: { status: 'active' },
+        batchSize: 100,
+        remote: { baseUrl: api.url, path: '/assets/{id}', timeoutMs: 5000 },
+        admission: { ratePerSecond: options.ratePerSecond, burst: options.burst, concurrency: options.concurrency },
+        retry: { maxAttempts: 10 },
+      },
+    ]);
+    services = await startServices(reaperEnvironment(context, policiesPath), [
+      { kind: 'scheduler', id: 'bench-scheduler' },
+      ...Array.from({ length: options.workers }, (_, i) => ({ kind: 'worker' as const, id: `bench-worker-${i + 1}` })),
+    ]);
+    const started = Date.now();
+    const deadline = started + Math.min(context.boundMs, ((1.5 * options.assets) / options.ratePerSecond + 60) * 1000);
+    let maxQueueDepth = 0;
+    const done = await pollUntil(
+      async () => {
+        let depth = 0;
+        for (const queue of queues) depth += (await context.broker.queueState(queue).catch(() => ({ messages: 0 }))).messages;
+        maxQueueDepth = Math.max(maxQueueDepth, depth);
+        return api!.deletedIds().size >= options.assets ? true : undefined;
+      },
+      { deadline, everyMs: 500 },
+    );
+    for (const service of services) service.assertRunning();
+    const sum = (values: Record<string, number>) => Object.values(values).reduce((a, b) => a + b, 0);
+    const scheduler = sum(await services[0]!.metric('reaper_batches_published_total'));
+    let delayTiers = 0;
+    let sweeper = 0;
+    const operations: Record<string, number> = {};
+    const lockBuckets: Record<string, number> = {};
+    for (const worker of services.slice(1)) {
+      delayTiers += (await worker.metric('reaper_batches_total', 'outcome')).retry ?? 0;
+      sweeper += sum(await worker.metric('reaper_ledger_sweep_batches_published_total'));
+      for (const [result, n] of Object.entries(await worker.metric('reaper_operations_total', 'result'))) operations[result] = (operations[result] ?? 0) + n;
+      for (const [le, n] of Object.entries(await worker.metric('reaper_admission_lock_wait_seconds_bucket', 'le'))) lockBuckets[le] = (lockBuckets[le] ?? 0) + n;
+    }
+    await stopServices(services);
+    const runs = await pool.query<{ run_id: string; batches: number }>(
+      `SELECT r.run_id, (SELECT count(*)::int FROM cleanup_run_batches b WHERE b.run_id = r.run_id) AS batches
+       FROM cleanup_runs r WHERE r.policy = $1 ORDER BY r.created_at, r.run_id`,
+      [REMOTE_POLICY],
+    );
+    const firstScanBatches = runs.rows.find((row) => row.batches > 0)?.batches ?? 0;
+    const executed = api.calls.filter((call) => call.executed).map((call) => call.startedAt).sort((a, b) => a - b);
+    const spanSeconds = executed.length > 1 ? (executed[executed.length - 1]! - executed[0]!) / 1000 : 0;
+    const achievedPerSecond = spanSeconds > 0 ? (executed.length - 1) / spanSeconds : 0;
+    const duplicates = [...api.executionsByKey().values()].filter((count) => count > 1).length;
+    const figure = `remote backlog, ${options.assets} assets, R=${options.ratePerSecond}, a run every ${options.runEverySeconds} s`;
+    check(context, figure, 'duplicate executions at the remote', 0, duplicates);
+    if (checkFinished(context, figure, done !== undefined)) {
+      check(context, figure, 'assets deleted at the remote', options.assets, api.deletedIds().size);
+    }
+    const total = scheduler + delayTiers + sweeper;
+    return {
+      assets: options.assets,
+      ratePerSecond: options.ratePerSecond,
+      burst: options.burst,
+      concurrency: options.concurrency,
+      workers: options.workers,
+      runEverySeconds: options.runEverySeconds,
+      runs: runs.rows.length,
+      firstScanBatches,
+      published: { scheduler, delayTiers, sweeper, total },
+      publishedRatio: firstScanBatches > 0 ? total / firstScanBatches : 0,
+      maxQueueDepth,
+      achievedPerSecond,
+      achievedRatio: achievedPerSecond / options.ratePerSecond,
+      duplicates,
+      rateLimited: api.calls.filter((call) => call.status === 429).length,
+      maxCallsInOneSecond: api.maxCallsInWindow(1000),
+      lockWait: { p50Ms: histogramQuantileMs(lockBuckets, 0.5), p99Ms: histogramQuantileMs(lockBuckets, 0.99), grants: lockBuckets['+Inf'] ?? 0 },
+      operations,
+      seconds: (Date.now() - started) / 1000,
       bounded: done === undefined,
     };
   } finally {

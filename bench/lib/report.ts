@@ -1,6 +1,6 @@
 import type { PgBossResult } from '../contenders/pgboss';
 import type { LatencyFigure } from '../figures/latency';
-import type { RemoteFigure } from '../figures/remote-delete';
+import type { RemoteBacklogFigure, RemoteFigure } from '../figures/remote-delete';
 import type { ReaperRun, StageSplit } from '../figures/row-delete';
 import type { CountCheck, Measured, Throughput } from './context';
 import type { CpuSplit } from './cpu';
@@ -20,6 +20,7 @@ export interface BenchReport {
   sweep: Array<{ batchSize: number; endToEnd: Throughput; claimedToCompleted: Throughput }>;
   latency: LatencyFigure | null;
   remote: RemoteFigure | null;
+  remoteBacklog?: RemoteBacklogFigure | null;
   profiles: ProfileSummary[];
   checks: CountCheck[];
   countsOk: boolean;
@@ -128,6 +129,16 @@ function rows(report: BenchReport): Row[] {
     add('5', 'remote 429 answers', String(r.rateLimited));
     const operations = Object.entries(r.operations).sort((a, b) => b[1] - a[1]).map(([result, n]) => `${result} ${n}`).join(', ');
     add('5', `remote ledger outcomes (steady ${number(r.steadyPerSecond)} calls/s from 10% to 90% done)`, operations);
+  }
+  if (report.remoteBacklog) {
+    const b = report.remoteBacklog;
+    const head = `${count(b.assets)} assets, R=${b.ratePerSecond}, burst ${b.burst}, cap ${b.concurrency}, ${b.workers} workers, a run every ${b.runEverySeconds} s (${b.runs} runs)`;
+    const p = b.published;
+    add('5b', `backlog: messages published in all / one scan's batches (${head})`, `${p.total} (scheduler ${p.scheduler}, delay tiers ${p.delayTiers}, ledger sweeper ${p.sweeper}) / ${b.firstScanBatches}${b.bounded ? ' (bounded)' : ''}`, ratio(b.publishedRatio), '<= 3', verdict(b.publishedRatio <= 3));
+    add('5b', 'backlog: achieved rate, first call to last', `${number(b.achievedPerSecond, 1)} calls/s`, ratio(b.achievedRatio), '>= 0.95', verdict(b.achievedRatio >= 0.95));
+    add('5b', 'backlog: most messages in work + delay queues / first scan\'s batches', `${b.maxQueueDepth} / ${b.firstScanBatches}`, '', '<= 1', verdict(b.maxQueueDepth <= b.firstScanBatches));
+    add('5b', 'backlog: duplicate executions; 429 answers; most calls in one second', `${b.duplicates}; ${b.rateLimited}; ${b.maxCallsInOneSecond}`, '', '0', verdict(b.duplicates === 0));
+    add('5b', 'backlog: admission lock wait p50 / p99 (bucket bounds)', `${number(b.lockWait.p50Ms, 1)} ms / ${number(b.lockWait.p99Ms, 1)} ms over ${count(b.lockWait.grants)} grants`);
   }
   // The ratio compares claimed-to-completed: the claim poll's random wait (up to 1 s) is noise here.
   const base = report.sweep.find((entry) => entry.batchSize === 100);

@@ -104,7 +104,13 @@ async function scanWindow(
   from: { cursor: Run['cursor']; sequence: number },
 ): Promise<Window> {
   const limit = policy.batchSize * CONFIRM_WINDOW;
-  const rows = await expiringRowsScanPage(deps.pool, target, { cutoff: run.cutoff, after: from.cursor, limit });
+  const rows = await expiringRowsScanPage(deps.pool, target, {
+    cutoff: run.cutoff,
+    after: from.cursor,
+    limit,
+    // remote-delete: items that already have an operation are the ledger's to carry, not the scan's
+    unrecordedFor: policy.kind === 'remote-delete' ? policy.name : undefined,
+  });
   const window: Window = { batches: [], candidates: 0, cursor: from.cursor, reachedEnd: rows.length < limit };
   for (let start = 0; start < rows.length; start += policy.batchSize) {
     const page = rows.slice(start, start + policy.batchSize);

@@ -1,7 +1,7 @@
 import type { Channel, ChannelModel, ConsumeMessage } from 'amqplib';
 import type { Logger } from 'pino';
 import type { Env } from '../../shared/config/env';
-import type { Policy, PolicySet } from '../../shared/config/policies';
+import type { Policy, PolicySet, RemoteDeletePolicy } from '../../shared/config/policies';
 import { ReconnectingConnection } from '../../shared/amqp/connection';
 import { ConfirmingPublisher } from '../../shared/amqp/publisher';
 import { brokerNames, makeTopology } from '../../shared/amqp/topology';
@@ -11,6 +11,7 @@ import { makePool, type Pool } from '../../shared/db/pool';
 import { ledgerReturnExpiredLeases } from '../../shared/db/queries/ledger';
 import { makeHttpRemoteClient, withCircuitBreaker } from '../../shared/remote/client';
 import { makeRemoteDeleteHandler } from './handlers/remote-delete';
+import { startLedgerSweeper } from './ledger-sweeper';
 import { targetResolve } from '../../shared/db/queries/expiring-rows';
 import { startHealthServer } from '../../shared/observability/http';
 import { makeMetrics, type Metrics } from '../../shared/observability/metrics';
@@ -63,7 +64,7 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
     await pool.end();
     throw error;
   }
-  // Leases of crashed or frozen workers go back to pending (the scan or a delayed batch picks them up).
+  // Leases of crashed or frozen workers go back to pending, not carried: the ledger sweeper sends them again.
   const hasRemote = [...policies.values()].some((policy) => policy.kind === 'remote-delete');
   const reclaimer = hasRemote
     ? setInterval(() => {
@@ -82,6 +83,9 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
   connection.on('ready', () => metrics.amqpConnected.set(1));
   connection.on('lost', () => metrics.amqpConnected.set(0));
   const publisher = new ConfirmingPublisher(connection);
+  // Work waiting in the ledger (its turn, a webhook, a reclaimed lease, a lost delay copy) is sent again from there.
+  const remotePolicies = [...policies.values()].filter((policy): policy is RemoteDeletePolicy => policy.kind === 'remote-delete');
+  const sweeper = remotePolicies.length > 0 ? startLedgerSweeper({ pool, publisher, names, policies: remotePolicies, log, registry: metrics.registry }) : null;
   const settleDeps: SettleDeps = { publisher, names, metrics, deliveryLimit: env.deliveryLimit };
 
   let channel: Channel | null = null;
@@ -203,6 +207,7 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
     async stop() {
       stopping = true;
       if (reclaimer) clearInterval(reclaimer);
+      await sweeper?.stop();
       const current = channel as Channel | null;
       if (current) for (const tag of consumerTags) await current.cancel(tag).catch(() => undefined); // closed channel: nothing to cancel
       // Drain: batches in flight finish and settle; nothing new arrives after the cancel.

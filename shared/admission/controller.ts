@@ -1,65 +1,99 @@
+import { Histogram, type Registry } from 'prom-client';
 import type { RemoteDeletePolicy } from '../config/policies';
 import { withTransaction, type Pool } from '../db/pool';
-import { admissionBlockFor, admissionGrantAndClaim, admissionLock, admissionRefund } from '../db/queries/admission';
-import { ledgerDeferPending, type ClaimedOperation } from '../db/queries/ledger';
+import { admissionBlockFor, admissionGrantAndClaim, admissionLock, admissionTakeOne } from '../db/queries/admission';
+import type { ResolvedTarget } from '../db/queries/expiring-rows';
+import type { ClaimedOperation } from '../db/queries/ledger';
 
 /**
  * Global admission: no token, no call. One short transaction locks the policy's admission row,
  * refills the bucket from the database clock, checks the pause switch, the 429 block and the
- * concurrency in use (live in-flight leases of every worker), and claims at most that many due
- * operations. Operations not admitted are deferred with a not_before: durable state, not a
- * sleeping worker (DESIGN.md invariants 9 and 10).
- */
-
-/**
- * A grant is good for this long: a call that cannot start within it is not made (the operation is
- * rescheduled). Calls therefore reach the remote at most GRANT_LIFETIME_MS (+ a network margin)
- * after the bucket was read, and refilling at rate / (1 + that delay) keeps every one-second
- * window AT THE REMOTE within rate + burst, not just the grants.
+ * concurrency in use (live in-flight leases of every worker), re-checks the batch's due operations
+ * against their rows and claims at most that many (DESIGN.md invariants 9, 10 and 13).
+ *
+ * Holding the limit AT THE REMOTE. A call reaches the remote a little after its grant was counted.
+ * Lateness can only hurt when, meanwhile, the bucket could have filled up to its cap (refill that
+ * the cap throws away is what lets two windows' worth of calls meet at the remote). So:
+ *  - the bucket refills at the FULL rate, and its capacity is the burst minus what the rate brings
+ *    in GRANT_LIFETIME_MS + NETWORK_MARGIN_MS (a call started within that time is seen by the
+ *    remote no more "bunched" than the burst allows);
+ *  - a call that could not start within GRANT_LIFETIME_MS (a busy machine) is NOT thrown away: if
+ *    the bucket could not have reached its cap since the grant (tokens left + this round's grants +
+ *    rate × lateness below the capacity), counting the grant now instead of then changes nothing
+ *    and the call starts; otherwise (the bucket was rich anyway) it takes a fresh token at once.
+ * The steady rate is therefore the configured rate, not a fraction of it.
  */
 export const GRANT_LIFETIME_MS = 25;
 const NETWORK_MARGIN_MS = 5;
-export function effectiveRefillRate(ratePerSecond: number): number {
-  return ratePerSecond / (1 + (GRANT_LIFETIME_MS + NETWORK_MARGIN_MS) / 1000);
+
+/** The bucket the database keeps for a policy's (rate, burst) at the remote. */
+export function bucketShape(ratePerSecond: number, burst: number): { ratePerSecond: number; capacity: number } {
+  const margin = Math.ceil((ratePerSecond * (GRANT_LIFETIME_MS + NETWORK_MARGIN_MS)) / 1000);
+  if (burst - margin >= 1) return { ratePerSecond, capacity: burst - margin };
+  // A burst too small to absorb the lateness: take it from the rate instead (the old rule).
+  return { ratePerSecond: ratePerSecond / (1 + (GRANT_LIFETIME_MS + NETWORK_MARGIN_MS) / 1000), capacity: 1 };
 }
 
 /** Shortest wait before an operation that found no token or no free slot asks again. */
-export const MIN_ADMISSION_WAIT_MS = 100;
-/** Waits at least this long are written to the operations' not_before. */
-export const DEFER_IN_LEDGER_FROM_MS = 1_000;
-/** How often paused work looks at the switch again. */
-export const PAUSED_RECHECK_MS = 1_000;
+export const MIN_ADMISSION_WAIT_MS = 20;
 
 export type AdmissionVerdict = 'admitted' | 'paused' | 'blocked' | 'no-token' | 'concurrency' | 'none-due';
 
 export interface AdmissionGrant {
   claimed: ClaimedOperation[];
-  /** Process clock (ms) when the refilled bucket was read; the grant expires GRANT_LIFETIME_MS later. */
+  /** Process clock (ms) when the refilled bucket was read. */
   readAt: number;
+  /** Tokens left in the bucket right after this grant. */
+  tokensAfter: number;
   verdict: AdmissionVerdict;
-  /** Operations due now whose not_before was moved by waitMs (long waits only). */
-  deferred: number;
-  /** When the deferred ones should ask again. */
+  /** Due operations whose row no longer holds their decision: finished 'superseded' by the same statement. */
+  superseded: number;
+  /** When asking again may be admitted (next token, a free slot, the end of a block). */
   waitMs: number;
+  /** How long the admission row's lock took to get (contention between workers). */
+  lockWaitMs: number;
+}
+
+const lockWaitHistograms = new WeakMap<Registry, Histogram<'policy'>>();
+
+/** reaper_admission_lock_wait_seconds{policy}: registered on first use in the process's registry. */
+export function admissionLockWaitHistogram(registry: Registry): Histogram<'policy'> {
+  let histogram = lockWaitHistograms.get(registry);
+  if (!histogram) {
+    histogram = new Histogram({
+      name: 'reaper_admission_lock_wait_seconds',
+      help: 'Time to get the policy admission row lock (remote-delete), per grant',
+      labelNames: ['policy'],
+      buckets: [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1],
+      registers: [registry],
+    });
+    lockWaitHistograms.set(registry, histogram);
+  }
+  return histogram;
 }
 
 export async function admitAndClaim(
   pool: Pool,
   policy: RemoteDeletePolicy,
-  request: { keys: readonly string[]; owner: string },
+  target: ResolvedTarget,
+  request: { keys: readonly string[]; owner: string; cutoff: string; batchId: string },
 ): Promise<AdmissionGrant> {
-  const { burst, concurrency } = policy.admission;
-  const ratePerSecond = effectiveRefillRate(policy.admission.ratePerSecond);
+  const { concurrency } = policy.admission;
+  const bucket = bucketShape(policy.admission.ratePerSecond, policy.admission.burst);
   return withTransaction(pool, async (client) => {
-    await admissionLock(client, policy.name, burst);
-    const state = await admissionGrantAndClaim(client, {
+    const asked = performance.now();
+    await admissionLock(client, policy.name, bucket.capacity);
+    const lockWaitMs = performance.now() - asked;
+    const state = await admissionGrantAndClaim(client, target, {
       policy: policy.name,
-      ratePerSecond,
-      burst,
+      ratePerSecond: bucket.ratePerSecond,
+      burst: bucket.capacity,
       concurrency,
       keys: request.keys,
       owner: request.owner,
       leaseMs: policy.leaseMs,
+      cutoff: request.cutoff,
+      batchId: request.batchId,
     });
     // The bucket was read a moment before this answer arrived: the grant's age is undercounted by
     // that one trip back, which NETWORK_MARGIN_MS covers.
@@ -68,27 +102,37 @@ export async function admitAndClaim(
     let waitMs = MIN_ADMISSION_WAIT_MS;
     if (state.paused) {
       verdict = 'paused';
-      waitMs = PAUSED_RECHECK_MS;
     } else if (state.blockedForMs > 0) {
       verdict = 'blocked';
       waitMs = state.blockedForMs;
     } else if (state.claimed.length === 0 && (state.wholeTokens === 0 || state.freeSlots <= 0)) {
       verdict = state.wholeTokens === 0 ? 'no-token' : 'concurrency';
       // A token arrives in (1 - fraction) / rate seconds; a slot frees when a call ends.
-      waitMs = state.wholeTokens === 0 ? Math.max(MIN_ADMISSION_WAIT_MS, ((1 - (state.tokens - state.wholeTokens)) / ratePerSecond) * 1000) : MIN_ADMISSION_WAIT_MS;
+      if (state.wholeTokens === 0) waitMs = Math.max(MIN_ADMISSION_WAIT_MS, ((1 - (state.tokens - state.wholeTokens)) / bucket.ratePerSecond) * 1000);
     } else if (state.claimed.length === 0) {
       verdict = 'none-due';
+    } else {
+      // Admitted: the next token is due when the fraction left completes to one.
+      const left = state.tokens - state.claimed.length;
+      waitMs = left >= 1 ? MIN_ADMISSION_WAIT_MS : Math.max(MIN_ADMISSION_WAIT_MS / 2, ((1 - (left - Math.floor(left))) / bucket.ratePerSecond) * 1000);
     }
-    // A wait of a token or a free slot is short: the batch waits in a delay tier and the operations
-    // stay due. A pause or a 429 block can be long: the operations themselves record when to retry.
-    const deferred = waitMs >= DEFER_IN_LEDGER_FROM_MS ? await ledgerDeferPending(client, request.keys, waitMs) : 0;
-    return { claimed: state.claimed, readAt, verdict, deferred, waitMs };
+    return { claimed: state.claimed, readAt, tokensAfter: state.tokens - state.claimed.length, verdict, superseded: state.superseded, waitMs, lockWaitMs };
   });
 }
 
-/** Tokens of grants that expired unused go back to the bucket (capped at the burst). */
-export async function refundExpiredGrants(pool: Pool, policy: RemoteDeletePolicy, count: number): Promise<void> {
-  if (count > 0) await admissionRefund(pool, policy.name, count, policy.admission.burst);
+/**
+ * May a call granted at `grant.readAt` still start now? Within GRANT_LIFETIME_MS: yes. Later: yes
+ * when the bucket could not have reached its capacity since (then counting the grant now instead
+ * of then is the same bucket); otherwise a fresh token is taken at once (false when none is left).
+ */
+export async function grantStillGood(pool: Pool, policy: RemoteDeletePolicy, grant: AdmissionGrant): Promise<'in-time' | 'late-same-bucket' | 'regranted' | 'no-token'> {
+  const lateMs = performance.now() - grant.readAt;
+  if (lateMs <= GRANT_LIFETIME_MS) return 'in-time';
+  const bucket = bucketShape(policy.admission.ratePerSecond, policy.admission.burst);
+  const highest = grant.tokensAfter + grant.claimed.length + (bucket.ratePerSecond * (lateMs + NETWORK_MARGIN_MS)) / 1000;
+  if (highest <= bucket.capacity) return 'late-same-bucket';
+  const taken = await admissionTakeOne(pool, { policy: policy.name, ratePerSecond: bucket.ratePerSecond, burst: bucket.capacity });
+  return taken ? 'regranted' : 'no-token';
 }
 
 /** A 429 tells every worker to hold off: the whole policy is blocked for the Retry-After. */

@@ -81,6 +81,9 @@ const remotePolicy = z.strictObject({
   leaseMs: z.number().int().min(1000).max(3_600_000).default(30_000),
 });
 
+/** leaseMs >= remote.timeoutMs + this (README "Configuration"): the margin a claim needs beyond the request itself. */
+export const LEASE_MARGIN_MS = 10_000;
+
 const policySchema = z.discriminatedUnion('kind', [rowDeletePolicy, remotePolicy]);
 
 const policiesFileSchema = z
@@ -92,13 +95,15 @@ const policiesFileSchema = z
         ctx.addIssue({ code: 'custom', path: ['policies', index, 'name'], message: `duplicate policy name "${policy.name}"` });
       }
       seen.add(policy.name);
-      if (policy.kind === 'remote-delete' && policy.leaseMs <= policy.remote.timeoutMs) {
-        // A lease that can run out while the request is still in flight would let a second worker
-        // call the API for the same operation while the first still waits for its answer.
+      if (policy.kind === 'remote-delete' && policy.leaseMs < policy.remote.timeoutMs + LEASE_MARGIN_MS) {
+        // The lease must cover the whole claim, not only the request: the wait for a late grant's
+        // token, a pool checkout, the request (up to timeoutMs), the commit and the ledger write.
+        // A lease that can run out while the call is still live would count it as free concurrency
+        // and hand the operation to a second worker while the first still waits for its answer.
         ctx.addIssue({
           code: 'custom',
           path: ['policies', index, 'leaseMs'],
-          message: `must be longer than remote.timeoutMs (${policy.remote.timeoutMs}); got ${policy.leaseMs}`,
+          message: `must be at least remote.timeoutMs (${policy.remote.timeoutMs}) + ${LEASE_MARGIN_MS} ms = ${policy.remote.timeoutMs + LEASE_MARGIN_MS}; got ${policy.leaseMs}`,
         });
       }
     });

@@ -29,7 +29,7 @@ import type { TestBed } from '../support/testbed';
  * executes it once (the second answer is its idempotent replay), and the ledger ends done/confirmed
  * with two cleanup attempts.
  */
-const LEASE_MS = 2_000;
+const LEASE_MS = 11_000; // the shortest lease allowed: remote.timeoutMs + 10 s
 const TIMEOUT_MS = 1_000;
 const ASSETS = 3;
 

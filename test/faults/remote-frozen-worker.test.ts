@@ -29,7 +29,7 @@ import { makeTestBed, type TestBed } from '../support/testbed';
  *  - after B recorded: A's outcome is refused and the ledger row stays exactly what B left.
  * Either way A logs 'stale lease: outcome not recorded' and the remote deleted the asset once.
  */
-const LEASE_MS = 2_000;
+const LEASE_MS = 11_000; // the shortest lease allowed: remote.timeoutMs + 10 s
 const TIMEOUT_MS = 1_000;
 /** Long enough to see a call in progress (and act on it) before its answer. Below TIMEOUT_MS. */
 const SLOW_MS = 700;

@@ -40,7 +40,7 @@ describe('remote-delete: 429 with Retry-After', () => {
 
   before(async () => {
     // The policy allows twice what the stand-in accepts: the remote's 429s, not admission, limit the pace.
-    ({ bed, api } = await openRemoteWorld('remote_429', { ratePerSecond: 20, burst: 5, concurrency: 4, batchSize: 10, timeoutMs: 2000, leaseMs: 10_000 }, { ratePerSecond: API_RATE, burst: API_BURST, retryAfterSeconds: API_RETRY_AFTER_S }));
+    ({ bed, api } = await openRemoteWorld('remote_429', { ratePerSecond: 20, burst: 5, concurrency: 4, batchSize: 10, timeoutMs: 2000, leaseMs: 12_000 }, { ratePerSecond: API_RATE, burst: API_BURST, retryAfterSeconds: API_RETRY_AFTER_S }));
   });
 
   after(() => closeRemoteWorld({ bed, api }));

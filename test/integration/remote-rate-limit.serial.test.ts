@@ -38,7 +38,7 @@ describe('remote-delete: global rate and concurrency across three workers', () =
   let api: MediaApi;
 
   before(async () => {
-    ({ bed, api } = await openRemoteWorld('remote_rate', { ratePerSecond: R, burst: BURST, concurrency: C, batchSize: 10, timeoutMs: 2000, leaseMs: 10_000 }, { slowMs: SLOW_MS }));
+    ({ bed, api } = await openRemoteWorld('remote_rate', { ratePerSecond: R, burst: BURST, concurrency: C, batchSize: 10, timeoutMs: 2000, leaseMs: 12_000 }, { slowMs: SLOW_MS }));
   });
 
   after(() => closeRemoteWorld({ bed, api }));

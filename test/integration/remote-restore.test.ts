@@ -35,7 +35,7 @@ describe('remote-delete: restored and renewed assets', () => {
   before(async () => {
     bed = await makeTestBed('remote_restore');
     api = await startMediaApi();
-    bed.writePolicies(mediaPolicyYaml({ baseUrl: api.url, ratePerSecond: 20, burst: 5, concurrency: 2, batchSize: 10, timeoutMs: 2000, leaseMs: 5000 }));
+    bed.writePolicies(mediaPolicyYaml({ baseUrl: api.url, ratePerSecond: 20, burst: 5, concurrency: 2, batchSize: 10, timeoutMs: 2000, leaseMs: 12_000 }));
     processes = [startSchedulerProcess(bed, 'restore-scheduler'), startWorkerProcess(bed, 'restore-worker')];
     await Promise.all([started(processes[0]!, 'scheduler'), started(processes[1]!, 'worker')]);
   });

@@ -37,7 +37,7 @@ describe('remote-delete: webhooks', () => {
   before(async () => {
     bed = await makeTestBed('remote_webhook');
     api = await startMediaApi();
-    bed.writePolicies(mediaPolicyYaml({ baseUrl: api.url, ratePerSecond: 20, burst: 5, concurrency: 2, batchSize: 10, timeoutMs: 2000, leaseMs: 5000 }));
+    bed.writePolicies(mediaPolicyYaml({ baseUrl: api.url, ratePerSecond: 20, burst: 5, concurrency: 2, batchSize: 10, timeoutMs: 2000, leaseMs: 12_000 }));
     const scheduler = startSchedulerProcess(bed, 'webhook-scheduler', { HTTP_PORT: '0', REAPER_WEBHOOK_SECRET: SECRET });
     const worker = startWorkerProcess(bed, 'webhook-worker');
     processes = [scheduler, worker];
@@ -132,13 +132,16 @@ describe('remote-delete: webhooks', () => {
       assert.equal(recorded!.state, 'pending');
       const deliveriesAtWebhook = recorded!.delivery_count;
 
-      // The scans (the run the webhook proposed, and one more) deliver the same item: same operation.
-      assert.equal((await runReaperCli(['trigger', MEDIA_POLICY], bed.processEnv())).code, 0);
-      await eventually(
-        'the scans to reach the same operation',
-        async () => (await ledgerRows(bed.pool, [assetId!]))[0]!.delivery_count >= deliveriesAtWebhook + 2,
-        { timeoutMs: 15_000, describe: () => ledgerRows(bed.pool, [assetId!]) },
+      // The ledger is the record of remote work (issue 7, item 10): a scan does not publish an
+      // item whose operation exists, and while paused nothing carries it.
+      const run = await runReaperCli(['trigger', MEDIA_POLICY, '--wait', '--timeout', '30', '--json'], bed.processEnv());
+      assert.equal(run.code, 0, run.stdout);
+      const published = await bed.pool.query<{ n: number }>(
+        `SELECT count(*)::int AS n FROM cleanup_runs WHERE policy = $1 AND state = 'completed' AND coalesce(candidates, 0) > 0`,
+        [MEDIA_POLICY],
       );
+      assert.equal(published.rows[0]!.n, 0, 'no run published the asset the webhook recorded');
+      assert.equal((await ledgerRows(bed.pool, [assetId!]))[0]!.delivery_count, deliveriesAtWebhook, 'no batch carried it while paused');
       const again = await signedWebhook(assetId!);
       assert.equal(again.status, 202, JSON.stringify(again.json));
       assert.equal(again.json.operationKey, expectedKey);

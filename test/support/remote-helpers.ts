@@ -41,7 +41,7 @@ export function mediaPolicyYaml(options: MediaPolicyOptions): string {
       timeoutMs: ${options.timeoutMs ?? 2000}
     admission: { ratePerSecond: ${options.ratePerSecond}, burst: ${options.burst}, concurrency: ${options.concurrency} }
     retry: { maxAttempts: ${options.maxAttempts ?? 10} }
-    leaseMs: ${options.leaseMs ?? 10000}
+    leaseMs: ${options.leaseMs ?? 12000}
 `;
 }
 

@@ -318,9 +318,9 @@ test('leaseMs shorter than the default remote.timeoutMs (5000) is refused', () =
   );
 });
 
-test('leaseMs just longer than remote.timeoutMs is accepted', () => {
-  const policy = parse({ policies: [remotePolicy({ leaseMs: 5001 })] }).get('media-assets') as RemoteDeletePolicy;
-  assert.equal(policy.leaseMs, 5001);
+test('leaseMs of exactly remote.timeoutMs + the 10 s margin is accepted (issue 7, item 7)', () => {
+  const policy = parse({ policies: [remotePolicy({ leaseMs: 15_000 })] }).get('media-assets') as RemoteDeletePolicy;
+  assert.equal(policy.leaseMs, 15_000);
   assert.equal(policy.remote.timeoutMs, 5000);
 });
 

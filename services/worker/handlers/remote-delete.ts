@@ -1,14 +1,24 @@
-import { admitAndClaim, blockAdmission, GRANT_LIFETIME_MS, refundExpiredGrants, type AdmissionGrant } from '../../../shared/admission/controller';
+import {
+  admissionLockWaitHistogram,
+  admitAndClaim,
+  blockAdmission,
+  bucketShape,
+  grantStillGood,
+  type AdmissionGrant,
+} from '../../../shared/admission/controller';
 import type { RemoteDeletePolicy } from '../../../shared/config/policies';
+import { encodeBatch } from '../../../shared/contracts/batch';
 import { withTransaction } from '../../../shared/db/pool';
 import { batchesRecordReceipt } from '../../../shared/db/queries/batches';
 import type { ResolvedTarget } from '../../../shared/db/queries/expiring-rows';
 import {
   ledgerDueSummary,
   ledgerFinish,
+  ledgerPark,
   ledgerRecordCandidates,
   ledgerReschedule,
-  ledgerSupersedeChanged,
+  remoteBatchesForget,
+  remoteBatchesKeep,
   targetSettleConfirmed,
   type ClaimedOperation,
 } from '../../../shared/db/queries/ledger';
@@ -17,8 +27,16 @@ import type { BatchHandler, HandlerContext } from './types';
 
 /** Upper bound of the random extra wait added to a Retry-After (bounded jitter, never negative). */
 export const RETRY_AFTER_JITTER_MS = 500;
-/** Longest a worker keeps one batch in the admit-call loop before handing it to a delay tier. */
+/** Longest a worker keeps one batch in the admit-call loop before handing it back to the broker. */
 export const HOLD_BATCH_MAX_MS = 5_000;
+/** A batch whose turn (open operations ahead of it ÷ rate) is at most this far waits in the worker. */
+export const WAIT_IN_WORKER_MAX_MS = 1_000;
+/**
+ * A batch whose operations can be admitted within this time goes to a delay tier; a longer wait
+ * (its turn is far, the policy is paused or blocked for long, a backoff) is kept in the ledger
+ * only: the message is acked and the ledger sweeper publishes the batch again when its turn is near.
+ */
+export const WAIT_IN_BROKER_MAX_MS = 2_000;
 /** Retry-After assumed when a 429 carries none. */
 export const DEFAULT_RETRY_AFTER_MS = 1_000;
 
@@ -29,73 +47,128 @@ export function uncertainBackoffMs(attempt: number): number {
 
 type CallResult = 'confirmed' | 'rate-limited' | 'uncertain' | 'rejected' | 'gave-up' | 'circuit-open' | 'grant-expired' | 'stale-lease';
 
+const sleep = (ms: number) => new Promise<void>((resolve) => setTimeout(resolve, ms));
+
 /**
  * remote-delete. Per delivery:
- *  1. record an operation per still-eligible item (insert-if-absent; the delivery is counted);
- *  2. finish as 'superseded' pending operations whose row changed since;
- *  3. admission: claim due operations within the global rate and concurrency, commit;
- *  4. call the remote for each claimed operation (no transaction or lock held meanwhile);
- *  5. record each outcome, conditional on still holding the lease;
- *  6. if operations of the batch remain open, ask settle to delay the batch until the earliest is due.
+ *  1. record an operation per still-eligible item (insert-if-absent; the delivery is counted and
+ *     the operations marked as carried); keep the batch's message while it has open operations;
+ *  2. admission: one statement re-checks the batch's due operations against their rows
+ *     (superseding those that changed), claims what the global rate and concurrency allow, commit;
+ *  3. call the remote for each claimed operation (no transaction or lock held meanwhile);
+ *  4. record each outcome, conditional on the claim (lease owner and attempt number);
+ *  5. repeat while admitted; at the head of the line wait in the worker for the next token;
+ *  6. if operations remain open: a short wait goes to a delay tier, a long one is parked in the
+ *     ledger (message acked; the ledger sweeper sends the batch again when its turn is near).
  * A crash anywhere leaves the ledger saying what is known; leases expire and the call is retried
- * with the same Idempotency-Key.
+ * with the same Idempotency-Key, after the same re-check.
  */
 export function makeRemoteDeleteHandler(policy: RemoteDeletePolicy, target: ResolvedTarget, remote: RemoteCleanupClient): BatchHandler {
+  const rate = bucketShape(policy.admission.ratePerSecond, policy.admission.burst).ratePerSecond;
   return async (batch, context) => {
     const recorded = await withTransaction(context.pool, async (client) => {
       const candidates = await ledgerRecordCandidates(client, target, {
         policy: policy.name,
         runId: batch.runId,
+        batchId: batch.batchId,
         cutoff: batch.cutoff,
         items: batch.items,
         source: 'scan',
       });
-      const superseded = await ledgerSupersedeChanged(client, target, candidates.known);
-      return { ...candidates, superseded };
+      if (candidates.known.length > 0) await remoteBatchesKeep(client, { batchId: batch.batchId, policy: policy.name, content: encodeBatch(batch) });
+      return candidates;
     });
-    // Admit, call, record, and ask again while admission keeps granting: a batch keeps the tokens
-    // flowing instead of waiting a delay tier per grant. It stops at the first empty grant (no
-    // token, no slot, paused, blocked, nothing due) or after HOLD_BATCH_MAX_MS, never sleeping.
+    const lockWait = admissionLockWaitHistogram(context.metrics.registry);
     const results: CallResult[] = [];
     const holdUntil = Date.now() + HOLD_BATCH_MAX_MS;
-    let grant: AdmissionGrant;
+    let grant: AdmissionGrant | null = null;
     let admitted = 0;
-    let called: boolean;
-    do {
-      grant = await admitAndClaim(context.pool, policy, { keys: recorded.known, owner: context.workerId });
+    let superseded = 0;
+    let waitedInWorker = 0;
+    // Calls run while the loop asks for the next grant: a batch at the head of the line takes every
+    // token as it arrives (within the concurrency cap), not one round of calls at a time.
+    const inProgress = new Set<Promise<void>>();
+    const startCall = (operation: ClaimedOperation, from: AdmissionGrant): void => {
+      const call: Promise<void> = callAndRecord(policy, target, remote, operation, from, context)
+        .then((result) => void results.push(result))
+        .finally(() => inProgress.delete(call));
+      inProgress.add(call);
+    };
+    const callEnds = () => Promise.race(inProgress);
+    while (recorded.known.length > 0 && Date.now() < holdUntil) {
+      grant = await admitAndClaim(context.pool, policy, target, { keys: recorded.known, owner: context.workerId, cutoff: batch.cutoff, batchId: batch.batchId });
+      lockWait.observe({ policy: policy.name }, grant.lockWaitMs / 1000);
+      superseded += grant.superseded;
+      for (const operation of grant.claimed) startCall(operation, grant);
       admitted += grant.claimed.length;
-      const round = await Promise.all(grant.claimed.map((operation) => callAndRecord(policy, target, remote, operation, grant.readAt, context)));
-      results.push(...round);
-      await refundExpiredGrants(context.pool, policy, round.filter((result) => result === 'grant-expired').length);
-      // A round whose grants all expired (an overloaded process) made no call: let the batch wait.
-      called = round.some((result) => result !== 'grant-expired');
-    } while (called && Date.now() < holdUntil);
+      if (grant.verdict === 'paused' || grant.verdict === 'blocked') break;
+      if (grant.verdict === 'none-due') {
+        // Everything of the batch is claimed or waiting a backoff: wait for a call to end, if any.
+        if (inProgress.size === 0) break;
+        await callEnds();
+        continue;
+      }
+      if (grant.claimed.length === 0 && inProgress.size === 0) {
+        // No token or no slot, and nothing of ours running: wait here only when our turn is near.
+        const line = await ledgerDueSummary(context.pool, { policy: policy.name, keys: recorded.known, batchId: batch.batchId });
+        const turnMs = (line.ahead / rate) * 1000;
+        if (line.due === 0 || turnMs > WAIT_IN_WORKER_MAX_MS || Date.now() + Math.max(grant.waitMs, turnMs) >= holdUntil) break;
+        waitedInWorker += 1;
+        await sleep(Math.max(grant.waitMs, turnMs));
+        continue;
+      }
+      // Ask again when the next token is due, or as soon as one of our calls frees its slot.
+      await Promise.race([sleep(grant.waitMs), ...(inProgress.size > 0 ? [callEnds()] : [])]);
+    }
+    await Promise.all(inProgress);
     const tally = countResults(results);
     for (const [result, count] of Object.entries(tally)) context.metrics.operationsTotal.inc({ policy: policy.name, result }, count);
 
-    const remaining = await ledgerDueSummary(context.pool, recorded.known);
+    const remaining = await ledgerDueSummary(context.pool, { policy: policy.name, keys: recorded.known, batchId: batch.batchId });
     const detail = {
       ...tally,
       recorded: recorded.inserted,
-      superseded: recorded.superseded,
+      superseded,
       notEligible: batch.items.length - recorded.known.length,
       admitted,
-      deferred: grant.deferred,
+      waitedInWorker,
     };
     if (remaining.open > 0) {
-      const delayMs = remaining.due > 0 ? grant.waitMs : Math.max(remaining.nextInMs ?? grant.waitMs, 100);
-      context.log.debug({ ...detail, open: remaining.open, verdict: grant.verdict, delayMs }, 'batch has open operations');
-      return { kind: 'retry', delayMs, reason: `${remaining.open} operations open (${grant.verdict})` };
+      const verdict = grant?.verdict ?? 'none-due';
+      // When can this batch be admitted? Paused: unknown (the sweeper resumes it). Blocked: when the
+      // block ends. Due operations: after the open ones ahead of it, at the admitted rate. Not due
+      // (backoff, someone else's live lease): when the earliest is due.
+      let waitMs: number;
+      if (verdict === 'paused') waitMs = Infinity;
+      else if (remaining.due > 0) waitMs = Math.max(grant?.waitMs ?? 0, verdict === 'blocked' ? 0 : (remaining.ahead / rate) * 1000);
+      else waitMs = remaining.nextInMs ?? WAIT_IN_BROKER_MAX_MS + 1;
+      if (waitMs <= WAIT_IN_BROKER_MAX_MS) {
+        const delayMs = Math.max(waitMs, 100);
+        context.log.debug({ ...detail, open: remaining.open, verdict, delayMs }, 'batch has open operations');
+        return { kind: 'retry', delayMs, reason: `${remaining.open} operations open (${verdict})` };
+      }
+      // A long wait is kept in the ledger only: no message cycles meanwhile.
+      const parked = await ledgerPark(context.pool, { keys: recorded.known, notBeforeMs: 0 });
+      context.log.debug({ ...detail, open: remaining.open, verdict, parked, waitMs }, 'batch parked in the ledger');
+      return {
+        kind: 'done',
+        deleted: tally.confirmed ?? 0,
+        noop: 0,
+        duplicate: false,
+        detail: { ...detail, parked, open: remaining.open },
+      };
     }
-    // Every operation of the batch is finished: the receipt counts confirmations over all its deliveries.
+    // Every operation of the batch is finished: the receipt counts the confirmations made by this
+    // batch's own claims, over all its deliveries (never those another batch made).
     const receiptWritten = await batchesRecordReceipt(context.pool, {
       batchId: batch.batchId,
       runId: batch.runId,
       policy: policy.name,
       items: batch.items.length,
-      deleted: remaining.confirmed,
+      deleted: remaining.confirmedByBatch,
       workerId: context.workerId,
     });
+    await remoteBatchesForget(context.pool, batch.batchId);
     return {
       kind: 'done',
       deleted: tally.confirmed ?? 0,
@@ -111,32 +184,29 @@ async function callAndRecord(
   target: ResolvedTarget,
   remote: RemoteCleanupClient,
   operation: ClaimedOperation,
-  grantReadAt: number,
+  grant: AdmissionGrant,
   context: HandlerContext,
 ): Promise<CallResult> {
-  if (performance.now() - grantReadAt > GRANT_LIFETIME_MS) {
-    // Too late to call on this grant (a busy event loop, a slow commit): no call, no attempt.
-    const applied = await ledgerReschedule(context.pool, {
-      operationKey: operation.operationKey,
-      owner: context.workerId,
-      delayMs: 0,
-      lastResult: 'grant-expired',
-      uncountAttempt: true,
-    });
+  const owner = context.workerId;
+  const key = operation.operationKey;
+  // The claim token: every outcome below is recorded only if this claim is still the current one.
+  const claim = { operationKey: key, owner, attempt: operation.attemptCount };
+  const timing = await grantStillGood(context.pool, policy, grant);
+  if (timing === 'no-token') {
+    // Late, the bucket refilled meanwhile and is empty now: no call, no attempt; due again at once.
+    const applied = await ledgerReschedule(context.pool, { ...claim, delayMs: 0, lastResult: 'grant-expired', uncountAttempt: true });
     return applied ? 'grant-expired' : 'stale-lease';
   }
   const outcome: RemoteOutcome = await remote.delete(operation.assetId, operation.operationKey);
   context.metrics.remoteCallsTotal.inc({ policy: policy.name, outcome: outcome.kind });
   context.failpoint('after-remote-call');
-  const owner = context.workerId;
-  const key = operation.operationKey;
   let applied: boolean;
   let result: CallResult;
   switch (outcome.kind) {
     case 'confirmed': {
       result = 'confirmed';
       applied = await withTransaction(context.pool, async (client) => {
-        const finished = await ledgerFinish(client, { operationKey: key, owner, outcome: 'confirmed', lastResult: `HTTP ${outcome.status}` });
+        const finished = await ledgerFinish(client, { ...claim, outcome: 'confirmed', lastResult: `HTTP ${outcome.status}` });
         if (finished) {
           // The row itself now says so (or is gone), if it still holds the same retention decision.
           await targetSettleConfirmed(client, target, {
@@ -152,19 +222,18 @@ async function callAndRecord(
     case 'rate-limited': {
       result = 'rate-limited';
       const delayMs = (outcome.retryAfterMs ?? DEFAULT_RETRY_AFTER_MS) + Math.random() * RETRY_AFTER_JITTER_MS;
-      applied = await ledgerReschedule(context.pool, { operationKey: key, owner, delayMs, lastResult: 'rate-limited' });
+      applied = await ledgerReschedule(context.pool, { ...claim, delayMs, lastResult: 'rate-limited' });
       await blockAdmission(context.pool, policy.name, outcome.retryAfterMs ?? DEFAULT_RETRY_AFTER_MS);
       break;
     }
     case 'uncertain': {
       if (operation.attemptCount >= policy.retry.maxAttempts) {
         result = 'gave-up';
-        applied = await ledgerFinish(context.pool, { operationKey: key, owner, outcome: 'gave-up', lastResult: 'uncertain', error: outcome.reason });
+        applied = await ledgerFinish(context.pool, { ...claim, outcome: 'gave-up', lastResult: 'uncertain', error: outcome.reason });
       } else {
         result = 'uncertain';
         applied = await ledgerReschedule(context.pool, {
-          operationKey: key,
-          owner,
+          ...claim,
           delayMs: uncertainBackoffMs(operation.attemptCount),
           lastResult: 'uncertain',
           error: outcome.reason,
@@ -174,13 +243,12 @@ async function callAndRecord(
     }
     case 'rejected':
       result = 'rejected';
-      applied = await ledgerFinish(context.pool, { operationKey: key, owner, outcome: 'rejected', lastResult: `HTTP ${outcome.status}`, error: outcome.reason });
+      applied = await ledgerFinish(context.pool, { ...claim, outcome: 'rejected', lastResult: `HTTP ${outcome.status}`, error: outcome.reason });
       break;
     case 'circuit-open':
       result = 'circuit-open';
       applied = await ledgerReschedule(context.pool, {
-        operationKey: key,
-        owner,
+        ...claim,
         delayMs: outcome.retryInMs,
         lastResult: 'circuit-open',
         uncountAttempt: true,
@@ -189,7 +257,7 @@ async function callAndRecord(
   }
   if (!applied) {
     // Our lease expired and another worker claimed the operation: its claim is the truth now.
-    context.log.warn({ operationKey: key, outcome: outcome.kind }, 'stale lease: outcome not recorded');
+    context.log.warn({ operationKey: key, attempt: operation.attemptCount, outcome: outcome.kind }, 'stale lease: outcome not recorded');
     return 'stale-lease';
   }
   return result;

@@ -1,5 +1,6 @@
 import type { Db } from '../pool';
-import type { ClaimedOperation } from './ledger';
+import type { ResolvedTarget } from './expiring-rows';
+import { stillEligibleSql, type ClaimedOperation } from './ledger';
 
 /**
  * Global admission per policy (cleanup_admission): one row, locked for the few milliseconds of a
@@ -26,8 +27,10 @@ export async function admissionLock(db: Db, policy: string, burst: number): Prom
 }
 
 export interface GrantOutcome extends AdmissionState {
-  /** Operations now in_flight for the caller, each with one more attempt counted. */
+  /** Operations now in_flight for the caller, each with one more attempt counted (the claim token). */
   claimed: ClaimedOperation[];
+  /** Due operations of the batch whose row no longer holds their decision: finished 'superseded', never called. */
+  superseded: number;
   /** Whole tokens and free concurrency slots there were, before claiming. */
   wholeTokens: number;
   freeSlots: number;
@@ -36,15 +39,30 @@ export interface GrantOutcome extends AdmissionState {
 /**
  * The grant, in ONE statement once the row is locked (admissionLock): refill the bucket from the
  * database clock read now (after the lock, so the refill never goes backwards), count the live
- * in-flight leases of the policy (the concurrency every worker uses), claim at most
- * min(whole tokens, free slots) due operations of `keys` (pending and due, or in flight under an
- * expired lease; SKIP LOCKED), and store the bucket as of that same instant. One statement keeps
- * the time from reading the bucket to the call short: only COMMIT lies between.
+ * in-flight leases of the policy (the concurrency every worker uses), and take the batch's due
+ * operations (pending and due, or in flight under an expired lease; SKIP LOCKED). Each is
+ * re-checked against the policy's own row in this same statement (ledger.stillEligibleSql: key,
+ * exact observed expiry, expiry <= least(cutoff, now), guard): those that no longer match are
+ * finished 'superseded' here, whatever the bucket says; at most min(whole tokens, free slots) of
+ * those that match are claimed (lease, attempt + 1, claimed by this batch). The bucket is stored as
+ * of that same instant. Nothing decided earlier authorises a call (DESIGN.md invariant 13).
  */
 export async function admissionGrantAndClaim(
   db: Db,
-  grant: { policy: string; ratePerSecond: number; burst: number; concurrency: number; keys: readonly string[]; owner: string; leaseMs: number },
+  target: ResolvedTarget,
+  grant: {
+    policy: string;
+    ratePerSecond: number;
+    burst: number;
+    concurrency: number;
+    keys: readonly string[];
+    owner: string;
+    leaseMs: number;
+    cutoff: string;
+    batchId: string;
+  },
 ): Promise<GrantOutcome> {
+  const stillEligible = stillEligibleSql(target, { id: 'l.asset_id', observed: 'l.observed_expiry', cutoff: '$8', guardFrom: 10 });
   const result = await db.query<{
     tokens: number;
     refilled_at: string;
@@ -52,6 +70,7 @@ export async function admissionGrantAndClaim(
     blocked_for_ms: number;
     whole_tokens: number;
     free_slots: number;
+    superseded: number;
     claimed: Array<{ operation_key: string; asset_id: string; attempt_count: number }> | null;
   }>(
     `WITH bucket AS (
@@ -66,16 +85,23 @@ export async function admissionGrantAndClaim(
      ), allowance AS (
        SELECT CASE WHEN b.paused OR b.blocked_for_ms > 0 THEN 0 ELSE greatest(0, least(floor(b.tokens)::int, s.free)) END AS n
        FROM bucket b, slots s
+     ), due AS (
+       -- the batch's due operations, each with the re-check of its row as of this statement
+       SELECT l.operation_key, l.not_before, EXISTS (${stillEligible}) AS still_eligible
+       FROM cleanup_ledger l
+       WHERE l.operation_key = ANY($5::text[])
+         AND ((l.state = 'pending' AND l.not_before <= clock_timestamp()) OR (l.state = 'in_flight' AND l.lease_expires_at < clock_timestamp()))
+       ORDER BY l.not_before, l.operation_key
+       FOR UPDATE OF l SKIP LOCKED
+     ), superseded AS (
+       UPDATE cleanup_ledger l SET state = 'done', outcome = 'superseded', completed_at = clock_timestamp(), updated_at = clock_timestamp(),
+         lease_owner = NULL, lease_expires_at = NULL
+       FROM due d WHERE l.operation_key = d.operation_key AND NOT d.still_eligible
+       RETURNING l.operation_key
      ), claimed AS (
-       UPDATE cleanup_ledger l SET state = 'in_flight', lease_owner = $6,
+       UPDATE cleanup_ledger l SET state = 'in_flight', lease_owner = $6, claim_batch_id = $9, last_delivered_at = clock_timestamp(),
          lease_expires_at = clock_timestamp() + $7 * interval '1 millisecond', attempt_count = l.attempt_count + 1, updated_at = clock_timestamp()
-       WHERE l.operation_key IN (
-         SELECT operation_key FROM cleanup_ledger
-         WHERE operation_key = ANY($5::text[])
-           AND ((state = 'pending' AND not_before <= clock_timestamp()) OR (state = 'in_flight' AND lease_expires_at < clock_timestamp()))
-         ORDER BY not_before, operation_key
-         LIMIT (SELECT n FROM allowance)
-         FOR UPDATE SKIP LOCKED)
+       WHERE l.operation_key IN (SELECT operation_key FROM due WHERE still_eligible ORDER BY not_before, operation_key LIMIT (SELECT n FROM allowance))
        RETURNING l.operation_key, l.asset_id, l.attempt_count
      ), stored AS (
        UPDATE cleanup_admission a SET tokens = b.tokens - (SELECT count(*) FROM claimed), refilled_at = b.at, updated_at = clock_timestamp()
@@ -85,10 +111,22 @@ export async function admissionGrantAndClaim(
      )
      SELECT b.tokens, reaper_iso(b.at) AS refilled_at, b.paused, b.blocked_for_ms,
             floor(b.tokens)::int AS whole_tokens, s.free AS free_slots,
+            (SELECT count(*)::int FROM superseded) AS superseded,
             (SELECT json_agg(claimed) FROM claimed) AS claimed,
             (SELECT count(*) FROM stored) AS stored
      FROM bucket b, slots s`,
-    [grant.policy, grant.burst, grant.ratePerSecond, grant.concurrency, grant.keys, grant.owner, grant.leaseMs],
+    [
+      grant.policy,
+      grant.burst,
+      grant.ratePerSecond,
+      grant.concurrency,
+      grant.keys,
+      grant.owner,
+      grant.leaseMs,
+      grant.cutoff,
+      grant.batchId,
+      ...target.guardValues,
+    ],
   );
   const row = result.rows[0]!;
   return {
@@ -98,17 +136,26 @@ export async function admissionGrantAndClaim(
     blockedForMs: row.blocked_for_ms,
     wholeTokens: row.whole_tokens,
     freeSlots: row.free_slots,
+    superseded: row.superseded,
     claimed: (row.claimed ?? []).map((c) => ({ operationKey: c.operation_key, assetId: c.asset_id, attemptCount: c.attempt_count })),
   };
 }
 
-/** Gives back tokens of grants that expired before their call could start (no call was made). */
-export async function admissionRefund(db: Db, policy: string, tokens: number, burst: number): Promise<void> {
-  await db.query(`UPDATE cleanup_admission SET tokens = least($3::float8, tokens + $2), updated_at = clock_timestamp() WHERE policy = $1`, [
-    policy,
-    tokens,
-    burst,
-  ]);
+/**
+ * A fresh token taken now, for a claimed call that could not start within its grant's lifetime
+ * (see controller.ts): refill, take one if there is one, store. One statement, row lock for its
+ * duration only. Returns false when the bucket is empty, paused or blocked.
+ */
+export async function admissionTakeOne(db: Db, take: { policy: string; ratePerSecond: number; burst: number }): Promise<boolean> {
+  const result = await db.query(
+    `UPDATE cleanup_admission a SET tokens = b.tokens - 1, refilled_at = b.at, updated_at = clock_timestamp()
+     FROM (SELECT least($2::float8, tokens + greatest(0, extract(epoch FROM clock_timestamp() - refilled_at)) * $3::float8) AS tokens,
+                  greatest(clock_timestamp(), refilled_at) AS at
+           FROM cleanup_admission WHERE policy = $1 FOR UPDATE) b
+     WHERE a.policy = $1 AND b.tokens >= 1 AND NOT a.paused AND coalesce(a.blocked_until, '-infinity') <= clock_timestamp()`,
+    [take.policy, take.burst, take.ratePerSecond],
+  );
+  return result.rowCount === 1;
 }
 
 /**

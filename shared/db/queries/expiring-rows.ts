@@ -127,7 +127,13 @@ function guardSql(target: ResolvedTarget, firstParameter: number): string {
 export async function expiringRowsScanPage(
   db: Db,
   target: ResolvedTarget,
-  page: { cutoff: string; after: { expiry: string; key: string } | null; limit: number },
+  page: {
+    cutoff: string;
+    after: { expiry: string; key: string } | null;
+    limit: number;
+    /** remote-delete: leave out rows whose retention decision already has a ledger operation (open or done) of this policy. */
+    unrecordedFor?: string;
+  },
 ): Promise<ExpiringItem[]> {
   const { table, key, expiresAt, keyType } = target;
   const afterClause = page.after ? ` AND (t.${expiresAt}, t.${key}) > ($3::timestamptz, $4::${keyType})` : '';
@@ -136,10 +142,17 @@ export async function expiringRowsScanPage(
   const params: unknown[] = [page.cutoff, page.limit];
   if (page.after) params.push(page.after.expiry, page.after.key);
   params.push(target.policy, ...target.guardValues);
+  // The ledger is the record of remote work: an item whose operation exists is not published again
+  // (the ledger sweeper carries it while it is open; once done it stays done).
+  let unrecordedClause = '';
+  if (page.unrecordedFor !== undefined) {
+    params.push(page.unrecordedFor);
+    unrecordedClause = ` AND NOT EXISTS (SELECT 1 FROM cleanup_ledger l WHERE l.operation_key = $${params.length} || ':' || t.${key}::text || ':' || reaper_iso(t.${expiresAt}))`;
+  }
   const result = await db.query<{ id: string; observed_expiry: string }>(
     `SELECT t.${key}::text AS id, reaper_iso(t.${expiresAt}) AS observed_expiry
      FROM ${table} t
-     WHERE t.${expiresAt} <= $1::timestamptz AND t.${expiresAt} > '-infinity'::timestamptz${afterClause}${guardSql(target, guardFrom)}
+     WHERE t.${expiresAt} <= $1::timestamptz AND t.${expiresAt} > '-infinity'::timestamptz${afterClause}${guardSql(target, guardFrom)}${unrecordedClause}
        AND ${noActiveHold(`$${policyParameter}`, `t.${key}`)}
      ORDER BY t.${expiresAt}, t.${key}
      LIMIT $2`,

@@ -2,9 +2,9 @@ import { quoteIdentifier, type Db } from '../pool';
 import type { ExpiringItem, ResolvedTarget } from './expiring-rows';
 
 /**
- * The remote-delete ledger (cleanup_ledger). Every transition is conditional: on the state it
- * leaves and, for completion, on the current lease owner. Zero rows is an answer ('stale-lease',
- * 'not-due'), never an exception.
+ * The remote-delete ledger (cleanup_ledger): the record of remote work. Every transition is
+ * conditional: on the state it leaves and, for completion, on the current claim (lease owner AND
+ * attempt number). Zero rows is an answer ('stale-lease', 'not-due'), never an exception.
  */
 
 export type LedgerOutcome = 'confirmed' | 'rejected' | 'gave-up' | 'superseded';
@@ -12,6 +12,7 @@ export type LedgerOutcome = 'confirmed' | 'rejected' | 'gave-up' | 'superseded';
 export interface ClaimedOperation {
   operationKey: string;
   assetId: string;
+  /** The claim token: attempt_count as set by this claim. Completion requires it unchanged. */
   attemptCount: number;
 }
 
@@ -20,36 +21,71 @@ export function operationKey(policy: string, item: ExpiringItem): string {
 }
 
 /**
+ * THE eligibility re-check of remote-delete, in one place: the policy's row `t` still holds the
+ * retention decision an operation `l` carries (same key, the exact observed expiry, expired at or
+ * before least(cutoff, now) — no message can make an unexpired row eligible — and the guard). Used
+ * by recording and by the claim. A later condition (e.g. `AND NOT EXISTS (active legal hold)`)
+ * belongs here and nowhere else.
+ *
+ * `id` and `observed` are SQL expressions for the operation's asset id (text) and observed expiry
+ * (timestamptz); `cutoff` is the parameter holding the batch's cutoff; guard values start at
+ * parameter `guardFrom`.
+ */
+export function stillEligibleSql(target: ResolvedTarget, at: { id: string; observed: string; cutoff: string; guardFrom: number }): string {
+  const { table, key, expiresAt, keyType } = target;
+  const guard = target.guardColumns.map((column, index) => ` AND t.${column} = $${at.guardFrom + index}`).join('');
+  return `SELECT 1 FROM ${table} t WHERE t.${key} = (${at.id})::${keyType} AND t.${expiresAt} = ${at.observed}
+            AND t.${expiresAt} <= least(${at.cutoff}::timestamptz, statement_timestamp())${guard}`;
+}
+
+/**
  * Records one pending operation per item whose row is STILL eligible (same expiry to the
- * microsecond, expiry <= cutoff, guard true); existing operations only count the delivery.
- * Returns the keys of the batch that have an operation (new or old).
+ * microsecond, expiry <= least(cutoff, now), guard true), remembering the batch that recorded it.
+ * Open operations of the batch are marked as carried (last_delivered_at) and their delivery
+ * counted; finished ones are not touched. A webhook is not a delivery: what it records is carried
+ * by the ledger sweeper. Returns the keys of the batch that have an operation (new or old).
  */
 export async function ledgerRecordCandidates(
   db: Db,
   target: ResolvedTarget,
-  batch: { policy: string; runId: string | null; cutoff: string; items: readonly ExpiringItem[]; source: 'scan' | 'webhook' },
+  batch: {
+    policy: string;
+    runId: string | null;
+    cutoff: string;
+    items: readonly ExpiringItem[];
+    source: 'scan' | 'webhook';
+    /** The batch carrying the items (absent for a webhook). */
+    batchId?: string | null;
+  },
 ): Promise<{ inserted: number; known: string[] }> {
   const { table, key, expiresAt, keyType } = target;
-  const guard = target.guardColumns.map((column, index) => ` AND t.${column} = $${7 + index}`).join('');
+  const guard = target.guardColumns.map((column, index) => ` AND t.${column} = $${8 + index}`).join('');
   const result = await db.query<{ operation_key: string; inserted: boolean }>(
-    `WITH eligible AS (
-       SELECT $1 || ':' || item.id || ':' || item.observed AS operation_key, item.id, item.observed::timestamptz AS observed_expiry,
-              to_jsonb(t) AS payload
-       FROM unnest($2::text[], $3::text[]) AS item(id, observed)
-       JOIN ${table} t ON t.${key} = item.id::${keyType} AND t.${expiresAt} = item.observed::timestamptz
-                      AND t.${expiresAt} <= $4::timestamptz${guard}
+    `WITH item AS (
+       SELECT $1 || ':' || i.id || ':' || i.observed AS operation_key, i.id, i.observed::timestamptz AS observed_expiry
+       FROM unnest($2::text[], $3::text[]) AS i(id, observed)
+     ), eligible AS (
+       SELECT item.operation_key, item.id, item.observed_expiry, to_jsonb(t) AS payload
+       FROM item JOIN ${table} t ON t.${key} = item.id::${keyType} AND t.${expiresAt} = item.observed_expiry
+                               AND t.${expiresAt} <= least($4::timestamptz, statement_timestamp())${guard}
      ), recorded AS (
-       INSERT INTO cleanup_ledger AS l (operation_key, policy, asset_id, observed_expiry, run_id, source, payload, delivery_count)
+       INSERT INTO cleanup_ledger AS l (operation_key, policy, asset_id, observed_expiry, run_id, source, payload, delivery_count, batch_id, last_delivered_at)
        -- a webhook is not a broker delivery (transport and cleanup attempts are counted apart)
-       SELECT operation_key, $1, id, observed_expiry, $5, $6, payload, CASE WHEN $6 = 'webhook' THEN 0 ELSE 1 END FROM eligible
+       SELECT operation_key, $1, id, observed_expiry, $5, $6, payload, CASE WHEN $6 = 'webhook' THEN 0 ELSE 1 END, $7,
+              CASE WHEN $6 = 'webhook' THEN NULL ELSE clock_timestamp() END
+       FROM eligible
        ORDER BY operation_key -- rows are locked in key order by every writer: no deadlock between duplicate deliveries
-       ON CONFLICT (operation_key) DO UPDATE SET delivery_count = l.delivery_count + 1, updated_at = now()
+       ON CONFLICT (operation_key) DO UPDATE
+         SET delivery_count = l.delivery_count + CASE WHEN $6 = 'webhook' THEN 0 ELSE 1 END,
+             last_delivered_at = CASE WHEN $6 = 'webhook' THEN l.last_delivered_at ELSE clock_timestamp() END,
+             updated_at = clock_timestamp()
+         WHERE l.state <> 'done'
        RETURNING l.operation_key, (xmax = 0) AS inserted
      ), known AS (
-       -- operations of this batch recorded earlier whose row has since changed (e.g. confirmed and marked)
+       -- operations of this batch recorded earlier and not touched above (finished, or their row changed since)
        SELECT l.operation_key, false AS inserted FROM cleanup_ledger l
-       WHERE l.operation_key = ANY (SELECT $1 || ':' || i || ':' || o FROM unnest($2::text[], $3::text[]) AS x(i, o))
-         AND l.operation_key NOT IN (SELECT operation_key FROM eligible)
+       WHERE l.operation_key IN (SELECT operation_key FROM item)
+         AND l.operation_key NOT IN (SELECT operation_key FROM recorded)
      )
      SELECT operation_key, inserted FROM recorded UNION ALL SELECT operation_key, inserted FROM known`,
     [
@@ -59,6 +95,7 @@ export async function ledgerRecordCandidates(
       batch.cutoff,
       batch.runId,
       batch.source,
+      batch.batchId ?? null,
       ...target.guardValues,
     ],
   );
@@ -66,102 +103,211 @@ export async function ledgerRecordCandidates(
 }
 
 /**
- * Pending operations whose row changed since they were recorded (renewed, restored with a new
- * expiry, status changed) are finished as 'superseded': the retention decision they carry no
- * longer holds, so no call is made for them.
+ * Of `keys`: how many are due now, open, and when the earliest not-yet-due or leased one will be;
+ * `confirmedByBatch`: confirmations made by claims of `batchId` itself (item 17: a receipt never
+ * counts what another batch confirmed); `ahead`: open operations of the policy before this batch's
+ * first due one in line (not_before, key) — its turn at the admitted rate.
  */
-export async function ledgerSupersedeChanged(db: Db, target: ResolvedTarget, keys: readonly string[]): Promise<number> {
-  const { table, key, expiresAt, keyType } = target;
-  const guard = target.guardColumns.map((column, index) => ` AND t.${column} = $${2 + index}`).join('');
-  const result = await db.query(
-    `UPDATE cleanup_ledger l SET state = 'done', outcome = 'superseded', completed_at = clock_timestamp(), updated_at = clock_timestamp(),
-       lease_owner = NULL, lease_expires_at = NULL
-     WHERE l.operation_key IN (SELECT operation_key FROM cleanup_ledger WHERE operation_key = ANY($1::text[]) AND state = 'pending'
-                               ORDER BY operation_key FOR UPDATE SKIP LOCKED)
-       AND NOT EXISTS (SELECT 1 FROM ${table} t WHERE t.${key} = l.asset_id::${keyType} AND t.${expiresAt} = l.observed_expiry${guard})`,
-    [keys, ...target.guardValues],
-  );
-  return result.rowCount ?? 0;
-}
-
-/** Of `keys`: how many are due now, open, confirmed, and when the earliest not-yet-due or leased one will be. */
 export async function ledgerDueSummary(
   db: Db,
-  keys: readonly string[],
-): Promise<{ due: number; open: number; confirmed: number; nextInMs: number | null }> {
-  const result = await db.query<{ due: number; open: number; confirmed: number; next_in_ms: number | null }>(
-    `SELECT count(*) FILTER (WHERE outcome = 'confirmed')::int AS confirmed, count(*) FILTER (WHERE (state = 'pending' AND not_before <= clock_timestamp())
+  summary: { policy: string; keys: readonly string[]; batchId: string },
+): Promise<{ due: number; open: number; confirmedByBatch: number; nextInMs: number | null; ahead: number }> {
+  const result = await db.query<{ due: number; open: number; confirmed: number; next_in_ms: number | null; ahead: number }>(
+    `WITH mine AS (
+       SELECT * FROM cleanup_ledger WHERE operation_key = ANY($1::text[])
+     ), first_due AS (
+       SELECT not_before, operation_key FROM mine WHERE state = 'pending' AND not_before <= clock_timestamp()
+       ORDER BY not_before, operation_key LIMIT 1
+     )
+     SELECT count(*) FILTER (WHERE outcome = 'confirmed' AND claim_batch_id = $2)::int AS confirmed,
+            count(*) FILTER (WHERE (state = 'pending' AND not_before <= clock_timestamp())
                               OR (state = 'in_flight' AND lease_expires_at < clock_timestamp()))::int AS due,
             count(*) FILTER (WHERE state <> 'done')::int AS open,
             greatest(0, ceil(extract(epoch FROM min(CASE WHEN state = 'pending' THEN not_before
-                                                     WHEN state = 'in_flight' THEN lease_expires_at END) - clock_timestamp()) * 1000))::float8 AS next_in_ms
-     FROM cleanup_ledger WHERE operation_key = ANY($1::text[])`,
-    [keys],
+                                                     WHEN state = 'in_flight' THEN lease_expires_at END) - clock_timestamp()) * 1000))::float8 AS next_in_ms,
+            coalesce((SELECT count(*)::int FROM cleanup_ledger l, first_due f
+                      WHERE l.policy = $3 AND l.state = 'pending' AND (l.not_before, l.operation_key) < (f.not_before, f.operation_key)), 0) AS ahead
+     FROM mine`,
+    [summary.keys, summary.batchId, summary.policy],
   );
   const row = result.rows[0]!;
-  return { due: row.due, open: row.open, confirmed: row.confirmed, nextInMs: row.next_in_ms };
+  return { due: row.due, open: row.open, confirmedByBatch: row.confirmed, nextInMs: row.next_in_ms, ahead: row.ahead };
+}
+
+/** The claim an outcome belongs to: the lease owner AND the attempt number its claim set (the fence). */
+export interface ClaimToken {
+  operationKey: string;
+  owner: string;
+  attempt: number;
 }
 
 /**
- * Finishes an operation. Conditional on the caller still holding the lease: a worker that was
- * frozen past its lease finds 0 rows and changes nothing (the newer claim wins). A confirmed
+ * Finishes an operation. Conditional on the caller's claim still being the current one (lease
+ * owner AND attempt number): a worker frozen past its lease, or another process started with the
+ * same REAPER_WORKER_ID, finds 0 rows and changes nothing (the newer claim wins). A confirmed
  * operation drops its payload (only ids, timestamps, counts and outcome stay).
  */
 export async function ledgerFinish(
   db: Db,
-  finish: { operationKey: string; owner: string; outcome: LedgerOutcome; lastResult: string; error?: string | null },
+  finish: ClaimToken & { outcome: LedgerOutcome; lastResult: string; error?: string | null },
 ): Promise<boolean> {
   const result = await db.query(
     `UPDATE cleanup_ledger SET state = 'done', outcome = $3, last_result = $4, last_error = $5,
        payload = CASE WHEN $3 = 'confirmed' THEN NULL ELSE payload END,
        completed_at = clock_timestamp(), updated_at = clock_timestamp(), lease_owner = NULL, lease_expires_at = NULL
-     WHERE operation_key = $1 AND lease_owner = $2 AND state = 'in_flight'`,
-    [finish.operationKey, finish.owner, finish.outcome, finish.lastResult, finish.error ?? null],
+     WHERE operation_key = $1 AND lease_owner = $2 AND attempt_count = $6 AND state = 'in_flight'`,
+    [finish.operationKey, finish.owner, finish.outcome, finish.lastResult, finish.error ?? null, finish.attempt],
   );
   return result.rowCount === 1;
 }
 
 /**
- * Puts an operation back to pending until `delayMs` from now (rate limited, uncertain, no token,
- * circuit open). `uncountAttempt` when no call was made after all. Conditional on the lease.
+ * Puts an operation back to pending until `delayMs` from now (rate limited, uncertain, circuit
+ * open). `uncountAttempt` when no call was made after all. Conditional on the claim (owner and
+ * attempt number). The batch that claimed it still carries it (last_delivered_at kept).
  */
 export async function ledgerReschedule(
   db: Db,
-  reschedule: { operationKey: string; owner: string; delayMs: number; lastResult: string; error?: string | null; uncountAttempt?: boolean },
+  reschedule: ClaimToken & { delayMs: number; lastResult: string; error?: string | null; uncountAttempt?: boolean },
 ): Promise<boolean> {
   const result = await db.query(
     `UPDATE cleanup_ledger SET state = 'pending', not_before = clock_timestamp() + $3 * interval '1 millisecond',
        last_result = $4, last_error = $5, attempt_count = attempt_count - CASE WHEN $6 THEN 1 ELSE 0 END,
        lease_owner = NULL, lease_expires_at = NULL, updated_at = clock_timestamp()
-     WHERE operation_key = $1 AND lease_owner = $2 AND state = 'in_flight'`,
-    [reschedule.operationKey, reschedule.owner, Math.max(0, Math.round(reschedule.delayMs)), reschedule.lastResult, reschedule.error ?? null, !!reschedule.uncountAttempt],
+     WHERE operation_key = $1 AND lease_owner = $2 AND attempt_count = $7 AND state = 'in_flight'`,
+    [
+      reschedule.operationKey,
+      reschedule.owner,
+      Math.max(0, Math.round(reschedule.delayMs)),
+      reschedule.lastResult,
+      reschedule.error ?? null,
+      !!reschedule.uncountAttempt,
+      reschedule.attempt,
+    ],
   );
   return result.rowCount === 1;
 }
 
 /**
- * Pending operations of `keys` not admitted now wait until `delayMs` from now (no call, no
- * attempt). SKIP LOCKED: called under the admission lock, it must never wait for a row.
+ * The batch stops carrying its open pending operations: they wait in the ledger (not_before is
+ * their turn; never earlier than now + `notBeforeMs`) and the ledger sweeper publishes the batch
+ * again when their turn is near. Returns how many were parked.
  */
-export async function ledgerDeferPending(db: Db, keys: readonly string[], delayMs: number): Promise<number> {
+export async function ledgerPark(db: Db, park: { keys: readonly string[]; notBeforeMs: number }): Promise<number> {
   const result = await db.query(
-    `UPDATE cleanup_ledger SET not_before = greatest(not_before, clock_timestamp() + $2 * interval '1 millisecond'), updated_at = clock_timestamp()
-     WHERE operation_key IN (SELECT operation_key FROM cleanup_ledger
-                             WHERE operation_key = ANY($1::text[]) AND state = 'pending' AND not_before <= clock_timestamp()
-                             ORDER BY operation_key FOR UPDATE SKIP LOCKED)`,
-    [keys, Math.max(0, Math.round(delayMs))],
+    `UPDATE cleanup_ledger SET last_delivered_at = NULL,
+       not_before = greatest(not_before, clock_timestamp() + $2 * interval '1 millisecond'), updated_at = clock_timestamp()
+     WHERE operation_key = ANY($1::text[]) AND state = 'pending'`,
+    [park.keys, Math.max(0, Math.round(park.notBeforeMs))],
   );
   return result.rowCount ?? 0;
 }
 
-/** The reclaimer: in-flight operations whose lease expired go back to pending, due now. */
+/**
+ * The reclaimer: in-flight operations whose lease expired go back to pending, due now, and no
+ * longer carried (the holder is presumed gone): the ledger sweeper sends their batch again. They
+ * are re-checked against their row by the claim before any further call.
+ */
 export async function ledgerReturnExpiredLeases(db: Db): Promise<number> {
   const result = await db.query(
     `UPDATE cleanup_ledger SET state = 'pending', not_before = clock_timestamp(), lease_owner = NULL, lease_expires_at = NULL,
-       last_result = 'lease-expired', updated_at = clock_timestamp()
+       last_result = 'lease-expired', last_delivered_at = NULL, updated_at = clock_timestamp()
      WHERE state = 'in_flight' AND lease_expires_at < clock_timestamp()`,
   );
   return result.rowCount ?? 0;
+}
+
+/** Keeps the message of a batch with open operations, so the ledger can send it again. */
+export async function remoteBatchesKeep(db: Db, batch: { batchId: string; policy: string; content: Buffer }): Promise<void> {
+  await db.query(`INSERT INTO cleanup_remote_batches (batch_id, policy, content) VALUES ($1, $2, $3) ON CONFLICT (batch_id) DO NOTHING`, [
+    batch.batchId,
+    batch.policy,
+    batch.content,
+  ]);
+}
+
+/** The batch is finished (its receipt is written): its message is no longer needed. */
+export async function remoteBatchesForget(db: Db, batchId: string): Promise<void> {
+  await db.query(`DELETE FROM cleanup_remote_batches WHERE batch_id = $1`, [batchId]);
+}
+
+export interface SweepCandidate {
+  operationKey: string;
+  assetId: string;
+  observedExpiry: string;
+  batchId: string | null;
+  /** The kept message of its batch, when there is one. */
+  content: Buffer | null;
+}
+
+/**
+ * The sweeper's pick, under a per-policy advisory lock (one sweeper at a time per policy): pending
+ * operations due within `aheadMs` that no copy carries (never carried, parked, reclaimed, or last
+ * carried more than `staleMs` ago: a copy lost from a delay tier), in line order, at most as many
+ * as the admission can take within `aheadMs` minus what copies already carry. Null when another
+ * sweeper holds the lock. The caller publishes, then marks them carried (ledgerMarkCarried) in the
+ * same transaction.
+ */
+export async function ledgerSweepPick(
+  db: Db,
+  sweep: { policy: string; ratePerSecond: number; aheadMs: number; staleMs: number; limit: number },
+): Promise<{ paused: boolean; carried: number; picked: SweepCandidate[] } | null> {
+  const lock = await db.query<{ locked: boolean }>(`SELECT pg_try_advisory_xact_lock(hashtext('reaper.ledger-sweep'), hashtext($1)) AS locked`, [sweep.policy]);
+  if (!lock.rows[0]!.locked) return null;
+  const state = await db.query<{ paused: boolean; blocked_ms: number; carried: number }>(
+    `SELECT coalesce((SELECT paused FROM cleanup_admission WHERE policy = $1), false) AS paused,
+            coalesce((SELECT greatest(0, extract(epoch FROM blocked_until - clock_timestamp()) * 1000) FROM cleanup_admission WHERE policy = $1), 0)::float8 AS blocked_ms,
+            (SELECT count(*)::int FROM cleanup_ledger WHERE policy = $1 AND state <> 'done'
+               AND last_delivered_at > clock_timestamp() - $2 * interval '1 millisecond') AS carried`,
+    [sweep.policy, sweep.staleMs],
+  );
+  const { paused, blocked_ms: blockedMs, carried } = state.rows[0]!;
+  // Paused: nothing is sent (work waits in the ledger, resume continues). Blocked by a 429: the
+  // turn starts when the block ends.
+  if (paused) return { paused, carried, picked: [] };
+  const budget = Math.max(0, Math.ceil((sweep.ratePerSecond * Math.max(0, sweep.aheadMs - blockedMs)) / 1000) - carried);
+  // Nothing carried at all: at least one batch moves, whatever the rate.
+  const limit = Math.min(sweep.limit, carried === 0 ? Math.max(1, budget) : budget);
+  if (limit === 0) return { paused, carried, picked: [] };
+  const result = await db.query<{ operation_key: string; asset_id: string; observed_expiry: string; batch_id: string | null; content: Buffer | null }>(
+    `SELECT l.operation_key, l.asset_id, reaper_iso(l.observed_expiry) AS observed_expiry, l.batch_id, b.content
+     FROM (SELECT operation_key, asset_id, observed_expiry, batch_id, not_before FROM cleanup_ledger
+           WHERE policy = $1 AND state = 'pending' AND not_before <= clock_timestamp() + $2 * interval '1 millisecond'
+             AND (last_delivered_at IS NULL OR last_delivered_at < clock_timestamp() - $3 * interval '1 millisecond')
+           ORDER BY not_before, operation_key LIMIT $4 FOR UPDATE SKIP LOCKED) l
+     LEFT JOIN cleanup_remote_batches b ON b.batch_id = l.batch_id
+     ORDER BY l.not_before, l.operation_key`,
+    [sweep.policy, sweep.aheadMs, sweep.staleMs, limit],
+  );
+  return {
+    paused,
+    carried,
+    picked: result.rows.map((row) => ({
+      operationKey: row.operation_key,
+      assetId: row.asset_id,
+      observedExpiry: row.observed_expiry,
+      batchId: row.batch_id,
+      content: row.content,
+    })),
+  };
+}
+
+/**
+ * After the sweeper published: the open operations of the published batches are carried as of
+ * now; operations that had no kept batch get the new batch's id (so the next sweep resends it).
+ */
+export async function ledgerMarkCarried(db: Db, carried: { batchIds: readonly string[]; adopted: ReadonlyArray<{ operationKey: string; batchId: string }> }): Promise<void> {
+  await db.query(
+    `UPDATE cleanup_ledger l SET batch_id = a.batch_id, last_delivered_at = clock_timestamp()
+     FROM unnest($1::text[], $2::text[]) AS a(operation_key, batch_id) WHERE l.operation_key = a.operation_key AND l.state <> 'done'`,
+    [carried.adopted.map((a) => a.operationKey), carried.adopted.map((a) => a.batchId)],
+  );
+  await db.query(`UPDATE cleanup_ledger SET last_delivered_at = clock_timestamp() WHERE batch_id = ANY($1::text[]) AND state <> 'done'`, [carried.batchIds]);
+}
+
+/** The database clock as a batch cutoff (ISO with microseconds). */
+export async function ledgerDatabaseNow(db: Db): Promise<string> {
+  return (await db.query<{ now: string }>(`SELECT reaper_iso(clock_timestamp()) AS now`)).rows[0]!.now;
 }
 
 /** After a confirmed call: the policy's own row is marked (markConfirmed) or deleted, if it still holds the same decision. */

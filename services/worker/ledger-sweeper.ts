@@ -1,0 +1,137 @@
+import { randomUUID } from 'node:crypto';
+import type { Logger } from 'pino';
+import { Counter, type Registry } from 'prom-client';
+import type { ConfirmingPublisher } from '../../shared/amqp/publisher';
+import type { BrokerNames } from '../../shared/amqp/topology';
+import type { RemoteDeletePolicy } from '../../shared/config/policies';
+import { encodeBatch, type BatchV1 } from '../../shared/contracts/batch';
+import { withTransaction, type Pool } from '../../shared/db/pool';
+import { ledgerDatabaseNow, ledgerMarkCarried, ledgerSweepPick, remoteBatchesKeep, type SweepCandidate } from '../../shared/db/queries/ledger';
+
+/**
+ * The ledger sweeper (remote-delete): the ledger, not the broker, is the record of remote work.
+ * Work that waits its turn, was recorded by a webhook, had its lease reclaimed, or whose copy was
+ * lost from a delay tier sits in cleanup_ledger as pending operations that no copy carries
+ * (last_delivered_at NULL or old). Every SWEEP_INTERVAL_MS one worker per policy (advisory lock)
+ * publishes batches for the due ones in line order, only as many operations as admission can take
+ * within SWEEP_AHEAD_MS minus what copies already carry — so the broker holds a batch again only
+ * when it can be admitted soon, and nothing is sent while the policy is paused.
+ */
+export const SWEEP_INTERVAL_MS = 1_000;
+/** Operations are sent when admission can take them within this time. */
+export const SWEEP_AHEAD_MS = 3_000;
+/**
+ * A copy that carried an operation this long ago and left it pending is presumed lost. Longer than
+ * any wait a carried batch spends in a delay tier (WAIT_IN_BROKER_MAX_MS) plus its hold in a worker.
+ */
+export const CARRY_STALE_MS = 30_000;
+
+const counters = new WeakMap<Registry, Counter<'policy'>>();
+function publishedCounter(registry: Registry): Counter<'policy'> {
+  let counter = counters.get(registry);
+  if (!counter) {
+    counter = new Counter({
+      name: 'reaper_ledger_sweep_batches_published_total',
+      help: 'Batches the ledger sweeper published for operations due and not carried (remote-delete)',
+      labelNames: ['policy'],
+      registers: [registry],
+    });
+    counters.set(registry, counter);
+  }
+  return counter;
+}
+
+export interface LedgerSweeperDeps {
+  pool: Pool;
+  publisher: ConfirmingPublisher;
+  names: BrokerNames;
+  policies: readonly RemoteDeletePolicy[];
+  log: Logger;
+  registry: Registry;
+}
+
+export function startLedgerSweeper(deps: LedgerSweeperDeps): { stop(): Promise<void> } {
+  let pass: Promise<void> | null = null;
+  const timer = setInterval(() => {
+    if (pass) return; // the previous pass is still running: never two at once
+    pass = (async () => {
+      for (const policy of deps.policies) {
+        try {
+          const published = await sweepPolicy(deps, policy);
+          if (published > 0) deps.log.info({ policy: policy.name, batches: published }, 'ledger sweeper published batches for waiting operations');
+        } catch (error) {
+          deps.log.warn({ policy: policy.name, err: (error as Error).message }, 'ledger sweep failed; the next pass retries');
+        }
+      }
+    })().finally(() => (pass = null));
+  }, SWEEP_INTERVAL_MS);
+  return {
+    async stop() {
+      clearInterval(timer);
+      await pass;
+    },
+  };
+}
+
+/**
+ * One pass for one policy, in one transaction: pick (locks the picked rows), publish each batch
+ * (confirmed), mark the operations carried, commit. A publish that fails rolls everything back;
+ * the next pass picks the same operations again.
+ */
+export async function sweepPolicy(deps: Omit<LedgerSweeperDeps, 'policies' | 'log'>, policy: RemoteDeletePolicy): Promise<number> {
+  return withTransaction(deps.pool, async (client) => {
+    const pick = await ledgerSweepPick(client, {
+      policy: policy.name,
+      ratePerSecond: policy.admission.ratePerSecond,
+      aheadMs: SWEEP_AHEAD_MS,
+      staleMs: CARRY_STALE_MS,
+      limit: policy.batchSize * 8,
+    });
+    if (!pick || pick.picked.length === 0) return 0;
+    const messages = new Map<string, { runId: string; content: Buffer }>();
+    const loose: SweepCandidate[] = [];
+    for (const candidate of pick.picked) {
+      if (candidate.batchId && candidate.content) {
+        // The batch's own message, as published: same id, run and cutoff; its receipt counts for its run.
+        if (!messages.has(candidate.batchId)) {
+          const { runId } = JSON.parse(candidate.content.toString('utf8')) as Pick<BatchV1, 'runId'>;
+          messages.set(candidate.batchId, { runId, content: candidate.content });
+        }
+      } else {
+        loose.push(candidate);
+      }
+    }
+    // Operations no kept batch carries (a webhook recorded them): a batch of their own, kept too.
+    const adopted: Array<{ operationKey: string; batchId: string }> = [];
+    if (loose.length > 0) {
+      const cutoff = await ledgerDatabaseNow(client);
+      for (let start = 0; start < loose.length; start += policy.batchSize) {
+        const chunk = loose.slice(start, start + policy.batchSize);
+        const batch: BatchV1 = {
+          version: 1,
+          runId: randomUUID(),
+          batchId: `ledger:${randomUUID()}`,
+          policy: policy.name,
+          cutoff,
+          items: chunk.map((candidate) => ({ id: candidate.assetId, observedExpiry: candidate.observedExpiry })),
+        };
+        const content = encodeBatch(batch);
+        await remoteBatchesKeep(client, { batchId: batch.batchId, policy: policy.name, content });
+        messages.set(batch.batchId, { runId: batch.runId, content });
+        for (const candidate of chunk) adopted.push({ operationKey: candidate.operationKey, batchId: batch.batchId });
+      }
+    }
+    await Promise.all(
+      [...messages].map(([batchId, message]) =>
+        deps.publisher.publish(deps.names.workExchange, policy.name, message.content, {
+          messageId: batchId,
+          contentType: 'application/json',
+          headers: { 'x-run-id': message.runId, 'x-reaper-source': 'ledger-sweeper' },
+        }),
+      ),
+    );
+    await ledgerMarkCarried(client, { batchIds: [...messages.keys()], adopted });
+    publishedCounter(deps.registry).inc({ policy: policy.name }, messages.size);
+    return messages.size;
+  });
+}
