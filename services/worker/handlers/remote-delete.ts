@@ -6,7 +6,8 @@ import {
   grantStillGood,
   type AdmissionGrant,
 } from '../../../shared/admission/controller';
-import type { RemoteDeletePolicy } from '../../../shared/config/policies';
+import { policyVersion, type RemoteDeletePolicy } from '../../../shared/config/policies';
+import { auditRecordConfirmed } from '../../../shared/db/queries/audit';
 import { encodeBatch } from '../../../shared/contracts/batch';
 import { withTransaction } from '../../../shared/db/pool';
 import { batchesRecordReceipt } from '../../../shared/db/queries/batches';
@@ -208,6 +209,7 @@ async function callAndRecord(
       applied = await withTransaction(context.pool, async (client) => {
         const finished = await ledgerFinish(client, { ...claim, outcome: 'confirmed', lastResult: `HTTP ${outcome.status}` });
         if (finished) {
+          if (policy.audit?.enabled) await auditRecordConfirmed(client, key, policyVersion(policy));
           // The row itself now says so (or is gone), if it still holds the same retention decision.
           await targetSettleConfirmed(client, target, {
             assetId: operation.assetId,

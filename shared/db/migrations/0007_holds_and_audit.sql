@@ -34,3 +34,9 @@ CREATE INDEX IF NOT EXISTS cleanup_audit_by_age ON cleanup_audit (policy, delete
 
 -- The hash of the policy definition a run was made under (shown with the run and in the audit).
 ALTER TABLE cleanup_runs ADD COLUMN IF NOT EXISTS policy_version text;
+
+-- remote-delete: an operation whose asset is under a legal hold when it is claimed ends 'held'
+-- (no call). A later scan or webhook re-opens it once the hold is gone (ledgerRecordCandidates).
+ALTER TABLE cleanup_ledger DROP CONSTRAINT IF EXISTS cleanup_ledger_outcome_check;
+ALTER TABLE cleanup_ledger ADD CONSTRAINT cleanup_ledger_outcome_check
+  CHECK (outcome IN ('confirmed', 'rejected', 'gave-up', 'superseded', 'held'));

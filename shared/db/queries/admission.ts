@@ -1,5 +1,6 @@
 import type { Db } from '../pool';
 import type { ResolvedTarget } from './expiring-rows';
+import { noActiveHold } from './holds';
 import { stillEligibleSql, type ClaimedOperation } from './ledger';
 
 /**
@@ -31,6 +32,8 @@ export interface GrantOutcome extends AdmissionState {
   claimed: ClaimedOperation[];
   /** Due operations of the batch whose row no longer holds their decision: finished 'superseded', never called. */
   superseded: number;
+  /** Due operations of the batch whose asset is under a legal hold: finished 'held', never called. */
+  held: number;
   /** Whole tokens and free concurrency slots there were, before claiming. */
   wholeTokens: number;
   freeSlots: number;
@@ -71,6 +74,7 @@ export async function admissionGrantAndClaim(
     whole_tokens: number;
     free_slots: number;
     superseded: number;
+    held: number;
     claimed: Array<{ operation_key: string; asset_id: string; attempt_count: number }> | null;
   }>(
     `WITH bucket AS (
@@ -87,7 +91,8 @@ export async function admissionGrantAndClaim(
        FROM bucket b, slots s
      ), due AS (
        -- the batch's due operations, each with the re-check of its row as of this statement
-       SELECT l.operation_key, l.not_before, EXISTS (${stillEligible}) AS still_eligible
+       SELECT l.operation_key, l.not_before, EXISTS (${stillEligible}) AS still_eligible,
+              NOT ${noActiveHold('$1', 'l.asset_id')} AS held
        FROM cleanup_ledger l
        WHERE l.operation_key = ANY($5::text[])
          AND ((l.state = 'pending' AND l.not_before <= clock_timestamp()) OR (l.state = 'in_flight' AND l.lease_expires_at < clock_timestamp()))
@@ -98,10 +103,16 @@ export async function admissionGrantAndClaim(
          lease_owner = NULL, lease_expires_at = NULL
        FROM due d WHERE l.operation_key = d.operation_key AND NOT d.still_eligible
        RETURNING l.operation_key
+     ), held AS (
+       -- under a legal hold now: no call; a scan or webhook after the hold is removed re-opens it
+       UPDATE cleanup_ledger l SET state = 'done', outcome = 'held', last_result = 'legal hold', completed_at = clock_timestamp(),
+         updated_at = clock_timestamp(), lease_owner = NULL, lease_expires_at = NULL
+       FROM due d WHERE l.operation_key = d.operation_key AND d.still_eligible AND d.held
+       RETURNING l.operation_key
      ), claimed AS (
        UPDATE cleanup_ledger l SET state = 'in_flight', lease_owner = $6, claim_batch_id = $9, last_delivered_at = clock_timestamp(),
          lease_expires_at = clock_timestamp() + $7 * interval '1 millisecond', attempt_count = l.attempt_count + 1, updated_at = clock_timestamp()
-       WHERE l.operation_key IN (SELECT operation_key FROM due WHERE still_eligible ORDER BY not_before, operation_key LIMIT (SELECT n FROM allowance))
+       WHERE l.operation_key IN (SELECT operation_key FROM due WHERE still_eligible AND NOT held ORDER BY not_before, operation_key LIMIT (SELECT n FROM allowance))
        RETURNING l.operation_key, l.asset_id, l.attempt_count
      ), stored AS (
        UPDATE cleanup_admission a SET tokens = b.tokens - (SELECT count(*) FROM claimed), refilled_at = b.at, updated_at = clock_timestamp()
@@ -111,7 +122,7 @@ export async function admissionGrantAndClaim(
      )
      SELECT b.tokens, reaper_iso(b.at) AS refilled_at, b.paused, b.blocked_for_ms,
             floor(b.tokens)::int AS whole_tokens, s.free AS free_slots,
-            (SELECT count(*)::int FROM superseded) AS superseded,
+            (SELECT count(*)::int FROM superseded) AS superseded, (SELECT count(*)::int FROM held) AS held,
             (SELECT json_agg(claimed) FROM claimed) AS claimed,
             (SELECT count(*) FROM stored) AS stored
      FROM bucket b, slots s`,
@@ -137,6 +148,7 @@ export async function admissionGrantAndClaim(
     wholeTokens: row.whole_tokens,
     freeSlots: row.free_slots,
     superseded: row.superseded,
+    held: row.held,
     claimed: (row.claimed ?? []).map((c) => ({ operationKey: c.operation_key, assetId: c.asset_id, attemptCount: c.attempt_count })),
   };
 }

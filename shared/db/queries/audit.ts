@@ -71,3 +71,16 @@ export async function auditPrune(db: Db, policy: string, retainDays: number, lim
   );
   return result.rowCount ?? 0;
 }
+
+/**
+ * remote-delete: the audit row of a confirmed operation, written in the transaction that records
+ * the confirmation (so it exists exactly when that outcome committed).
+ */
+export async function auditRecordConfirmed(db: Db, operationKey: string, policyVersion: string): Promise<void> {
+  await db.query(
+    `INSERT INTO cleanup_audit (policy, key, observed_expiry, run_id, batch_id, policy_version, operation_key, outcome)
+     SELECT policy, asset_id, observed_expiry, run_id, claim_batch_id, $2, operation_key, 'confirmed'
+     FROM cleanup_ledger WHERE operation_key = $1 AND outcome = 'confirmed'`,
+    [operationKey, policyVersion],
+  );
+}

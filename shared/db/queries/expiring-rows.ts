@@ -147,7 +147,8 @@ export async function expiringRowsScanPage(
   let unrecordedClause = '';
   if (page.unrecordedFor !== undefined) {
     params.push(page.unrecordedFor);
-    unrecordedClause = ` AND NOT EXISTS (SELECT 1 FROM cleanup_ledger l WHERE l.operation_key = $${params.length} || ':' || t.${key}::text || ':' || reaper_iso(t.${expiresAt}))`;
+    unrecordedClause = ` AND NOT EXISTS (SELECT 1 FROM cleanup_ledger l WHERE l.operation_key = $${params.length} || ':' || t.${key}::text || ':' || reaper_iso(t.${expiresAt})
+      AND l.outcome IS DISTINCT FROM 'held')`;
   }
   const result = await db.query<{ id: string; observed_expiry: string }>(
     `SELECT t.${key}::text AS id, reaper_iso(t.${expiresAt}) AS observed_expiry

@@ -7,7 +7,7 @@ import type { ExpiringItem, ResolvedTarget } from './expiring-rows';
  * attempt number). Zero rows is an answer ('stale-lease', 'not-due'), never an exception.
  */
 
-export type LedgerOutcome = 'confirmed' | 'rejected' | 'gave-up' | 'superseded';
+export type LedgerOutcome = 'confirmed' | 'rejected' | 'gave-up' | 'superseded' | 'held';
 
 export interface ClaimedOperation {
   operationKey: string;
@@ -78,8 +78,13 @@ export async function ledgerRecordCandidates(
        ON CONFLICT (operation_key) DO UPDATE
          SET delivery_count = l.delivery_count + CASE WHEN $6 = 'webhook' THEN 0 ELSE 1 END,
              last_delivered_at = CASE WHEN $6 = 'webhook' THEN l.last_delivered_at ELSE clock_timestamp() END,
-             updated_at = clock_timestamp()
-         WHERE l.state <> 'done'
+             updated_at = clock_timestamp(),
+             -- an operation stopped by a legal hold is re-opened when the asset comes back after the hold
+             state = CASE WHEN l.outcome = 'held' THEN 'pending' ELSE l.state END,
+             outcome = CASE WHEN l.outcome = 'held' THEN NULL ELSE l.outcome END,
+             completed_at = CASE WHEN l.outcome = 'held' THEN NULL ELSE l.completed_at END,
+             not_before = CASE WHEN l.outcome = 'held' THEN clock_timestamp() ELSE l.not_before END
+         WHERE l.state <> 'done' OR l.outcome = 'held'
        RETURNING l.operation_key, (xmax = 0) AS inserted
      ), known AS (
        -- operations of this batch recorded earlier and not touched above (finished, or their row changed since)
