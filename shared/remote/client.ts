@@ -96,6 +96,9 @@ export function encodeIdempotencyKey(operationKey: string): string {
   return percentEncode(operationKey, (byte) => byte >= 0x21 && byte <= 0x7e && byte !== 0x25);
 }
 
+/** How long an idle keep-alive connection to the remote is kept. */
+const FREE_SOCKET_IDLE_MS = 4_000;
+
 /** Bytes allowed in a request target as we send it (visible ASCII); anything else in remote.path is a configuration error. */
 const REQUEST_TARGET = /^[\x21-\x7e]+$/;
 
@@ -114,7 +117,11 @@ class CallTimeout extends Error {
 export function makeHttpRemoteClient(options: HttpRemoteOptions, log?: Logger): RemoteCleanupClient {
   const base = new URL(options.baseUrl);
   const transport = base.protocol === 'https:' ? https : http;
-  const agent = new transport.Agent({ keepAlive: true });
+  // Idle connections are reused, and closed after FREE_SOCKET_IDLE_MS (or a second before the
+  // server's own Keep-Alive timeout, if it announces a shorter one). Without an agent timeout
+  // node:http ignores that hint, and a DELETE sent on a connection the server is closing at that
+  // moment fails with ECONNRESET: an uncertain call for nothing.
+  const agent = new transport.Agent({ keepAlive: true, timeout: FREE_SOCKET_IDLE_MS });
   const prefix = base.pathname.replace(/\/$/, '');
   const hostname = base.hostname.replace(/^\[(.*)\]$/, '$1'); // IPv6 literals come bracketed
   const port = base.port === '' ? undefined : Number(base.port);

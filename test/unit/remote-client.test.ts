@@ -168,3 +168,24 @@ test('after enough uncertain calls the circuit opens: no call reaches the remote
     await api.close();
   }
 });
+
+test('a connection left idle around the server\'s keep-alive timeout is not reused into a reset', async () => {
+  // node:http's default server announces a 5 s keep-alive and closes idle connections about 6 s
+  // after their last answer; a client that sends on one in that instant gets ECONNRESET (an
+  // uncertain call for nothing; the window is a few ms wide, hence one client per 2 ms).
+  const api = await startMediaApi();
+  try {
+    const idles = Array.from({ length: 101 }, (_, index) => 5_900 + index * 2);
+    const outcomes = await Promise.all(
+      idles.map(async (idleMs) => {
+        const client = makeHttpRemoteClient({ baseUrl: api.url, path: '/assets/{id}', timeoutMs: 2000, headers: {} });
+        await client.delete(`first-${idleMs}`, `first-${idleMs}`);
+        await new Promise((resolve) => setTimeout(resolve, idleMs));
+        return [idleMs, (await client.delete(`second-${idleMs}`, `second-${idleMs}`)).kind] as const;
+      }),
+    );
+    assert.deepEqual(outcomes.filter(([, kind]) => kind !== 'confirmed'), []);
+  } finally {
+    await api.close();
+  }
+});
