@@ -27,16 +27,19 @@ export interface WorkerHandle {
   stop(): Promise<void>;
 }
 
+/** The `policy` label of batches for a policy this worker does not have (never a name from the message). */
+export const UNKNOWN_POLICY_LABEL = '(unknown)';
+
 /** Seconds between passes of the lease reclaimer (remote-delete). */
 const RECLAIM_INTERVAL_MS = 5_000;
 
-async function makeHandler(policy: Policy, pool: Pool): Promise<BatchHandler> {
+async function makeHandler(policy: Policy, pool: Pool, log: Logger): Promise<BatchHandler> {
   const target = await targetResolve(pool, policy);
   switch (policy.kind) {
     case 'row-delete':
       return makeRowDeleteHandler(policy, target);
     case 'remote-delete':
-      return makeRemoteDeleteHandler(policy, target, withCircuitBreaker(makeHttpRemoteClient(policy.remote)));
+      return makeRemoteDeleteHandler(policy, target, withCircuitBreaker(makeHttpRemoteClient(policy.remote, log.child({ policy: policy.name }))));
   }
 }
 
@@ -55,7 +58,7 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
     await assertSchemaCurrent(pool);
     for (const policy of policies.values()) {
       try {
-        handlers.set(policy.name, await makeHandler(policy, pool));
+        handlers.set(policy.name, await makeHandler(policy, pool, log));
       } catch (error) {
         throw new Error(`policy ${policy.name}: ${(error as Error).message}`);
       }
@@ -140,6 +143,9 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
     const deliveryCount = Number(message.properties.headers?.['x-delivery-count'] ?? 0) + 1;
     const decoded = decodeBatch(message.content);
     const policy = decoded.ok ? decoded.batch.policy : message.fields.routingKey;
+    // Metric labels come from configuration, never from a message: an unconfigured name is counted
+    // under one fixed value (bounded label values; the log line keeps the name).
+    const label = handlers.has(policy) ? policy : UNKNOWN_POLICY_LABEL;
     const batchLog = log.child({
       batchId: decoded.ok ? decoded.batch.batchId : message.properties.messageId,
       runId: decoded.ok ? decoded.batch.runId : message.properties.headers?.['x-run-id'],
@@ -160,10 +166,10 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
       }
     }
     try {
-      await settle(settleDeps, { channel: from, message, policy, deliveryCount, log: batchLog }, result);
+      await settle(settleDeps, { channel: from, message, policy: label, deliveryCount, log: batchLog }, result);
       if (result.kind === 'unknown' && result.databaseUnavailable) void pauseUntilDatabaseAnswers();
     } finally {
-      metrics.batchSeconds.observe({ policy }, Number(process.hrtime.bigint() - started) / 1e9);
+      metrics.batchSeconds.observe({ policy: label }, Number(process.hrtime.bigint() - started) / 1e9);
       inFlight -= 1;
       if (inFlight === 0) idle?.();
     }

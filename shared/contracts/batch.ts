@@ -64,7 +64,8 @@ export type DeadLetterReason =
 export type DecodeResult = { ok: true; batch: BatchV1 } | { ok: false; reason: DeadLetterReason; detail: string };
 
 /**
- * Checks, in order: size, JSON, envelope (an object with an integer version), version, schema.
+ * Checks, in order: size, JSON, envelope (an object with an integer version), version, schema,
+ * each id at most once.
  * The policy is checked by the caller, which knows the configured policies.
  */
 export function decodeBatch(content: Buffer): DecodeResult {
@@ -99,7 +100,30 @@ export function decodeBatch(content: Buffer): DecodeResult {
       .join('; ');
     return { ok: false, reason: 'invalid-message', detail };
   }
+  const duplicate = firstDuplicateId(parsed.data.items);
+  if (duplicate) {
+    return {
+      ok: false,
+      reason: 'invalid-message',
+      detail: `items.${duplicate.second}.id: ${JSON.stringify(duplicate.id)} appears more than once (also items.${duplicate.first}); one batch names each row once`,
+    };
+  }
   return { ok: true, batch: parsed.data };
+}
+
+/**
+ * An id named twice in one batch is no batch the scheduler makes (keys are unique), and downstream
+ * it would act twice on one row in one statement (PostgreSQL refuses that with 21000 on every
+ * delivery, until the delivery limit): it is invalid, said once, at decode.
+ */
+function firstDuplicateId(items: readonly BatchItem[]): { id: string; first: number; second: number } | null {
+  const seen = new Map<string, number>();
+  for (const [index, item] of items.entries()) {
+    const first = seen.get(item.id);
+    if (first !== undefined) return { id: item.id, first, second: index };
+    seen.set(item.id, index);
+  }
+  return null;
 }
 
 export function encodeBatch(batch: BatchV1): Buffer {

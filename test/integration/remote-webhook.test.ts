@@ -1,4 +1,5 @@
 import assert from 'node:assert/strict';
+import { createHmac } from 'node:crypto';
 import { after, before, describe, test } from 'node:test';
 import { signWebhook } from '../../services/scheduler/webhooks';
 import { eventually } from '../support/eventually';
@@ -25,25 +26,37 @@ import { makeTestBed, type TestBed } from '../support/testbed';
  * key as the scan). A webhook and a scan for the same asset make ONE operation, whichever comes
  * first, and the remote is called once. A wrong signature, a tampered body, a missing signature or
  * a timestamp more than 5 minutes off is refused with 401 and changes nothing: no ledger row, no run.
+ * Issue 7 item 19: the signature covers the method and the path too, so a request signed for one
+ * policy is refused on another's path; and a signature is accepted once, by any replica.
  */
 const SECRET = 'webhook-secret-for-tests-0123456789';
+/** A second remote-delete policy on the same table: the target of a replay across paths. */
+const OTHER_POLICY = 'media-assets-b';
 
 describe('remote-delete: webhooks', () => {
   let bed: TestBed;
   let api: MediaApi;
   let processes: ReaperProcess[] = [];
   let webhookUrl = '';
+  let otherWebhookUrl = '';
+  let replicaWebhookUrl = '';
 
   before(async () => {
     bed = await makeTestBed('remote_webhook');
     api = await startMediaApi();
-    bed.writePolicies(mediaPolicyYaml({ baseUrl: api.url, ratePerSecond: 20, burst: 5, concurrency: 2, batchSize: 10, timeoutMs: 2000, leaseMs: 12_000 }));
+    const yaml = mediaPolicyYaml({ baseUrl: api.url, ratePerSecond: 20, burst: 5, concurrency: 2, batchSize: 10, timeoutMs: 2000, leaseMs: 12_000 });
+    const otherPolicy = yaml.slice('policies:\n'.length).replace(`name: ${MEDIA_POLICY}`, `name: ${OTHER_POLICY}`);
+    bed.writePolicies(yaml + otherPolicy);
     const scheduler = startSchedulerProcess(bed, 'webhook-scheduler', { HTTP_PORT: '0', REAPER_WEBHOOK_SECRET: SECRET });
+    const replica = startSchedulerProcess(bed, 'webhook-scheduler-2', { HTTP_PORT: '0', REAPER_WEBHOOK_SECRET: SECRET });
     const worker = startWorkerProcess(bed, 'webhook-worker');
-    processes = [scheduler, worker];
+    processes = [scheduler, worker, replica];
     const line = await scheduler.waitForLine('scheduler started', (l) => l.msg === 'scheduler started');
     assert.ok(Number(line.httpPort) > 0, `the scheduler reports its HTTP port (${String(line.httpPort)})`);
     webhookUrl = `http://127.0.0.1:${String(line.httpPort)}/webhooks/${MEDIA_POLICY}`;
+    otherWebhookUrl = `http://127.0.0.1:${String(line.httpPort)}/webhooks/${OTHER_POLICY}`;
+    const replicaLine = await replica.waitForLine('scheduler started', (l) => l.msg === 'scheduler started');
+    replicaWebhookUrl = `http://127.0.0.1:${String(replicaLine.httpPort)}/webhooks/${MEDIA_POLICY}`;
     await started(worker, 'worker');
   });
 
@@ -65,17 +78,25 @@ describe('remote-delete: webhooks', () => {
 
   const nowSeconds = () => Math.floor(Date.now() / 1000);
 
-  async function post(body: string, headers: Record<string, string>): Promise<{ status: number; json: Record<string, unknown> }> {
-    const response = await fetch(webhookUrl, { method: 'POST', headers: { 'content-type': 'application/json', ...headers }, body });
+  async function post(body: string, headers: Record<string, string>, url = webhookUrl): Promise<{ status: number; json: Record<string, unknown> }> {
+    const response = await fetch(url, { method: 'POST', headers: { 'content-type': 'application/json', ...headers }, body });
     return { status: response.status, json: (await response.json()) as Record<string, unknown> };
+  }
+
+  const pathOf = (url: string) => new URL(url).pathname;
+
+  /** Headers of a correctly signed webhook for `body`, sent as POST to `url`. */
+  function signedHeaders(body: string, url = webhookUrl, timestamp = String(nowSeconds()), secret = SECRET, method = 'POST'): Record<string, string> {
+    return { 'x-reaper-timestamp': timestamp, 'x-reaper-signature': signWebhook(secret, { timestamp, method, path: pathOf(url), body }) };
   }
 
   /** A correctly signed webhook for `id`. */
   function signedWebhook(id: string): Promise<{ status: number; json: Record<string, unknown> }> {
     const body = JSON.stringify({ id });
-    const timestamp = String(nowSeconds());
-    return post(body, { 'x-reaper-timestamp': timestamp, 'x-reaper-signature': signWebhook(SECRET, timestamp, body) });
+    return post(body, signedHeaders(body));
   }
+
+  const signaturesSeen = async () => (await bed.pool.query<{ n: number }>('SELECT count(*)::int AS n FROM cleanup_webhook_signatures')).rows[0]!.n;
 
   const runCount = async () => (await bed.pool.query<{ n: number }>('SELECT count(*)::int AS n FROM cleanup_runs')).rows[0]!.n;
   const ledgerCount = async () => (await bed.pool.query<{ n: number }>('SELECT count(*)::int AS n FROM cleanup_ledger')).rows[0]!.n;
@@ -90,15 +111,21 @@ describe('remote-delete: webhooks', () => {
     const now = String(nowSeconds());
     const old = String(nowSeconds() - 6 * 60);
     const future = String(nowSeconds() + 6 * 60);
+    const signed = (overrides: Partial<Parameters<typeof signWebhook>[1]>, secret = SECRET) =>
+      signWebhook(secret, { timestamp: now, method: 'POST', path: pathOf(webhookUrl), body, ...overrides });
+    const signaturesBefore = await signaturesSeen();
     const cases: Array<[string, Record<string, string>, string?]> = [
-      ['signed with another secret', { 'x-reaper-timestamp': now, 'x-reaper-signature': signWebhook('some-other-secret-0123456789', now, body) }],
-      ['signature of another body', { 'x-reaper-timestamp': now, 'x-reaper-signature': signWebhook(SECRET, now, JSON.stringify({ id: 'someone-else' })) }],
-      ['signature over another timestamp', { 'x-reaper-timestamp': now, 'x-reaper-signature': signWebhook(SECRET, String(Number(now) - 1), body) }],
+      ['signed with another secret', { 'x-reaper-timestamp': now, 'x-reaper-signature': signed({}, 'some-other-secret-0123456789') }],
+      ['signature of another body', { 'x-reaper-timestamp': now, 'x-reaper-signature': signed({ body: JSON.stringify({ id: 'someone-else' }) }) }],
+      ['signature over another timestamp', { 'x-reaper-timestamp': now, 'x-reaper-signature': signed({ timestamp: String(Number(now) - 1) }) }],
+      ['signature over another method', { 'x-reaper-timestamp': now, 'x-reaper-signature': signed({ method: 'PUT' }) }],
+      ['signature over another path', { 'x-reaper-timestamp': now, 'x-reaper-signature': signed({ path: pathOf(otherWebhookUrl) }) }],
+      ['signature of the old form "<timestamp>.<body>"', { 'x-reaper-timestamp': now, 'x-reaper-signature': `sha256=${createHmac('sha256', SECRET).update(`${now}.${body}`).digest('hex')}` }],
       ['signature missing', { 'x-reaper-timestamp': now }],
       ['signature not hex of HMAC', { 'x-reaper-timestamp': now, 'x-reaper-signature': 'sha256=deadbeef' }],
-      ['timestamp 6 minutes old (correctly signed)', { 'x-reaper-timestamp': old, 'x-reaper-signature': signWebhook(SECRET, old, body) }],
-      ['timestamp 6 minutes ahead (correctly signed)', { 'x-reaper-timestamp': future, 'x-reaper-signature': signWebhook(SECRET, future, body) }],
-      ['timestamp missing', { 'x-reaper-signature': signWebhook(SECRET, now, body) }],
+      ['timestamp 6 minutes old (correctly signed)', { 'x-reaper-timestamp': old, 'x-reaper-signature': signed({ timestamp: old }) }],
+      ['timestamp 6 minutes ahead (correctly signed)', { 'x-reaper-timestamp': future, 'x-reaper-signature': signed({ timestamp: future }) }],
+      ['timestamp missing', { 'x-reaper-signature': signed({}) }],
     ];
     for (const [name, headers] of cases) {
       const response = await post(body, headers);
@@ -106,6 +133,7 @@ describe('remote-delete: webhooks', () => {
     }
     assert.equal(await ledgerCount(), ledgerBefore, 'no ledger row');
     assert.equal(await runCount(), runsBefore, 'no run');
+    assert.equal(await signaturesSeen(), signaturesBefore, 'no signature remembered for a refused request');
 
     // The refusal is the whole answer: the handler replies 401 before touching the database, and
     // the scheduler says why, once per request.
@@ -179,5 +207,79 @@ describe('remote-delete: webhooks', () => {
     assertRetention(rows);
     assert.equal(callsByKey(api).get(expectedKey)?.length, 1, 'one call');
     assert.equal(api.executionsByKey().get(expectedKey), 1);
+  });
+  test('item 19: a request signed for one policy, replayed against another policy\'s path: 401, nothing changes; on its own path it is accepted', async () => {
+    const [assetId] = await seedAssets(bed.pool, 'cross-path', 1);
+    const body = JSON.stringify({ id: assetId });
+    const headers = signedHeaders(body, webhookUrl);
+    await pause();
+    try {
+      const runsBefore = await runCount();
+      const ledgerBefore = await ledgerCount();
+      const replayed = await post(body, headers, otherWebhookUrl);
+      assert.equal(replayed.status, 401, JSON.stringify(replayed.json));
+      assert.match(String(replayed.json.error), /signature does not match/);
+      assert.equal(await ledgerCount(), ledgerBefore, 'no ledger row');
+      assert.equal(await runCount(), runsBefore, 'no run');
+      assert.deepEqual(await ledgerRows(bed.pool, [assetId!]), []);
+      // The refusal did not use the signature up: on the path it was signed for, it is taken.
+      const own = await post(body, headers, webhookUrl);
+      assert.equal(own.status, 202, JSON.stringify(own.json));
+      const policies = await bed.pool.query<{ policy: string }>('SELECT policy FROM cleanup_ledger WHERE asset_id = $1', [assetId]);
+      assert.deepEqual(policies.rows.map((row) => row.policy), [MEDIA_POLICY], 'only the policy it was signed for');
+    } finally {
+      await resume();
+    }
+    await eventually('the operation confirmed', async () => (await ledgerRows(bed.pool, [assetId!]))[0]?.outcome === 'confirmed', { timeoutMs: 15_000 });
+  });
+
+  test('item 19: the same signed request twice: the second is refused with 401 and changes nothing, on this replica or another', async () => {
+    const [assetId] = await seedAssets(bed.pool, 'replayed', 1);
+    const body = JSON.stringify({ id: assetId });
+    const headers = signedHeaders(body, webhookUrl);
+    await pause();
+    try {
+      const first = await post(body, headers);
+      assert.equal(first.status, 202, JSON.stringify(first.json));
+      const runsAfterFirst = await runCount();
+      const ledgerAfterFirst = await ledgerCount();
+      const signatures = await signaturesSeen();
+      for (const [where, url] of [
+        ['same replica', webhookUrl],
+        ['another replica', replicaWebhookUrl],
+      ] as const) {
+        const again = await post(body, headers, url);
+        assert.equal(again.status, 401, `${where}: ${JSON.stringify(again.json)}`);
+        assert.match(String(again.json.error), /already used/);
+      }
+      assert.equal(await runCount(), runsAfterFirst, 'no run proposed by the replays');
+      assert.equal(await ledgerCount(), ledgerAfterFirst, 'no ledger row');
+      assert.deepEqual((await ledgerRows(bed.pool, [assetId!])).map((row) => [row.operation_key, row.source]), [[first.json.operationKey, 'webhook']], 'still the one operation');
+      assert.equal(await signaturesSeen(), signatures);
+      // A fresh signature for the same asset is a new request, and is taken (it records nothing new).
+      const fresh = await post(body, signedHeaders(body, webhookUrl, String(nowSeconds() + 1)));
+      assert.equal(fresh.status, 202, JSON.stringify(fresh.json));
+      assert.equal(fresh.json.created, false);
+    } finally {
+      await resume();
+    }
+    await eventually('the operation confirmed', async () => (await ledgerRows(bed.pool, [assetId!]))[0]?.outcome === 'confirmed', { timeoutMs: 15_000 });
+  });
+
+  test('item 19: used signatures are pruned once their window has closed', async () => {
+    await bed.pool.query(
+      `INSERT INTO cleanup_webhook_signatures (signature, policy, expires_at) VALUES ('stale-signature', $1, now() - interval '1 second')`,
+      [MEDIA_POLICY],
+    );
+    const [assetId] = await seedAssets(bed.pool, 'prune', 1);
+    const response = await signedWebhook(assetId!);
+    assert.equal(response.status, 202, JSON.stringify(response.json));
+    const stale = await bed.pool.query(`SELECT 1 FROM cleanup_webhook_signatures WHERE signature = 'stale-signature'`);
+    assert.equal(stale.rowCount, 0, 'an accepted webhook prunes closed windows');
+    const kept = await bed.pool.query<{ left_s: number }>(
+      `SELECT extract(epoch FROM expires_at - now())::float8 AS left_s FROM cleanup_webhook_signatures WHERE signature <> 'stale-signature' ORDER BY seen_at DESC LIMIT 1`,
+    );
+    assert.ok(kept.rows[0]!.left_s > 300, `a new signature is kept past its window (${kept.rows[0]!.left_s} s left)`);
+    await eventually('the operation confirmed', async () => (await ledgerRows(bed.pool, [assetId!]))[0]?.outcome === 'confirmed', { timeoutMs: 15_000 });
   });
 });

@@ -37,9 +37,9 @@ export interface MediaApiOptions {
 export interface MediaApiCall {
   /** 1-based, in arrival order. */
   seq: number;
-  /** Asset id, URL-decoded. */
+  /** Asset id, percent-decoded from the one path segment exactly as sent. */
   id: string;
-  /** Idempotency-Key header, or null when missing. */
+  /** Idempotency-Key header, percent-decoded; null when missing (or not valid percent-encoding). */
   key: string | null;
   /** Epoch ms when the request arrived. */
   startedAt: number;
@@ -178,10 +178,18 @@ function capacityOf(ratePerSecond: number, burst: number | undefined): number {
   return burst ?? Math.max(1, ratePerSecond);
 }
 
-/** `/assets/:id` → the decoded id; anything else (including bad %-encoding) → null. */
-function matchAssetId(pathname: string): string | null {
-  const m = /^\/assets\/([^/]+)$/.exec(pathname);
+/**
+ * The asset id of a request target `/assets/<segment>[?query]`, decoded exactly: the target is read
+ * as sent on the request line, never through a URL parser (WHATWG URL turns `/assets/%2E%2E` into
+ * `/`), and the one segment is percent-decoded, so `%2E%2E` is the id `..`, `a%2Fb` is `a/b` and
+ * `%252F` is `%2F`. Anything else is no asset route (null). A literal `.` or `..` segment is a dot
+ * segment, which a client must never send for an id: `'dot-segment'` (answered 400, so such a bug
+ * cannot pass for "already deleted").
+ */
+function matchAssetId(target: string): string | null | 'dot-segment' {
+  const m = /^\/assets\/([^/?#]+)(?:\?.*)?$/.exec(target);
   if (m === null) return null;
+  if (m[1] === '.' || m[1] === '..') return 'dot-segment';
   try {
     return decodeURIComponent(m[1]!);
   } catch {
@@ -189,10 +197,20 @@ function matchAssetId(pathname: string): string | null {
   }
 }
 
-function idempotencyKey(req: IncomingMessage): string | null {
+/**
+ * The Idempotency-Key header, decoded as reaper sends it (README "Remote API calls"): bytes outside
+ * visible ASCII, and '%', travel percent-encoded. Null when missing; 'invalid' when the
+ * percent-encoding is broken.
+ */
+function idempotencyKey(req: IncomingMessage): string | null | { invalid: string } {
   const raw = req.headers['idempotency-key'];
   const value = Array.isArray(raw) ? raw[0] : raw;
-  return value === undefined || value === '' ? null : value;
+  if (value === undefined || value === '') return null;
+  try {
+    return decodeURIComponent(value);
+  } catch {
+    return { invalid: value };
+  }
 }
 
 function sendJson(res: ServerResponse, status: number, body: Json, headers: OutgoingHttpHeaders = {}): void {
@@ -236,9 +254,12 @@ export async function startMediaApi(options: MediaApiOptions = {}): Promise<Medi
   const pendingTimers = new Set<NodeJS.Timeout>();
 
   /** Applies the checks in order and, if they all pass, executes the delete. */
-  function decide(id: string, key: string | null): Outcome {
+  function decide(id: string, key: string | null | { invalid: string }): Outcome {
     if (key === null) {
       return { kind: 'reply', status: 400, body: { error: 'missing Idempotency-Key header' }, executed: false, immediate: true };
+    }
+    if (typeof key !== 'string') {
+      return { kind: 'reply', status: 400, body: { error: 'Idempotency-Key is not valid percent-encoding', key: key.invalid }, executed: false, immediate: true };
     }
 
     // 1. Forced throttle: Retry-After = whole seconds until it ends.
@@ -315,7 +336,7 @@ export async function startMediaApi(options: MediaApiOptions = {}): Promise<Medi
     const call: MediaApiCall = {
       seq: ++seq,
       id,
-      key,
+      key: typeof key === 'string' ? key : null,
       startedAt,
       finishedAt: 0,
       status: outcome.kind === 'reset' ? 'reset' : outcome.status,
@@ -374,12 +395,16 @@ export async function startMediaApi(options: MediaApiOptions = {}): Promise<Medi
 
   const server = createServer((req, res) => {
     req.resume(); // request bodies are ignored; drain them
-    const { pathname } = new URL(req.url ?? '/', 'http://localhost');
-    if (req.method === 'GET' && pathname === '/stats') {
+    const target = req.url ?? '/'; // the request target exactly as sent: no URL parser, no dot-segment removal
+    if (req.method === 'GET' && target.split('?')[0] === '/stats') {
       sendJson(res, 200, stats());
       return;
     }
-    const id = req.method === 'DELETE' ? matchAssetId(pathname) : null;
+    const id = req.method === 'DELETE' ? matchAssetId(target) : null;
+    if (id === 'dot-segment') {
+      sendJson(res, 400, { error: 'a "." or ".." path segment names no asset: percent-encode the id ("%2E")' });
+      return;
+    }
     if (id === null) {
       sendJson(res, 404, { error: 'no such route' });
       return;

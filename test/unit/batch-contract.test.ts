@@ -202,6 +202,20 @@ test('invalid-message: 1001 items', () => {
   assertRejected(decodeJson(validBatch({ items: items(1001) })), 'invalid-message', /items/);
 });
 
+test('item 18: invalid-message: the same id twice in one batch, the detail naming the id (same or another expiry)', () => {
+  const twice = [...items(3), { id: 'id-1', observedExpiry: '2026-11-29T19:58:12.345678Z' }];
+  assertRejected(decodeJson(validBatch({ items: twice })), 'invalid-message', /"id-1" appears more than once/);
+  const otherExpiry = [{ id: 'a/€', observedExpiry: '2026-11-29T19:58:12.345678Z' }, { id: 'a/€', observedExpiry: '2026-11-29T19:58:13.000001Z' }];
+  assertRejected(decodeJson(validBatch({ items: otherExpiry })), 'invalid-message', /items\.1\.id: "a\/€" appears more than once \(also items\.0\)/);
+  // Ids that only look alike are different ids.
+  const alike = [
+    { id: 'A', observedExpiry: '2026-11-29T19:58:12.345678Z' },
+    { id: 'a', observedExpiry: '2026-11-29T19:58:12.345678Z' },
+    { id: 'a ', observedExpiry: '2026-11-29T19:58:12.345678Z' },
+  ];
+  assert.equal(decodeJson(validBatch({ items: alike })).ok, true);
+});
+
 test('invalid-message: other field errors (runId not a uuid, empty id, numeric id, bad policy name)', () => {
   assertRejected(decodeJson(validBatch({ runId: 'run-1' })), 'invalid-message', /runId/);
   assertRejected(decodeJson(validBatch({ items: [{ id: '', observedExpiry: '2026-11-29T19:58:12.345678Z' }] })), 'invalid-message', /id/);

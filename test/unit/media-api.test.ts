@@ -5,6 +5,7 @@ import { test } from 'node:test';
 import assert from 'node:assert/strict';
 import { spawn } from 'node:child_process';
 import { once } from 'node:events';
+import { request as httpRequest } from 'node:http';
 import { join } from 'node:path';
 import { createInterface } from 'node:readline';
 import { maxInSlidingWindow, startMediaApi, type MediaApi, type MediaApiOptions } from '../support/media-api';
@@ -178,6 +179,60 @@ test('missing Idempotency-Key is 400 and recorded; other routes are 404 and not 
 
     assert.equal(api.calls.length, 1);
     assert.deepEqual([api.calls[0]?.status, api.calls[0]?.key, api.calls[0]?.executed], [400, null, false]);
+    assert.deepEqual(api.deletedIds(), new Set());
+  });
+});
+
+/**
+ * A DELETE with this request target byte for byte (node:http sends `path` as is; fetch() would
+ * run it through the WHATWG URL parser, which collapses `%2E%2E`).
+ */
+function rawDelete(api: MediaApi, target: string, key: string | null): Promise<{ status: number; body: unknown }> {
+  return new Promise((resolve, reject) => {
+    const request = httpRequest(`${api.url}${target.startsWith('/') ? '' : '/'}`, { method: 'DELETE', path: target, headers: key === null ? {} : { 'idempotency-key': key } }, (response) => {
+      const chunks: Buffer[] = [];
+      response.on('data', (chunk: Buffer) => chunks.push(chunk));
+      response.on('end', () => resolve({ status: response.statusCode ?? 0, body: JSON.parse(Buffer.concat(chunks).toString('utf8')) as unknown }));
+      response.on('error', reject);
+    });
+    request.on('error', reject);
+    request.end();
+  });
+}
+
+test('ids and keys are decoded exactly from the request target as sent: %2E%2E is the id "..", never the parent', async () => {
+  await withApi({}, async (api) => {
+    const cases: Array<[string, string, string, string]> = [
+      // [target, key header, id recorded, key recorded]
+      ['/assets/%2E', 'k%2E', '.', 'k.'],
+      ['/assets/%2E%2E', 'p:%2E%2E:t', '..', 'p:..:t'],
+      ['/assets/a%2Fb', 'p:a/b:t', 'a/b', 'p:a/b:t'],
+      ['/assets/%252F', 'p:%252F:t', '%2F', 'p:%2F:t'],
+      ['/assets/x%3Fy%23z', 'p:x?y#z:t', 'x?y#z', 'p:x?y#z:t'],
+      ['/assets/with%20space', 'p:with%20space:t', 'with space', 'p:with space:t'],
+      ['/assets/%E2%82%AC', 'p:%E2%82%AC:t', '€', 'p:€:t'],
+      ['/assets/%E8%B3%87%E7%94%A3?ignored=1', 'p:%E8%B3%87%E7%94%A3:t', '資産', 'p:資産:t'],
+    ];
+    for (const [target, header] of cases) assert.equal((await rawDelete(api, target, header)).status, 200, target);
+    assert.deepEqual(
+      api.calls.map((call) => [call.id, call.key, call.executed]),
+      cases.map(([, , id, key]) => [id, key, true]),
+    );
+    assert.deepEqual(api.executionsByKey(), new Map(cases.map(([, , , key]) => [key, 1])));
+  });
+});
+
+test('a literal dot segment is a 400 (not an asset, not a 404 that looks like "already deleted"); a broken key encoding is a 400', async () => {
+  await withApi({}, async (api) => {
+    for (const target of ['/assets/.', '/assets/..']) {
+      const answer = await rawDelete(api, target, 'k');
+      assert.equal(answer.status, 400, target);
+      assert.match(JSON.stringify(answer.body), /%2E/);
+    }
+    assert.equal(api.calls.length, 0, 'dot segments are no asset calls');
+    const broken = await rawDelete(api, '/assets/a', 'p:%E2:t');
+    assert.equal(broken.status, 400);
+    assert.deepEqual([api.calls.length, api.calls[0]?.key, api.calls[0]?.executed], [1, null, false]);
     assert.deepEqual(api.deletedIds(), new Set());
   });
 });
