@@ -85,7 +85,7 @@ async function deadLetter(deps: SettleDeps, delivery: Delivery, reason: DeadLett
   } catch (error) {
     return requeue(deps, delivery, `dead-letter publish failed: ${(error as Error).message}`);
   }
-  deps.metrics.deadLetteredTotal.inc({ reason });
+  deps.metrics.deadLetteredTotal.inc({ reason, policy: deps.metrics.policyLabel(delivery.policy) });
   deps.metrics.batchesTotal.inc({ policy: delivery.policy, outcome: 'dead-lettered' });
   acknowledge(delivery);
   log.warn({ reason, detail }, 'message dead-lettered');

@@ -159,15 +159,15 @@ export async function expiringRowsCountNonFinite(db: Db, target: ResolvedTarget)
  * (same key, the exact observed expiry to the microsecond, expiry <= cutoff, guard still true) and
  * writes the batch receipt. A receipt that already exists means this batch was committed before:
  * the caller reports it as a duplicate delivery. Rows renewed or confirmed since the scan do not
- * match and are counted as no-ops.
+ * match and are counted as no-ops. Returns, per deleted row, its deletion lag (now minus expiry).
  */
 export async function expiringRowsDeleteIfStillExpired(
   db: Db,
   target: ResolvedTarget,
   batch: { batchId: string; runId: string; policy: string; cutoff: string; items: readonly ExpiringItem[]; workerId: string },
-): Promise<{ receiptWritten: boolean; deleted: number }> {
+): Promise<{ receiptWritten: boolean; deleted: number; lagSeconds: number[] }> {
   const { table, key, expiresAt, keyType } = target;
-  const result = await db.query<{ receipt_written: boolean; deleted: number }>(
+  const result = await db.query<{ receipt_written: boolean; deleted: number; lag_seconds: number[] }>(
     `WITH removed AS (
        DELETE FROM ${table} t
        USING unnest($1::${keyType}[], $2::timestamptz[]) AS item(id, observed_expiry)
@@ -179,14 +179,16 @@ export async function expiringRowsDeleteIfStillExpired(
          -- deletion is counted by exactly one receipt (a row re-inserted with the same key and
          -- expiry after the first delivery is left for the next run to find).
          AND NOT EXISTS (SELECT 1 FROM cleanup_batches done WHERE done.batch_id = $4)
-       RETURNING 1
+       RETURNING t.${expiresAt} AS expiry
      ), receipt AS (
        INSERT INTO cleanup_batches (batch_id, run_id, policy, items, deleted, noop, worker_id)
        SELECT $4, $5, $6, $7, n.deleted, $7 - n.deleted, $8 FROM (SELECT count(*)::int AS deleted FROM removed) n
        ON CONFLICT (batch_id) DO NOTHING
        RETURNING 1
      )
-     SELECT EXISTS (SELECT 1 FROM receipt) AS receipt_written, (SELECT count(*)::int FROM removed) AS deleted`,
+     SELECT EXISTS (SELECT 1 FROM receipt) AS receipt_written, (SELECT count(*)::int FROM removed) AS deleted,
+       -- reaper_deletion_lag_seconds: the statement commits on its own, so its end is the commit time.
+       (SELECT coalesce(array_agg(extract(epoch FROM clock_timestamp() - expiry)::float8), '{}') FROM removed) AS lag_seconds`,
     [
       batch.items.map((item) => item.id),
       batch.items.map((item) => item.observedExpiry),
@@ -200,7 +202,7 @@ export async function expiringRowsDeleteIfStillExpired(
     ],
   );
   const row = result.rows[0]!;
-  return { receiptWritten: row.receipt_written, deleted: row.deleted };
+  return { receiptWritten: row.receipt_written, deleted: row.deleted, lagSeconds: row.lag_seconds };
 }
 
 /**
