@@ -6,7 +6,7 @@ import {
   admissionGaugeRead,
   ledgerBacklogRead,
   ledgerStateCounts,
-  runsDurations,
+  runsCompletedSince,
   runsLastCompleted,
   runStateCounts,
   targetBacklogRead,
@@ -75,13 +75,14 @@ export function scheduleIntervalSeconds(schedule: string): number {
 export interface BacklogGauges {
   /** One pass now (tests and start-up); resolves when the gauges are set or the pass failed. */
   refresh(): Promise<void>;
-  /** The runs this scheduler just completed: their durations go into reaper_run_duration_seconds. */
-  runsCompleted(runIds: readonly string[]): void;
+  /** Call before closing the pool: waits for the pass in progress. */
   stop(): Promise<void>;
 }
 
 export function startBacklogGauges(deps: {
   db: Db;
+  /** This scheduler's id (cleanup_runs.owner): it observes the durations of the runs it executed. */
+  owner: string;
   policies: PolicySet;
   targets: ReadonlyMap<string, ResolvedTarget>;
   metrics: Metrics;
@@ -94,10 +95,30 @@ export function startBacklogGauges(deps: {
   const remoteNames = policies.filter((policy) => policy.kind === 'remote-delete').map((policy) => policy.name);
   for (const policy of policies) {
     metrics.scheduleIntervalSeconds.set({ policy: policy.name }, scheduleIntervalSeconds(policy.schedule));
-    if (policy.kind === 'remote-delete') metrics.leaseSeconds.set({ policy: policy.name }, policy.leaseMs / 1000);
+    if (policy.kind !== 'remote-delete') continue;
+    metrics.leaseSeconds.set({ policy: policy.name }, policy.leaseMs / 1000);
+    metrics.admissionRatePerSecond.set({ policy: policy.name }, policy.admission.ratePerSecond);
+  }
+
+  // reaper_run_duration_seconds: runs this replica owned that completed since the previous pass
+  // (re-read with an overlap, so a run committed just after a pass read its clock is not missed).
+  let runsWatermark: number | null = null;
+  const observedRuns = new Map<string, number>();
+  const OVERLAP_SECONDS = 60;
+  async function observeCompletedRuns(): Promise<void> {
+    const since = runsWatermark === null ? null : runsWatermark - OVERLAP_SECONDS;
+    const { nowSeconds, runs } = await runsCompletedSince(db, deps.owner, names, since);
+    for (const run of runs) {
+      if (observedRuns.has(run.runId)) continue;
+      observedRuns.set(run.runId, run.finishedAtSeconds);
+      metrics.runDurationSeconds.observe({ policy: run.policy }, run.seconds);
+    }
+    for (const [runId, finished] of observedRuns) if (finished < nowSeconds - 2 * OVERLAP_SECONDS) observedRuns.delete(runId);
+    runsWatermark = nowSeconds;
   }
 
   async function pass(): Promise<void> {
+    await observeCompletedRuns();
     const backlog = await readBacklog(db, policies, deps.targets);
     const runs = await runStateCounts(db, names);
     const ledger = remoteNames.length > 0 ? await ledgerStateCounts(db, remoteNames) : [];
@@ -142,7 +163,6 @@ export function startBacklogGauges(deps: {
     return running;
   }
 
-  const observing = new Set<Promise<void>>();
   let stopped = false;
   let timer: NodeJS.Timeout | null = null;
   const loop = (): void => {
@@ -154,22 +174,10 @@ export function startBacklogGauges(deps: {
 
   return {
     refresh,
-    runsCompleted(runIds) {
-      if (runIds.length === 0) return;
-      const observed = runsDurations(db, runIds)
-        .then((durations) => {
-          for (const run of durations) metrics.runDurationSeconds.observe({ policy: run.policy }, run.seconds);
-        })
-        .catch((error: Error) => log.warn({ err: error.message, runIds }, 'run durations not observed'))
-        .finally(() => observing.delete(observed));
-      observing.add(observed);
-    },
-    /** Call before closing the pool: waits for the pass and the duration reads in progress. */
     async stop() {
       stopped = true;
       if (timer) clearTimeout(timer);
       await running;
-      await Promise.all([...observing]);
     },
   };
 }

@@ -177,7 +177,7 @@ export async function startScheduler(env: Env, policies: PolicySet, log: Logger)
     if (missed) await proposeRun(policy, 'catch-up', missed);
   }
 
-  const backlog = startBacklogGauges({ db: pool, policies, targets, metrics, log, intervalMs: env.backlogRefreshMs });
+  const backlog = startBacklogGauges({ db: pool, owner: env.workerId, policies, targets, metrics, log, intervalMs: env.backlogRefreshMs });
   const poller = setInterval(() => void drainRuns(), CLAIM_POLL_MS);
   const listener = listenForNewRuns(env.databaseUrl, log, () => void drainRuns());
   let completing = false;
@@ -187,7 +187,6 @@ export async function startScheduler(env: Env, policies: PolicySet, log: Logger)
     runsCompleteFinished(pool)
       .then((completed) => {
         for (const runId of completed) log.info({ runId }, 'run completed');
-        backlog.runsCompleted(completed);
       })
       .catch((error: Error) => log.warn({ err: error.message }, 'completion check failed; next pass retries'))
       .finally(() => {

@@ -164,7 +164,7 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
       await settle(settleDeps, { channel: from, message, policy, deliveryCount, log: batchLog }, result);
       if (result.kind === 'unknown' && result.databaseUnavailable) void pauseUntilDatabaseAnswers();
     } finally {
-      metrics.batchSeconds.observe({ policy }, Number(process.hrtime.bigint() - started) / 1e9);
+      metrics.batchSeconds.observe({ policy: metrics.policyLabel(policy) }, Number(process.hrtime.bigint() - started) / 1e9);
       inFlight -= 1;
       if (inFlight === 0) idle?.();
     }

@@ -245,6 +245,12 @@ export function makeMetrics(policies: readonly MetricPolicy[] = []) {
       labelNames: ['policy'] as const,
       registers: [registry],
     }),
+    admissionRatePerSecond: new Gauge({
+      name: 'reaper_admission_rate_per_second',
+      help: "remote-delete: the policy's configured call rate (admission.ratePerSecond), to draw the limit beside the rate",
+      labelNames: ['policy'] as const,
+      registers: [registry],
+    }),
     admissionPaused: new Gauge({
       name: 'reaper_admission_paused',
       help: '1 while remote calls of the policy are paused (reaper pause)',

@@ -133,21 +133,36 @@ export async function runsLastCompleted(db: Db, policies: readonly string[]): Pr
   }));
 }
 
-export interface RunDuration {
+export interface CompletedRun {
+  runId: string;
   policy: string;
   /** Created (proposed) to completed: includes waiting to be claimed and the workers' share. */
   seconds: number;
+  finishedAtSeconds: number;
 }
 
-/** Durations of the given runs that are completed; the scheduler that completed them observes these. */
-export async function runsDurations(db: Db, runIds: readonly string[]): Promise<RunDuration[]> {
-  if (runIds.length === 0) return [];
-  const result = await db.query<{ policy: string; seconds: number }>(
-    `SELECT policy, greatest(0, extract(epoch FROM finished_at - created_at))::float8 AS seconds
-     FROM cleanup_runs WHERE run_id = ANY($1::uuid[]) AND state = 'completed'`,
-    [runIds],
+/**
+ * Runs `owner` (a scheduler's id) executed that completed after `sinceSeconds` (epoch), and the
+ * database clock now. A run has one owner at the end (the last scheduler that claimed it), so each
+ * completed run is reported to exactly one replica however many run. `sinceSeconds` null: none.
+ */
+export async function runsCompletedSince(
+  db: Db,
+  owner: string,
+  policies: readonly string[],
+  sinceSeconds: number | null,
+): Promise<{ nowSeconds: number; runs: CompletedRun[] }> {
+  const result = await db.query<{ now_s: number; runs: CompletedRun[] }>(
+    `SELECT extract(epoch FROM clock_timestamp())::float8 AS now_s,
+            coalesce((SELECT json_agg(json_build_object('runId', run_id, 'policy', policy,
+                        'seconds', greatest(0, extract(epoch FROM finished_at - created_at))::float8,
+                        'finishedAtSeconds', extract(epoch FROM finished_at)::float8))
+                      FROM cleanup_runs
+                      WHERE policy = ANY($2::text[]) AND state = 'completed' AND finished_at > to_timestamp($3::float8) AND owner = $1), '[]') AS runs`,
+    [owner, policies, sinceSeconds],
   );
-  return result.rows;
+  const row = result.rows[0]!;
+  return { nowSeconds: row.now_s, runs: row.runs };
 }
 
 export interface AdmissionGaugeRow {
