@@ -6,6 +6,9 @@ import { requirePolicy, type PolicySet, type RemoteDeletePolicy } from '../../sh
 import { brokerNames, makeTopology, topologyAsDefinitions } from '../../shared/amqp/topology';
 import { admissionList, admissionSetPaused } from '../../shared/db/queries/admission';
 import { ledgerCountsByPolicy } from '../../shared/db/queries/ledger';
+import { ELIGIBLE_ROWS_CAP } from '../../shared/db/queries/backlog';
+import { targetResolve, type ResolvedTarget } from '../../shared/db/queries/expiring-rows';
+import { readBacklog } from '../scheduler/backlog-gauges';
 import { deadLettersList, deadLettersPurge, deadLettersRequeue } from './dead-letters';
 import { migrate } from '../../shared/db/migrate';
 import type { Pool } from '../../shared/db/pool';
@@ -109,6 +112,13 @@ async function setPaused(policyName: string | undefined, paused: boolean, json: 
 
 async function collectStatus(env: Env, policies: PolicySet) {
   return withPool(env, async (pool) => {
+    // The same reads as the scheduler's backlog gauges; a policy whose table cannot be resolved shows nulls.
+    const targets = new Map<string, ResolvedTarget>();
+    for (const policy of policies.values()) {
+      const target = await targetResolve(pool, policy).catch(() => null); // reported as unknown (null) below
+      if (target) targets.set(policy.name, target);
+    }
+    const backlog = new Map((await readBacklog(pool, [...policies.values()], targets)).map((entry) => [entry.policy, entry]));
     const ledger = new Map((await ledgerCountsByPolicy(pool)).map((row) => [row.policy, row]));
     const admission = new Map((await admissionList(pool)).map((row) => [row.policy, row]));
     const recent = await runsListSummaries(pool, { limit: 500 });
@@ -117,9 +127,17 @@ async function collectStatus(env: Env, policies: PolicySet) {
       policies: [...policies.values()].map((policy) => {
         const last = recent.find((run) => run.policy === policy.name);
         const counts = ledger.get(policy.name);
+        const waiting = backlog.get(policy.name);
         return {
           policy: policy.name,
           kind: policy.kind,
+          oldestEligibleAgeSeconds: waiting ? roundSeconds(waiting.target.oldestEligibleAgeSeconds) : null,
+          oldestLeasedAgeSeconds: waiting ? roundSeconds(waiting.ledger?.oldestLeasedAgeSeconds ?? 0) : null,
+          waitingRows: waiting?.target.eligibleRows ?? null,
+          waitingRowsCapped: waiting ? waiting.target.eligibleRows >= ELIGIBLE_ROWS_CAP : null,
+          lastCompletedRun: waiting?.lastCompleted?.runId ?? null,
+          lastCompletedAt: waiting?.lastCompleted?.finishedAt ?? null,
+          lastCompletedLagSeconds: waiting?.lastCompleted ? roundSeconds(waiting.lastCompleted.lagSeconds) : null,
           paused: admission.get(policy.name)?.paused ?? false,
           lastRun: last?.createdAt ?? null,
           lastRunState: last?.state ?? null,
@@ -134,6 +152,11 @@ async function collectStatus(env: Env, policies: PolicySet) {
       deadLetters: depths.deadLetters,
     };
   });
+}
+
+/** Ages to the millisecond: enough for an operator, and stable in JSON. */
+function roundSeconds(seconds: number): number {
+  return Math.round(seconds * 1000) / 1000;
 }
 
 /** Message counts of the work queues and the dead-letter queue; null where the broker does not answer. */
@@ -284,14 +307,24 @@ export function makeProgram(): Command {
 
   program
     .command('status')
-    .description('per policy: last run, queue depths, ledger states, admission')
+    .description('per policy: backlog age and size, oldest lease, last completed run and its lag, queue depths, ledger states, admission')
     .addOption(json())
     .action(async (options: { json?: boolean }) => {
       const { env, policies } = context();
       const status = await collectStatus(env, policies);
       printResult(!!options.json, status, () =>
         [
-          table(status.policies, ['policy', 'kind', 'paused', 'lastRun', 'lastRunState', 'queued', 'pending', 'inFlight', 'confirmed', 'rejected', 'gaveUp']),
+          table(
+            status.policies.map((row) => ({
+              ...row,
+              oldestEligible: row.oldestEligibleAgeSeconds === null ? null : `${row.oldestEligibleAgeSeconds}s`,
+              oldestLeased: row.oldestLeasedAgeSeconds === null ? null : `${row.oldestLeasedAgeSeconds}s`,
+              waiting: row.waitingRows === null ? null : `${row.waitingRows}${row.waitingRowsCapped ? '+' : ''}`,
+              lastCompleted: row.lastCompletedAt,
+              lag: row.lastCompletedLagSeconds === null ? null : `${row.lastCompletedLagSeconds}s`,
+            })),
+            ['policy', 'kind', 'paused', 'oldestEligible', 'oldestLeased', 'waiting', 'lastCompleted', 'lag', 'lastRun', 'lastRunState', 'queued', 'pending', 'inFlight', 'confirmed', 'rejected', 'gaveUp'],
+          ),
           `dead-letter queue: ${status.deadLetters ?? 'unknown'} message(s)`,
         ].join('\n'),
       );

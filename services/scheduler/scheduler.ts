@@ -20,6 +20,7 @@ import {
 } from '../../shared/db/queries/runs';
 import { startHealthServer } from '../../shared/observability/http';
 import { makeMetrics, type Metrics } from '../../shared/observability/metrics';
+import { startBacklogGauges } from './backlog-gauges';
 import { executeRun } from './run-executor';
 import { CRON_TIMEZONE, latestMissedTick, truncateToSecond } from './ticks';
 import { makeWebhookRoutes, WEBHOOK_MAX_BODY_BYTES } from './webhooks';
@@ -81,7 +82,7 @@ function listenForNewRuns(databaseUrl: string, log: Logger, wake: () => void): {
 }
 
 export async function startScheduler(env: Env, policies: PolicySet, log: Logger): Promise<SchedulerHandle> {
-  const metrics = makeMetrics();
+  const metrics = makeMetrics([...policies.values()]);
   const pool = makePool(env.databaseUrl, env.dbPoolSize, 'reaper-scheduler', env.sessionTimeouts);
   const names = brokerNames(env.amqpPrefix);
   const policyNames = [...policies.keys()];
@@ -176,6 +177,7 @@ export async function startScheduler(env: Env, policies: PolicySet, log: Logger)
     if (missed) await proposeRun(policy, 'catch-up', missed);
   }
 
+  const backlog = startBacklogGauges({ db: pool, owner: env.workerId, policies, targets, metrics, log, intervalMs: env.backlogRefreshMs });
   const poller = setInterval(() => void drainRuns(), CLAIM_POLL_MS);
   const listener = listenForNewRuns(env.databaseUrl, log, () => void drainRuns());
   let completing = false;
@@ -214,6 +216,7 @@ export async function startScheduler(env: Env, policies: PolicySet, log: Logger)
       clearInterval(completer);
       await listener.close();
       for (const task of tasks) await task.destroy();
+      await backlog.stop();
       // The loop stops at its next checkpoint and hands an unfinished run over.
       await draining;
       server?.close();

@@ -85,15 +85,17 @@ async function deadLetter(deps: SettleDeps, delivery: Delivery, reason: DeadLett
   } catch (error) {
     return requeue(deps, delivery, `dead-letter publish failed: ${(error as Error).message}`);
   }
-  deps.metrics.deadLetteredTotal.inc({ reason });
-  deps.metrics.batchesTotal.inc({ policy: delivery.policy, outcome: 'dead-lettered' });
+  // A message may name any policy: only configured names become label values (bounded series).
+  const policy = deps.metrics.policyLabel(delivery.policy);
+  deps.metrics.deadLetteredTotal.inc({ reason, policy });
+  deps.metrics.batchesTotal.inc({ policy, outcome: 'dead-lettered' });
   acknowledge(delivery);
   log.warn({ reason, detail }, 'message dead-lettered');
   return 'dead-lettered';
 }
 
 function requeue(deps: SettleDeps, delivery: Delivery, reason: string): SettleAction {
-  deps.metrics.batchesTotal.inc({ policy: delivery.policy, outcome: 'unknown' });
+  deps.metrics.batchesTotal.inc({ policy: deps.metrics.policyLabel(delivery.policy), outcome: 'unknown' });
   delivery.log.warn({ reason, deliveryCount: delivery.deliveryCount }, 'batch outcome unknown; requeued');
   try {
     // basic.reject, not basic.nack: newer RabbitMQ counts only rejects toward the delivery limit.

@@ -33,13 +33,18 @@ export const UNKNOWN_POLICY_LABEL = '(unknown)';
 /** Seconds between passes of the lease reclaimer (remote-delete). */
 const RECLAIM_INTERVAL_MS = 5_000;
 
-async function makeHandler(policy: Policy, pool: Pool, log: Logger): Promise<BatchHandler> {
+async function makeHandler(policy: Policy, pool: Pool, log: Logger, metrics: Metrics): Promise<BatchHandler> {
   const target = await targetResolve(pool, policy);
   switch (policy.kind) {
     case 'row-delete':
       return makeRowDeleteHandler(policy, target);
-    case 'remote-delete':
-      return makeRemoteDeleteHandler(policy, target, withCircuitBreaker(makeHttpRemoteClient(policy.remote, log.child({ policy: policy.name }))));
+    case 'remote-delete': {
+      const remote = withCircuitBreaker(makeHttpRemoteClient(policy.remote, log.child({ policy: policy.name })));
+      // reaper_circuit_open: half-open still refuses all but one trial call, so it counts as open.
+      remote.breaker.on('open', () => metrics.circuitOpen.set({ policy: policy.name }, 1));
+      remote.breaker.on('close', () => metrics.circuitOpen.set({ policy: policy.name }, 0));
+      return makeRemoteDeleteHandler(policy, target, remote);
+    }
   }
 }
 
@@ -50,7 +55,7 @@ async function makeHandler(policy: Policy, pool: Pool, log: Logger): Promise<Bat
  * each in-flight batch one delivery, not its whole delivery limit) and resumes once it answers.
  */
 export async function startWorker(env: Env, policies: PolicySet, log: Logger): Promise<WorkerHandle> {
-  const metrics = makeMetrics();
+  const metrics = makeMetrics([...policies.values()]);
   const pool = makePool(env.databaseUrl, env.dbPoolSize, 'reaper-worker', env.sessionTimeouts);
   const names = brokerNames(env.amqpPrefix);
   const handlers = new Map<string, BatchHandler>();
@@ -58,7 +63,7 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
     await assertSchemaCurrent(pool);
     for (const policy of policies.values()) {
       try {
-        handlers.set(policy.name, await makeHandler(policy, pool, log));
+        handlers.set(policy.name, await makeHandler(policy, pool, log, metrics));
       } catch (error) {
         throw new Error(`policy ${policy.name}: ${(error as Error).message}`);
       }

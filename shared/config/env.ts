@@ -31,6 +31,8 @@ const envSchema = z.object({
   REAPER_STATEMENT_TIMEOUT_MS: z.coerce.number().int().min(0).max(86_400_000).default(60_000),
   /** PostgreSQL lock_timeout per session: a DELETE waiting this long for a row lock is retried later. */
   REAPER_LOCK_TIMEOUT_MS: z.coerce.number().int().min(0).max(86_400_000).default(5_000),
+  /** How often the scheduler reads the backlog gauges from PostgreSQL (one bounded query per policy per pass). */
+  REAPER_BACKLOG_REFRESH_MS: z.coerce.number().int().min(100).max(300_000).default(10_000),
   /** Test-only crash points: "before-commit" or "after-commit" (the worker SIGKILLs itself there). */
   REAPER_FAILPOINT: z.enum(['before-commit', 'after-commit', 'after-remote-call']).optional(),
 });
@@ -49,6 +51,7 @@ export type Env = {
   webhookSecret: string | undefined;
   failpoint: z.infer<typeof envSchema>['REAPER_FAILPOINT'];
   sessionTimeouts: SessionTimeouts;
+  backlogRefreshMs: number;
 };
 
 /** Variables that may hold secrets: each may instead name a file through `<NAME>_FILE`. */
@@ -104,6 +107,7 @@ export function loadEnv(source: NodeJS.ProcessEnv = process.env): Env {
     webhookSecret: env.REAPER_WEBHOOK_SECRET,
     failpoint: env.REAPER_FAILPOINT,
     sessionTimeouts: { statementTimeoutMs: env.REAPER_STATEMENT_TIMEOUT_MS, lockTimeoutMs: env.REAPER_LOCK_TIMEOUT_MS },
+    backlogRefreshMs: env.REAPER_BACKLOG_REFRESH_MS,
   };
 }
 

@@ -27,6 +27,7 @@ export function makeRowDeleteHandler(policy: RowDeletePolicy, target: ResolvedTa
       ? await withTransaction(context.pool, deleteAndRecord, { beforeCommit: () => context.failpoint('before-commit') })
       : await deleteAndRecord(context.pool);
     context.failpoint('after-commit');
+    for (const lag of outcome.lagSeconds) context.metrics.deletionLagSeconds.observe({ policy: batch.policy }, lag);
     return {
       kind: 'done',
       deleted: outcome.deleted,

@@ -180,7 +180,7 @@ export async function expiringRowsCountNonFinite(db: Db, target: ResolvedTarget)
  * (same key, the exact observed expiry to the microsecond, expiry <= cutoff, guard still true) and
  * writes the batch receipt. A receipt that already exists means this batch was committed before:
  * the caller reports it as a duplicate delivery. Rows renewed or confirmed since the scan do not
- * match and are counted as no-ops.
+ * match and are counted as no-ops. Returns, per deleted row, its deletion lag (now minus expiry).
  */
 export async function expiringRowsDeleteIfStillExpired(
   db: Db,
@@ -195,7 +195,7 @@ export async function expiringRowsDeleteIfStillExpired(
     /** Audit on: one cleanup_audit row per deleted row, written by this same statement. */
     audit?: { policyVersion: string } | null;
   },
-): Promise<{ receiptWritten: boolean; deleted: number }> {
+): Promise<{ receiptWritten: boolean; deleted: number; lagSeconds: number[] }> {
   const { table, key, expiresAt, keyType } = target;
   // The audit rows are part of the deleting statement: they exist exactly when the deletion commits.
   const audited = batch.audit
@@ -204,7 +204,7 @@ export async function expiringRowsDeleteIfStillExpired(
        SELECT $6, r.key, r.expiry, $5, $4, $9 FROM removed r
      )`
     : '';
-  const result = await db.query<{ receipt_written: boolean; deleted: number }>(
+  const result = await db.query<{ receipt_written: boolean; deleted: number; lag_seconds: number[] }>(
     `WITH removed AS (
        DELETE FROM ${table} t
        USING unnest($1::${keyType}[], $2::timestamptz[]) AS item(id, observed_expiry)
@@ -225,8 +225,11 @@ export async function expiringRowsDeleteIfStillExpired(
        ON CONFLICT (batch_id) DO NOTHING
        RETURNING 1
      )${audited}
-     -- $9 is named here too so its type is known when the audit CTE is left out
-     SELECT EXISTS (SELECT 1 FROM receipt) AS receipt_written, (SELECT count(*)::int FROM removed) AS deleted, $9::text AS policy_version`,
+     SELECT EXISTS (SELECT 1 FROM receipt) AS receipt_written, (SELECT count(*)::int FROM removed) AS deleted,
+       -- reaper_deletion_lag_seconds: the statement commits on its own, so its end is the commit time.
+       (SELECT coalesce(array_agg(extract(epoch FROM clock_timestamp() - expiry)::float8), '{}') FROM removed) AS lag_seconds,
+       -- $9 is named here too so its type is known when the audit CTE is left out
+       $9::text AS policy_version`,
     [
       batch.items.map((item) => item.id),
       batch.items.map((item) => item.observedExpiry),
@@ -241,7 +244,7 @@ export async function expiringRowsDeleteIfStillExpired(
     ],
   );
   const row = result.rows[0]!;
-  return { receiptWritten: row.receipt_written, deleted: row.deleted };
+  return { receiptWritten: row.receipt_written, deleted: row.deleted, lagSeconds: row.lag_seconds };
 }
 
 /**
