@@ -48,6 +48,8 @@ export interface AdmissionGrant {
   verdict: AdmissionVerdict;
   /** Due operations whose row no longer holds their decision: finished 'superseded' by the same statement. */
   superseded: number;
+  /** Due operations whose asset is under a legal hold: finished 'held' by the same statement, no call. */
+  held: number;
   /** When asking again may be admitted (next token, a free slot, the end of a block). */
   waitMs: number;
   /** How long the admission row's lock took to get (contention between workers). */
@@ -116,7 +118,7 @@ export async function admitAndClaim(
       const left = state.tokens - state.claimed.length;
       waitMs = left >= 1 ? MIN_ADMISSION_WAIT_MS : Math.max(MIN_ADMISSION_WAIT_MS / 2, ((1 - (left - Math.floor(left))) / bucket.ratePerSecond) * 1000);
     }
-    return { claimed: state.claimed, readAt, tokensAfter: state.tokens - state.claimed.length, verdict, superseded: state.superseded, waitMs, lockWaitMs };
+    return { claimed: state.claimed, readAt, tokensAfter: state.tokens - state.claimed.length, verdict, superseded: state.superseded, held: state.held, waitMs, lockWaitMs };
   });
 }
 

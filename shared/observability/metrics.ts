@@ -30,7 +30,7 @@ export const KNOWN_LABELS = {
   remoteCallOutcomes: ['confirmed', 'rate-limited', 'uncertain', 'rejected', 'circuit-open'],
   operationResults: ['confirmed', 'rate-limited', 'uncertain', 'rejected', 'gave-up', 'circuit-open', 'grant-expired', 'stale-lease'],
   /** Finished ledger operations (cleanup_ledger.outcome). */
-  ledgerOutcomes: ['confirmed', 'rejected', 'gave-up', 'superseded'],
+  ledgerOutcomes: ['confirmed', 'rejected', 'gave-up', 'superseded', 'held'],
   /** Classes of a remote call that was made (DESIGN.md "Remote API calls"). */
   attemptClasses: ['confirmed', 'rate-limited', 'uncertain', 'rejected'],
   deadLetterReasons: DEAD_LETTER_REASONS,

@@ -46,6 +46,9 @@ export function uncertainBackoffMs(attempt: number): number {
   return Math.min(60_000, 1000 * 2 ** Math.max(0, attempt - 1)) + Math.random() * 250;
 }
 
+/** Call results that finish the operation (state done), counted in reaper_remote_operations_completed_total. */
+const FINISHING_RESULTS: ReadonlySet<string> = new Set(['confirmed', 'rejected', 'gave-up']);
+
 type CallResult = 'confirmed' | 'rate-limited' | 'uncertain' | 'rejected' | 'gave-up' | 'circuit-open' | 'grant-expired' | 'stale-lease';
 
 const sleep = (ms: number) => new Promise<void>((resolve) => setTimeout(resolve, ms));
@@ -100,6 +103,10 @@ export function makeRemoteDeleteHandler(policy: RemoteDeletePolicy, target: Reso
       grant = await admitAndClaim(context.pool, policy, target, { keys: recorded.known, owner: context.workerId, cutoff: batch.cutoff, batchId: batch.batchId });
       lockWait.observe({ policy: policy.name }, grant.lockWaitMs / 1000);
       superseded += grant.superseded;
+      context.metrics.remoteGrantsAdmittedTotal.inc({ policy: policy.name }, grant.claimed.length);
+      context.metrics.remoteOperationsClaimedTotal.inc({ policy: policy.name }, grant.claimed.length);
+      if (grant.superseded > 0) context.metrics.remoteOperationsCompletedTotal.inc({ policy: policy.name, outcome: 'superseded' }, grant.superseded);
+      if (grant.held > 0) context.metrics.remoteOperationsCompletedTotal.inc({ policy: policy.name, outcome: 'held' }, grant.held);
       for (const operation of grant.claimed) startCall(operation, grant);
       admitted += grant.claimed.length;
       if (grant.verdict === 'paused' || grant.verdict === 'blocked') break;
@@ -200,6 +207,9 @@ async function callAndRecord(
   }
   const outcome: RemoteOutcome = await remote.delete(operation.assetId, operation.operationKey);
   context.metrics.remoteCallsTotal.inc({ policy: policy.name, outcome: outcome.kind });
+  // A call that was made (an open circuit makes none), by class; 429s also apart.
+  if (outcome.kind !== 'circuit-open') context.metrics.remoteAttemptsTotal.inc({ policy: policy.name, class: outcome.kind });
+  if (outcome.kind === 'rate-limited') context.metrics.remoteRateLimitedTotal.inc({ policy: policy.name });
   context.failpoint('after-remote-call');
   let applied: boolean;
   let result: CallResult;
@@ -256,6 +266,14 @@ async function callAndRecord(
         uncountAttempt: true,
       });
       break;
+  }
+  if (applied && FINISHING_RESULTS.has(result)) {
+    context.metrics.remoteOperationsCompletedTotal.inc({ policy: policy.name, outcome: result });
+    if (result === 'confirmed') {
+      // Eligibility to confirmed deletion: the "gap between eligibility and completion".
+      const expiry = Date.parse(observedExpiryOf(key, policy.name, operation.assetId));
+      context.metrics.deletionLagSeconds.observe({ policy: policy.name }, Math.max(0, (Date.now() - expiry) / 1000));
+    }
   }
   if (!applied) {
     // Our lease expired and another worker claimed the operation: its claim is the truth now.
