@@ -6,7 +6,7 @@ import { loadPolicies, requirePolicy, type PolicySet, type RemoteDeletePolicy } 
 import { brokerNames, makeTopology, topologyAsDefinitions } from '../../shared/amqp/topology';
 import { admissionList, admissionSetPaused } from '../../shared/db/queries/admission';
 import { ledgerCountsByPolicy } from '../../shared/db/queries/ledger';
-import { deadLettersList, deadLettersPurge, deadLettersRequeue } from './dead-letters';
+import { deadLettersList, deadLettersPurge, deadLettersRequeue, describeRequeue } from './dead-letters';
 import { migrate } from '../../shared/db/migrate';
 import { makePool, type Pool } from '../../shared/db/pool';
 import { runsGetSummary, runsInsertIfAbsent, runsListSummaries, type RunSummary } from '../../shared/db/queries/runs';
@@ -348,7 +348,8 @@ export function makeProgram(): Command {
     .action(async (options: { limit: string; reason?: string; json?: boolean }) => {
       const env = loadEnv();
       const result = await deadLettersRequeue(env.amqpUrl, env.amqpPrefix, { limit: parseLimit(options.limit), reason: options.reason });
-      printResult(!!options.json, result, () => `requeued ${result.requeued}, left ${result.skipped} in the dead-letter queue`);
+      printResult(!!options.json, result, () => describeRequeue(result));
+      if (result.failed > 0) process.exitCode = 1; // some stayed behind against the operator's wish
     });
   dlq
     .command('purge')
