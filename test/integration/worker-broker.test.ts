@@ -1,7 +1,9 @@
 import assert from 'node:assert/strict';
+import { execFile } from 'node:child_process';
 import { randomUUID } from 'node:crypto';
 import { createServer } from 'node:net';
 import { after, before, describe, test } from 'node:test';
+import { promisify } from 'node:util';
 import amqp from 'amqplib';
 import { brokerNames } from '../../shared/amqp/topology';
 import { encodeBatch, makeBatchId, type BatchV1 } from '../../shared/contracts/batch';
@@ -129,4 +131,45 @@ describe('worker against the broker', () => {
     await eventually('the batch to be deleted', async () => (await countReservations(bed.pool, seeded.expiredHeld)) === 0);
     assert.deepEqual(await worker.stop(), { code: 0, signal: null });
   });
+
+  test('a queue with other arguments found at a reconnect: the running worker exits 1 naming the queue and the argument', async () => {
+    const worker = startReaper('worker-conflict-later', ['worker'], bed.processEnv({ REAPER_DELIVERY_LIMIT: '20' }));
+    await worker.waitForLine('started', (line) => line.msg === 'worker started');
+    const queue = names.workQueue('seat-holds');
+    const connection = await amqp.connect(bed.amqpUrl);
+    const channel = await connection.createChannel();
+    try {
+      // Someone replaces the queue with another delivery limit; then the worker's connection drops.
+      await channel.deleteQueue(queue);
+      await channel.assertQueue(queue, {
+        durable: true,
+        arguments: { 'x-queue-type': 'quorum', 'x-delivery-limit': 5, 'x-dead-letter-exchange': '', 'x-dead-letter-routing-key': names.deadLetterQueue },
+      });
+      await closeBrokerConnections(`reaper-worker ${bed.prefix} `);
+      const exit = await exitWithin(worker, 20_000);
+      assert.deepEqual(exit, { code: 1, signal: null }, worker.output.slice(-4).join('\n'));
+      const fatal = worker.lines.find((line) => line.msg === 'broker topology conflict: the worker exits 1');
+      assert.ok(fatal, worker.output.slice(-4).join('\n'));
+      assert.match(String(fatal.err), /x-delivery-limit/);
+      assert.match(String(fatal.err), new RegExp(`queue '${queue.replace(/[.]/g, '\\.')}'`));
+    } finally {
+      await channel.deleteQueue(queue);
+      await connection.close();
+    }
+  });
 });
+
+/**
+ * Closes the broker connections whose name starts with `namePrefix` (this file's only: other
+ * files share the broker). Table output, not JSON: close_connection needs the <pid> form.
+ */
+async function closeBrokerConnections(namePrefix: string): Promise<void> {
+  const run = promisify(execFile);
+  const { stdout } = await run('rabbitmqctl', ['list_connections', 'pid', 'client_properties', '-q', '--no-table-headers']);
+  const pids = stdout
+    .split('\n')
+    .filter((line) => (/\{"connection_name","([^"]*)"\}/.exec(line)?.[1] ?? '').startsWith(namePrefix))
+    .map((line) => line.split('\t')[0]!.trim());
+  assert.ok(pids.length > 0, `no broker connection named ${namePrefix}*`);
+  for (const pid of pids) await run('rabbitmqctl', ['close_connection', pid, 'test: reconnect', '-q']);
+}
