@@ -308,9 +308,12 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
   // never be retried away: let what is in flight settle, then exit 1 so the orchestrator shows it.
   connection.once('fatal', (error: Error) => {
     log.fatal({ err: error.message }, 'broker topology conflict: the worker exits 1');
+    process.exitCode = 1;
     const exit = (): never => process.exit(1);
     setTimeout(exit, FATAL_DRAIN_MS).unref();
-    handle.stop().then(exit, exit);
+    // Already draining (SIGTERM): that stop finishes and the CLI exits with exitCode 1; a second
+    // stop would take over its wait for the in-flight batches.
+    if (!stopping) handle.stop().then(exit, exit);
   });
   return handle;
 }
