@@ -9,7 +9,7 @@ import { ledgerCountsByPolicy } from '../../shared/db/queries/ledger';
 import { ELIGIBLE_ROWS_CAP } from '../../shared/db/queries/backlog';
 import { targetResolve, type ResolvedTarget } from '../../shared/db/queries/expiring-rows';
 import { readBacklog } from '../scheduler/backlog-gauges';
-import { deadLettersList, deadLettersPurge, deadLettersRequeue } from './dead-letters';
+import { deadLettersList, deadLettersPurge, deadLettersRequeue, describeRequeue } from './dead-letters';
 import { migrate } from '../../shared/db/migrate';
 import type { Pool } from '../../shared/db/pool';
 import { runsGetSummary, runsInsertIfAbsent, runsListSummaries, type RunSummary } from '../../shared/db/queries/runs';
@@ -369,7 +369,8 @@ export function makeProgram(): Command {
     .action(async (options: { limit: string; reason?: string; json?: boolean }) => {
       const env = loadEnv();
       const result = await deadLettersRequeue(env.amqpUrl, env.amqpPrefix, { limit: parseLimit(options.limit), reason: options.reason });
-      printResult(!!options.json, result, () => `requeued ${result.requeued}, left ${result.skipped} in the dead-letter queue`);
+      printResult(!!options.json, result, () => describeRequeue(result));
+      if (result.failed > 0) process.exitCode = 1; // some stayed behind against the operator's wish
     });
   dlq
     .command('purge')

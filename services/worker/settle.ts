@@ -27,21 +27,66 @@ export interface Delivery {
 export type SettleAction = 'acked' | 'delayed' | 'dead-lettered' | 'requeued';
 
 /**
+ * Messages settle already handed to the broker (ack or reject). Acting twice on one delivery tag
+ * is a channel error that closes the channel and returns every unacked message on it, so the
+ * fallbacks below act only on a message that is not in here.
+ */
+const settled = new WeakSet<ConsumeMessage>();
+
+/**
  * The one place a batch result becomes broker actions. Every path ends in exactly one of: ack
  * (after commit), publish-then-ack (delay tier or dead-letter, publish confirmed first), or
  * reject-with-requeue (outcome unknown). A publish that fails leaves the message unacked.
+ *
+ * It never throws: the caller runs it from a consumer callback, where a rejected promise would
+ * be unhandled and end the process with every batch of the channel in flight. The broker action
+ * comes first; metrics and logs come after it and a bug there is logged and nothing else (for a
+ * `done` batch the transaction has committed, so the ack must not depend on a counter). A throw
+ * before any broker action takes the safe path: a committed (`done`) batch is acked, anything else
+ * is rejected with requeue.
  */
 export async function settle(deps: SettleDeps, delivery: Delivery, result: BatchResult): Promise<SettleAction> {
+  try {
+    return await applyResult(deps, delivery, result);
+  } catch (error) {
+    try {
+      delivery.log.error({ err: (error as Error).message, result: result.kind }, 'settle failed (a bug); taking the safe path');
+    } catch {
+      // The logger itself throws: the safe path below matters more than the report.
+    }
+    if (settled.has(delivery.message)) return result.kind === 'done' ? 'acked' : 'requeued';
+    if (result.kind === 'done') {
+      acknowledge(delivery);
+      return 'acked';
+    }
+    rejectWithRequeue(delivery.channel, delivery.message);
+    return 'requeued';
+  }
+}
+
+/**
+ * For the consumer's last line of defence (a throw outside settle): rejects with requeue unless
+ * settle already acted on the message. True when it rejected.
+ */
+export function requeueIfUnsettled(channel: Channel, message: ConsumeMessage): boolean {
+  if (settled.has(message)) return false;
+  rejectWithRequeue(channel, message);
+  return true;
+}
+
+async function applyResult(deps: SettleDeps, delivery: Delivery, result: BatchResult): Promise<SettleAction> {
   const { metrics } = deps;
   const { policy, log } = delivery;
   switch (result.kind) {
     case 'done': {
       const outcome = result.duplicate ? 'duplicate' : 'done';
-      metrics.batchesTotal.inc({ policy, outcome });
-      metrics.itemsTotal.inc({ policy, outcome: 'deleted' }, result.deleted);
-      metrics.itemsTotal.inc({ policy, outcome: 'noop' }, result.noop);
       acknowledge(delivery);
-      log.info({ outcome, deleted: result.deleted, noop: result.noop, ...result.detail }, 'batch settled');
+      safely(log, 'recording a settled batch', () => {
+        metrics.batchesTotal.inc({ policy, outcome });
+        metrics.itemsTotal.inc({ policy, outcome: 'deleted' }, result.deleted);
+        metrics.itemsTotal.inc({ policy, outcome: 'noop' }, result.noop);
+      });
+      safely(log, 'logging a settled batch', () => log.info({ outcome, deleted: result.deleted, noop: result.noop, ...result.detail }, 'batch settled'));
       return 'acked';
     }
     case 'retry': {
@@ -54,9 +99,9 @@ export async function settle(deps: SettleDeps, delivery: Delivery, result: Batch
       } catch (error) {
         return requeue(deps, delivery, `delay publish failed: ${(error as Error).message}`);
       }
-      metrics.batchesTotal.inc({ policy, outcome: 'retry' });
       acknowledge(delivery);
-      log.info({ delayMs: result.delayMs, tier, reason: result.reason }, 'batch delayed');
+      safely(log, 'recording a delayed batch', () => metrics.batchesTotal.inc({ policy, outcome: 'retry' }));
+      safely(log, 'logging a delayed batch', () => log.info({ delayMs: result.delayMs, tier, reason: result.reason }, 'batch delayed'));
       return 'delayed';
     }
     case 'dead-letter':
@@ -85,33 +130,57 @@ async function deadLetter(deps: SettleDeps, delivery: Delivery, reason: DeadLett
   } catch (error) {
     return requeue(deps, delivery, `dead-letter publish failed: ${(error as Error).message}`);
   }
-  // A message may name any policy: only configured names become label values (bounded series).
-  const policy = deps.metrics.policyLabel(delivery.policy);
-  deps.metrics.deadLetteredTotal.inc({ reason, policy });
-  deps.metrics.batchesTotal.inc({ policy, outcome: 'dead-lettered' });
   acknowledge(delivery);
-  log.warn({ reason, detail }, 'message dead-lettered');
+  safely(log, 'recording a dead letter', () => {
+    // A message may name any policy: only configured names become label values (bounded series).
+    const policy = deps.metrics.policyLabel(delivery.policy);
+    deps.metrics.deadLetteredTotal.inc({ reason, policy });
+    deps.metrics.batchesTotal.inc({ policy, outcome: 'dead-lettered' });
+  });
+  safely(log, 'logging a dead letter', () => log.warn({ reason, detail }, 'message dead-lettered'));
   return 'dead-lettered';
 }
 
 function requeue(deps: SettleDeps, delivery: Delivery, reason: string): SettleAction {
-  deps.metrics.batchesTotal.inc({ policy: deps.metrics.policyLabel(delivery.policy), outcome: 'unknown' });
-  delivery.log.warn({ reason, deliveryCount: delivery.deliveryCount }, 'batch outcome unknown; requeued');
-  try {
-    // basic.reject, not basic.nack: newer RabbitMQ counts only rejects toward the delivery limit.
-    delivery.channel.reject(delivery.message, true);
-  } catch {
-    // Channel already closed: the broker requeues every unacked message of a closed channel.
-  }
+  rejectWithRequeue(delivery.channel, delivery.message);
+  safely(delivery.log, 'recording a requeue', () => deps.metrics.batchesTotal.inc({ policy: deps.metrics.policyLabel(delivery.policy), outcome: 'unknown' }));
+  safely(delivery.log, 'logging a requeue', () => delivery.log.warn({ reason, deliveryCount: delivery.deliveryCount }, 'batch outcome unknown; requeued'));
   return 'requeued';
 }
 
+function rejectWithRequeue(channel: Channel, message: ConsumeMessage): void {
+  settled.add(message);
+  try {
+    // basic.reject, not basic.nack: newer RabbitMQ counts only rejects toward the delivery limit.
+    channel.reject(message, true);
+  } catch {
+    // Channel already closed: the broker requeues every unacked message of a closed channel.
+  }
+}
+
 function acknowledge(delivery: Delivery): void {
+  settled.add(delivery.message);
   try {
     delivery.channel.ack(delivery.message);
   } catch {
     // Channel already closed: the message comes back and its receipt makes it a counted no-op.
-    delivery.log.warn('ack failed: channel closed; the broker will redeliver');
+    safely(delivery.log, 'logging a failed ack', () => delivery.log.warn('ack failed: channel closed; the broker will redeliver'));
+  }
+}
+
+/**
+ * Runs bookkeeping that comes after the broker action (metrics, logs). A throw there is a bug in
+ * that bookkeeping, not in the batch: it is logged (if logging itself works) and swallowed.
+ */
+function safely(log: Logger, what: string, work: () => void): void {
+  try {
+    work();
+  } catch (error) {
+    try {
+      log.error({ err: (error as Error).message }, `${what} failed after the broker action; the batch is settled`);
+    } catch {
+      // The logger itself throws: there is nowhere left to report it, and the batch is settled.
+    }
   }
 }
 

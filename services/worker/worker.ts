@@ -2,7 +2,7 @@ import type { Channel, ChannelModel, ConsumeMessage } from 'amqplib';
 import type { Logger } from 'pino';
 import type { Env } from '../../shared/config/env';
 import type { Policy, PolicySet, RemoteDeletePolicy } from '../../shared/config/policies';
-import { ReconnectingConnection } from '../../shared/amqp/connection';
+import { ReconnectingConnection, TopologyConflictError } from '../../shared/amqp/connection';
 import { ConfirmingPublisher } from '../../shared/amqp/publisher';
 import { brokerNames, makeTopology } from '../../shared/amqp/topology';
 import { decodeBatch } from '../../shared/contracts/batch';
@@ -19,7 +19,7 @@ import { classifyHandlerError } from './errors';
 import { makeRowDeleteHandler } from './handlers/row-delete';
 import type { BatchHandler, HandlerContext } from './handlers/types';
 import type { BatchResult } from './results';
-import { settle, type SettleDeps } from './settle';
+import { requeueIfUnsettled, settle, type SettleDeps } from './settle';
 
 export interface WorkerHandle {
   metrics: Metrics;
@@ -32,6 +32,12 @@ export const UNKNOWN_POLICY_LABEL = '(unknown)';
 
 /** Seconds between passes of the lease reclaimer (remote-delete). */
 const RECLAIM_INTERVAL_MS = 5_000;
+
+/** Backoff between attempts to consume a queue again after the broker cancelled its consumer. */
+const RECONSUME_BACKOFF_MS = { first: 200, max: 10_000 };
+
+/** After a fatal broker error, how long in-flight batches get to settle before the process exits 1. */
+const FATAL_DRAIN_MS = 10_000;
 
 async function makeHandler(policy: Policy, pool: Pool, log: Logger, metrics: Metrics): Promise<BatchHandler> {
   const target = await targetResolve(pool, policy);
@@ -97,20 +103,56 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
   const settleDeps: SettleDeps = { publisher, names, metrics, deliveryLimit: env.deliveryLimit };
 
   let channel: Channel | null = null;
-  let consumerTags: string[] = [];
+  /** Consumer tag per policy on `channel`; a policy missing here is not being consumed right now. */
+  const consumers = new Map<string, string>();
   let stopping = false;
   let databasePaused = false;
   let inFlight = 0;
   let idle: (() => void) | null = null;
 
   async function consumeAll(target: Channel): Promise<void> {
-    consumerTags = [];
-    for (const policy of policies.keys()) {
-      const { consumerTag } = await target.consume(names.workQueue(policy), (message) => {
-        if (message) void onMessage(target, message);
-      });
-      consumerTags.push(consumerTag);
-    }
+    consumers.clear();
+    for (const policy of policies.keys()) await consumeQueue(target, policy);
+  }
+
+  async function consumeQueue(target: Channel, policy: string): Promise<void> {
+    const { consumerTag } = await target.consume(names.workQueue(policy), (message) => {
+      if (message) deliver(target, message);
+      else onCancelledByBroker(target, policy);
+    });
+    consumers.set(policy, consumerTag);
+  }
+
+  /**
+   * The broker cancels a consumer when its queue is deleted (or, in a cluster, when a quorum
+   * queue's leader moves) and sends no message after that: left alone, this queue would silently
+   * never be consumed again. Choice: recover in place instead of exiting, because a restart would
+   * also return every other queue's batches in flight. Re-declare the topology (the queue comes
+   * back with its arguments, so the scheduler's publishes route again) and consume it again, with
+   * backoff. A topology conflict on the way is fatal (the connection reports it; we exit 1). A
+   * new channel, a reconnect or a database pause makes this loop stand down: they consume every
+   * queue anew. Readiness is false until the queue is consumed again.
+   */
+  function onCancelledByBroker(target: Channel, policy: string): void {
+    consumers.delete(policy);
+    const queue = names.workQueue(policy);
+    log.warn({ queue, policy }, 'consumer cancelled by the broker (queue deleted or moved); re-declaring and consuming again');
+    void (async () => {
+      for (let attempt = 0; ; attempt++) {
+        const base = Math.min(RECONSUME_BACKOFF_MS.max, RECONSUME_BACKOFF_MS.first * 2 ** attempt);
+        await new Promise((resolve) => setTimeout(resolve, base / 2 + Math.random() * (base / 2)));
+        if (stopping || databasePaused || channel !== target || consumers.has(policy)) return;
+        try {
+          await connection.reassertTopology();
+          await consumeQueue(target, policy);
+          log.info({ queue, policy, attempt }, 'consuming again after the broker cancelled the consumer');
+          return;
+        } catch (error) {
+          if (error instanceof TopologyConflictError) return; // fatal: the 'fatal' handler exits
+          log.warn({ err: (error as Error).message, queue, attempt }, 'consuming again failed; retrying');
+        }
+      }
+    })().catch((error: Error) => log.error({ err: error.message, queue }, 're-consume loop failed (a bug); a reconnect consumes again'));
   }
 
   async function openConsumer(model: ChannelModel): Promise<void> {
@@ -124,7 +166,11 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
       if (!stopping && connection.connected) {
         setTimeout(() => {
           if (!stopping && channel === null && connection.connected) {
-            openConsumer(model).catch((error: Error) => log.warn({ err: error.message }, 'reopening the consume channel failed; reconnect will'));
+            // Re-declare first: consuming a deleted queue is what closes a channel most often.
+            connection
+              .reassertTopology()
+              .then(() => openConsumer(model))
+              .catch((error: Error) => log.warn({ err: error.message }, 'reopening the consume channel failed; reconnect will'));
           }
         }, 1_000);
       }
@@ -142,8 +188,30 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
     }
   }
 
-  async function onMessage(from: Channel, message: ConsumeMessage): Promise<void> {
+  /**
+   * The consumer callback. onMessage must never reject: the promise is not awaited by amqplib, and
+   * an unhandled rejection ends Node with every batch of the channel in flight. settle never
+   * throws; this catch is the last line of defence for a throw anywhere else (a message that settle
+   * did not act on is requeued), and the in-flight count is kept whatever happens.
+   */
+  function deliver(from: Channel, message: ConsumeMessage): void {
     inFlight += 1;
+    onMessage(from, message)
+      .catch((error: unknown) => {
+        const requeued = requeueIfUnsettled(from, message);
+        try {
+          log.error({ err: (error as Error)?.message ?? String(error), messageId: message.properties.messageId, requeued }, 'delivery failed outside settle (a bug)');
+        } catch {
+          // The logger itself throws: the message is already taken care of.
+        }
+      })
+      .finally(() => {
+        inFlight -= 1;
+        if (inFlight === 0) idle?.();
+      });
+  }
+
+  async function onMessage(from: Channel, message: ConsumeMessage): Promise<void> {
     const started = process.hrtime.bigint();
     const deliveryCount = Number(message.properties.headers?.['x-delivery-count'] ?? 0) + 1;
     const decoded = decodeBatch(message.content);
@@ -170,13 +238,14 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
         result = classifyHandlerError(error);
       }
     }
+    await settle(settleDeps, { channel: from, message, policy: label, deliveryCount, log: batchLog }, result);
+    if (result.kind === 'unknown' && result.databaseUnavailable) {
+      pauseUntilDatabaseAnswers().catch((error: Error) => log.error({ err: error.message }, 'database pause failed (a bug)'));
+    }
     try {
-      await settle(settleDeps, { channel: from, message, policy: label, deliveryCount, log: batchLog }, result);
-      if (result.kind === 'unknown' && result.databaseUnavailable) void pauseUntilDatabaseAnswers();
-    } finally {
       metrics.batchSeconds.observe({ policy: label }, Number(process.hrtime.bigint() - started) / 1e9);
-      inFlight -= 1;
-      if (inFlight === 0) idle?.();
+    } catch (error) {
+      batchLog.error({ err: (error as Error).message }, 'recording the batch duration failed; the batch is settled');
     }
   }
 
@@ -186,7 +255,9 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
     databasePaused = true;
     const paused = channel;
     log.warn('database unavailable: consumption paused');
-    if (paused) for (const tag of consumerTags) await paused.cancel(tag).catch(() => undefined); // channel gone: nothing to cancel
+    const tags = [...consumers.values()];
+    consumers.clear();
+    if (paused) for (const tag of tags) await paused.cancel(tag).catch(() => undefined); // channel gone: nothing to cancel
     for (let attempt = 0; !stopping; attempt++) {
       try {
         await pool.query('SELECT 1');
@@ -200,19 +271,33 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
     if (!stopping && channel) await consumeAll(channel).catch((error: Error) => log.warn({ err: error.message }, 'resume failed; reconnect will resume'));
   }
 
-  await connection.start();
-  const server =
-    env.httpPort === undefined
-      ? undefined
-      : await startHealthServer({
-          port: env.httpPort,
-          registry: metrics.registry,
-          log,
-          ready: () => connection.connected && !databasePaused && !stopping,
-        });
+  // HTTP first: /livez answers while the broker is still unreachable (the process is alive and
+  // retrying); /readyz says ready only while every policy's queue is being consumed.
+  let server: Awaited<ReturnType<typeof startHealthServer>> | undefined;
+  try {
+    server =
+      env.httpPort === undefined
+        ? undefined
+        : await startHealthServer({
+            port: env.httpPort,
+            registry: metrics.registry,
+            log,
+            ready: () => connection.connected && channel !== null && consumers.size === policies.size && !databasePaused && !stopping,
+          });
+    // Retries while the broker is unreachable; rejects on what retrying cannot fix (a queue
+    // declared with other arguments: TopologyConflictError names the queue and the argument).
+    await connection.start();
+  } catch (error) {
+    stopping = true;
+    if (reclaimer) clearInterval(reclaimer);
+    server?.close();
+    await connection.close();
+    await pool.end();
+    throw error;
+  }
   log.info({ policies: [...policies.keys()], prefetch: env.prefetch }, 'worker consuming');
 
-  return {
+  const handle: WorkerHandle = {
     metrics,
     httpPort: server?.boundPort,
     async stop() {
@@ -220,7 +305,9 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
       if (reclaimer) clearInterval(reclaimer);
       await sweeper?.stop();
       const current = channel as Channel | null;
-      if (current) for (const tag of consumerTags) await current.cancel(tag).catch(() => undefined); // closed channel: nothing to cancel
+      const tags = [...consumers.values()];
+      consumers.clear();
+      if (current) for (const tag of tags) await current.cancel(tag).catch(() => undefined); // closed channel: nothing to cancel
       // Drain: batches in flight finish and settle; nothing new arrives after the cancel.
       if (inFlight > 0) await new Promise<void>((resolve) => (idle = resolve));
       // One round trip on the channel before closing, so the last acks are handled first: closing
@@ -232,4 +319,17 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
       await pool.end();
     },
   };
+
+  // A topology conflict found after start (at a reconnect, or re-declaring a deleted queue) can
+  // never be retried away: let what is in flight settle, then exit 1 so the orchestrator shows it.
+  connection.once('fatal', (error: Error) => {
+    log.fatal({ err: error.message }, 'broker topology conflict: the worker exits 1');
+    process.exitCode = 1;
+    const exit = (): never => process.exit(1);
+    setTimeout(exit, FATAL_DRAIN_MS).unref();
+    // Already draining (SIGTERM): that stop finishes and the CLI exits with exitCode 1; a second
+    // stop would take over its wait for the in-flight batches.
+    if (!stopping) handle.stop().then(exit, exit);
+  });
+  return handle;
 }

@@ -6,9 +6,40 @@ import { redactUrl } from '../observability/logger';
 import { assertTopology, type Topology } from './topology';
 
 /**
+ * The broker refused our topology because an object of the same name exists with other arguments
+ * (406 PRECONDITION_FAILED, e.g. a queue pre-declared with another x-delivery-limit). Retrying can
+ * never fix it: the process must stop and say which queue and which argument.
+ */
+export class TopologyConflictError extends Error {
+  readonly code = 'TOPOLOGY_CONFLICT';
+  constructor(brokerMessage: string) {
+    super(
+      `the broker refused reaper's topology: ${brokerMessage}. ` +
+        'Align the queue with `reaper topology` (same REAPER_AMQP_PREFIX and REAPER_DELIVERY_LIMIT) or delete it so reaper declares it again',
+    );
+    this.name = 'TopologyConflictError';
+  }
+}
+
+/** amqplib puts the AMQP reply code on the error; 406 on a declare is an argument conflict. */
+function asTopologyError(error: unknown): unknown {
+  const { code, message } = error as { code?: unknown; message?: unknown };
+  if (code !== 406 || typeof message !== 'string') return error;
+  // "Operation failed: QueueDeclare; 406 (PRECONDITION-FAILED) with message "PRECONDITION_FAILED - ...""
+  const quoted = /with message "(.*)"$/s.exec(message);
+  return new TopologyConflictError(quoted ? quoted[1]! : message);
+}
+
+/**
  * One AMQP connection that comes back by itself. After every (re)connect it asserts the topology
  * and calls each `onReady` hook (which opens channels and consumers again). Backoff doubles from
  * 200 ms to 10 s with jitter.
+ *
+ * What retrying cannot fix is not retried: a topology conflict (TopologyConflictError) rejects
+ * `start()` before the first connect, and later (at a reconnect or a re-assert) is emitted as
+ * 'fatal' to whoever listens; the service exits 1 with that message. Without a 'fatal' listener
+ * the connection logs it at error level and keeps retrying, so a service is never left silently
+ * disconnected.
  */
 export class ReconnectingConnection extends EventEmitter {
   private model: ChannelModel | null = null;
@@ -32,10 +63,22 @@ export class ReconnectingConnection extends EventEmitter {
     this.readyHooks.push(hook);
   }
 
-  /** Connects, retrying until it works or close() is called. Resolves on the first success. */
+  /**
+   * Connects, retrying until it works or close() is called. Resolves on the first success; rejects
+   * with TopologyConflictError when the broker's queues cannot be reconciled with ours.
+   */
   async start(): Promise<void> {
-    await new Promise<void>((resolve) => {
-      this.once('ready', () => resolve());
+    await new Promise<void>((resolve, reject) => {
+      const onReady = (): void => {
+        this.off('fatal', onFatal);
+        resolve();
+      };
+      const onFatal = (error: Error): void => {
+        this.off('ready', onReady);
+        reject(error);
+      };
+      this.once('ready', onReady);
+      this.once('fatal', onFatal);
       void this.connect();
     });
   }
@@ -52,13 +95,13 @@ export class ReconnectingConnection extends EventEmitter {
         clientProperties: { connection_name: this.options.connectionName },
       });
       model.on('error', (error: Error) => log.warn({ err: error.message }, 'amqp connection error'));
-      const setup = await model.createChannel();
-      await assertTopology(setup, this.options.topology);
-      await setup.close();
+      await this.assertTopologyOn(model);
       for (const hook of this.readyHooks) await hook(model);
     } catch (error) {
-      log.warn({ err: (error as Error).message, url: redactUrl(this.options.url), attempt: this.attempt }, 'amqp connect failed');
       if (model) await model.close().catch(() => undefined); // already broken; nothing more to release
+      const classified = asTopologyError(error);
+      if (classified instanceof TopologyConflictError && this.reportFatal(classified)) return;
+      log.warn({ err: (error as Error).message, url: redactUrl(this.options.url), attempt: this.attempt }, 'amqp connect failed');
       this.scheduleReconnect();
       return;
     }
@@ -79,6 +122,47 @@ export class ReconnectingConnection extends EventEmitter {
     });
     log.info({ connection: this.options.connectionName }, 'amqp connected');
     this.emit('ready', model);
+  }
+
+  /** Declares the topology on a channel of its own (a refused declare closes that channel only). */
+  private async assertTopologyOn(model: ChannelModel): Promise<void> {
+    const setup = await model.createChannel();
+    // The broker closing the channel also rejects the pending declare, which is what we report.
+    setup.on('error', () => undefined);
+    try {
+      await assertTopology(setup, this.options.topology);
+    } catch (error) {
+      throw asTopologyError(error);
+    }
+    await setup.close();
+  }
+
+  /**
+   * Declares the topology again on the live connection: after the broker cancelled a consumer
+   * (its queue was deleted) the queue must exist before consuming from it again. Rejects with
+   * TopologyConflictError (also reported as 'fatal') or with the broker's error.
+   */
+  async reassertTopology(): Promise<void> {
+    const model = this.model;
+    if (!model) throw new Error('amqp not connected');
+    try {
+      await this.assertTopologyOn(model);
+    } catch (error) {
+      if (error instanceof TopologyConflictError) this.reportFatal(error);
+      throw error;
+    }
+  }
+
+  /** True when a 'fatal' listener took it (the connection is then closed for good). */
+  private reportFatal(error: TopologyConflictError): boolean {
+    if (this.listenerCount('fatal') === 0) {
+      this.options.log.error({ err: error.message }, 'amqp topology conflict; retrying, but this needs an operator');
+      return false;
+    }
+    this.options.log.error({ err: error.message }, 'amqp topology conflict: giving up');
+    void this.close();
+    this.emit('fatal', error);
+    return true;
   }
 
   private scheduleReconnect(): void {

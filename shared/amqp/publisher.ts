@@ -1,5 +1,17 @@
 import type { ChannelModel, ConfirmChannel, Options } from 'amqplib';
-import type { ReconnectingConnection } from './connection';
+
+/**
+ * Where the publisher gets its connection: a ReconnectingConnection (services), or one plain
+ * connection (`fixedConnection`, for a CLI command that lives for one connection).
+ */
+export interface ConnectionSource {
+  onReady(hook: (model: ChannelModel) => Promise<void>): void;
+  waitReady(timeoutMs: number): Promise<ChannelModel>;
+}
+
+export function fixedConnection(model: ChannelModel): ConnectionSource {
+  return { onReady: () => undefined, waitReady: () => Promise.resolve(model) };
+}
 
 /** A publish the broker did not take responsibility for: the caller must not ack what it carries. */
 export class PublishError extends Error {
@@ -15,6 +27,12 @@ export class PublishError extends Error {
  * confirmed it AND routed it to a queue; a return (unroutable), a nack, a closed channel or no
  * confirm within `confirmTimeoutMs` rejects with PublishError. The confirm channel is reopened
  * after every reconnect.
+ *
+ * How a return is matched to its publish: RabbitMQ sends basic.return before the basic.ack of the
+ * same message, and a return carries the message's properties but no delivery tag, so returns are
+ * correlated by message id. Two publishes in flight with the same id (a duplicate delivery of one
+ * batch settled twice at once) could not be told apart, and an ack with `multiple` could then
+ * resolve the wrong one; so publishes sharing a message id run one after the other.
  */
 export class ConfirmingPublisher {
   private channel: ConfirmChannel | null = null;
@@ -23,9 +41,11 @@ export class ConfirmingPublisher {
   private readonly pending = new Set<(error: Error) => void>();
   private sequence = 0;
   private opening: Promise<void> | null = null;
+  /** The publish in flight per caller-given message id (see the class comment). */
+  private readonly inFlightById = new Map<string, Promise<void>>();
 
   constructor(
-    private readonly connection: ReconnectingConnection,
+    private readonly connection: ConnectionSource,
     private readonly confirmTimeoutMs = 10_000,
   ) {
     connection.onReady((model) => this.open(model));
@@ -70,9 +90,23 @@ export class ConfirmingPublisher {
   }
 
   async publish(exchange: string, routingKey: string, content: Buffer, options: Options.Publish): Promise<void> {
-    const channel = await this.currentChannel();
     // Each publish gets its own message id for return correlation unless the caller set one.
     const messageId = options.messageId ?? `reaper-publish-${process.pid}-${++this.sequence}`;
+    const before = this.inFlightById.get(messageId);
+    const mine = (before ?? Promise.resolve())
+      .catch(() => undefined) // the earlier publish's failure is its caller's to handle
+      .then(() => this.publishOnce(exchange, routingKey, content, options, messageId));
+    this.inFlightById.set(messageId, mine);
+    try {
+      await mine;
+    } finally {
+      if (this.inFlightById.get(messageId) === mine) this.inFlightById.delete(messageId);
+    }
+  }
+
+  private async publishOnce(exchange: string, routingKey: string, content: Buffer, options: Options.Publish, messageId: string): Promise<void> {
+    const channel = await this.currentChannel();
+    this.returned.delete(messageId); // a stale mark (its confirm never came) must not fail this one
     await new Promise<void>((resolve, reject) => {
       let settled = false;
       const finish = (error: Error | null): void => {

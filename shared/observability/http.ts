@@ -15,7 +15,11 @@ export interface HealthServerOptions {
   maxBodyBytes?: number;
 }
 
-/** GET /livez, GET /readyz, GET /metrics, plus the POST routes given. */
+/**
+ * GET /livez, GET /readyz, GET /metrics, plus the POST routes given. Services start it before they
+ * connect to the broker: /livez answers 200 as long as the process runs (a broker or database
+ * outage is for /readyz to report, not a reason to restart the pod).
+ */
 export async function startHealthServer(options: HealthServerOptions): Promise<Server & { boundPort: number }> {
   const maxBody = options.maxBodyBytes ?? 64 * 1024;
   const server = createServer((request, response) => {
@@ -48,7 +52,14 @@ export async function startHealthServer(options: HealthServerOptions): Promise<S
     reply(response, 404, { error: 'not found' });
   }
 
-  await new Promise<void>((resolve) => server.listen(options.port, '0.0.0.0', resolve));
+  // A port already taken is a start-up error with its reason, not a promise that never settles.
+  await new Promise<void>((resolve, reject) => {
+    server.once('error', reject);
+    server.listen(options.port, '0.0.0.0', () => {
+      server.off('error', reject);
+      resolve();
+    });
+  });
   const address = server.address();
   return Object.assign(server, { boundPort: typeof address === 'object' && address ? address.port : options.port });
 }

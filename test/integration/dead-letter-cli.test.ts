@@ -81,7 +81,7 @@ describe('dead-letter commands', () => {
 
     const requeued = await runReaperCli(['dlq', 'requeue', '--reason', 'delivery-limit', '--json'], bed.processEnv());
     assert.equal(requeued.code, 0, requeued.stdout);
-    assert.deepEqual(JSON.parse(requeued.stdout), { requeued: 1, skipped: 1 });
+    assert.deepEqual(JSON.parse(requeued.stdout), { requeued: 1, skipped: 1, failed: 0, failures: [] });
     await eventually('the batch back in its work queue', async () => (await broker.messageCount(names.workQueue('seat-holds'))) === 1);
     // A quorum queue's message count settles a moment after the acks: poll it.
     await eventually('the invalid one alone to stay', async () => (await broker.messageCount(names.deadLetterQueue)) === 1);
@@ -95,5 +95,43 @@ describe('dead-letter commands', () => {
     await eventually('the invalid one to be still there', async () => (await broker.messageCount(names.deadLetterQueue)) === 1);
     const purged = await runReaperCli(['dlq', 'purge', '--yes', '--json'], bed.processEnv());
     assert.deepEqual(JSON.parse(purged.stdout), { purged: 1 });
+  });
+
+  test('a dead letter whose work queue is gone stays in the dead-letter queue, is reported, and the command exits 1', async () => {
+    // A second work queue that exists, so one run of the command both succeeds and fails.
+    const connection = await amqp.connect(bed.amqpUrl);
+    const channel = await connection.createChannel();
+    const otherQueue = `${bed.prefix}.cleanup.other`;
+    await channel.assertQueue(otherQueue, { durable: true });
+    await channel.bindQueue(otherQueue, names.workExchange, 'other');
+    // An operator deleted seat-holds' work queue (or the policy was retired): its key routes nowhere.
+    await channel.deleteQueue(names.workQueue('seat-holds'));
+    await connection.close();
+    const deadLetter = (messageId: string, policy: string) =>
+      broker.publish('', names.deadLetterQueue, '{}', {
+        messageId,
+        headers: { 'x-reaper-reason': 'delivery-limit', 'x-reaper-detail': 'failed on 20 deliveries', 'x-reaper-original-routing-key': policy },
+      });
+    await deadLetter('orphan-1', 'seat-holds');
+    await deadLetter('routable-1', 'other');
+
+    const text = await runReaperCli(['dlq', 'requeue'], bed.processEnv());
+    assert.equal(text.code, 1, text.stdout);
+    assert.match(text.stdout, /requeued 1, left 1 in the dead-letter queue/);
+    assert.match(text.stdout, /1 could not be requeued and stayed in the dead-letter queue/);
+    assert.match(text.stdout, /orphan-1 \(policy seat-holds\): unroutable/);
+    assert.deepEqual((await broker.drain(otherQueue)).map((m) => m.properties.messageId), ['routable-1']);
+    await eventually('the orphan to be still in the dead-letter queue', async () => (await broker.messageCount(names.deadLetterQueue)) === 1);
+
+    const json = await runReaperCli(['dlq', 'requeue', '--json'], bed.processEnv());
+    assert.equal(json.code, 1, json.stdout);
+    const result = JSON.parse(json.stdout) as { requeued: number; skipped: number; failed: number; failures: Array<{ messageId: string; policy: string; error: string }> };
+    assert.deepEqual([result.requeued, result.skipped, result.failed], [0, 0, 1]);
+    assert.deepEqual(result.failures.map((f) => [f.messageId, f.policy]), [['orphan-1', 'seat-holds']]);
+    assert.match(result.failures[0]!.error, /unroutable/);
+    await eventually('the orphan to be still there after the second attempt', async () => (await broker.messageCount(names.deadLetterQueue)) === 1);
+    const [kept] = await broker.drain(names.deadLetterQueue);
+    assert.equal(kept?.properties.messageId, 'orphan-1');
+    assert.equal(kept?.properties.headers?.['x-reaper-reason'], 'delivery-limit', 'the dead letter is kept as it was');
   });
 });

@@ -54,4 +54,20 @@ describe('confirming publisher', () => {
     const messages = await broker.drain(names.workQueue('seat-holds'));
     assert.deepEqual(messages.map((m) => m.properties.messageId), ['after-error']);
   });
+
+  test('two publishes in flight with one message id: the return fails the unroutable one, not the other', async () => {
+    // Returns are matched by message id; publishes sharing one run one after the other, so a return
+    // (and an ack with `multiple` covering both) can never be charged to the routed publish.
+    const outcomes = await Promise.allSettled([
+      publisher.publish(names.workExchange, 'seat-holds', Buffer.from('{}'), { messageId: 'same-id' }),
+      publisher.publish(names.workExchange, 'no-such-policy', Buffer.from('{}'), { messageId: 'same-id' }),
+    ]);
+    assert.deepEqual(
+      outcomes.map((outcome) => outcome.status),
+      ['fulfilled', 'rejected'],
+    );
+    assert.match(String((outcomes[1] as PromiseRejectedResult).reason), /unroutable/);
+    const messages = await broker.drain(names.workQueue('seat-holds'));
+    assert.deepEqual(messages.map((m) => m.properties.messageId), ['same-id']);
+  });
 });

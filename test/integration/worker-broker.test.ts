@@ -1,0 +1,175 @@
+import assert from 'node:assert/strict';
+import { execFile } from 'node:child_process';
+import { randomUUID } from 'node:crypto';
+import { createServer } from 'node:net';
+import { after, before, describe, test } from 'node:test';
+import { promisify } from 'node:util';
+import amqp from 'amqplib';
+import { brokerNames } from '../../shared/amqp/topology';
+import { encodeBatch, makeBatchId, type BatchV1 } from '../../shared/contracts/batch';
+import { openTestBroker, type TestBroker } from '../support/broker';
+import { eventually } from '../support/eventually';
+import { assertNoLeakedProcesses, startReaper, type ReaperProcess } from '../support/processes';
+import { countReservations, databaseNowIso, itemsFor, seedHolds } from '../support/seed';
+import { makeTestBed, type TestBed } from '../support/testbed';
+
+/**
+ * The worker and the broker's own decisions: a queue the broker holds with other arguments
+ * (exit 1, naming it, instead of retrying forever), a broker that does not answer (alive, not
+ * ready), and a consumer the broker cancels because its queue was deleted (consumed again).
+ */
+describe('worker against the broker', () => {
+  let bed: TestBed;
+  let broker: TestBroker;
+  let names: ReturnType<typeof brokerNames>;
+
+  before(async () => {
+    bed = await makeTestBed('worker_broker');
+    bed.writePolicies(`policies:
+  - name: seat-holds
+    kind: row-delete
+    schedule: "0 0 1 1 *"
+    table: seat_reservations
+    key: reservation_id
+    expiresAt: expires_at
+    guard: { status: held }
+`);
+    names = brokerNames(bed.prefix);
+    broker = await openTestBroker(bed.amqpUrl);
+  });
+  after(async () => {
+    await assertNoLeakedProcesses();
+    await broker?.close();
+    await bed?.close();
+  });
+
+  /** A port nothing listens on: bound once by the OS, then released. */
+  async function closedPort(): Promise<number> {
+    const server = createServer();
+    await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve));
+    const port = (server.address() as { port: number }).port;
+    await new Promise<void>((resolve) => server.close(() => resolve()));
+    return port;
+  }
+
+  async function exitWithin(process: ReaperProcess, ms: number): Promise<{ code: number | null; signal: NodeJS.Signals | null }> {
+    let timer: NodeJS.Timeout | undefined;
+    const timeout = new Promise<'timeout'>((resolve) => (timer = setTimeout(() => resolve('timeout'), ms)));
+    const outcome = await Promise.race([process.exited, timeout]);
+    clearTimeout(timer);
+    if (outcome === 'timeout') {
+      await process.stop(1_000);
+      assert.fail(`${process.label} did not exit within ${ms} ms; last output: ${process.output.slice(-4).join(' | ')}`);
+    }
+    return outcome;
+  }
+
+  test('/livez answers 200 while the broker is unreachable, /readyz 503', async () => {
+    const httpPort = await closedPort();
+    const amqpPort = await closedPort();
+    const worker = startReaper('worker-no-broker', ['worker'], bed.processEnv({ HTTP_PORT: String(httpPort), AMQP_URL: `amqp://guest:guest@127.0.0.1:${amqpPort}` }));
+    const base = `http://127.0.0.1:${httpPort}`;
+    await eventually('/livez to answer', async () => (await fetch(`${base}/livez`)).status === 200, { describe: () => worker.output.slice(-4) });
+    await worker.waitForLine('a failed broker connect', (line) => line.msg === 'amqp connect failed');
+    assert.equal((await fetch(`${base}/livez`)).status, 200);
+    assert.equal((await fetch(`${base}/readyz`)).status, 503);
+    await worker.stop();
+  });
+
+  for (const kind of ['worker', 'scheduler'] as const) {
+    test(`a ${kind} whose work queue the broker holds with another x-delivery-limit exits 1 naming the queue and the argument`, async () => {
+      const connection = await amqp.connect(bed.amqpUrl);
+      const channel = await connection.createChannel();
+      const queue = names.workQueue('seat-holds');
+      await channel.deleteQueue(queue);
+      // As if pre-declared from definitions made with REAPER_DELIVERY_LIMIT=5; the service runs with 20.
+      await channel.assertQueue(queue, {
+        durable: true,
+        arguments: { 'x-queue-type': 'quorum', 'x-delivery-limit': 5, 'x-dead-letter-exchange': '', 'x-dead-letter-routing-key': names.deadLetterQueue },
+      });
+      try {
+        const service = startReaper(`${kind}-conflict`, [kind], bed.processEnv({ REAPER_DELIVERY_LIMIT: '20' }));
+        const exit = await exitWithin(service, 20_000);
+        assert.deepEqual(exit, { code: 1, signal: null }, service.output.slice(-4).join('\n'));
+        const printed = service.output.find((line) => line.startsWith('reaper: '));
+        assert.ok(printed, `the CLI prints the reason; output: ${service.output.slice(-4).join(' | ')}`);
+        assert.match(printed, /x-delivery-limit/);
+        assert.match(printed, new RegExp(`queue '${queue.replace(/[.]/g, '\\.')}'`));
+        assert.ok(!service.output.some((line) => /^\s+at /.test(line)), 'no stack trace');
+      } finally {
+        await channel.deleteQueue(queue);
+        await connection.close();
+      }
+    });
+  }
+
+  test('a work queue deleted under a running worker is declared again and consumed: a batch for it is deleted', async () => {
+    const worker = startReaper('worker-cancelled', ['worker'], bed.processEnv({ HTTP_PORT: '0' }));
+    const started = await worker.waitForLine('started', (line) => line.msg === 'worker started');
+    const base = `http://127.0.0.1:${String(started.httpPort)}`;
+    assert.equal((await fetch(`${base}/readyz`)).status, 200);
+
+    const connection = await amqp.connect(bed.amqpUrl);
+    const channel = await connection.createChannel();
+    await channel.deleteQueue(names.workQueue('seat-holds'));
+    await connection.close();
+    await worker.waitForLine('the cancel noticed', (line) => line.msg === 'consumer cancelled by the broker (queue deleted or moved); re-declaring and consuming again');
+    await worker.waitForLine('consuming again', (line) => line.msg === 'consuming again after the broker cancelled the consumer');
+    await eventually('ready again', async () => (await fetch(`${base}/readyz`)).status === 200);
+
+    const seeded = await seedHolds(bed.pool, { expiredHeld: 5 });
+    const runId = randomUUID();
+    const batch: BatchV1 = {
+      version: 1,
+      runId,
+      batchId: makeBatchId(runId, 1),
+      policy: 'seat-holds',
+      cutoff: await databaseNowIso(bed.pool),
+      items: await itemsFor(bed.pool, seeded.expiredHeld),
+    };
+    await broker.publish(names.workExchange, 'seat-holds', encodeBatch(batch), { messageId: batch.batchId, mandatory: true });
+    await eventually('the batch to be deleted', async () => (await countReservations(bed.pool, seeded.expiredHeld)) === 0);
+    assert.deepEqual(await worker.stop(), { code: 0, signal: null });
+  });
+
+  test('a queue with other arguments found at a reconnect: the running worker exits 1 naming the queue and the argument', async () => {
+    const worker = startReaper('worker-conflict-later', ['worker'], bed.processEnv({ REAPER_DELIVERY_LIMIT: '20' }));
+    await worker.waitForLine('started', (line) => line.msg === 'worker started');
+    const queue = names.workQueue('seat-holds');
+    const connection = await amqp.connect(bed.amqpUrl);
+    const channel = await connection.createChannel();
+    try {
+      // Someone replaces the queue with another delivery limit; then the worker's connection drops.
+      await channel.deleteQueue(queue);
+      await channel.assertQueue(queue, {
+        durable: true,
+        arguments: { 'x-queue-type': 'quorum', 'x-delivery-limit': 5, 'x-dead-letter-exchange': '', 'x-dead-letter-routing-key': names.deadLetterQueue },
+      });
+      await closeBrokerConnections(`reaper-worker ${bed.prefix} `);
+      const exit = await exitWithin(worker, 20_000);
+      assert.deepEqual(exit, { code: 1, signal: null }, worker.output.slice(-4).join('\n'));
+      const fatal = worker.lines.find((line) => line.msg === 'broker topology conflict: the worker exits 1');
+      assert.ok(fatal, worker.output.slice(-4).join('\n'));
+      assert.match(String(fatal.err), /x-delivery-limit/);
+      assert.match(String(fatal.err), new RegExp(`queue '${queue.replace(/[.]/g, '\\.')}'`));
+    } finally {
+      await channel.deleteQueue(queue);
+      await connection.close();
+    }
+  });
+});
+
+/**
+ * Closes the broker connections whose name starts with `namePrefix` (this file's only: other
+ * files share the broker). Table output, not JSON: close_connection needs the <pid> form.
+ */
+async function closeBrokerConnections(namePrefix: string): Promise<void> {
+  const run = promisify(execFile);
+  const { stdout } = await run('rabbitmqctl', ['list_connections', 'pid', 'client_properties', '-q', '--no-table-headers']);
+  const pids = stdout
+    .split('\n')
+    .filter((line) => (/\{"connection_name","([^"]*)"\}/.exec(line)?.[1] ?? '').startsWith(namePrefix))
+    .map((line) => line.split('\t')[0]!.trim());
+  assert.ok(pids.length > 0, `no broker connection named ${namePrefix}*`);
+  for (const pid of pids) await run('rabbitmqctl', ['close_connection', pid, 'test: reconnect', '-q']);
+}
