@@ -50,9 +50,12 @@ function runRow(run: RunSummary): Record<string, unknown> {
     state: run.state,
     cutoff: run.cutoff,
     candidates: run.candidates,
+    skipped: run.skipped,
     batches: `${run.batchesDone}/${run.batchesConfirmed}`,
     deleted: run.deleted,
     noop: run.noop,
+    // Why a run failed or is incomplete; the whole text is in `reaper run <id>`.
+    reason: run.error === null ? null : run.error.length > 60 ? `${run.error.slice(0, 59)}…` : run.error,
   };
 }
 
@@ -64,7 +67,8 @@ function describeRun(run: RunSummary): string {
     `scheduled  ${run.scheduledFor}`,
     `cutoff     ${run.cutoff}`,
     `candidates ${run.candidates}`,
-    `batches    ${run.batchesDone} done of ${run.batchesConfirmed} confirmed`,
+    `skipped    ${run.skipped}${run.skipped > 0 ? ' (keys too long for a message; not deleted)' : ''}`,
+    `batches    ${run.batchesDone} done of ${run.batchesConfirmed} confirmed${run.state === 'incomplete' ? `, ${run.batchesConfirmed - run.batchesDone} missing` : ''}`,
     `deleted    ${run.deleted}`,
     `no-op      ${run.noop}`,
     `finished   ${run.finishedAt ?? '-'}`,
@@ -80,7 +84,7 @@ async function waitForRun(pool: Pool, runId: string, timeoutMs: number, quiet: b
     const progress = `${run.state}: ${run.batchesDone}/${run.batchesConfirmed} batches, ${run.deleted} deleted, ${run.noop} no-op`;
     if (!quiet && progress !== last) process.stderr.write(`${progress}\n`);
     last = progress;
-    if (run.state === 'completed' || run.state === 'failed') return run;
+    if (run.state === 'completed' || run.state === 'failed' || run.state === 'incomplete') return run;
     if (Date.now() > deadline) throw new Error(`run ${runId} not finished after ${timeoutMs} ms (${progress})`);
     await new Promise((resolve) => setTimeout(resolve, 250));
   }
@@ -141,6 +145,8 @@ async function collectStatus(env: Env, policies: PolicySet) {
           paused: admission.get(policy.name)?.paused ?? false,
           lastRun: last?.createdAt ?? null,
           lastRunState: last?.state ?? null,
+          // Why the last run failed or is incomplete (null when it did not).
+          lastRunError: last?.error ?? null,
           queued: depths.work.get(policy.name) ?? null,
           pending: counts?.pending ?? 0,
           inFlight: counts?.inFlight ?? 0,
@@ -224,7 +230,7 @@ export function makeProgram(): Command {
         if (!run) throw new Error('a run for this instant already exists; try again');
         const result = options.wait ? await waitForRun(pool, run.runId, timeoutSeconds * 1000, !!options.json) : await runsGetSummary(pool, run.runId);
         printResult(!!options.json, result, () => (options.wait ? describeRun(result!) : `run ${run.runId} created (cutoff ${run.cutoff}); a scheduler will execute it`));
-        if (result?.state === 'failed') process.exitCode = 1;
+        if (result?.state === 'failed' || result?.state === 'incomplete') process.exitCode = 1;
       });
     });
 
@@ -275,7 +281,7 @@ export function makeProgram(): Command {
       if (!Number.isInteger(limit) || limit < 1 || limit > 10_000) throw new UsageError(`--limit: must be an integer from 1 to 10000 (got "${options.limit}")`);
       await withPool(env, async (pool) => {
         const runs = await runsListSummaries(pool, { policy: options.policy, limit });
-        printResult(!!options.json, runs, () => table(runs.map(runRow), ['run', 'policy', 'trigger', 'state', 'cutoff', 'candidates', 'batches', 'deleted', 'noop']));
+        printResult(!!options.json, runs, () => table(runs.map(runRow), ['run', 'policy', 'trigger', 'state', 'cutoff', 'candidates', 'skipped', 'batches', 'deleted', 'noop', 'reason']));
       });
     });
 
@@ -323,7 +329,7 @@ export function makeProgram(): Command {
               lastCompleted: row.lastCompletedAt,
               lag: row.lastCompletedLagSeconds === null ? null : `${row.lastCompletedLagSeconds}s`,
             })),
-            ['policy', 'kind', 'paused', 'oldestEligible', 'oldestLeased', 'waiting', 'lastCompleted', 'lag', 'lastRun', 'lastRunState', 'queued', 'pending', 'inFlight', 'confirmed', 'rejected', 'gaveUp'],
+            ['policy', 'kind', 'paused', 'oldestEligible', 'oldestLeased', 'waiting', 'lastCompleted', 'lag', 'lastRun', 'lastRunState', 'lastRunError', 'queued', 'pending', 'inFlight', 'confirmed', 'rejected', 'gaveUp'],
           ),
           `dead-letter queue: ${status.deadLetters ?? 'unknown'} message(s)`,
         ].join('\n'),

@@ -1,15 +1,28 @@
 import type { Logger } from 'pino';
 import type { Policy } from '../../shared/config/policies';
-import { encodeBatch, makeBatchId, MAX_ID_LENGTH, type BatchV1 } from '../../shared/contracts/batch';
+import { encodeBatch, makeBatchId, MAX_ID_LENGTH, MAX_MESSAGE_BYTES, type BatchItem, type BatchV1 } from '../../shared/contracts/batch';
 import type { ConfirmingPublisher } from '../../shared/amqp/publisher';
 import type { BrokerNames } from '../../shared/amqp/topology';
 import type { Pool } from '../../shared/db/pool';
 import { expiringRowsScanPage, type ResolvedTarget } from '../../shared/db/queries/expiring-rows';
-import { runsCompleteIfAllBatchesDone, runsMarkPublished, runsRecordProgress, type Run } from '../../shared/db/queries/runs';
+import {
+  runClaimOf,
+  runsCompleteIfAllBatchesDone,
+  runsExtendLease,
+  runsMarkFailed,
+  runsMarkPublished,
+  runsRecordProgress,
+  type Run,
+  type RunClaim,
+} from '../../shared/db/queries/runs';
 import type { Metrics } from '../../shared/observability/metrics';
+import { classifyRunError } from './run-errors';
 
 /** Batches built per window (one scan query); all are confirmed before progress is stored. */
 const CONFIRM_WINDOW = 32;
+/** Backoff after a retryable error: 0.5 s doubling to 10 s. */
+const RETRY_FIRST_MS = 500;
+const RETRY_MAX_MS = 10_000;
 
 export interface RunExecutorDeps {
   pool: Pool;
@@ -17,19 +30,42 @@ export interface RunExecutorDeps {
   names: BrokerNames;
   owner: string;
   leaseMs: number;
+  /** A run whose publishes stay unroutable this long fails (the work queue is gone). */
+  unroutableFailAfterMs: number;
   log: Logger;
   metrics: Metrics;
   /** Set when the process is shutting down: stop at the next checkpoint. */
   stopping: () => boolean;
 }
 
-export type RunOutcome = 'published' | 'lost-lease' | 'stopped';
+export type RunOutcome = 'published' | 'failed' | 'lost-lease' | 'stopped';
 
 interface Window {
   batches: Array<{ batch: BatchV1; content: Buffer; confirmed: boolean }>;
   candidates: number;
+  /** Rows read but not publishable (over-long keys): counted, and the cursor moves past them. */
+  skipped: number;
+  /** Rows the scan query returned: 0 means nothing after the cursor, and no checkpoint. */
+  rowsRead: number;
   cursor: Run['cursor'];
   reachedEnd: boolean;
+}
+
+/** How a step ended once retries are over: its value, or why the run stops here. */
+type Step<T> = { ok: true; value: T } | { ok: false; outcome: Exclude<RunOutcome, 'published'> };
+
+interface RunContext {
+  deps: RunExecutorDeps;
+  log: Logger;
+  claim: RunClaim;
+  policy: string;
+}
+
+interface Progress {
+  cursor: Run['cursor'];
+  candidates: number;
+  skipped: number;
+  sequence: number;
 }
 
 /**
@@ -39,62 +75,148 @@ interface Window {
  * is retried with the SAME batch (same id, same rows) until confirmed; a scheduler killed at any
  * point is resumed from a cursor no later than what was confirmed, so batches may be published
  * twice (a duplicate is a no-op for workers), never skipped.
+ *
+ * Errors: a permanent one (run-errors.ts) fails the run with its reason; a retryable one is
+ * retried with backoff while the lease is extended AND checked, so no other replica takes the run
+ * over while this one is alive, and this one stops as soon as it learns the claim is lost.
  */
 export async function executeRun(deps: RunExecutorDeps, run: Run, policy: Policy, target: ResolvedTarget): Promise<RunOutcome> {
   const log = deps.log.child({ runId: run.runId, policy: run.policy, trigger: run.trigger, cutoff: run.cutoff });
-  let checkpoint = { cursor: run.cursor, sequence: run.batchesConfirmed };
+  const claim = runClaimOf(run, deps.owner);
+  const attempt = <T>(what: string, step: () => Promise<T>) => retrying({ deps, log, claim, policy: run.policy }, what, step);
+  let progress: Progress = { cursor: run.cursor, candidates: run.candidates, skipped: run.skipped, sequence: run.batchesConfirmed };
   log.info({ resumedFrom: run.cursor, claim: run.claimCount }, 'run scanning');
   for (;;) {
     if (deps.stopping()) return 'stopped';
-    const window = await retrying(deps, log, 'scan', () => scanWindow(deps, run, policy, target, checkpoint));
-    if (window === null) return 'stopped';
+    const scanned = await attempt('scan', () => scanWindow(deps, run, policy, target, progress));
+    if (!scanned.ok) return scanned.outcome;
+    const window = scanned.value;
     if (window.batches.length > 0) {
-      const confirmed = await retrying(deps, log, 'publish', () => publishUnconfirmed(deps, run, window));
-      if (confirmed === null) return 'stopped';
-      const stillOwner = await retrying(deps, log, 'checkpoint', () =>
+      const confirmed = await attempt('publish', () => publishUnconfirmed(deps, run, window));
+      if (!confirmed.ok) return confirmed.outcome;
+    }
+    // Checkpoint every window that read rows, also one whose rows were all skipped: the cursor
+    // must move past them, or the same window would be read again and again.
+    if (window.rowsRead > 0) {
+      const next: Progress = {
+        cursor: window.cursor,
+        candidates: progress.candidates + window.candidates,
+        skipped: progress.skipped + window.skipped,
+        sequence: progress.sequence + window.batches.length,
+      };
+      const recorded = await attempt('checkpoint', () =>
         runsRecordProgress(deps.pool, {
-          runId: run.runId,
-          owner: deps.owner,
-          cursor: window.cursor!,
-          candidates: window.candidates,
+          claim,
+          from: progress.cursor,
+          cursor: next.cursor!,
+          totals: { candidates: next.candidates, skipped: next.skipped, batchesConfirmed: next.sequence },
           batchIds: window.batches.map((entry) => entry.batch.batchId),
           leaseMs: deps.leaseMs,
         }),
       );
-      if (stillOwner === null) return 'stopped';
-      if (!stillOwner) {
-        log.warn('run lease lost to another scheduler; stopping this copy');
-        return 'lost-lease';
-      }
+      if (!recorded.ok) return recorded.outcome;
+      if (!recorded.value) return lostLease(log);
       deps.metrics.batchesPublishedTotal.inc({ policy: run.policy }, window.batches.length);
       deps.metrics.candidatesTotal.inc({ policy: run.policy }, window.candidates);
-      checkpoint = { cursor: window.cursor, sequence: checkpoint.sequence + window.batches.length };
+      if (window.skipped > 0) deps.metrics.rowsSkippedTotal.inc({ policy: run.policy }, window.skipped);
+      progress = next;
     }
     if (window.reachedEnd) break;
   }
-  if (!(await runsMarkPublished(deps.pool, run.runId, deps.owner))) return 'lost-lease';
-  await runsCompleteIfAllBatchesDone(deps.pool, run.runId);
-  log.info({ batches: checkpoint.sequence }, 'run published');
+  const published = await attempt('mark published', () => runsMarkPublished(deps.pool, claim));
+  if (!published.ok) return published.outcome;
+  if (!published.value) return lostLease(log);
+  log.info({ batches: progress.sequence, candidates: progress.candidates, skipped: progress.skipped }, 'run published');
+  // The completion pass would find it too; this only makes a run with nothing to wait for final at once.
+  await runsCompleteIfAllBatchesDone(deps.pool, run.runId).catch((error: Error) =>
+    log.warn({ err: error.message }, 'completion check failed; the completion pass retries'),
+  );
   return 'published';
 }
 
-/** Runs `step` until it succeeds, backing off 0.5 s doubling to 10 s; null once shutting down. */
-async function retrying<T>(deps: RunExecutorDeps, log: Logger, what: string, step: () => Promise<T>): Promise<T | null> {
+function lostLease(log: Logger): 'lost-lease' {
+  log.warn('run lease lost to another scheduler; stopping this copy');
+  return 'lost-lease';
+}
+
+/**
+ * Runs `step` until it succeeds. A permanent error fails the run (conditional on the claim) with
+ * its reason; a retryable one backs off 0.5 s doubling to 10 s, extending the lease during the
+ * wait and stopping as soon as an extension reports the claim lost. Unroutable publishes count as
+ * permanent once they have lasted `unroutableFailAfterMs` without a break.
+ */
+async function retrying<T>(context: RunContext, what: string, step: () => Promise<T>): Promise<Step<T>> {
+  const { deps, log, claim } = context;
+  let unroutableSince: number | null = null;
   for (let failures = 0; ; failures++) {
+    let classified;
     try {
-      return await step();
+      return { ok: true, value: await step() };
     } catch (error) {
-      if (deps.stopping()) return null;
-      const delay = Math.min(10_000, 500 * 2 ** failures);
-      log.warn({ err: (error as Error).message, retryInMs: delay }, `run ${what} failed; retrying`);
-      await new Promise((resolve) => setTimeout(resolve, delay));
+      if (deps.stopping()) return { ok: false, outcome: 'stopped' };
+      classified = classifyRunError(error);
     }
+    if (classified.kind === 'retryable' && classified.persistent === 'unroutable') {
+      unroutableSince ??= Date.now();
+      if (Date.now() - unroutableSince >= deps.unroutableFailAfterMs) {
+        classified = { kind: 'permanent', reason: `${classified.reason} for ${Math.round((Date.now() - unroutableSince) / 1000)} s (work queue deleted?)` };
+      }
+    } else {
+      unroutableSince = null;
+    }
+    if (classified.kind === 'permanent') return { ok: false, outcome: await failRun(context, what, classified.reason) };
+    const delay = Math.min(RETRY_MAX_MS, RETRY_FIRST_MS * 2 ** failures);
+    log.warn({ err: classified.reason, retryInMs: delay }, `run ${what} failed; retrying`);
+    const waited = await waitKeepingLease(deps, log, claim, delay);
+    if (waited !== 'held') return { ok: false, outcome: waited };
   }
+}
+
+/**
+ * Sleeps `delayMs` in slices of at most a third of the lease, extending the lease after each:
+ * a replica waits out a retryable error without its run being taken over. An extension that fails
+ * (the database is down too) is not a verdict: the next one, or the next checkpoint, decides.
+ */
+async function waitKeepingLease(deps: RunExecutorDeps, log: Logger, claim: RunClaim, delayMs: number): Promise<'held' | 'lost-lease' | 'stopped'> {
+  const slice = Math.max(100, Math.min(500, Math.floor(deps.leaseMs / 3)));
+  const extendEvery = Math.max(100, Math.floor(deps.leaseMs / 3));
+  const until = Date.now() + delayMs;
+  let extendedAt = 0;
+  for (;;) {
+    if (deps.stopping()) return 'stopped';
+    if (Date.now() - extendedAt >= extendEvery || Date.now() >= until) {
+      try {
+        if (!(await runsExtendLease(deps.pool, claim, deps.leaseMs))) return lostLease(log);
+        extendedAt = Date.now();
+      } catch (error) {
+        log.warn({ err: (error as Error).message }, 'run lease extension failed; retrying');
+      }
+    }
+    const left = until - Date.now();
+    if (left <= 0) return 'held';
+    await new Promise((resolve) => setTimeout(resolve, Math.min(slice, left)));
+  }
+}
+
+/** Ends the run as failed with `reason`, conditional on the claim; counted and logged at error. */
+async function failRun({ deps, log, claim, policy }: RunContext, what: string, reason: string): Promise<'failed' | 'lost-lease'> {
+  const error = `${what}: ${reason}`;
+  try {
+    if (!(await runsMarkFailed(deps.pool, claim, error))) return lostLease(log);
+  } catch (markError) {
+    // Not recorded: the lease runs out, a scheduler claims the run again and meets the same error.
+    log.error({ err: (markError as Error).message, reason: error }, 'run failed permanently, but recording it failed');
+    return 'lost-lease';
+  }
+  deps.metrics.runsFailedTotal.inc({ policy });
+  log.error({ reason: error }, 'run failed');
+  return 'failed';
 }
 
 /**
  * Scans the next CONFIRM_WINDOW pages after `from` in ONE query (a page per batch, cut in memory;
  * at most CONFIRM_WINDOW × batchSize rows held) and builds their batches; nothing is published yet.
+ * Rows whose key is too long for a message are counted as skipped; the cursor moves past them.
  */
 async function scanWindow(
   deps: RunExecutorDeps,
@@ -111,7 +233,7 @@ async function scanWindow(
     // remote-delete: items that already have an operation are the ledger's to carry, not the scan's
     unrecordedFor: policy.kind === 'remote-delete' ? policy.name : undefined,
   });
-  const window: Window = { batches: [], candidates: 0, cursor: from.cursor, reachedEnd: rows.length < limit };
+  const window: Window = { batches: [], candidates: 0, skipped: 0, rowsRead: rows.length, cursor: from.cursor, reachedEnd: rows.length < limit };
   for (let start = 0; start < rows.length; start += policy.batchSize) {
     const page = rows.slice(start, start + policy.batchSize);
     const last = page[page.length - 1]!;
@@ -120,20 +242,30 @@ async function scanWindow(
     if (items.length < page.length) {
       // Such a key cannot travel in a message (DESIGN.md: 1 MiB per message); say so loudly.
       deps.log.error({ runId: run.runId, skipped: page.length - items.length, maxIdLength: MAX_ID_LENGTH }, 'rows with over-long keys skipped');
+      window.skipped += page.length - items.length;
     }
-    if (items.length === 0) continue;
-    const batch: BatchV1 = {
-      version: 1,
-      runId: run.runId,
-      batchId: makeBatchId(run.runId, from.sequence + window.batches.length + 1, run.claimCount),
-      policy: run.policy,
-      cutoff: run.cutoff,
-      items,
-    };
-    window.batches.push({ batch, content: encodeBatch(batch), confirmed: false });
-    window.candidates += items.length;
+    for (const content of encodeWithinLimit(run, items)) {
+      const batch: BatchV1 = { ...content, batchId: makeBatchId(run.runId, from.sequence + window.batches.length + 1, run.claimCount) };
+      window.batches.push({ batch, content: encodeBatch(batch), confirmed: false });
+      window.candidates += batch.items.length;
+    }
   }
   return window;
+}
+
+/**
+ * Cuts `items` into batches whose encoded message stays within MAX_MESSAGE_BYTES (workers
+ * dead-letter a larger one as too-large): a page of long multi-byte or escaped keys can pass
+ * 1 MiB below the item limit. Halves until each part fits; the batch id is set by the caller.
+ */
+function encodeWithinLimit(run: Run, items: readonly BatchItem[]): Array<Omit<BatchV1, 'batchId'>> {
+  if (items.length === 0) return [];
+  const batch = { version: 1 as const, runId: run.runId, policy: run.policy, cutoff: run.cutoff, items: [...items] };
+  // The id is at most 200 characters (contract); measure with the longest one it can get.
+  const size = encodeBatch({ ...batch, batchId: makeBatchId(run.runId, 999_999, run.claimCount) }).length;
+  if (size <= MAX_MESSAGE_BYTES || items.length === 1) return [batch];
+  const half = Math.ceil(items.length / 2);
+  return [...encodeWithinLimit(run, items.slice(0, half)), ...encodeWithinLimit(run, items.slice(half))];
 }
 
 /** Publishes every batch of the window not confirmed yet, and waits for all confirms; throws if any failed. */

@@ -10,27 +10,32 @@ import { assertSchemaCurrent } from '../../shared/db/migrate';
 import { makePool } from '../../shared/db/pool';
 import { targetResolve, type ResolvedTarget } from '../../shared/db/queries/expiring-rows';
 import {
+  runClaimOf,
   runsClaimNext,
-  runsCompleteFinished,
   runsDatabaseNow,
   runsInsertIfAbsent,
   runsLatestScheduledTick,
   runsReleaseLease,
+  runsSettlePublished,
   RUNS_CHANNEL,
 } from '../../shared/db/queries/runs';
-import { startHealthServer } from '../../shared/observability/http';
+import { reply, startHealthServer, type RouteHandler } from '../../shared/observability/http';
 import { makeMetrics, type Metrics } from '../../shared/observability/metrics';
 import { startBacklogGauges } from './backlog-gauges';
-import { executeRun } from './run-executor';
+import { executeRun, type RunExecutorDeps } from './run-executor';
 import { CRON_TIMEZONE, latestMissedTick, truncateToSecond } from './ticks';
+import { loadSchedulerTuning } from './tuning';
 import { makeWebhookRoutes, WEBHOOK_MAX_BODY_BYTES } from './webhooks';
 
-/** How long a run belongs to one scheduler without progress before another replica takes it over. */
-const RUN_LEASE_MS = 30_000;
 /** How often a scheduler looks for runs made elsewhere (CLI, webhooks, crashed replicas). */
 const CLAIM_POLL_MS = 1_000;
 /** How often published runs are checked for completion (every confirmed batch has a receipt). */
 const COMPLETION_POLL_MS = 250;
+/** Published runs one completion pass looks at, at most (round robin): the pass stays bounded. */
+const COMPLETION_BATCH = 32;
+/** /readyz: how often the database is asked, and how long an answer may take. */
+const DATABASE_PROBE_MS = 1_000;
+const DATABASE_PROBE_TIMEOUT_MS = 2_000;
 
 export interface SchedulerHandle {
   metrics: Metrics;
@@ -39,22 +44,24 @@ export interface SchedulerHandle {
 }
 
 /**
- * The scheduler: cron ticks, one catch-up run at start, and a single loop that claims runs (new,
- * manual, replayed or abandoned by a crashed replica) and executes them one at a time. Ticks only
- * PROPOSE a run: the unique (policy, scheduled_for) row decides which replica's proposal wins.
+ * The scheduler: cron ticks, one catch-up run at start, and one claim loop PER POLICY that claims
+ * that policy's runs (new, manual, replayed or abandoned by a crashed replica) and executes them
+ * one at a time: a policy whose runs fail or wait on retries never delays another policy's runs.
+ * Ticks only PROPOSE a run: the unique (policy, scheduled_for) row decides which replica's
+ * proposal wins.
  */
 /**
  * LISTEN for new runs on a dedicated connection; reconnects after an error. Notifications only
  * wake the claim loop early: correctness never depends on them.
  */
-function listenForNewRuns(databaseUrl: string, log: Logger, wake: () => void): { close(): Promise<void> } {
+function listenForNewRuns(databaseUrl: string, log: Logger, wake: (policy: string | undefined) => void): { close(): Promise<void> } {
   let client: pg.Client | null = null;
   let closed = false;
   let retry: NodeJS.Timeout | null = null;
   const connect = async (): Promise<void> => {
     retry = null;
     const next = new pg.Client({ connectionString: databaseUrl, application_name: 'reaper-scheduler-listen' });
-    next.on('notification', () => wake());
+    next.on('notification', (message) => wake(message.payload));
     next.on('error', (error: Error) => {
       log.warn({ err: error.message }, 'run notifications lost; polling until reconnected');
       void next.end().catch(() => undefined); // already broken
@@ -82,23 +89,83 @@ function listenForNewRuns(databaseUrl: string, log: Logger, wake: () => void): {
 }
 
 export async function startScheduler(env: Env, policies: PolicySet, log: Logger): Promise<SchedulerHandle> {
+  const tuning = loadSchedulerTuning();
   const metrics = makeMetrics([...policies.values()]);
   const pool = makePool(env.databaseUrl, env.dbPoolSize, 'reaper-scheduler', env.sessionTimeouts);
   const names = brokerNames(env.amqpPrefix);
   const policyNames = [...policies.keys()];
   const targets = new Map<string, ResolvedTarget>();
+  let stopping = false;
+  let started = false;
+  let databaseAnswers = false;
+  let webhookRoutes: Record<string, RouteHandler> | null = null;
+
+  // HTTP first: /livez answers from the start (an orchestrator must not kill a scheduler that is
+  // still waiting for the broker); /readyz stays 503 until everything below is up.
+  const connectionRef: { current: ReconnectingConnection | null } = { current: null };
+  const server =
+    env.httpPort === undefined
+      ? undefined
+      : await startHealthServer({
+          port: env.httpPort,
+          registry: metrics.registry,
+          log,
+          ready: () => started && !stopping && databaseAnswers && (connectionRef.current?.connected ?? false),
+          postRoutes: {
+            '/webhooks/': async (request, body, response) => {
+              const route = webhookRoutes?.['/webhooks/'];
+              if (!route) return reply(response, 503, { error: 'scheduler is starting' });
+              return route(request, body, response);
+            },
+          },
+          maxBodyBytes: WEBHOOK_MAX_BODY_BYTES,
+        });
+  if (server) log.info({ httpPort: server.boundPort }, 'http listening');
+
+  // The database answers /readyz's question (README: "database reachable"). Probed in the
+  // background: /readyz answers at once from the latest probe.
+  let probing = false;
+  const probeDatabase = (): void => {
+    if (probing) return;
+    probing = true;
+    let timer: NodeJS.Timeout | undefined;
+    const timeout = new Promise<never>((_, reject) => {
+      timer = setTimeout(() => reject(new Error(`no answer within ${DATABASE_PROBE_TIMEOUT_MS} ms`)), DATABASE_PROBE_TIMEOUT_MS);
+    });
+    Promise.race([runsDatabaseNow(pool), timeout])
+      .then(() => {
+        if (!databaseAnswers) log.info('database answers');
+        databaseAnswers = true;
+      })
+      .catch((error: Error) => {
+        if (databaseAnswers) log.warn({ err: error.message }, 'database does not answer; not ready');
+        databaseAnswers = false;
+      })
+      .finally(() => {
+        clearTimeout(timer);
+        probing = false;
+      });
+  };
+  probeDatabase();
+  const prober = setInterval(probeDatabase, DATABASE_PROBE_MS);
+
+  const abandonStart = async (error: unknown): Promise<never> => {
+    clearInterval(prober);
+    server?.close();
+    await connectionRef.current?.close().catch(() => undefined); // never fully started
+    await pool.end();
+    throw error;
+  };
   try {
     await assertSchemaCurrent(pool);
   } catch (error) {
-    await pool.end();
-    throw error;
+    return abandonStart(error);
   }
   for (const policy of policies.values()) {
     try {
       targets.set(policy.name, await targetResolve(pool, policy));
     } catch (error) {
-      await pool.end();
-      throw new Error(`policy ${policy.name}: ${(error as Error).message}`);
+      return abandonStart(new Error(`policy ${policy.name}: ${(error as Error).message}`));
     }
   }
   const connection = new ReconnectingConnection({
@@ -107,45 +174,68 @@ export async function startScheduler(env: Env, policies: PolicySet, log: Logger)
     topology: makeTopology({ prefix: env.amqpPrefix, policies: policyNames, deliveryLimit: env.deliveryLimit }),
     log,
   });
+  connectionRef.current = connection;
   connection.on('ready', () => metrics.amqpConnected.set(1));
   connection.on('lost', () => metrics.amqpConnected.set(0));
   const publisher = new ConfirmingPublisher(connection);
   await connection.start();
 
-  let stopping = false;
-  let draining: Promise<void> | null = null;
-  let wakeAgain = false;
-  const deps = { pool, publisher, names, owner: env.workerId, leaseMs: RUN_LEASE_MS, log, metrics, stopping: () => stopping };
+  const deps: RunExecutorDeps = {
+    pool,
+    publisher,
+    names,
+    owner: env.workerId,
+    leaseMs: tuning.runLeaseMs,
+    unroutableFailAfterMs: tuning.unroutableFailAfterMs,
+    log,
+    metrics,
+    stopping: () => stopping,
+  };
 
-  /** Claims and executes runs until none is left. A call while draining asks for one more pass. */
-  function drainRuns(): Promise<void> {
-    if (draining) {
-      wakeAgain = true;
-      return draining;
+  /**
+   * One policy's claim loop: claims and executes that policy's runs until none is left. A wake
+   * while draining asks for one more pass. Loops of different policies run concurrently.
+   */
+  function makeRunLoop(policy: Policy) {
+    let draining: Promise<void> | null = null;
+    let wakeAgain = false;
+    const target = targets.get(policy.name)!;
+    async function claimAndExecute(): Promise<void> {
+      try {
+        do {
+          wakeAgain = false;
+          for (;;) {
+            if (stopping) return;
+            const run = await runsClaimNext(pool, env.workerId, tuning.runLeaseMs, [policy.name]);
+            if (!run) break;
+            const outcome = await executeRun(deps, run, policy, target);
+            // Shutting down mid-run: hand the run over now rather than when the lease runs out.
+            if (outcome === 'stopped') await runsReleaseLease(pool, runClaimOf(run, env.workerId));
+          }
+        } while (wakeAgain && !stopping);
+      } catch (error) {
+        log.warn({ err: (error as Error).message, policy: policy.name }, 'claiming runs failed; will retry');
+      }
     }
-    draining = claimAndExecute().finally(() => {
-      draining = null;
-    });
-    return draining;
-  }
-
-  async function claimAndExecute(): Promise<void> {
-    try {
-      do {
-        wakeAgain = false;
-        for (;;) {
-          if (stopping) return;
-          const run = await runsClaimNext(pool, env.workerId, RUN_LEASE_MS, policyNames);
-          if (!run) break;
-          const outcome = await executeRun(deps, run, policies.get(run.policy)!, targets.get(run.policy)!);
-          // Shutting down mid-run: hand the run over now rather than when the lease runs out.
-          if (outcome === 'stopped') await runsReleaseLease(pool, run.runId, env.workerId);
+    return {
+      wake(): Promise<void> {
+        if (draining) {
+          wakeAgain = true;
+          return draining;
         }
-      } while (wakeAgain && !stopping);
-    } catch (error) {
-      log.warn({ err: (error as Error).message }, 'claiming runs failed; will retry');
-    }
+        draining = claimAndExecute().finally(() => {
+          draining = null;
+        });
+        return draining;
+      },
+      idle: (): Promise<void> => draining ?? Promise.resolve(),
+    };
   }
+  const loops = new Map([...policies.values()].map((policy) => [policy.name, makeRunLoop(policy)]));
+  const wake = (policy?: string): void => {
+    if (policy !== undefined && loops.has(policy)) void loops.get(policy)!.wake();
+    else for (const loop of loops.values()) void loop.wake();
+  };
 
   async function proposeRun(policy: Policy, trigger: 'cron' | 'catch-up', scheduledFor: Date): Promise<void> {
     try {
@@ -158,7 +248,7 @@ export async function startScheduler(env: Env, policies: PolicySet, log: Logger)
       // The database is unreachable: this tick is missed; the next start's catch-up covers it.
       log.error({ err: (error as Error).message, policy: policy.name }, 'could not record run for tick');
     }
-    void drainRuns();
+    wake(policy.name);
   }
 
   const tasks: ScheduledTask[] = [...policies.values()].map((policy) =>
@@ -178,34 +268,34 @@ export async function startScheduler(env: Env, policies: PolicySet, log: Logger)
   }
 
   const backlog = startBacklogGauges({ db: pool, owner: env.workerId, policies, targets, metrics, log, intervalMs: env.backlogRefreshMs });
-  const poller = setInterval(() => void drainRuns(), CLAIM_POLL_MS);
-  const listener = listenForNewRuns(env.databaseUrl, log, () => void drainRuns());
+  const poller = setInterval(() => wake(), CLAIM_POLL_MS);
+  const listener = listenForNewRuns(env.databaseUrl, log, (policy) => wake(policy));
   let completing = false;
   const completer = setInterval(() => {
     if (completing) return;
     completing = true;
-    runsCompleteFinished(pool)
-      .then((completed) => {
-        for (const runId of completed) log.info({ runId }, 'run completed');
+    runsSettlePublished(pool, { limit: COMPLETION_BATCH, incompleteAfterMs: tuning.incompleteAfterMs })
+      .then((checked) => {
+        for (const run of checked) {
+          if (run.state === 'completed') log.info({ runId: run.runId, policy: run.policy }, 'run completed');
+          if (run.state === 'incomplete') {
+            metrics.runsIncompleteTotal.inc({ policy: run.policy });
+            log.error(
+              { runId: run.runId, policy: run.policy, batches: run.batchesConfirmed, missing: run.batchesMissing, afterMs: tuning.incompleteAfterMs },
+              'run incomplete: batches without a receipt and no progress',
+            );
+          }
+        }
       })
       .catch((error: Error) => log.warn({ err: error.message }, 'completion check failed; next pass retries'))
       .finally(() => {
         completing = false;
       });
   }, COMPLETION_POLL_MS);
-  void drainRuns();
+  wake();
 
-  const server =
-    env.httpPort === undefined
-      ? undefined
-      : await startHealthServer({
-          port: env.httpPort,
-          registry: metrics.registry,
-          log,
-          ready: () => connection.connected && !stopping,
-          postRoutes: makeWebhookRoutes({ secret: env.webhookSecret, pool, policies, targets, log, onRunProposed: () => void drainRuns() }),
-          maxBodyBytes: WEBHOOK_MAX_BODY_BYTES,
-        });
+  webhookRoutes = makeWebhookRoutes({ secret: env.webhookSecret, pool, policies, targets, log, onRunProposed: () => wake() });
+  started = true;
 
   return {
     metrics,
@@ -214,11 +304,12 @@ export async function startScheduler(env: Env, policies: PolicySet, log: Logger)
       stopping = true;
       clearInterval(poller);
       clearInterval(completer);
+      clearInterval(prober);
       await listener.close();
       for (const task of tasks) await task.destroy();
       await backlog.stop();
-      // The loop stops at its next checkpoint and hands an unfinished run over.
-      await draining;
+      // Every loop stops at its next checkpoint and hands an unfinished run over.
+      await Promise.all([...loops.values()].map((loop) => loop.idle()));
       server?.close();
       await connection.close();
       await pool.end();

@@ -110,6 +110,24 @@ export function makeMetrics(policies: readonly MetricPolicy[] = []) {
       labelNames: ['policy'] as const,
       registers: [registry],
     }),
+    runsFailedTotal: new Counter({
+      name: 'reaper_runs_failed_total',
+      help: 'Runs this scheduler ended as failed (a permanent error; the reason is on the run), by policy',
+      labelNames: ['policy'] as const,
+      registers: [registry],
+    }),
+    runsIncompleteTotal: new Counter({
+      name: 'reaper_runs_incomplete_total',
+      help: 'Published runs ended as incomplete (batches without a receipt and no progress), by policy',
+      labelNames: ['policy'] as const,
+      registers: [registry],
+    }),
+    rowsSkippedTotal: new Counter({
+      name: 'reaper_rows_skipped_total',
+      help: 'Expired rows scans could not publish (key longer than a message may carry), by policy',
+      labelNames: ['policy'] as const,
+      registers: [registry],
+    }),
     remoteCallsTotal: new Counter({
       name: 'reaper_remote_calls_total',
       help: 'Remote API calls, by policy and classified outcome',

@@ -9,7 +9,22 @@ export const RUNS_CHANNEL = 'reaper_runs';
 
 /** Run triggers (DESIGN.md). Only cron and catch-up runs take part in the one-run-per-tick rule. */
 export type RunTrigger = 'cron' | 'catch-up' | 'replay' | 'manual';
-export type RunState = 'pending' | 'scanning' | 'published' | 'completed' | 'failed';
+/**
+ * `failed`: a permanent error stopped the scan (reason in `error`). `incomplete`: published, but
+ * some batches never got a receipt and nothing happened for a while (counts in `error`).
+ */
+export type RunState = 'pending' | 'scanning' | 'published' | 'completed' | 'failed' | 'incomplete';
+
+/**
+ * What a scheduler holds while it executes a run: the owner name AND the claim number. Every
+ * conditional change of a run checks both, so two processes started with the same
+ * REAPER_WORKER_ID never checkpoint or finish each other's claims.
+ */
+export interface RunClaim {
+  runId: string;
+  owner: string;
+  claim: number;
+}
 
 /** A run as the services use it; timestamps that matter for eligibility stay microsecond strings. */
 export interface Run {
@@ -24,6 +39,8 @@ export interface Run {
   /** Times a scheduler claimed the run (more than 1 after a takeover). */
   claimCount: number;
   candidates: number;
+  /** Rows read by the scan but not published (keys longer than a message may carry). */
+  skipped: number;
   batchesConfirmed: number;
   error: string | null;
   createdAt: string;
@@ -49,6 +66,7 @@ interface RunRow {
   cursor_key: string | null;
   claim_count: number;
   candidates: string;
+  skipped: string;
   batches_confirmed: number;
   error: string | null;
   created_at: string;
@@ -56,7 +74,7 @@ interface RunRow {
 }
 
 const RUN_COLUMNS = `run_id, policy, trigger, reaper_iso(scheduled_for) AS scheduled_for, reaper_iso(cutoff) AS cutoff,
-  state, replay_of, reaper_iso(cursor_expiry) AS cursor_expiry, cursor_key, claim_count, candidates, batches_confirmed, error,
+  state, replay_of, reaper_iso(cursor_expiry) AS cursor_expiry, cursor_key, claim_count, candidates, skipped, batches_confirmed, error,
   reaper_iso(created_at) AS created_at, reaper_iso(finished_at) AS finished_at`;
 
 function toRun(row: RunRow): Run {
@@ -71,6 +89,7 @@ function toRun(row: RunRow): Run {
     cursor: row.cursor_expiry !== null && row.cursor_key !== null ? { expiry: row.cursor_expiry, key: row.cursor_key } : null,
     claimCount: row.claim_count,
     candidates: Number(row.candidates),
+    skipped: Number(row.skipped),
     batchesConfirmed: row.batches_confirmed,
     error: row.error,
     createdAt: row.created_at,
@@ -136,57 +155,98 @@ export async function runsClaimNext(db: Db, owner: string, leaseMs: number, poli
   return result.rows[0] ? toRun(result.rows[0]) : null;
 }
 
+/** The claim a scheduler holds after runsClaimNext returned `run` to `owner`. */
+export function runClaimOf(run: Run, owner: string): RunClaim {
+  return { runId: run.runId, owner, claim: run.claimCount };
+}
+
+/** Conditions every change by the executing scheduler carries ($1 run, $2 owner, $3 claim). */
+const HELD_BY_CLAIM = `run_id = $1 AND owner = $2 AND claim_count = $3 AND state = 'scanning'`;
+
 /**
  * Stores scan progress after the broker confirmed every batch up to `cursor`: the cursor, the
- * counts, the ids of those batches (what completion waits for), and a longer lease. Conditional on
- * still owning the run: false means another replica took it over, and this one must stop.
+ * run's TOTALS (not increments), the ids of those batches (what completion waits for), and a
+ * longer lease. Conditional on holding the claim, and on the run still being at `from` (the
+ * cursor this window started at) or already at `cursor` with these totals: a retry after a commit
+ * whose answer was lost writes the same values again and counts nothing twice.
+ * false means the claim is lost (another scheduler took the run over): this one must stop.
  */
 export async function runsRecordProgress(
   db: Db,
-  progress: { runId: string; owner: string; cursor: { expiry: string; key: string }; candidates: number; batchIds: readonly string[]; leaseMs: number },
+  progress: {
+    claim: RunClaim;
+    from: { expiry: string; key: string } | null;
+    cursor: { expiry: string; key: string };
+    totals: { candidates: number; skipped: number; batchesConfirmed: number };
+    batchIds: readonly string[];
+    leaseMs: number;
+  },
 ): Promise<boolean> {
+  const { claim, totals } = progress;
   const result = await db.query<{ updated: number }>(
     `WITH progress AS (
-       UPDATE cleanup_runs SET cursor_expiry = $3::timestamptz, cursor_key = $4, candidates = candidates + $5,
-         batches_confirmed = batches_confirmed + cardinality($6::text[]),
-         lease_expires_at = clock_timestamp() + $7 * interval '1 millisecond'
-       WHERE run_id = $1 AND owner = $2 AND state = 'scanning'
+       UPDATE cleanup_runs SET cursor_expiry = $4::timestamptz, cursor_key = $5, candidates = $6, skipped = $7,
+         batches_confirmed = $8, lease_expires_at = clock_timestamp() + $9 * interval '1 millisecond'
+       WHERE ${HELD_BY_CLAIM}
+         AND ((cursor_expiry IS NOT DISTINCT FROM $11::timestamptz AND cursor_key IS NOT DISTINCT FROM $12::text)
+           OR (cursor_expiry = $4::timestamptz AND cursor_key = $5 AND candidates = $6 AND skipped = $7 AND batches_confirmed = $8))
        RETURNING run_id
      ), expected AS (
        INSERT INTO cleanup_run_batches (batch_id, run_id)
-       SELECT id, progress.run_id FROM progress CROSS JOIN unnest($6::text[]) AS id
+       SELECT id, progress.run_id FROM progress CROSS JOIN unnest($10::text[]) AS id
        ON CONFLICT (batch_id) DO NOTHING
        RETURNING 1
      )
      SELECT (SELECT count(*) FROM progress)::int AS updated, (SELECT count(*) FROM expected) AS expected`,
-    [progress.runId, progress.owner, progress.cursor.expiry, progress.cursor.key, progress.candidates, progress.batchIds, progress.leaseMs],
+    [
+      claim.runId,
+      claim.owner,
+      claim.claim,
+      progress.cursor.expiry,
+      progress.cursor.key,
+      totals.candidates,
+      totals.skipped,
+      totals.batchesConfirmed,
+      progress.leaseMs,
+      progress.batchIds,
+      progress.from?.expiry ?? null,
+      progress.from?.key ?? null,
+    ],
   );
   return result.rows[0]!.updated === 1;
 }
 
-/** The scan reached the end: every batch is confirmed by the broker. Conditional on ownership. */
-export async function runsMarkPublished(db: Db, runId: string, owner: string): Promise<boolean> {
+/**
+ * Extends the lease while the holder backs off from a retryable error. false: the claim is lost
+ * (the lease had expired and another scheduler took the run over, or it finished).
+ */
+export async function runsExtendLease(db: Db, claim: RunClaim, leaseMs: number): Promise<boolean> {
   const result = await db.query(
-    `UPDATE cleanup_runs SET state = 'published', published_at = clock_timestamp(), lease_expires_at = NULL
-     WHERE run_id = $1 AND owner = $2 AND state = 'scanning'`,
-    [runId, owner],
+    `UPDATE cleanup_runs SET lease_expires_at = clock_timestamp() + $4 * interval '1 millisecond' WHERE ${HELD_BY_CLAIM}`,
+    [claim.runId, claim.owner, claim.claim, leaseMs],
+  );
+  return result.rowCount === 1;
+}
+
+/** The scan reached the end: every batch is confirmed by the broker. Conditional on the claim. */
+export async function runsMarkPublished(db: Db, claim: RunClaim): Promise<boolean> {
+  const result = await db.query(
+    `UPDATE cleanup_runs SET state = 'published', published_at = clock_timestamp(), lease_expires_at = NULL WHERE ${HELD_BY_CLAIM}`,
+    [claim.runId, claim.owner, claim.claim],
   );
   return result.rowCount === 1;
 }
 
 /** Gives the lease up at shutdown so another replica resumes the run at once, from the cursor. */
-export async function runsReleaseLease(db: Db, runId: string, owner: string): Promise<void> {
-  await db.query(
-    `UPDATE cleanup_runs SET lease_expires_at = clock_timestamp() WHERE run_id = $1 AND owner = $2 AND state = 'scanning'`,
-    [runId, owner],
-  );
+export async function runsReleaseLease(db: Db, claim: RunClaim): Promise<void> {
+  await db.query(`UPDATE cleanup_runs SET lease_expires_at = clock_timestamp() WHERE ${HELD_BY_CLAIM}`, [claim.runId, claim.owner, claim.claim]);
 }
 
-export async function runsMarkFailed(db: Db, runId: string, owner: string, error: string): Promise<boolean> {
+/** A permanent error ends the run with its reason. Conditional on the claim. */
+export async function runsMarkFailed(db: Db, claim: RunClaim, error: string): Promise<boolean> {
   const result = await db.query(
-    `UPDATE cleanup_runs SET state = 'failed', error = $3, finished_at = clock_timestamp(), lease_expires_at = NULL
-     WHERE run_id = $1 AND owner = $2 AND state = 'scanning'`,
-    [runId, owner, error],
+    `UPDATE cleanup_runs SET state = 'failed', error = $4, finished_at = clock_timestamp(), lease_expires_at = NULL WHERE ${HELD_BY_CLAIM}`,
+    [claim.runId, claim.owner, claim.claim, error],
   );
   return result.rowCount === 1;
 }
@@ -204,12 +264,60 @@ export async function runsCompleteIfAllBatchesDone(db: Db, runId: string): Promi
   return result.rowCount === 1;
 }
 
-/** The scheduler's completion pass over every published run; returns the ids it completed. */
-export async function runsCompleteFinished(db: Db): Promise<string[]> {
-  const result = await db.query<{ run_id: string }>(
-    `UPDATE cleanup_runs r SET state = 'completed', finished_at = clock_timestamp() WHERE ${COMPLETE_WHERE_ALL_RECEIPTS} RETURNING r.run_id`,
+/** What one pass of runsSettlePublished decided for a run it looked at. */
+export interface PublishedRunCheck {
+  runId: string;
+  policy: string;
+  state: 'published' | 'completed' | 'incomplete';
+  batchesConfirmed: number;
+  batchesMissing: number;
+}
+
+/**
+ * The scheduler's completion pass, bounded: it looks at no more than `limit` published runs, the
+ * ones checked longest ago first (round robin over the partial index), never at all of them.
+ * A run whose checkpointed batches all have a receipt becomes `completed`. A run still missing
+ * receipts with none written for `incompleteAfterMs` (counted from publication or the latest
+ * receipt) becomes `incomplete`, its counts in `error`: a batch dead-lettered or a delay copy lost
+ * would otherwise keep it `published`, and in this pass, forever. Receipts that arrive later still
+ * count in the run's totals (deleted, no-op); its state stays `incomplete`.
+ */
+export async function runsSettlePublished(db: Db, options: { limit: number; incompleteAfterMs: number }): Promise<PublishedRunCheck[]> {
+  const result = await db.query<{ run_id: string; policy: string; state: PublishedRunCheck['state']; batches_confirmed: number; missing: number }>(
+    `WITH picked AS (
+       SELECT run_id FROM cleanup_runs WHERE state = 'published'
+       ORDER BY completion_checked_at NULLS FIRST, run_id LIMIT $1 FOR UPDATE SKIP LOCKED
+     ), measured AS (
+       SELECT r.run_id,
+         (SELECT count(*) FROM cleanup_run_batches rb WHERE rb.run_id = r.run_id
+            AND NOT EXISTS (SELECT 1 FROM cleanup_batches b WHERE b.batch_id = rb.batch_id))::int AS missing,
+         greatest(r.published_at, (SELECT max(b.completed_at) FROM cleanup_batches b WHERE b.run_id = r.run_id)) AS progress_at
+       FROM cleanup_runs r JOIN picked USING (run_id)
+     ), decided AS (
+       SELECT run_id, missing, progress_at,
+         CASE WHEN missing = 0 THEN 'completed'
+              WHEN progress_at < clock_timestamp() - $2 * interval '1 millisecond' THEN 'incomplete'
+              ELSE 'published' END AS next_state
+       FROM measured
+     )
+     UPDATE cleanup_runs r SET state = d.next_state,
+       finished_at = CASE WHEN d.next_state <> 'published' THEN clock_timestamp() END,
+       error = CASE WHEN d.next_state = 'incomplete'
+         THEN format('%s of %s batches have no receipt (dead-lettered or lost); nothing completed since %s',
+                     d.missing, r.batches_confirmed, reaper_iso(d.progress_at))
+         ELSE r.error END,
+       completion_checked_at = clock_timestamp()
+     FROM decided d WHERE r.run_id = d.run_id
+     RETURNING r.run_id, r.policy, r.state, r.batches_confirmed, d.missing`,
+    [options.limit, options.incompleteAfterMs],
   );
-  return result.rows.map((row) => row.run_id);
+  return result.rows.map((row) => ({
+    runId: row.run_id,
+    policy: row.policy,
+    state: row.state,
+    batchesConfirmed: row.batches_confirmed,
+    batchesMissing: row.missing,
+  }));
 }
 
 /** The latest tick a cron or catch-up run was made for: where catch-up starts counting. */
