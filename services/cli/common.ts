@@ -1,3 +1,4 @@
+import { hostname, userInfo } from 'node:os';
 import { loadEnv, type Env } from '../../shared/config/env';
 import { loadPolicies, type PolicySet } from '../../shared/config/policies';
 import { makePool, type Pool } from '../../shared/db/pool';
@@ -41,3 +42,14 @@ export async function pastCutoff(pool: Pool, cutoff: string, option = '--cutoff'
   }
   return checked.cutoff;
 }
+
+/** Who placed a hold or decided on a run: REAPER_OPERATOR, else the user on this host. */
+export function operatorName(): string {
+  if (process.env.REAPER_OPERATOR) return process.env.REAPER_OPERATOR;
+  try {
+    return `${userInfo().username}@${hostname()}`;
+  } catch {
+    return `unknown@${hostname()}`; // no passwd entry for this uid (a container): the host still says where
+  }
+}
+

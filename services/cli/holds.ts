@@ -1,20 +1,9 @@
-import { hostname, userInfo } from 'node:os';
 import { Command, Option } from 'commander';
 import { requirePolicy } from '../../shared/config/policies';
 import { targetResolve } from '../../shared/db/queries/expiring-rows';
 import { holdsAdd, holdsList, holdsRemove } from '../../shared/db/queries/holds';
-import { ISO_INPUT, context, UsageError, withPool } from './common';
+import { ISO_INPUT, context, operatorName, UsageError, withPool } from './common';
 import { printResult, table } from './output';
-
-/** Who placed a hold: the operator's user name on this host (REAPER_OPERATOR overrides it). */
-function operator(): string {
-  if (process.env.REAPER_OPERATOR) return process.env.REAPER_OPERATOR;
-  try {
-    return `${userInfo().username}@${hostname()}`;
-  } catch {
-    return `unknown@${hostname()}`; // no passwd entry for this uid (a container): the host still says where
-  }
-}
 
 /** A value the key's type refuses (e.g. not a uuid) is the operator's mistake: exit 2 naming it. */
 function refusedKey(error: { code?: string; message: string }): never {
@@ -42,7 +31,7 @@ export function registerHoldCommands(program: Command): void {
       const policy = requirePolicy(policies, policyName);
       const held = await withPool(env, async (pool) => {
         const target = await targetResolve(pool, policy);
-        return holdsAdd(pool, target, { ids, reason: options.reason.trim(), until: options.until ?? null, createdBy: operator() }).catch(refusedKey);
+        return holdsAdd(pool, target, { ids, reason: options.reason.trim(), until: options.until ?? null, createdBy: operatorName() }).catch(refusedKey);
       });
       const ended = held.filter((entry) => !entry.active);
       if (ended.length > 0) process.stderr.write(`reaper: note: --until ${options.until} is already past; ${ended.length} hold(s) are not active\n`);

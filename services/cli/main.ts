@@ -20,6 +20,7 @@ import { runDemo } from './demo';
 import { printResult, table } from './output';
 
 import { context, ISO_INPUT, pastCutoff, UsageError, withPool } from './common';
+import { registerApprovalCommands } from './approvals';
 import { registerAuditCommand } from './audit';
 import { registerHoldCommands } from './holds';
 import { registerPlanCommand } from './plan';
@@ -391,6 +392,7 @@ export function makeProgram(): Command {
     });
 
   registerPlanCommand(program);
+  registerApprovalCommands(program);
   registerHoldCommands(program);
   registerAuditCommand(program);
 

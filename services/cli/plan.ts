@@ -45,7 +45,7 @@ export function registerPlanCommand(program: Command): void {
         const cutoff = options.cutoff ? await pastCutoff(pool, options.cutoff) : await databaseNow(pool);
         const target = await targetResolve(pool, policy);
         return withReadOnlyTransaction(pool, async (client): Promise<Plan> => {
-          const counts = await planCount(client, target, cutoff);
+          const counts = await planCount(client, target, cutoff, { unrecordedFor: policy.kind === 'remote-delete' ? policy.name : undefined });
           let estimatedSeconds: number | null;
           let estimateBasis: string;
           if (policy.kind === 'remote-delete') {

@@ -28,7 +28,7 @@ import { CRON_TIMEZONE } from './ticks';
  */
 
 /** Run states a policy always exports (0 when none), so an alert on one of them has a series. */
-const RUN_STATES = ['pending', 'scanning', 'published', 'failed'] as const;
+const RUN_STATES = ['pending', 'scanning', 'published', 'failed', 'incomplete', 'awaiting-approval'] as const;
 const LEDGER_OPEN_STATES = ['pending', 'in_flight'] as const;
 
 export interface PolicyBacklog {

@@ -1,5 +1,6 @@
 import type { Logger } from 'pino';
-import type { Policy } from '../../shared/config/policies';
+import { policyVersion, type Policy } from '../../shared/config/policies';
+import { planCount } from '../../shared/db/queries/plan';
 import { encodeBatch, makeBatchId, MAX_ID_LENGTH, MAX_MESSAGE_BYTES, type BatchItem, type BatchV1 } from '../../shared/contracts/batch';
 import type { ConfirmingPublisher } from '../../shared/amqp/publisher';
 import type { BrokerNames } from '../../shared/amqp/topology';
@@ -9,6 +10,8 @@ import {
   runClaimOf,
   runsCompleteIfAllBatchesDone,
   runsExtendLease,
+  runsHoldForApproval,
+  runsSetPolicyVersion,
   runsMarkFailed,
   runsMarkPublished,
   runsRecordProgress,
@@ -38,7 +41,7 @@ export interface RunExecutorDeps {
   stopping: () => boolean;
 }
 
-export type RunOutcome = 'published' | 'failed' | 'lost-lease' | 'stopped';
+export type RunOutcome = 'published' | 'failed' | 'lost-lease' | 'stopped' | 'awaiting-approval';
 
 interface Window {
   batches: Array<{ batch: BatchV1; content: Buffer; confirmed: boolean }>;
@@ -86,6 +89,18 @@ export async function executeRun(deps: RunExecutorDeps, run: Run, policy: Policy
   const attempt = <T>(what: string, step: () => Promise<T>) => retrying({ deps, log, claim, policy: run.policy }, what, step);
   let progress: Progress = { cursor: run.cursor, candidates: run.candidates, skipped: run.skipped, sequence: run.batchesConfirmed };
   log.info({ resumedFrom: run.cursor, claim: run.claimCount }, 'run scanning');
+  const versioned = await attempt('record the policy version', () => runsSetPolicyVersion(deps.pool, claim, policyVersion(policy)));
+  if (!versioned.ok) return versioned.outcome;
+  if (brakeApplies(run, policy)) {
+    // Counted BEFORE the first batch is published: an over-limit run never deletes anything.
+    const braked = await attempt('count for the brake', () => applyBrake(deps, claim, run, policy, target));
+    if (!braked.ok) return braked.outcome;
+    if (braked.value !== 'go') {
+      if (braked.value === 'lost-lease') return lostLease(log);
+      log.warn({ candidates: braked.value.candidates, reason: braked.value.reason }, 'run over its limits: awaiting approval (reaper approve / reaper reject)');
+      return 'awaiting-approval';
+    }
+  }
   for (;;) {
     if (deps.stopping()) return 'stopped';
     const scanned = await attempt('scan', () => scanWindow(deps, run, policy, target, progress));
@@ -132,6 +147,39 @@ export async function executeRun(deps: RunExecutorDeps, run: Run, policy: Policy
     log.warn({ err: error.message }, 'completion check failed; the completion pass retries'),
   );
   return 'published';
+}
+
+/** The brake looks at a run that has not published anything yet, was not approved, and whose policy sets limits. */
+function brakeApplies(run: Run, policy: Policy): boolean {
+  const limits = policy.limits;
+  return !!limits && (limits.maxPerRun !== undefined || limits.maxFractionPerRun !== undefined) && run.approvedAt === null && run.cursor === null && run.batchesConfirmed === 0;
+}
+
+/**
+ * The blast-radius brake: counts what the scan would publish (the plan's predicate) and, when that
+ * is more than `limits.maxPerRun` or more than `limits.maxFractionPerRun` of the rows satisfying
+ * the guard, parks the run in 'awaiting-approval' with the count and the reason.
+ */
+async function applyBrake(
+  deps: RunExecutorDeps,
+  claim: RunClaim,
+  run: Run,
+  policy: Policy,
+  target: ResolvedTarget,
+): Promise<'go' | 'lost-lease' | { candidates: number; reason: string }> {
+  const counts = await planCount(deps.pool, target, run.cutoff, { unrecordedFor: policy.kind === 'remote-delete' ? policy.name : undefined });
+  const { maxPerRun, maxFractionPerRun } = policy.limits!;
+  const reasons: string[] = [];
+  if (maxPerRun !== undefined && counts.candidates > maxPerRun) reasons.push(`${counts.candidates} candidates > limits.maxPerRun ${maxPerRun}`);
+  const fraction = counts.guarded > 0 ? counts.candidates / counts.guarded : 0;
+  if (maxFractionPerRun !== undefined && fraction > maxFractionPerRun) {
+    reasons.push(`${counts.candidates} of ${counts.guarded} guarded rows (${(fraction * 100).toFixed(1)}%) > limits.maxFractionPerRun ${maxFractionPerRun}`);
+  }
+  if (reasons.length === 0) return 'go';
+  const hold = { candidates: counts.candidates, reason: `brake: ${reasons.join('; ')}` };
+  if (!(await runsHoldForApproval(deps.pool, claim, hold))) return 'lost-lease';
+  deps.metrics.runsAwaitingApprovalTotal.inc({ policy: policy.name });
+  return hold;
 }
 
 function lostLease(log: Logger): 'lost-lease' {

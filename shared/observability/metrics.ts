@@ -116,6 +116,12 @@ export function makeMetrics(policies: readonly MetricPolicy[] = []) {
       labelNames: ['policy'] as const,
       registers: [registry],
     }),
+    runsAwaitingApprovalTotal: new Counter({
+      name: 'reaper_runs_awaiting_approval_total',
+      help: 'Runs stopped by the blast-radius brake (over limits.maxPerRun or maxFractionPerRun) before publishing, by policy',
+      labelNames: ['policy'] as const,
+      registers: [registry],
+    }),
     runsIncompleteTotal: new Counter({
       name: 'reaper_runs_incomplete_total',
       help: 'Published runs ended as incomplete (batches without a receipt and no progress), by policy',

@@ -18,8 +18,13 @@ export interface PlanCounts {
   newestExpiry: string | null;
 }
 
-export async function planCount(db: Db, target: ResolvedTarget, cutoff: string): Promise<PlanCounts> {
-  const guard = target.guardColumns.map((column, index) => ` AND t.${column} = $${3 + index}`).join('');
+export async function planCount(db: Db, target: ResolvedTarget, cutoff: string, options: { unrecordedFor?: string } = {}): Promise<PlanCounts> {
+  const guard = target.guardColumns.map((column, index) => ` AND t.${column} = $${4 + index}`).join('');
+  // remote-delete: what the scan publishes leaves out decisions the ledger already carries.
+  const recorded = options.unrecordedFor
+    ? `EXISTS (SELECT 1 FROM cleanup_ledger l WHERE l.operation_key = $3 || ':' || t.${target.key}::text || ':' || reaper_iso(t.${target.expiresAt})
+         AND l.outcome IS DISTINCT FROM 'held')`
+    : 'false AND $3::text IS NULL';
   const result = await db.query<{
     candidates: string;
     held: string;
@@ -33,11 +38,11 @@ export async function planCount(db: Db, target: ResolvedTarget, cutoff: string):
             reaper_iso(min(expiry) FILTER (WHERE expired AND NOT held)) AS oldest,
             reaper_iso(max(expiry) FILTER (WHERE expired AND NOT held)) AS newest
      FROM (SELECT t.${target.expiresAt} AS expiry,
-                  t.${target.expiresAt} <= $1::timestamptz AND t.${target.expiresAt} > '-infinity'::timestamptz AS expired,
+                  t.${target.expiresAt} <= $1::timestamptz AND t.${target.expiresAt} > '-infinity'::timestamptz AND NOT (${recorded}) AS expired,
                   t.${target.expiresAt} = '-infinity'::timestamptz AS non_finite,
                   NOT ${noActiveHold('$2', `t.${target.key}`)} AS held
            FROM ${target.table} t WHERE true${guard}) x`,
-    [cutoff, target.policy, ...target.guardValues],
+    [cutoff, target.policy, options.unrecordedFor ?? null, ...target.guardValues],
   );
   const row = result.rows[0]!;
   return {

@@ -13,7 +13,7 @@ export type RunTrigger = 'cron' | 'catch-up' | 'replay' | 'manual';
  * `failed`: a permanent error stopped the scan (reason in `error`). `incomplete`: published, but
  * some batches never got a receipt and nothing happened for a while (counts in `error`).
  */
-export type RunState = 'pending' | 'scanning' | 'published' | 'completed' | 'failed' | 'incomplete';
+export type RunState = 'pending' | 'scanning' | 'published' | 'completed' | 'failed' | 'incomplete' | 'awaiting-approval' | 'rejected';
 
 /**
  * What a scheduler holds while it executes a run: the owner name AND the claim number. Every
@@ -45,6 +45,12 @@ export interface Run {
   error: string | null;
   createdAt: string;
   finishedAt: string | null;
+  /** Set by `reaper approve`: the brake lets this run through. */
+  approvedAt: string | null;
+  /** Who approved or rejected it. */
+  decidedBy: string | null;
+  /** The hash of the policy definition the run was executed under. */
+  policyVersion: string | null;
 }
 
 /** A run with the workers' receipts summed in. */
@@ -71,11 +77,14 @@ interface RunRow {
   error: string | null;
   created_at: string;
   finished_at: string | null;
+  approved_at: string | null;
+  decided_by: string | null;
+  policy_version: string | null;
 }
 
 const RUN_COLUMNS = `run_id, policy, trigger, reaper_iso(scheduled_for) AS scheduled_for, reaper_iso(cutoff) AS cutoff,
   state, replay_of, reaper_iso(cursor_expiry) AS cursor_expiry, cursor_key, claim_count, candidates, skipped, batches_confirmed, error,
-  reaper_iso(created_at) AS created_at, reaper_iso(finished_at) AS finished_at`;
+  reaper_iso(created_at) AS created_at, reaper_iso(finished_at) AS finished_at, reaper_iso(approved_at) AS approved_at, decided_by, policy_version`;
 
 function toRun(row: RunRow): Run {
   return {
@@ -94,6 +103,9 @@ function toRun(row: RunRow): Run {
     error: row.error,
     createdAt: row.created_at,
     finishedAt: row.finished_at,
+    approvedAt: row.approved_at,
+    decidedBy: row.decided_by,
+    policyVersion: row.policy_version,
   };
 }
 
@@ -363,4 +375,55 @@ export async function runsListSummaries(db: Db, filter: { policy?: string | unde
     [filter.policy ?? null, filter.limit],
   );
   return result.rows.map(toSummary);
+}
+
+/**
+ * The brake: the run (still at its start, claimed by `claim`) publishes nothing and waits for an
+ * operator; `candidates` and the reason are kept for `runs`, `run` and `status`.
+ */
+export async function runsHoldForApproval(db: Db, claim: RunClaim, hold: { candidates: number; reason: string }): Promise<boolean> {
+  const result = await db.query(
+    `UPDATE cleanup_runs SET state = 'awaiting-approval', candidates = $4, error = $5, lease_expires_at = NULL WHERE ${HELD_BY_CLAIM}`,
+    [claim.runId, claim.owner, claim.claim, hold.candidates, hold.reason],
+  );
+  return result.rowCount === 1;
+}
+
+/** Records the policy version a run executes under (the first claim's; a takeover keeps it). */
+export async function runsSetPolicyVersion(db: Db, claim: RunClaim, version: string): Promise<void> {
+  await db.query(`UPDATE cleanup_runs SET policy_version = coalesce(policy_version, $4) WHERE ${HELD_BY_CLAIM}`, [
+    claim.runId,
+    claim.owner,
+    claim.claim,
+    version,
+  ]);
+}
+
+/**
+ * `reaper approve`: a run awaiting approval goes back to pending, approved, with its cutoff
+ * unchanged (and its brake count cleared: the scan counts again as it publishes). Null when the
+ * run is not awaiting approval.
+ */
+export async function runsApprove(db: Db, runId: string, by: string): Promise<Run | null> {
+  const result = await db.query<RunRow>(
+    `WITH approved AS (
+       UPDATE cleanup_runs SET state = 'pending', approved_at = clock_timestamp(), decided_by = $2, candidates = 0,
+         error = 'approved over the brake: ' || coalesce(error, '')
+       WHERE run_id = $1 AND state = 'awaiting-approval'
+       RETURNING *)
+     SELECT ${RUN_COLUMNS}, pg_notify('${RUNS_CHANNEL}', policy) FROM approved`,
+    [runId, by],
+  );
+  return result.rows[0] ? toRun(result.rows[0]) : null;
+}
+
+/** `reaper reject`: a run awaiting approval ends 'rejected'; nothing of it was ever published. */
+export async function runsReject(db: Db, runId: string, by: string): Promise<Run | null> {
+  const result = await db.query<RunRow>(
+    `UPDATE cleanup_runs SET state = 'rejected', decided_by = $2, finished_at = clock_timestamp()
+     WHERE run_id = $1 AND state = 'awaiting-approval'
+     RETURNING ${RUN_COLUMNS}`,
+    [runId, by],
+  );
+  return result.rows[0] ? toRun(result.rows[0]) : null;
 }
