@@ -8,7 +8,7 @@ import { ledgerDeferPending, type ClaimedOperation } from '../db/queries/ledger'
  * refills the bucket from the database clock, checks the pause switch, the 429 block and the
  * concurrency in use (live in-flight leases of every worker), and claims at most that many due
  * operations. Operations not admitted are deferred with a not_before: durable state, not a
- * sleeping worker (DESIGN.md invariants 9 and 10).
+ * sleeping worker (docs/design.md invariants 9 and 10).
  */
 
 /**

@@ -2,7 +2,7 @@ import { Counter, Gauge, Histogram, Registry, collectDefaultMetrics } from 'prom
 
 /**
  * Prometheus metrics. Outcomes are separate label values, never summed into one "processed"
- * number: deleted, noop, retry, dead-lettered are different facts (DESIGN.md invariant 5).
+ * number: deleted, noop, retry, dead-lettered are different facts (docs/design.md invariant 5).
  */
 export function makeMetrics() {
   const registry = new Registry();
