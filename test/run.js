@@ -5,6 +5,9 @@
 // `npm test -- test/unit/policies.test.ts` runs one file; flags (--test-name-pattern=...) pass on.
 // Files named *.serial.test.ts measure rates against the clock: they run afterwards, alone, so the
 // other files' load on a 2-core machine does not decide their result.
+// Every test has a timeout (--test-timeout, 120 s by default; REAPER_TEST_TIMEOUT_MS or an explicit
+// --test-timeout=<ms> overrides it): a test that waits forever fails with its name instead of
+// hanging the run. The longest fault tests take about 30 s alone, under load three times that.
 const { spawnSync } = require('node:child_process');
 const { readdirSync } = require('node:fs');
 const path = require('node:path');
@@ -12,6 +15,7 @@ const path = require('node:path');
 const root = path.resolve(__dirname, '..');
 const args = process.argv.slice(2);
 const flags = args.filter((arg) => arg.startsWith('--'));
+if (!flags.some((flag) => flag.startsWith('--test-timeout'))) flags.push(`--test-timeout=${Number(process.env.REAPER_TEST_TIMEOUT_MS ?? 120_000)}`);
 const chosen = args.filter((arg) => !arg.startsWith('--'));
 
 function testFiles(dir) {

@@ -288,7 +288,7 @@ async function scanWindow(
     window.cursor = { expiry: last.observedExpiry, key: last.id };
     const items = page.filter((item) => item.id.length <= MAX_ID_LENGTH);
     if (items.length < page.length) {
-      // Such a key cannot travel in a message (DESIGN.md: 1 MiB per message); say so loudly.
+      // Such a key cannot travel in a message (docs/design.md: 1 MiB per message); say so loudly.
       deps.log.error({ runId: run.runId, skipped: page.length - items.length, maxIdLength: MAX_ID_LENGTH }, 'rows with over-long keys skipped');
       window.skipped += page.length - items.length;
     }

@@ -1,6 +1,6 @@
 import { createTask } from 'node-cron';
 
-/** Cron expressions are evaluated in UTC (DESIGN.md). */
+/** Cron expressions are evaluated in UTC (docs/design.md). */
 export const CRON_TIMEZONE = 'Etc/UTC';
 
 export function truncateToSecond(date: Date): Date {

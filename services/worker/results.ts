@@ -2,7 +2,7 @@ import type { DeadLetterReason } from '../../shared/contracts/batch';
 
 /**
  * What a policy handler says happened to a batch. The handler never touches the broker; `settle`
- * turns this into broker actions (DESIGN.md invariant 4: ack only after commit).
+ * turns this into broker actions (docs/design.md invariant 4: ack only after commit).
  */
 export type BatchResult =
   /** Committed. `duplicate`: this batch had been committed before (a redelivery), counted apart. */

@@ -9,7 +9,7 @@ import type { ClaimedOperation } from '../db/queries/ledger';
  * Global admission: no token, no call. One short transaction locks the policy's admission row,
  * refills the bucket from the database clock, checks the pause switch, the 429 block and the
  * concurrency in use (live in-flight leases of every worker), re-checks the batch's due operations
- * against their rows and claims at most that many (DESIGN.md invariants 9, 10 and 13).
+ * against their rows and claims at most that many (docs/design.md invariants 9, 10 and 13).
  *
  * Holding the limit AT THE REMOTE. A call reaches the remote a little after its grant was counted.
  * Lateness can only hurt when, meanwhile, the bucket could have filled up to its cap (refill that

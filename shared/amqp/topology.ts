@@ -2,7 +2,7 @@ import type { Options } from 'amqplib';
 import type { Channel } from 'amqplib';
 
 /**
- * Every exchange, queue and binding reaper uses, as data (DESIGN.md, "Broker topology"). Both
+ * Every exchange, queue and binding reaper uses, as data (docs/design.md, "Broker topology"). Both
  * services assert it at start-up and after each reconnect; `reaper topology` prints it.
  */
 

@@ -1,7 +1,7 @@
 import { z } from 'zod';
 
 /**
- * The batch message, version 1 (DESIGN.md). A consumer of version N accepts every version up to N.
+ * The batch message, version 1 (docs/design.md). A consumer of version N accepts every version up to N.
  * Decoding runs the checks in a fixed order so every rejection has exactly one reason.
  */
 export const CURRENT_BATCH_VERSION = 1;

@@ -31,7 +31,7 @@ export const KNOWN_LABELS = {
   operationResults: ['confirmed', 'rate-limited', 'uncertain', 'rejected', 'gave-up', 'circuit-open', 'grant-expired', 'stale-lease'],
   /** Finished ledger operations (cleanup_ledger.outcome). */
   ledgerOutcomes: ['confirmed', 'rejected', 'gave-up', 'superseded', 'held'],
-  /** Classes of a remote call that was made (DESIGN.md "Remote API calls"). */
+  /** Classes of a remote call that was made (docs/design.md "Remote API calls"). */
   attemptClasses: ['confirmed', 'rate-limited', 'uncertain', 'rejected'],
   deadLetterReasons: DEAD_LETTER_REASONS,
 } as const;
@@ -56,7 +56,7 @@ function buildVersion(): string {
 
 /**
  * Prometheus metrics. Outcomes are separate label values, never summed into one "processed"
- * number: deleted, noop, retry, dead-lettered are different facts (DESIGN.md invariant 5).
+ * number: deleted, noop, retry, dead-lettered are different facts (docs/design.md invariant 5).
  * Given the configured policies, every counter with a known label set starts at 0.
  */
 export function makeMetrics(policies: readonly MetricPolicy[] = []) {

@@ -5,7 +5,7 @@ import type { Logger } from 'pino';
 
 /**
  * The remote side of remote-delete: an interface (so the handler does not care how a deletion is
- * made) and an HTTP adapter. Classification is DESIGN.md's, exactly: 2xx/404/410 confirmed, 429
+ * made) and an HTTP adapter. Classification is docs/design.md's, exactly: 2xx/404/410 confirmed, 429
  * rate limited (Retry-After), 408/5xx/timeouts/network errors uncertain, other 4xx rejected.
  */
 export type RemoteOutcome =

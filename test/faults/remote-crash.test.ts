@@ -23,7 +23,7 @@ import type { TestBed } from '../support/testbed';
 
 /**
  * A worker process SIGKILLed by its own failpoint right after the remote API answered and before
- * the outcome was recorded (DESIGN.md invariants 7, 8 and 11). The ledger still says in_flight
+ * the outcome was recorded (docs/design.md invariants 7, 8 and 11). The ledger still says in_flight
  * under the dead worker's lease; the remote has already deleted the asset. Once the lease expires
  * a fresh worker calls again with the SAME Idempotency-Key: the stand-in sees the key twice,
  * executes it once (the second answer is its idempotent replay), and the ledger ends done/confirmed

@@ -21,7 +21,7 @@ import {
 import { makeTestBed, type TestBed } from '../support/testbed';
 
 /**
- * DESIGN.md invariant 8, "completion requires the current lease owner", with real processes:
+ * docs/design.md invariant 8, "completion requires the current lease owner", with real processes:
  * worker A is frozen (SIGSTOP) while its remote call is in progress and stays frozen past its
  * lease; worker B claims the operation (a new lease, B as owner) and calls with the same key.
  * A is resumed (SIGCONT) and gets its answer or its timeout:

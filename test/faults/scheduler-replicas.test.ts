@@ -77,7 +77,7 @@ describe('scheduler replicas and catch-up', () => {
     await eventually(
       'at least 3 runs for ticks after all replicas started',
       async () => (await runsOf(policy)).filter((run) => run.scheduled_ms > allStartedMs).length >= 3,
-      { timeoutMs: 20_000, describe: () => runsOf(policy) },
+      { timeoutMs: 60_000, describe: () => runsOf(policy) },
     );
     const stops = await Promise.all(replicas.map((r) => r.stop()));
     assert.deepEqual(
@@ -129,7 +129,7 @@ describe('scheduler replicas and catch-up', () => {
 
     const firstLife = startScheduler('scheduler-first-life');
     await firstLife.waitForLine('scheduler started', (line) => line.msg === 'scheduler started');
-    await firstLife.waitForLine('a cron run', (line) => line.msg === 'run created' && line.trigger === 'cron', 10_000);
+    await firstLife.waitForLine('a cron run', (line) => line.msg === 'run created' && line.trigger === 'cron', 30_000);
     const firstExit = await firstLife.stop();
     assert.equal(firstExit.code, 0, 'the scheduler drains and exits 0 on SIGTERM');
     assert.equal(
@@ -144,19 +144,19 @@ describe('scheduler replicas and catch-up', () => {
 
     // Down across at least two ticks, measured on the database clock (the clock runs are made from).
     await eventually('two ticks to pass with no scheduler running', async () => (await databaseNowMs()) >= lastBeforeStop + 2 * TICK_MS + 300, {
-      timeoutMs: 10_000,
+      timeoutMs: 30_000,
       intervalMs: 50,
     });
     assert.equal((await runsOf(policy)).length, before.length, 'nothing made runs while the scheduler was down');
 
     const secondLife = startScheduler('scheduler-second-life');
-    const catchUpLine = await secondLife.waitForLine('the catch-up run', (line) => line.msg === 'run created' && line.trigger === 'catch-up', 10_000);
+    const catchUpLine = await secondLife.waitForLine('the catch-up run', (line) => line.msg === 'run created' && line.trigger === 'catch-up', 30_000);
     const catchUpSeenAtMs = await databaseNowMs();
     // Let it run on: the next cron tick after the restart is a plain cron run.
-    await secondLife.waitForLine('a cron run after the restart', (line) => line.msg === 'run created' && line.trigger === 'cron', 10_000);
+    await secondLife.waitForLine('a cron run after the restart', (line) => line.msg === 'run created' && line.trigger === 'cron', 30_000);
     // The catch-up run is a real run: executed to the end like any other (no rows: zero batches).
     await eventually('the catch-up run to complete', async () => (await runsOf(policy)).find((run) => run.run_id === catchUpLine.runId)?.state === 'completed', {
-      timeoutMs: 5_000,
+      timeoutMs: 20_000,
       describe: () => runsOf(policy),
     });
     const secondExit = await secondLife.stop();

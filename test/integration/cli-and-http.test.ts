@@ -1,6 +1,7 @@
 import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
 import pg from 'pg';
+import { rowDeletePolicyYaml } from '../support/fixtures';
 import { assertNoLeakedProcesses, runReaperCli, startReaper } from '../support/processes';
 import { makeTestBed, type TestBed } from '../support/testbed';
 
@@ -12,8 +13,11 @@ describe('CLI and HTTP', () => {
     bed = await makeTestBed('cli_http');
   });
   after(async () => {
-    await assertNoLeakedProcesses();
-    await bed?.close();
+    try {
+      await assertNoLeakedProcesses();
+    } finally {
+      await bed?.close();
+    }
   });
 
   test('three migrators started at once apply each migration exactly once', async () => {
@@ -80,29 +84,14 @@ describe('CLI and HTTP', () => {
   });
 
   test('a policy naming a missing column is refused at start-up', async () => {
-    const file = bed.writePolicies(`policies:
-  - name: seat-holds
-    kind: row-delete
-    schedule: "* * * * *"
-    table: seat_reservations
-    key: reservation_id
-    expiresAt: expiry_time
-`);
+    const file = bed.writePolicies(rowDeletePolicyYaml({ expiresAt: 'expiry_time', guard: null }));
     const result = await runReaperCli(['worker'], bed.processEnv({ REAPER_POLICIES: file }));
     assert.equal(result.code, 1);
     assert.match(result.stdout, /policy seat-holds: table "seat_reservations" has no column "expiry_time"/);
   });
 
   test('a worker serves /livez, /readyz and /metrics, and drains on SIGTERM with exit 0', async () => {
-    bed.writePolicies(`policies:
-  - name: seat-holds
-    kind: row-delete
-    schedule: "* * * * *"
-    table: seat_reservations
-    key: reservation_id
-    expiresAt: expires_at
-    guard: { status: held }
-`);
+    bed.writePolicies(rowDeletePolicyYaml({ schedule: '* * * * *' }));
     const worker = startReaper('worker', ['worker'], bed.processEnv({ HTTP_PORT: '0' }));
     const started = await worker.waitForLine('started', (line) => line.msg === 'worker started');
     const base = `http://127.0.0.1:${String(started.httpPort)}`;

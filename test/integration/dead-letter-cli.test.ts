@@ -1,13 +1,13 @@
 import assert from 'node:assert/strict';
-import { randomUUID } from 'node:crypto';
 import { after, before, describe, test } from 'node:test';
 import amqp from 'amqplib';
 import { assertTopology, brokerNames, makeTopology } from '../../shared/amqp/topology';
-import { encodeBatch, makeBatchId, type BatchV1 } from '../../shared/contracts/batch';
+import { encodeBatch } from '../../shared/contracts/batch';
 import { openTestBroker, type TestBroker } from '../support/broker';
+import { makeRowBatch, readyAtRest, rowDeletePolicyYaml } from '../support/fixtures';
 import { eventually } from '../support/eventually';
 import { assertNoLeakedProcesses, runReaperCli, startReaper } from '../support/processes';
-import { countReservations, databaseNowIso, itemsFor, seedHolds } from '../support/seed';
+import { countReservations, seedHolds } from '../support/seed';
 import { makeTestBed, type TestBed } from '../support/testbed';
 
 /**
@@ -22,15 +22,7 @@ describe('dead-letter commands', () => {
 
   before(async () => {
     bed = await makeTestBed('dlq_cli');
-    bed.writePolicies(`policies:
-  - name: seat-holds
-    kind: row-delete
-    schedule: "0 0 1 1 *"
-    table: seat_reservations
-    key: reservation_id
-    expiresAt: expires_at
-    guard: { status: held }
-`);
+    bed.writePolicies(rowDeletePolicyYaml());
     names = brokerNames(bed.prefix);
     // The topology exists before any service starts, as after `kubectl apply` of the definitions.
     const connection = await amqp.connect(bed.amqpUrl);
@@ -40,22 +32,18 @@ describe('dead-letter commands', () => {
     broker = await openTestBroker(bed.amqpUrl);
   });
   after(async () => {
-    await assertNoLeakedProcesses();
-    await broker?.close();
-    await bed?.close();
+    try {
+      await assertNoLeakedProcesses();
+    } finally {
+      await broker?.close();
+      await bed?.close();
+    }
   });
 
   test('list shows the reason and keeps the message; requeue sends it back and a worker deletes its rows', async () => {
     const seeded = await seedHolds(bed.pool, { expiredHeld: 7 });
-    const runId = randomUUID();
-    const batch: BatchV1 = {
-      version: 1,
-      runId,
-      batchId: makeBatchId(runId, 1),
-      policy: 'seat-holds',
-      cutoff: await databaseNowIso(bed.pool),
-      items: await itemsFor(bed.pool, seeded.expiredHeld),
-    };
+    const batch = await makeRowBatch(bed.pool, seeded.expiredHeld);
+    const runId = batch.runId;
     // As a worker leaves it after a batch failed on every delivery (e.g. a long database outage).
     await broker.publish('', names.deadLetterQueue, encodeBatch(batch), {
       messageId: batch.batchId,
@@ -89,12 +77,16 @@ describe('dead-letter commands', () => {
     const worker = startReaper('worker', ['worker'], bed.processEnv());
     await eventually('the requeued batch to be done', async () => (await countReservations(bed.pool, seeded.expiredHeld)) === 0);
     assert.equal((await worker.stop()).code, 0);
+    assert.equal(await readyAtRest(broker, names.workQueue('seat-holds')), 0, 'the requeued batch was acked, not returned');
 
     const refused = await runReaperCli(['dlq', 'purge'], bed.processEnv());
     assert.equal(refused.code, 2, 'purge without --yes is a usage error');
-    await eventually('the invalid one to be still there', async () => (await broker.messageCount(names.deadLetterQueue)) === 1);
+    // Read once, not "eventually": the count was already 1 (settled above) and a refused purge must not change it.
+    assert.equal(await readyAtRest(broker, names.deadLetterQueue), 1, 'the invalid one is still there after the refused purge');
     const purged = await runReaperCli(['dlq', 'purge', '--yes', '--json'], bed.processEnv());
+    assert.equal(purged.code, 0, purged.stdout);
     assert.deepEqual(JSON.parse(purged.stdout), { purged: 1 });
+    assert.equal(await readyAtRest(broker, names.deadLetterQueue), 0, 'purged');
   });
 
   test('a dead letter whose work queue is gone stays in the dead-letter queue, is reported, and the command exits 1', async () => {

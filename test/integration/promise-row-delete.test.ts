@@ -1,18 +1,18 @@
 import assert from 'node:assert/strict';
-import { randomUUID } from 'node:crypto';
 import { after, before, describe, test } from 'node:test';
 import pino from 'pino';
 import { loadPolicies } from '../../shared/config/policies';
 import { brokerNames } from '../../shared/amqp/topology';
-import { encodeBatch, makeBatchId, type BatchV1 } from '../../shared/contracts/batch';
+import type { BatchV1 } from '../../shared/contracts/batch';
 import { targetResolve } from '../../shared/db/queries/expiring-rows';
 import { runsGetSummary, runsInsertIfAbsent } from '../../shared/db/queries/runs';
 import { startScheduler, type SchedulerHandle } from '../../services/scheduler/scheduler';
 import { startWorker, type WorkerHandle } from '../../services/worker/worker';
 import { openTestBroker, type TestBroker } from '../support/broker';
+import { makeRowBatch, publishBatch as publishRowBatch, rowDeletePolicyYaml } from '../support/fixtures';
 import { eventually } from '../support/eventually';
-import { assertNoLeakedProcesses, runReaperCli, startReaper, type ReaperProcess } from '../support/processes';
-import { countReservations, databaseNowIso, itemsFor, seedHolds } from '../support/seed';
+import { assertNoLeakedProcesses, runReaperCli, startReaper } from '../support/processes';
+import { countReservations, seedHolds } from '../support/seed';
 import { makeTestBed, type TestBed } from '../support/testbed';
 
 /**
@@ -30,16 +30,7 @@ describe('keep the promise: row-delete', () => {
 
   before(async () => {
     bed = await makeTestBed('promise_rows');
-    bed.writePolicies(`policies:
-  - name: seat-holds
-    kind: row-delete
-    schedule: "0 0 1 1 *"
-    table: seat_reservations
-    key: reservation_id
-    expiresAt: expires_at
-    guard: { status: held }
-    batchSize: 10
-`);
+    bed.writePolicies(rowDeletePolicyYaml({ batchSize: 10 }));
     // A short lock timeout so the blocked-DELETE test does not wait the default 5 s per delivery.
     const env = bed.env({ REAPER_LOCK_TIMEOUT_MS: '300' });
     worker = await startWorker(env, loadPolicies(env.policiesPath), log);
@@ -48,10 +39,13 @@ describe('keep the promise: row-delete', () => {
   });
 
   after(async () => {
-    await broker?.close();
-    await worker?.stop();
-    await assertNoLeakedProcesses();
-    await bed?.close();
+    try {
+      await worker?.stop();
+      await assertNoLeakedProcesses();
+    } finally {
+      await broker?.close();
+      await bed?.close(); // whatever failed above: the database is dropped
+    }
   });
 
   const counter = async (name: string, labels: Record<string, string>): Promise<number> => {
@@ -59,20 +53,8 @@ describe('keep the promise: row-delete', () => {
     return metric.values.filter((v) => Object.entries(labels).every(([k, l]) => v.labels[k] === l)).reduce((sum, v) => sum + v.value, 0);
   };
 
-  async function batchFor(ids: string[], overrides: Partial<BatchV1> = {}): Promise<BatchV1> {
-    const runId = randomUUID();
-    return {
-      version: 1,
-      runId,
-      batchId: makeBatchId(runId, 1),
-      policy: 'seat-holds',
-      cutoff: await databaseNowIso(bed.pool),
-      items: await itemsFor(bed.pool, ids),
-      ...overrides,
-    };
-  }
-  const publishBatch = (batch: BatchV1) =>
-    broker.publish(names.workExchange, 'seat-holds', encodeBatch(batch), { messageId: batch.batchId, headers: { 'x-run-id': batch.runId } });
+  const batchFor = (ids: string[], overrides: Partial<BatchV1> = {}) => makeRowBatch(bed.pool, ids, overrides);
+  const publishBatch = (batch: BatchV1) => publishRowBatch(broker, names, batch);
   const receipt = async (batchId: string) =>
     (await bed.pool.query<{ deleted: number; noop: number }>('SELECT deleted, noop FROM cleanup_batches WHERE batch_id = $1', [batchId])).rows[0];
 
@@ -174,16 +156,9 @@ describe('keep the promise: row-delete', () => {
     await bed.pool.query(`CREATE UNIQUE INDEX dup_holds_partial ON dup_holds (hold_key) WHERE status = 'held'`);
     const spec = { table: 'dup_holds', key: 'hold_key', expiresAt: 'expires_at', guard: { status: 'held' } };
     await assert.rejects(targetResolve(bed.pool, spec), /key column "hold_key" of table "dup_holds" is not unique/);
-    const policies = bed.writePolicies(`policies:
-  - name: dup-holds
-    kind: row-delete
-    schedule: "0 0 1 1 *"
-    table: dup_holds
-    key: hold_key
-    expiresAt: expires_at
-`);
+    const policies = bed.writePolicies(rowDeletePolicyYaml({ name: 'dup-holds', table: 'dup_holds', key: 'hold_key', guard: null }));
     const worker = startReaper('worker dup-holds', ['worker'], bed.processEnv({ REAPER_POLICIES: policies, REAPER_AMQP_PREFIX: `${bed.prefix}-dup` }));
-    const exit = await exitWithin(worker, 20_000);
+    const exit = await worker.exitWithin(20_000);
     assert.equal(exit.code, 1, worker.output.join('\n'));
     assert.match(worker.output.join('\n'), /dup-holds.*key column "hold_key" of table "dup_holds" is not unique/);
     await bed.pool.query(`CREATE UNIQUE INDEX dup_holds_key ON dup_holds (hold_key)`);
@@ -198,16 +173,3 @@ describe('keep the promise: row-delete', () => {
     await targetResolve(bed.pool, { ...base, markConfirmed: { gone: true, status: 'deleted' } });
   });
 });
-
-/** The process's exit, or a failure (and SIGKILL) when it is still running after `timeoutMs`. */
-async function exitWithin(process: ReaperProcess, timeoutMs: number): Promise<{ code: number | null }> {
-  let timer: NodeJS.Timeout | undefined;
-  const late = new Promise<'late'>((resolve) => (timer = setTimeout(() => resolve('late'), timeoutMs)));
-  const result = await Promise.race([process.exited, late]);
-  clearTimeout(timer);
-  if (result === 'late') {
-    await process.stop(1_000);
-    assert.fail(`${process.label} still running after ${timeoutMs} ms: ${process.output.slice(-5).join(' | ')}`);
-  }
-  return result;
-}

@@ -21,7 +21,7 @@ import {
 import type { TestBed } from '../support/testbed';
 
 /**
- * 429 + Retry-After (DESIGN.md "Remote API calls", invariants 7, 10 and 11), two worker processes:
+ * 429 + Retry-After (docs/design.md "Remote API calls", invariants 7, 10 and 11), two worker processes:
  * the stand-in first throttles every call for a few seconds (Retry-After counting down to the end
  * of the throttle), then enforces its own token bucket that is tighter than the policy's (so 429s
  * with Retry-After: 1 keep coming while there is backlog). For every key, no call starts before

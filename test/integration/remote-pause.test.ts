@@ -22,7 +22,7 @@ import {
 import type { TestBed } from '../support/testbed';
 
 /**
- * The pause switch (DESIGN.md invariant 9, "pausing admission stops calls without deleting ledger
+ * The pause switch (docs/design.md invariant 9, "pausing admission stops calls without deleting ledger
  * rows"), with two worker processes draining a backlog: after `reaper pause <policy>` returns, at
  * most C calls that were already admitted may still start, then none for a while, every open
  * operation is still there (pending, payload kept), and `reaper resume <policy>` drains the

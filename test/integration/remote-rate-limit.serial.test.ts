@@ -21,7 +21,7 @@ import {
 import type { TestBed } from '../support/testbed';
 
 /**
- * DESIGN.md invariant 9 with real processes: three workers share ONE token bucket (R calls/s,
+ * docs/design.md invariant 9 with real processes: three workers share ONE token bucket (R calls/s,
  * burst B) and ONE concurrency cap (C), kept in PostgreSQL. With a backlog of 5·R assets the
  * stand-in API never sees more than R + B calls starting in any one-second window nor more than C
  * at once, and while there is backlog the achieved rate is close to R (not a fraction of it).

@@ -21,7 +21,7 @@ import {
 import { makeTestBed, type TestBed } from '../support/testbed';
 
 /**
- * DESIGN.md invariant 7: the operation key is derived from the retention decision
+ * docs/design.md invariant 7: the operation key is derived from the retention decision
  * ('<policy>:<id>:<observed expiry>'). An asset deleted, then restored and expired again, is a NEW
  * decision: a new key, a new operation, a second deletion, while the first operation stays done as
  * it was. And the other side of it: an asset renewed while its operation still waits is not

@@ -22,7 +22,7 @@ import {
 import { makeTestBed, type TestBed } from '../support/testbed';
 
 /**
- * POST /webhooks/<policy> on the scheduler (DESIGN.md "HTTP"; issue: webhooks converge on the same
+ * POST /webhooks/<policy> on the scheduler (docs/design.md "HTTP"; issue: webhooks converge on the same
  * key as the scan). A webhook and a scan for the same asset make ONE operation, whichever comes
  * first, and the remote is called once. A wrong signature, a tampered body, a missing signature or
  * a timestamp more than 5 minutes off is refused with 401 and changes nothing: no ledger row, no run.

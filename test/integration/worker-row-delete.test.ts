@@ -1,14 +1,14 @@
 import assert from 'node:assert/strict';
-import { randomUUID } from 'node:crypto';
 import { after, before, describe, test } from 'node:test';
 import pino from 'pino';
 import { loadPolicies } from '../../shared/config/policies';
 import { brokerNames } from '../../shared/amqp/topology';
-import { encodeBatch, makeBatchId, MAX_MESSAGE_BYTES, type BatchV1 } from '../../shared/contracts/batch';
+import { MAX_MESSAGE_BYTES, type BatchV1 } from '../../shared/contracts/batch';
 import { startWorker, type WorkerHandle } from '../../services/worker/worker';
 import { openTestBroker, type TestBroker } from '../support/broker';
+import { makeRowBatch, publishBatch as publishRowBatch } from '../support/fixtures';
 import { eventually } from '../support/eventually';
-import { countReservations, databaseNowIso, itemsFor, seedHolds } from '../support/seed';
+import { countReservations, seedHolds } from '../support/seed';
 import { makeTestBed, type TestBed } from '../support/testbed';
 
 /**
@@ -30,9 +30,12 @@ describe('row-delete worker', () => {
   });
 
   after(async () => {
-    await broker?.close();
-    await worker?.stop();
-    await bed?.close();
+    try {
+      await worker?.stop();
+    } finally {
+      await broker?.close();
+      await bed?.close();
+    }
   });
 
   const counter = async (name: string, labels: Record<string, string>): Promise<number> => {
@@ -40,21 +43,8 @@ describe('row-delete worker', () => {
     return metric.values.filter((v) => Object.entries(labels).every(([k, l]) => v.labels[k] === l)).reduce((sum, v) => sum + v.value, 0);
   };
 
-  async function batchFor(ids: string[], overrides: Partial<BatchV1> = {}): Promise<BatchV1> {
-    const runId = randomUUID();
-    return {
-      version: 1,
-      runId,
-      batchId: makeBatchId(runId, 1),
-      policy: 'seat-holds',
-      cutoff: await databaseNowIso(bed.pool),
-      items: await itemsFor(bed.pool, ids),
-      ...overrides,
-    };
-  }
-
-  const publishBatch = (batch: BatchV1) =>
-    broker.publish(names.workExchange, 'seat-holds', encodeBatch(batch), { messageId: batch.batchId, headers: { 'x-run-id': batch.runId } });
+  const batchFor = (ids: string[], overrides: Partial<BatchV1> = {}) => makeRowBatch(bed.pool, ids, overrides);
+  const publishBatch = (batch: BatchV1) => publishRowBatch(broker, names, batch);
 
   const receipt = async (batchId: string) =>
     (await bed.pool.query<{ deleted: number; noop: number }>('SELECT deleted, noop FROM cleanup_batches WHERE batch_id = $1', [batchId])).rows[0];

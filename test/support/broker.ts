@@ -7,6 +7,8 @@ export interface TestBroker {
   /** Takes (and acks) every message now in the queue. */
   drain(queue: string): Promise<GetMessage[]>;
   messageCount(queue: string): Promise<number>;
+  /** Consumers the broker counts on the queue (a quorum queue counts one until it settled or returned what it held). */
+  consumerCount(queue: string): Promise<number>;
   close(): Promise<void>;
 }
 
@@ -30,6 +32,9 @@ export async function openTestBroker(amqpUrl: string): Promise<TestBroker> {
     },
     async messageCount(queue) {
       return (await channel.checkQueue(queue)).messageCount;
+    },
+    async consumerCount(queue) {
+      return (await channel.checkQueue(queue)).consumerCount;
     },
     async close() {
       await channel.close().catch(() => undefined); // the connection close below ends it anyway

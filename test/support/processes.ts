@@ -66,13 +66,35 @@ export class ReaperProcess {
     this.child.kill(signal);
   }
 
+  /** True until the process has exited. */
+  get running(): boolean {
+    return this.child.exitCode === null && this.child.signalCode === null;
+  }
+
   /** SIGTERM, then wait; a process that does not drain in time is killed and the test fails. */
   async stop(timeoutMs = 15_000): Promise<{ code: number | null; signal: NodeJS.Signals | null }> {
-    if (this.child.exitCode !== null || this.child.signalCode !== null) return this.exited;
+    if (!this.running) return this.exited;
     this.child.kill('SIGTERM');
     const timer = setTimeout(() => this.child.kill('SIGKILL'), timeoutMs);
     const result = await this.exited;
     clearTimeout(timer);
+    return result;
+  }
+
+  /**
+   * The exit, or a failure naming the process (which is then SIGKILLed) if it still runs after
+   * `timeoutMs`: never a bare `await exited`, which hangs the file when the process does not end.
+   */
+  async exitWithin(timeoutMs: number, what = 'to exit'): Promise<{ code: number | null; signal: NodeJS.Signals | null }> {
+    let timer: NodeJS.Timeout | undefined;
+    const late = new Promise<'late'>((resolve) => (timer = setTimeout(() => resolve('late'), timeoutMs)));
+    const result = await Promise.race([this.exited, late]);
+    clearTimeout(timer);
+    if (result === 'late') {
+      this.child.kill('SIGKILL');
+      await this.exited;
+      throw new Error(`${this.label} did not ${what.replace(/^to /, '')} within ${timeoutMs} ms (killed): ${this.output.slice(-8).join(' | ')}`);
+    }
     return result;
   }
 }
@@ -83,20 +105,40 @@ export function startReaper(label: string, args: string[], env: NodeJS.ProcessEn
   return new ReaperProcess(label, args, env);
 }
 
+/** Labels of processes found still running by a clean-up helper before it stopped them. */
+const leakedBeforeCleanup: string[] = [];
+
 /**
- * For `after()` hooks: kills what a test left running and fails if there was anything, so a test
- * that forgets to stop its processes is caught instead of leaking them into the next file.
+ * For clean-up helpers that stop what a test left behind (remote-helpers' stopStarted, a fault
+ * file's killLeftovers): records every process still running as leaked BEFORE stopping it, so
+ * assertNoLeakedProcesses() still fails the file. Stopping quietly would hide the leak. A frozen
+ * process is continued first so it can drain; one that does not drain in `timeoutMs` is killed.
+ */
+export async function stopLeftovers(processes: Iterable<ReaperProcess>, timeoutMs = 5_000): Promise<void> {
+  const running = [...processes].filter((process) => process.running);
+  for (const process of running) {
+    leakedBeforeCleanup.push(process.label);
+    process.signal('SIGCONT');
+  }
+  await Promise.all(running.map((process) => process.stop(timeoutMs)));
+}
+
+/**
+ * For `after()` hooks: kills what a test left running and fails if there was anything, including
+ * processes a clean-up helper already stopped through stopLeftovers(), so a test that forgets to
+ * stop its processes is caught instead of leaking them into the next file.
  */
 export async function assertNoLeakedProcesses(): Promise<void> {
   const leaked = [...live];
   for (const process of leaked) process.signal('SIGKILL');
   await Promise.all(leaked.map((process) => process.exited));
-  if (leaked.length > 0) throw new Error(`test left processes running: ${leaked.map((p) => p.label).join(', ')}`);
+  const labels = [...leakedBeforeCleanup.splice(0), ...leaked.map((p) => p.label)];
+  if (labels.length > 0) throw new Error(`test left processes running: ${labels.join(', ')}`);
 }
 
-/** Runs the CLI to completion and returns its exit code and output. */
-export async function runReaperCli(args: string[], env: NodeJS.ProcessEnv): Promise<{ code: number | null; stdout: string }> {
+/** Runs the CLI to completion (bounded: a CLI still running after `timeoutMs` is killed and fails). */
+export async function runReaperCli(args: string[], env: NodeJS.ProcessEnv, timeoutMs = 60_000): Promise<{ code: number | null; stdout: string }> {
   const cli = new ReaperProcess(`cli ${args[0]}`, args, env);
-  const { code } = await cli.exited;
+  const { code } = await cli.exitWithin(timeoutMs, 'to finish');
   return { code, stdout: cli.output.join('\n') };
 }

@@ -1,7 +1,7 @@
 import assert from 'node:assert/strict';
 import type pg from 'pg';
 import { startMediaApi, type MediaApi, type MediaApiCall, type MediaApiOptions } from './media-api';
-import { assertNoLeakedProcesses, startReaper, type ReaperProcess } from './processes';
+import { assertNoLeakedProcesses, startReaper, stopLeftovers, type ReaperProcess } from './processes';
 import { makeTestBed, type TestBed } from './testbed';
 
 /**
@@ -169,9 +169,7 @@ export async function ledgerSummary(pool: pg.Pool): Promise<Record<string, numbe
  * failure is the one reported, not "left processes running".
  */
 export async function stopStarted(): Promise<void> {
-  const running = startedHere.splice(0);
-  for (const process of running) process.signal('SIGCONT');
-  await Promise.all(running.map((process) => process.stop(5_000)));
+  await stopLeftovers(startedHere.splice(0), 5_000);
 }
 
 /**

@@ -1,9 +1,11 @@
 import { randomBytes } from 'node:crypto';
-import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
+import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import path from 'node:path';
 import amqp from 'amqplib';
 import pg from 'pg';
+import { parse as parseYaml } from 'yaml';
+import { makeTopology } from '../../shared/amqp/topology';
 import { loadEnv, type Env } from '../../shared/config/env';
 import { migrate } from '../../shared/db/migrate';
 import { findServers } from './servers';
@@ -11,14 +13,15 @@ import { findServers } from './servers';
 /**
  * One test file's private world: its own database (migrated), its own broker name prefix and a
  * temp folder for its policies file. `close()` drops the database and deletes every queue and
- * exchange under the prefix, so files run in parallel and leave nothing behind.
+ * exchange reaper's topology declares under the prefix, so files run in parallel and leave
+ * nothing behind.
  */
 export interface TestBed {
   databaseUrl: string;
   amqpUrl: string;
   prefix: string;
   pool: pg.Pool;
-  /** Writes a policies file (YAML text) and returns its path. */
+  /** Writes a policies file (YAML text) and returns its path. Its policy names are cleaned up on close. */
   writePolicies(yaml: string): string;
   /** Environment for a reaper process or for loadEnv(), with overrides. */
   processEnv(overrides?: Record<string, string>): NodeJS.ProcessEnv;
@@ -26,41 +29,78 @@ export interface TestBed {
   close(): Promise<void>;
 }
 
-export async function makeTestBed(label: string): Promise<TestBed> {
+/** The demo policies: what a process started without REAPER_POLICIES declares queues for. */
+const DEMO_POLICIES = path.resolve(__dirname, '..', '..', '..', 'infra', 'policies.demo.yaml');
+
+export interface TestBedOptions {
+  /** Replaces the migration (tests of the test bed itself make it fail). */
+  migrate?: (databaseUrl: string) => Promise<unknown>;
+  /** Replaces the broker URL used by close() (tests of the test bed itself make it unreachable). */
+  cleanupAmqpUrl?: string;
+}
+
+export async function makeTestBed(label: string, options: TestBedOptions = {}): Promise<TestBed> {
   const servers = await findServers();
   const suffix = randomBytes(4).toString('hex');
   const safeLabel = label.replace(/[^a-z0-9]/gi, '_').toLowerCase();
   const database = `reaper_test_${safeLabel}_${suffix}`;
   const prefix = `test-${safeLabel.replace(/_/g, '-')}-${suffix}`;
+  const dropDatabase = async () => {
+    const admin = new pg.Client({ connectionString: servers.databaseUrl });
+    await admin.connect();
+    try {
+      await admin.query(`DROP DATABASE IF EXISTS ${pg.escapeIdentifier(database)} WITH (FORCE)`);
+    } finally {
+      await admin.end();
+    }
+  };
   const admin = new pg.Client({ connectionString: servers.databaseUrl });
   await admin.connect();
-  await admin.query(`CREATE DATABASE ${pg.escapeIdentifier(database)}`);
-  await admin.end();
+  try {
+    await admin.query(`CREATE DATABASE ${pg.escapeIdentifier(database)}`);
+  } finally {
+    await admin.end();
+  }
   const url = new URL(servers.databaseUrl);
   url.pathname = `/${database}`;
   const databaseUrl = url.toString();
-  await migrate(databaseUrl);
+  try {
+    await (options.migrate ?? migrate)(databaseUrl);
+  } catch (error) {
+    // A failed migration must not leave a half-made database behind for every later run to find.
+    await dropDatabase();
+    throw error;
+  }
   const pool = new pg.Pool({ connectionString: databaseUrl, max: 4 });
   const folder = mkdtempSync(path.join(tmpdir(), `reaper-${safeLabel}-`));
   let policiesPath = '';
+  // What close() deletes on the broker: every prefix a process of this file was given, and every
+  // policy name of every policies file written (plus the demo's, the default file).
+  const prefixes = new Set([prefix]);
+  const policyNames = new Set(policyNamesIn(readFileSync(DEMO_POLICIES, 'utf8')));
 
-  const processEnv = (overrides: Record<string, string> = {}): NodeJS.ProcessEnv => ({
-    PATH: process.env.PATH,
-    HOME: process.env.HOME,
-    DATABASE_URL: databaseUrl,
-    AMQP_URL: servers.amqpUrl,
-    REAPER_AMQP_PREFIX: prefix,
-    LOG_LEVEL: process.env.TEST_LOG_LEVEL ?? 'info',
-    ...(policiesPath ? { REAPER_POLICIES: policiesPath } : {}),
-    ...overrides,
-  });
+  const processEnv = (overrides: Record<string, string> = {}): NodeJS.ProcessEnv => {
+    if (overrides.REAPER_AMQP_PREFIX) prefixes.add(overrides.REAPER_AMQP_PREFIX);
+    return {
+      PATH: process.env.PATH,
+      HOME: process.env.HOME,
+      DATABASE_URL: databaseUrl,
+      AMQP_URL: servers.amqpUrl,
+      REAPER_AMQP_PREFIX: prefix,
+      LOG_LEVEL: process.env.TEST_LOG_LEVEL ?? 'info',
+      ...(policiesPath ? { REAPER_POLICIES: policiesPath } : {}),
+      ...overrides,
+    };
+  };
 
+  let closed = false;
   return {
     databaseUrl,
     amqpUrl: servers.amqpUrl,
     prefix,
     pool,
     writePolicies(yaml) {
+      for (const name of policyNamesIn(yaml)) policyNames.add(name);
       policiesPath = path.join(folder, `policies-${randomBytes(3).toString('hex')}.yaml`);
       writeFileSync(policiesPath, yaml);
       return policiesPath;
@@ -68,38 +108,60 @@ export async function makeTestBed(label: string): Promise<TestBed> {
     processEnv,
     env: (overrides) => loadEnv(processEnv(overrides)),
     async close() {
-      await pool.end();
-      await deleteBrokerObjects(servers.amqpUrl, prefix);
-      const cleanup = new pg.Client({ connectionString: servers.databaseUrl });
-      await cleanup.connect();
-      await cleanup.query(`DROP DATABASE IF EXISTS ${pg.escapeIdentifier(database)} WITH (FORCE)`);
-      await cleanup.end();
-      rmSync(folder, { recursive: true, force: true });
+      if (closed) return;
+      closed = true;
+      // Every step runs whatever the others did; the first failure is reported at the end. The
+      // database is dropped even when the broker is unreachable (WITH (FORCE) also ends the
+      // connections a killed test left open).
+      const failures: unknown[] = [];
+      const step = async (what: () => Promise<unknown> | unknown) => {
+        try {
+          await what();
+        } catch (error) {
+          failures.push(error);
+        }
+      };
+      await step(() => pool.end());
+      await step(() => deleteBrokerObjects(options.cleanupAmqpUrl ?? servers.amqpUrl, [...prefixes], [...policyNames]));
+      await step(dropDatabase);
+      await step(() => rmSync(folder, { recursive: true, force: true }));
+      if (failures.length > 0) throw failures[0];
     },
   };
 }
 
-/** Deletes the queues and exchanges whose names start with `<prefix>.`, found with rabbitmqctl. */
-async function deleteBrokerObjects(amqpUrl: string, prefix: string): Promise<void> {
-  const { queues, exchanges } = await listBrokerObjects(prefix);
-  const connection = await amqp.connect(amqpUrl);
+function policyNamesIn(yaml: string): string[] {
   try {
-    const channel = await connection.createChannel();
-    for (const queue of queues) await channel.deleteQueue(queue);
-    for (const exchange of exchanges) await channel.deleteExchange(exchange);
-    await channel.close();
-  } finally {
-    await connection.close();
+    const parsed = parseYaml(yaml) as { policies?: Array<{ name?: unknown }> } | null;
+    return (parsed?.policies ?? []).map((policy) => policy?.name).filter((name): name is string => typeof name === 'string');
+  } catch {
+    return []; // a test writing a broken file on purpose: no queues were declared from it
   }
 }
 
-export async function listBrokerObjects(prefix: string): Promise<{ queues: string[]; exchanges: string[] }> {
-  const { execFile } = await import('node:child_process');
-  const run = (args: string[]) =>
-    new Promise<string[]>((resolve, reject) =>
-      execFile('rabbitmqctl', [...args, '-q', '--no-table-headers'], (error, stdout) =>
-        error ? reject(error) : resolve(stdout.split('\n').map((line) => line.trim()).filter((name) => name.startsWith(`${prefix}.`))),
-      ),
-    );
-  return { queues: await run(['list_queues', 'name']), exchanges: await run(['list_exchanges', 'name']) };
+/**
+ * Deletes, over AMQP, what reaper's topology declares for these prefixes and policies (work and
+ * delay exchanges, work queues, delay tiers, the dead-letter queue). No `rabbitmqctl`: this works
+ * against testcontainers or a remote AMQP_URL too. Deleting a queue or exchange that was never
+ * declared is not an error in RabbitMQ.
+ */
+export async function deleteBrokerObjects(amqpUrl: string, prefixes: readonly string[], policies: readonly string[]): Promise<void> {
+  const connection = await amqp.connect(amqpUrl, { timeout: 5_000 });
+  try {
+    const channel = await connection.createChannel();
+    for (const prefix of prefixes) {
+      const topology = makeTopology({ prefix, policies, deliveryLimit: 1 });
+      for (const queue of topology.queues) await channel.deleteQueue(queue.name);
+      for (const exchange of topology.exchanges) await channel.deleteExchange(exchange.name);
+    }
+    await channel.close();
+  } finally {
+    await connection.close().catch(() => undefined); // already closed by the broker: nothing left to release
+  }
+}
+
+/** The names close() deletes for a prefix and policies (the test bed's own test checks they are gone). */
+export function brokerObjectNames(prefix: string, policies: readonly string[]): { queues: string[]; exchanges: string[] } {
+  const topology = makeTopology({ prefix, policies, deliveryLimit: 1 });
+  return { queues: topology.queues.map((q) => q.name), exchanges: topology.exchanges.map((e) => e.name) };
 }

@@ -17,7 +17,7 @@ import {
 
 const RUN_ID = '0f8e2c1e-7d7b-4c36-9b53-1d5a9e0b9d11';
 
-/** The DESIGN.md example, with a full id. */
+/** The docs/design.md example, with a full id. */
 function validBatch(overrides: Record<string, unknown> = {}): BatchV1 {
   return {
     version: 1,
@@ -53,7 +53,7 @@ function assertRejected(result: ReturnType<typeof decodeBatch>, reason: DeadLett
 // Valid messages
 // ---------------------------------------------------------------------------------------------
 
-test('a valid v1 message (the DESIGN.md example) decodes', () => {
+test('a valid v1 message (the docs/design.md example) decodes', () => {
   const text = `{
     "version": 1,
     "runId": "0f8e2c1e-7d7b-4c36-9b53-1d5a9e0b9d11",

@@ -133,7 +133,7 @@ function writeSecret(content: string): string {
   return file;
 }
 
-test('shared/config/env.ts reads the variables DESIGN.md promises', () => {
+test('shared/config/env.ts reads the variables docs/design.md promises', () => {
   for (const name of ['DATABASE_URL', 'AMQP_URL', 'REAPER_AMQP_PREFIX', 'REAPER_POLICIES', 'REAPER_WORKER_ID', 'LOG_LEVEL', 'HTTP_PORT']) {
     assert.ok(ENV_NAMES.has(name), `${name} is read; read: ${[...ENV_NAMES].join(', ')}`);
   }

@@ -10,7 +10,7 @@ import { ConfigError } from '../../shared/config/errors';
 import { DEMO_POLICIES_PATH } from '../../shared/config/env';
 import { loadPolicies, parsePolicies, type RemoteDeletePolicy, type RowDeletePolicy } from '../../shared/config/policies';
 
-/** The example from DESIGN.md ("Policies file"), verbatim. */
+/** The example from docs/design.md ("Policies file"), verbatim. */
 const DESIGN_EXAMPLE = `
 policies:
   - name: seat-holds              # [a-z0-9-]+; also the routing key and the work queue's suffix
@@ -117,7 +117,7 @@ test('the demo policies file shipped in infra/ parses', () => {
   assert.deepEqual(holds.guard, { status: 'held' });
 });
 
-test('the DESIGN.md example parses, both policies, with defaults filled in', () => {
+test('the docs/design.md example parses, both policies, with defaults filled in', () => {
   const policies = parse(DESIGN_EXAMPLE);
   assert.deepEqual([...policies.keys()], ['seat-holds', 'media-assets']);
 

@@ -15,7 +15,7 @@ import {
 import { startMediaApi } from '../support/media-api';
 import { ODD_IDS } from '../support/odd-ids';
 
-/** DESIGN.md "Remote API calls": the classification is exact, and an open circuit makes no call. */
+/** docs/design.md "Remote API calls": the classification is exact, and an open circuit makes no call. */
 
 test('2xx, 404 and 410 confirm; 429 is rate limited; 408 and 5xx are uncertain; other 4xx are rejected', () => {
   for (const status of [200, 202, 204, 404, 410]) assert.equal(classifyStatus(status, null).kind, 'confirmed', String(status));

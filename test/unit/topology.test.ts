@@ -1,6 +1,6 @@
 /**
  * Unit tests for the broker topology as data (shared/amqp/topology.ts): the exact names and
- * arguments DESIGN.md promises ("Broker topology"), and the delay tier choice.
+ * arguments docs/design.md promises ("Broker topology"), and the delay tier choice.
  */
 import { test } from 'node:test';
 import assert from 'node:assert/strict';
@@ -36,7 +36,7 @@ function deadLetterTarget(t: Topology, queueName: string, originalRoutingKey: st
   return t.bindings.find((b) => b.exchange === dlx && b.routingKey === routingKey)?.queue;
 }
 
-test('brokerNames follows DESIGN.md for a prefix', () => {
+test('brokerNames follows docs/design.md for a prefix', () => {
   const names = brokerNames('P');
   assert.equal(names.workExchange, 'P.cleanup');
   assert.equal(names.deadLetterQueue, 'P.dead-letter');

@@ -48,7 +48,7 @@ export interface GrantOutcome extends AdmissionState {
  * exact observed expiry, expiry <= least(cutoff, now), guard): those that no longer match are
  * finished 'superseded' here, whatever the bucket says; at most min(whole tokens, free slots) of
  * those that match are claimed (lease, attempt + 1, claimed by this batch). The bucket is stored as
- * of that same instant. Nothing decided earlier authorises a call (DESIGN.md invariant 13).
+ * of that same instant. Nothing decided earlier authorises a call (docs/design.md invariant 13).
  */
 export async function admissionGrantAndClaim(
   db: Db,

@@ -1,7 +1,7 @@
 import type { Db } from '../pool';
 
 /**
- * The database clock is the only clock that decides eligibility (DESIGN.md invariant 2). A cutoff
+ * The database clock is the only clock that decides eligibility (docs/design.md invariant 2). A cutoff
  * given by an operator is compared with it, never with the CLI machine's clock.
  */
 export async function clockCheckCutoff(db: Db, cutoff: string): Promise<{ inFuture: boolean; now: string; cutoff: string }> {

@@ -7,7 +7,7 @@ import type { Db } from '../pool';
  */
 export const RUNS_CHANNEL = 'reaper_runs';
 
-/** Run triggers (DESIGN.md). Only cron and catch-up runs take part in the one-run-per-tick rule. */
+/** Run triggers (docs/design.md). Only cron and catch-up runs take part in the one-run-per-tick rule. */
 export type RunTrigger = 'cron' | 'catch-up' | 'replay' | 'manual';
 /**
  * `failed`: a permanent error stopped the scan (reason in `error`). `incomplete`: published, but

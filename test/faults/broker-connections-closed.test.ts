@@ -1,0 +1,240 @@
+import assert from 'node:assert/strict';
+import { after, before, describe, test } from 'node:test';
+import { brokerNames } from '../../shared/amqp/topology';
+import { openTestBroker, type TestBroker } from '../support/broker';
+import { rowDeletePolicyYaml, runReceipts, runRow, startServices } from '../support/fixtures';
+import { handOverCheckpointLock, holdCheckpointLock, releaseHeldLocks, schedulerWaitsOnCheckpoint } from '../support/locks';
+import { assertNoLeakedProcesses, runReaperCli, type ReaperProcess } from '../support/processes';
+import { rabbitmqctl } from '../support/rabbitmqctl';
+import { seedHolds } from '../support/seed';
+import { assertRunDeletedExactlyOnce } from '../support/run-checks';
+import { makeTestBed, type TestBed } from '../support/testbed';
+
+/**
+ * The broker (running all along) closes this test's connections in the middle of a run: some batches are committed,
+ * some are queued, some are in a worker's hands, and the scheduler may be mid-window with publishes
+ * waiting for their confirms. The services reconnect by themselves, the run still completes, every
+ * expired hold is deleted exactly once (receipts add up to the seeded count) and no hold that was
+ * not eligible is touched.
+ *
+ * Only this file's connections are closed (matched on the prefix in the connection name): other
+ * test files run against the same broker at the same time. (A real broker restart, stop_app and
+ * start_app, is broker-restart.serial.test.ts.)
+ */
+const EXPIRED = 20_000;
+const FUTURE = 500;
+const CONFIRMED = 500;
+const BATCH_SIZE = 50;
+
+interface BrokerConnection {
+  /** The connection's Erlang pid as close_connection takes it: <rabbit@host.N.N.N>. */
+  pid: string;
+  /** client_properties.connection_name, e.g. "reaper-worker <prefix> <id>". */
+  name: string;
+}
+
+/**
+ * This test's connections, as the broker sees them. The table output is read rather than
+ * `--formatter json`: the JSON formatter prints pids as #PID<...>, which close_connection refuses.
+ * Each line is `<pid>\t[{"connection_name","..."},...]`.
+ */
+async function connectionsWithPrefix(prefix: string): Promise<BrokerConnection[]> {
+  const stdout = await rabbitmqctl(['list_connections', 'pid', 'client_properties', '-q', '--no-table-headers']);
+  return stdout
+    .split('\n')
+    .map((line) => ({ pid: line.split('\t')[0]!.trim(), name: /\{"connection_name","([^"]*)"\}/.exec(line)?.[1] ?? '' }))
+    .filter((connection) => connection.pid.startsWith('<') && connection.name.split(' ').includes(prefix));
+}
+
+async function closeConnection(pid: string): Promise<void> {
+  await rabbitmqctl(['close_connection', pid, 'test: connection closed by the broker', '-q']);
+}
+
+describe('broker closes the connections mid-run', () => {
+  let bed: TestBed;
+  let broker: TestBroker;
+  let names: ReturnType<typeof brokerNames>;
+
+  before(async () => {
+    bed = await makeTestBed('fault_connections_closed');
+    broker = await openTestBroker(bed.amqpUrl);
+    names = brokerNames(bed.prefix);
+  });
+
+  after(async () => {
+    try {
+      await releaseHeldLocks();
+      await assertNoLeakedProcesses();
+    } finally {
+      await broker?.close();
+      await bed?.close();
+    }
+  });
+
+  const amqpConnectedCount = (service: ReaperProcess) => service.lines.filter((line) => line.msg === 'amqp connected').length;
+
+  test('every connection closed mid-run: services reconnect, the run completes, each expired hold is deleted once and nothing else', async () => {
+    bed.writePolicies(rowDeletePolicyYaml({ batchSize: BATCH_SIZE }));
+    const seeded = await seedHolds(bed.pool, { expiredHeld: EXPIRED, futureHeld: FUTURE, expiredConfirmed: CONFIRMED });
+    const expectedBatches = Math.ceil(EXPIRED / BATCH_SIZE);
+    const group = startServices(
+      bed,
+      [
+        { label: 'scheduler-1', kind: 'scheduler' },
+        { label: 'worker-1', kind: 'worker', env: { REAPER_PREFETCH: '1' } },
+        { label: 'worker-2', kind: 'worker', env: { REAPER_PREFETCH: '1' } },
+      ],
+      'no service may die when the broker closes its connection',
+    );
+    const { services, eventuallyAlive } = group;
+    const [scheduler, ...workers] = services as [ReaperProcess, ReaperProcess, ReaperProcess];
+    let passed = false;
+    try {
+      await scheduler.waitForLine('scheduler started', (line) => line.msg === 'scheduler started');
+      await Promise.all(workers.map((w) => w.waitForLine('worker consuming', (line) => line.msg === 'worker consuming')));
+      assert.deepEqual(services.map(amqpConnectedCount), [1, 1, 1], 'each service connected once');
+
+      // Mid-run, deterministically: the scheduler publishes its first window and then waits to
+      // record it; the workers commit some of that window's batches; then every connection closes.
+      const checkpoints = await holdCheckpointLock(bed.pool);
+      const triggered = await runReaperCli(['trigger', 'seat-holds', '--json'], bed.processEnv());
+      assert.equal(triggered.code, 0, triggered.stdout);
+      const runId = (JSON.parse(triggered.stdout) as { runId: string }).runId;
+      await eventuallyAlive('the scheduler to wait on its first checkpoint', () => schedulerWaitsOnCheckpoint(bed.pool), { timeoutMs: 20_000, intervalMs: 20 });
+      await eventuallyAlive('a few batches to be committed', async () => (await runReceipts(bed.pool, runId)).batches >= 5, { timeoutMs: 20_000, intervalMs: 20 });
+      const connections = await connectionsWithPrefix(bed.prefix);
+      assert.deepEqual(
+        connections.map((c) => c.name).sort(),
+        [`reaper-scheduler ${bed.prefix} scheduler-1`, `reaper-worker ${bed.prefix} worker-1`, `reaper-worker ${bed.prefix} worker-2`],
+        'one connection per service, named after this test prefix',
+      );
+      const stateAtClose = (await runRow(bed.pool, runId)).state;
+      await Promise.all(connections.map((c) => closeConnection(c.pid)));
+      const doneAtClose = (await runReceipts(bed.pool, runId)).batches;
+      await checkpoints.release();
+      assert.equal(stateAtClose, 'scanning', 'the connections were closed while the run was scanning');
+      assert.ok(doneAtClose < expectedBatches, `the connections were closed mid-run (${doneAtClose}/${expectedBatches} batches done)`);
+
+      // Every service notices and comes back by itself, once.
+      for (const service of services) {
+        await eventuallyAlive(`${service.label} to notice the closed connection`, () =>
+          service.lines.some((line) => line.msg === 'amqp connection closed; reconnecting'),
+        );
+        await eventuallyAlive(`${service.label} to log 'amqp connected' again`, () => amqpConnectedCount(service) >= 2);
+      }
+      const reconnected = await connectionsWithPrefix(bed.prefix);
+      assert.equal(reconnected.length, 3, 'three live connections again');
+      assert.ok(reconnected.every((c) => !connections.some((old) => old.pid === c.pid)), 'new connections, not the closed ones');
+
+      await eventuallyAlive('the run to complete', async () => (await runRow(bed.pool, runId)).state === 'completed', {
+        timeoutMs: 40_000,
+        intervalMs: 250,
+        describe: async () => ({ run: await runRow(bed.pool, runId), receipts: await runReceipts(bed.pool, runId) }),
+      });
+      // One close, one reconnect each: not a reconnect loop.
+      assert.deepEqual(services.map(amqpConnectedCount), [2, 2, 2], 'each service connected exactly twice (start, after the close)');
+
+      // The workers' own accounts: as many deletions logged as seeded, duplicates delete nothing.
+      const doneSettles = workers.flatMap((w) => w.lines.filter((line) => line.msg === 'batch settled' && line.outcome === 'done'));
+      assert.equal(doneSettles.reduce((sum, line) => sum + Number(line.deleted), 0), EXPIRED, 'the workers logged as many deletions as were seeded');
+      const duplicates = workers.flatMap((w) => w.lines.filter((line) => line.msg === 'batch settled' && line.outcome === 'duplicate'));
+      assert.deepEqual(duplicates.filter((line) => line.deleted !== 0), [], 'duplicates delete nothing');
+      // The data: every expired hold deleted, each exactly once, nothing else; services exit 0.
+      await assertRunDeletedExactlyOnce({
+        pool: bed.pool,
+        broker,
+        workQueue: names.workQueue('seat-holds'),
+        deadLetterQueue: names.deadLetterQueue,
+        runId,
+        seeded,
+        scheduler,
+        workers,
+        services,
+        diagnosis: { runStateAtClose: stateAtClose },
+      });
+      passed = true;
+    } finally {
+      await releaseHeldLocks();
+      if (!passed) await group.stopLeftovers();
+    }
+  });
+
+  /**
+   * A flapping connection aimed at the scheduler: its connection (only) is closed again and again
+   * while it scans and publishes, and the workers (whose connections stay up) keep deleting what
+   * reached the queue. Each close may land while publishes of the current window still wait for
+   * their confirms; the scheduler must retry that window from its checkpoint, not die, and the run
+   * must still delete every expired hold exactly once.
+   */
+  test('scheduler connection closed repeatedly while it publishes: it recovers and the run still deletes every expired hold once', async () => {
+    const FLAP_EXPIRED = 20_000;
+    const FLAP_BATCH = 20; // 1,000 batches: 32 windows, far more than CLOSES checkpoints to stop at
+    const CLOSES = 5;
+    await bed.pool.query('DELETE FROM seat_reservations'); // whatever the first test left
+    bed.writePolicies(rowDeletePolicyYaml({ name: 'flap-holds', batchSize: FLAP_BATCH }));
+    const seeded = await seedHolds(bed.pool, { expiredHeld: FLAP_EXPIRED, futureHeld: FUTURE, expiredConfirmed: CONFIRMED });
+    const group = startServices(
+      bed,
+      [
+        { label: 'scheduler-2', kind: 'scheduler' },
+        { label: 'worker-3', kind: 'worker', env: { REAPER_PREFETCH: '1' } },
+        { label: 'worker-4', kind: 'worker', env: { REAPER_PREFETCH: '1' } },
+      ],
+      'no service may die when the broker closes its connection',
+    );
+    const { services, eventuallyAlive } = group;
+    const [scheduler, ...workers] = services as [ReaperProcess, ReaperProcess, ReaperProcess];
+    let passed = false;
+    try {
+      await scheduler.waitForLine('scheduler started', (line) => line.msg === 'scheduler started');
+      await Promise.all(workers.map((w) => w.waitForLine('worker consuming', (line) => line.msg === 'worker consuming')));
+
+      // Held before the trigger: the first close happens at the first checkpoint, whatever the speed.
+      let checkpoints = await holdCheckpointLock(bed.pool);
+      const triggered = await runReaperCli(['trigger', 'flap-holds', '--json'], bed.processEnv());
+      assert.equal(triggered.code, 0, triggered.stdout);
+      const runId = (JSON.parse(triggered.stdout) as { runId: string }).runId;
+
+      for (let closes = 1; closes <= CLOSES; closes++) {
+        // Between two windows, deterministically: the next checkpoint is held, the scheduler's
+        // connection is closed while it waits there, and it goes on once it has reconnected. The
+        // run cannot end in between (each checkpoint waits for the lock), so every close happens.
+        await eventuallyAlive(`the scheduler to wait on checkpoint ${closes}`, () => schedulerWaitsOnCheckpoint(bed.pool), {
+          intervalMs: 20,
+          describe: () => runRow(bed.pool, runId),
+        });
+        assert.equal((await runRow(bed.pool, runId)).state, 'scanning', `close ${closes} lands while the run is scanning`);
+        const connections = (await connectionsWithPrefix(bed.prefix)).filter((c) => c.name.split(' ').includes('scheduler-2'));
+        assert.equal(connections.length, 1, "the scheduler's one connection");
+        await closeConnection(connections[0]!.pid);
+        await eventuallyAlive(`the scheduler to reconnect after close ${closes}`, () => amqpConnectedCount(scheduler) >= closes + 1, { intervalMs: 20 });
+        // Let this checkpoint through and hold the next one (no window slips past unheld).
+        if (closes < CLOSES) checkpoints = await handOverCheckpointLock(bed.pool, checkpoints);
+        else await checkpoints.release();
+      }
+      assert.equal(amqpConnectedCount(scheduler), CLOSES + 1, 'the scheduler reconnected exactly once per close');
+
+      await eventuallyAlive('the run to complete', async () => (await runRow(bed.pool, runId)).state === 'completed', {
+        timeoutMs: 40_000,
+        intervalMs: 250,
+        describe: async () => ({ run: await runRow(bed.pool, runId), receipts: await runReceipts(bed.pool, runId) }),
+      });
+      await assertRunDeletedExactlyOnce({
+        pool: bed.pool,
+        broker,
+        workQueue: names.workQueue('flap-holds'),
+        deadLetterQueue: names.deadLetterQueue,
+        runId,
+        seeded,
+        scheduler,
+        workers,
+        services,
+        diagnosis: { closes: CLOSES },
+      });
+      passed = true;
+    } finally {
+      await releaseHeldLocks();
+      if (!passed) await group.stopLeftovers();
+    }
+  });
+});

@@ -1,0 +1,29 @@
+import { execFile } from 'node:child_process';
+
+/**
+ * The local broker's admin tool, for fault tests that act on the broker itself (close a
+ * connection, stop and start the broker). Only those tests need a local RabbitMQ; clean-up and
+ * everything else go through AMQP. Every call is bounded.
+ */
+export function rabbitmqctl(args: readonly string[], timeoutMs = 60_000): Promise<string> {
+  return new Promise((resolve, reject) =>
+    execFile('rabbitmqctl', [...args], { timeout: timeoutMs }, (error, stdout, stderr) =>
+      error ? reject(new Error(`rabbitmqctl ${args.join(' ')} failed: ${error.message} ${stderr}`)) : resolve(stdout),
+    ),
+  );
+}
+
+/**
+ * Stops the broker application (every connection drops, queues stay on disk), runs `whileDown`,
+ * and starts it again, waiting for `await_startup`, in a `finally`: a failing test never leaves
+ * the broker down for the files after it.
+ */
+export async function withBrokerStopped<T>(whileDown: () => Promise<T>): Promise<T> {
+  await rabbitmqctl(['stop_app', '-q']);
+  try {
+    return await whileDown();
+  } finally {
+    await rabbitmqctl(['start_app', '-q']);
+    await rabbitmqctl(['await_startup', '-q', '--timeout', '60'], 90_000);
+  }
+}
