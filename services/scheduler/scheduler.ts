@@ -21,6 +21,7 @@ import {
 } from '../../shared/db/queries/runs';
 import { reply, startHealthServer, type RouteHandler } from '../../shared/observability/http';
 import { makeMetrics, type Metrics } from '../../shared/observability/metrics';
+import { startAuditRetention } from './audit-retention';
 import { startBacklogGauges } from './backlog-gauges';
 import { executeRun, type RunExecutorDeps } from './run-executor';
 import { CRON_TIMEZONE, latestMissedTick, truncateToSecond } from './ticks';
@@ -268,6 +269,7 @@ export async function startScheduler(env: Env, policies: PolicySet, log: Logger)
   }
 
   const backlog = startBacklogGauges({ db: pool, owner: env.workerId, policies, targets, metrics, log, intervalMs: env.backlogRefreshMs });
+  const auditRetention = startAuditRetention({ pool, policies, log });
   const poller = setInterval(() => wake(), CLAIM_POLL_MS);
   const listener = listenForNewRuns(env.databaseUrl, log, (policy) => wake(policy));
   let completing = false;
@@ -308,6 +310,7 @@ export async function startScheduler(env: Env, policies: PolicySet, log: Logger)
       await listener.close();
       for (const task of tasks) await task.destroy();
       await backlog.stop();
+      await auditRetention.stop();
       // Every loop stops at its next checkpoint and hands an unfinished run over.
       await Promise.all([...loops.values()].map((loop) => loop.idle()));
       server?.close();

@@ -198,4 +198,26 @@ describe('guardrails: row-delete', () => {
     const byRun = JSON.parse((await cli(['audit', '--run', runId, '--json'])).stdout) as { total: number };
     assert.equal(byRun.total, deleted.length);
   });
+
+  test('the scheduler keeps the audit trail to retainDays', async () => {
+    const inserted = await bed.pool.query<{ key: string }>(
+      `INSERT INTO cleanup_audit (policy, key, observed_expiry, policy_version, deleted_at)
+       VALUES ('seat-holds', 'old-1', now() - interval '40 days', 'v', now() - interval '31 days'),
+              ('seat-holds', 'young-1', now() - interval '40 days', 'v', now() - interval '29 days'),
+              ('other-policy', 'old-2', now() - interval '400 days', 'v', now() - interval '400 days')
+       RETURNING key`,
+    );
+    assert.equal(inserted.rowCount, 3);
+    const env = bed.env();
+    const scheduler = await startScheduler(env, loadPolicies(env.policiesPath), log);
+    try {
+      await eventually('the row past retention pruned', async () =>
+        (await bed.pool.query(`SELECT 1 FROM cleanup_audit WHERE key = 'old-1'`)).rowCount === 0,
+      );
+    } finally {
+      await scheduler.stop();
+    }
+    const left = await bed.pool.query<{ key: string }>(`SELECT key FROM cleanup_audit WHERE key IN ('old-1', 'young-1', 'old-2') ORDER BY key`);
+    assert.deepEqual(left.rows.map((row) => row.key), ['old-2', 'young-1'], 'younger rows and other policies untouched');
+  });
 });

@@ -173,6 +173,8 @@ scrape_configs:
       const loaded = await get<{ groups: Array<{ rules: Array<{ name: string; health: string }> }> }>('/api/v1/rules');
       const names = loaded.data.groups.flatMap((group) => group.rules.filter((rule) => rule.health === 'ok').map((rule) => rule.name));
       assert.deepEqual(names.sort(), alertExprs.map((rule) => rule.alert).sort());
+      assert.equal((await scheduler.stop()).code, 0);
+      assert.equal((await worker.stop()).code, 0);
     } finally {
       prometheus.kill('SIGTERM');
       const timer = setTimeout(() => prometheus.kill('SIGKILL'), 10_000);

@@ -73,7 +73,10 @@ export async function makeTestBed(label: string, options: TestBedOptions = {}): 
   }
   const pool = new pg.Pool({ connectionString: databaseUrl, max: 4 });
   const folder = mkdtempSync(path.join(tmpdir(), `reaper-${safeLabel}-`));
-  let policiesPath = '';
+  // The default policies are the demo's, without its blast-radius `limits`: tests seed mostly
+  // expired tables on purpose; the brake has its own tests (guardrails-brake.test.ts).
+  let policiesPath = path.join(folder, 'policies-demo-unbraked.yaml');
+  writeFileSync(policiesPath, readFileSync(DEMO_POLICIES, 'utf8').replace(/^\s*limits:.*\n/gm, ''));
   // What close() deletes on the broker: every prefix a process of this file was given, and every
   // policy name of every policies file written (plus the demo's, the default file).
   const prefixes = new Set([prefix]);
