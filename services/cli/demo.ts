@@ -117,7 +117,7 @@ export async function runDemo(): Promise<number> {
   }
 }
 
-const finished = (run: RunSummary): boolean => run.state === 'completed' || run.state === 'failed';
+const finished = (run: RunSummary): boolean => ['completed', 'failed', 'incomplete', 'rejected', 'awaiting-approval'].includes(run.state);
 
 async function seed(pool: pg.Pool): Promise<void> {
   await pool.query(

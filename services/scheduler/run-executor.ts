@@ -5,7 +5,7 @@ import { encodeBatch, makeBatchId, MAX_ID_LENGTH, MAX_MESSAGE_BYTES, type BatchI
 import type { ConfirmingPublisher } from '../../shared/amqp/publisher';
 import type { BrokerNames } from '../../shared/amqp/topology';
 import type { Pool } from '../../shared/db/pool';
-import { expiringRowsScanPage, type ResolvedTarget } from '../../shared/db/queries/expiring-rows';
+import { expiringRowsCountNonFinite, expiringRowsScanPage, type ResolvedTarget } from '../../shared/db/queries/expiring-rows';
 import {
   runClaimOf,
   runsCompleteIfAllBatchesDone,
@@ -142,6 +142,10 @@ export async function executeRun(deps: RunExecutorDeps, run: Run, policy: Policy
   if (!published.ok) return published.outcome;
   if (!published.value) return lostLease(log);
   log.info({ batches: progress.sequence, candidates: progress.candidates, skipped: progress.skipped }, 'run published');
+  // Rows expiring at '-infinity' have no instant a batch could carry: the scan leaves them out (so
+  // they never hold a batch back); say how many, so someone fixes the data.
+  const nonFinite = await expiringRowsCountNonFinite(deps.pool, target).catch(() => 0); // a count for the log only
+  if (nonFinite > 0) log.warn({ nonFinite }, "rows expiring at '-infinity' are never published: give them a real expiry");
   // The completion pass would find it too; this only makes a run with nothing to wait for final at once.
   await runsCompleteIfAllBatchesDone(deps.pool, run.runId).catch((error: Error) =>
     log.warn({ err: error.message }, 'completion check failed; the completion pass retries'),
