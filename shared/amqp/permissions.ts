@@ -10,8 +10,9 @@
  *  - worker: the same topology assertion, consumes the work queues (read), publishes retries to
  *    the delay exchange and dead letters through the default exchange (write on amq.default).
  *  - operator: the CLI (`reaper dlq requeue|purge`, `reaper status`): the worker's rights.
- *  - autoscaler: KEDA reads the work queues' depth with a passive declare, which needs no more
- *    than read access to the queue.
+ *  - autoscaler: KEDA reads the work queues' depth with a passive declare, which RabbitMQ allows
+ *    with access to the vhost alone; all three patterns are empty, so it can neither consume nor
+ *    purge (read) nor publish nor declare.
  */
 export interface BrokerPermission {
   configure: string;
@@ -33,6 +34,6 @@ export function brokerPermissions(prefix: string): Record<BrokerRole, BrokerPerm
     scheduler: { configure: own, write: own, read: own },
     worker: { configure: own, write: ownAndDefault, read: own },
     operator: { configure: own, write: ownAndDefault, read: own },
-    autoscaler: { configure: '', write: '', read: `^${prefix}\\.cleanup\\.` },
+    autoscaler: { configure: '', write: '', read: '' },
   };
 }
