@@ -227,9 +227,10 @@ export function makeProgram(): Command {
     .addOption(json())
     .action(async (options: { json?: boolean }) => {
       const env = loadEnv();
-      // Progress on stderr as each file starts: a long migration is visibly running, and the last
-      // line names the file that failed. stdout keeps the one result (or JSON).
-      const result = await migrate(env.databaseUrl, { onApplying: (name) => process.stderr.write(`applying ${name} ...\n`) });
+      // Progress on stderr as each file starts (not with --json, whose reader wants one document):
+      // a long migration is visibly running, and the last line names the file that failed.
+      const announce = options.json ? undefined : (name: string) => process.stderr.write(`applying ${name} ...\n`);
+      const result = await migrate(env.databaseUrl, { onApplying: announce });
       printResult(!!options.json, result, () =>
         result.applied.length ? `applied ${result.applied.join(', ')}; schema version ${result.current}` : `up to date (version ${result.current})`,
       );

@@ -66,14 +66,14 @@ async function brokerAnswer(role: BrokerRole, work: (channel: amqp.Channel) => P
 before(async () => {
   bed = await makeTestBed('least_privilege_broker');
   api = await startMediaApi({});
-  await rabbitmqctl('add_vhost', vhost);
+  await rabbitmqctlWhenUp('add_vhost', vhost);
   vhostCreated = true;
   const permissions = brokerPermissions(bed.prefix);
   for (const role of ROLES) {
-    await rabbitmqctl('add_user', user(role), passwords.get(role)!);
+    await rabbitmqctlWhenUp('add_user', user(role), passwords.get(role)!);
     created.push(user(role));
     const { configure, write, read } = permissions[role];
-    await rabbitmqctl('set_permissions', '-p', vhost, user(role), configure, write, read);
+    await rabbitmqctlWhenUp('set_permissions', '-p', vhost, user(role), configure, write, read);
   }
   bed.writePolicies(`policies:
   - name: seat-holds
@@ -102,16 +102,30 @@ before(async () => {
 `);
 });
 
+/** rabbitmqctl once the broker app runs: another test file (broker-restart) may be restarting it. */
+async function rabbitmqctlWhenUp(...args: string[]): Promise<void> {
+  await rabbitmqctl('await_startup', '--timeout', '120');
+  await rabbitmqctl(...args);
+}
+
 after(async () => {
-  try {
-    await stopStarted();
-    await assertNoLeakedProcesses();
-  } finally {
-    if (vhostCreated) await rabbitmqctl('delete_vhost', vhost);
-    for (const name of created) await rabbitmqctl('delete_user', name);
-    await api?.close();
-    await bed?.close();
+  const failures: unknown[] = [];
+  // Every step runs whatever an earlier one did: a leftover vhost, user or server would outlive the file.
+  for (const step of [
+    () => stopStarted(),
+    () => assertNoLeakedProcesses(),
+    ...(vhostCreated ? [() => rabbitmqctlWhenUp('delete_vhost', vhost)] : []),
+    ...created.map((name) => () => rabbitmqctlWhenUp('delete_user', name)),
+    () => api?.close(),
+    () => bed?.close(),
+  ]) {
+    try {
+      await step();
+    } catch (error) {
+      failures.push(error);
+    }
   }
+  if (failures.length > 0) throw failures[0];
 });
 
 test('a scheduler and a worker run both policy kinds as their own prefix-limited users; the operator reads the status', async () => {

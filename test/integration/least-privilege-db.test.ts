@@ -91,10 +91,8 @@ before(async () => {
 });
 
 after(async () => {
-  try {
-    await stopStarted();
-    await assertNoLeakedProcesses();
-  } finally {
+  const failures: unknown[] = [];
+  const dropRoles = async () => {
     // Roles outlive databases: hand back what they own here, then drop them.
     for (const role of Object.values(roles)) {
       const exists = await bed.pool.query('SELECT 1 FROM pg_roles WHERE rolname = $1', [role]);
@@ -103,9 +101,16 @@ after(async () => {
       await bed.pool.query(`DROP OWNED BY ${pg.escapeIdentifier(role)}`);
       await bed.pool.query(`DROP ROLE ${pg.escapeIdentifier(role)}`);
     }
-    await api?.close();
-    await bed?.close();
+  };
+  // Every step runs whatever an earlier one did: a leftover role or server would outlive the file.
+  for (const step of [() => stopStarted(), () => assertNoLeakedProcesses(), dropRoles, () => api?.close(), () => bed?.close()]) {
+    try {
+      await step();
+    } catch (error) {
+      failures.push(error);
+    }
   }
+  if (failures.length > 0) throw failures[0];
 });
 
 test('`reaper roles --print` emits SQL that applies cleanly, twice, and names every table the migrations create', async () => {
