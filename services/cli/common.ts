@@ -9,6 +9,9 @@ import { clockCheckCutoff } from '../../shared/db/queries/clock';
 /** A user mistake on the command line: message only, exit code 2. */
 export class UsageError extends Error {}
 
+/** Something asked for does not exist (a run id, say): message only, exit code 1, as for grep. */
+export class NotFoundError extends Error {}
+
 /** ISO 8601 with a time zone, up to microseconds: what `--cutoff` and `--until` accept. */
 export const ISO_INPUT = /^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d{1,6})?(Z|[+-]\d{2}:\d{2})$/;
 

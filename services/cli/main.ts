@@ -3,7 +3,7 @@ import { loadEnv, type Env } from '../../shared/config/env';
 import { ConfigError } from '../../shared/config/errors';
 import amqp from 'amqplib';
 import { requirePolicy, type PolicySet, type RemoteDeletePolicy } from '../../shared/config/policies';
-import { brokerNames, makeTopology, topologyAsDefinitions } from '../../shared/amqp/topology';
+import { brokerNames, DELAY_TIERS_MS, makeTopology, topologyAsDefinitions } from '../../shared/amqp/topology';
 import { admissionList, admissionSetPaused } from '../../shared/db/queries/admission';
 import { ledgerCountsByPolicy } from '../../shared/db/queries/ledger';
 import { ELIGIBLE_ROWS_CAP } from '../../shared/db/queries/backlog';
@@ -16,10 +16,10 @@ import { runsGetSummary, runsInsertIfAbsent, runsListSummaries, type RunSummary 
 import { makeLogger } from '../../shared/observability/logger';
 import { startScheduler } from '../scheduler/scheduler';
 import { startWorker } from '../worker/worker';
-import { runDemo } from './demo';
 import { printResult, table } from './output';
+import { addRolesCommand } from './roles';
 
-import { context, ISO_INPUT, pastCutoff, UsageError, withPool } from './common';
+import { context, ISO_INPUT, NotFoundError, pastCutoff, UsageError, withPool } from './common';
 import { registerApprovalCommands } from './approvals';
 import { registerAuditCommand } from './audit';
 import { registerHoldCommands } from './holds';
@@ -128,6 +128,7 @@ async function collectStatus(env: Env, policies: PolicySet) {
     const admission = new Map((await admissionList(pool)).map((row) => [row.policy, row]));
     const recent = await runsListSummaries(pool, { limit: 500 });
     const depths = await queueDepths(env, [...policies.keys()]);
+    const brokerError = depths.error;
     return {
       policies: [...policies.values()].map((policy) => {
         const last = recent.find((run) => run.policy === policy.name);
@@ -157,6 +158,8 @@ async function collectStatus(env: Env, policies: PolicySet) {
         };
       }),
       deadLetters: depths.deadLetters,
+      delayed: depths.delayed,
+      brokerError,
     };
   });
 }
@@ -166,11 +169,19 @@ function roundSeconds(seconds: number): number {
   return Math.round(seconds * 1000) / 1000;
 }
 
-/** Message counts of the work queues and the dead-letter queue; null where the broker does not answer. */
-async function queueDepths(env: Env, policyNames: string[]): Promise<{ work: Map<string, number>; deadLetters: number | null }> {
+/**
+ * Message counts of the work queues, the delay tiers (retries waiting out their delay) and the
+ * dead-letter queue; null where the broker does not answer, with the reason in `error`.
+ */
+async function queueDepths(
+  env: Env,
+  policyNames: string[],
+): Promise<{ work: Map<string, number>; deadLetters: number | null; delayed: number | null; error: string | null }> {
   const names = brokerNames(env.amqpPrefix);
   const work = new Map<string, number>();
   let deadLetters: number | null = null;
+  let delayed: number | null = null;
+  let error: string | null = null;
   try {
     const connection = await amqp.connect(env.amqpUrl, { timeout: 5000 });
     try {
@@ -184,18 +195,40 @@ async function queueDepths(env: Env, policyNames: string[]): Promise<{ work: Map
       const channel = await connection.createChannel();
       channel.on('error', () => undefined);
       deadLetters = (await channel.checkQueue(names.deadLetterQueue).catch(() => null))?.messageCount ?? null;
+      // Each tier on its own channel: a missing tier queue closes the channel it was checked on.
+      for (const tier of DELAY_TIERS_MS) {
+        const tierChannel = await connection.createChannel();
+        tierChannel.on('error', () => undefined);
+        const found = await tierChannel.checkQueue(names.delayQueue(tier)).catch(() => null);
+        if (found) delayed = (delayed ?? 0) + found.messageCount;
+        await tierChannel.close().catch(() => undefined);
+      }
     } finally {
-      await connection.close();
+      await connection.close().catch(() => undefined);
     }
-  } catch {
-    // Broker unreachable: the status still shows what the database knows.
+  } catch (failure) {
+    // Broker unreachable: the status still shows what the database knows, and says why not more.
+    const { code, message } = failure as NodeJS.ErrnoException;
+    error = `${redactUrl(env.amqpUrl)}: ${message || code || String(failure)}`;
   }
-  return { work, deadLetters };
+  return { work, deadLetters, delayed, error };
+}
+
+/** An AMQP/PostgreSQL URL without its password, for messages. */
+function redactUrl(url: string): string {
+  try {
+    const parsed = new URL(url);
+    if (parsed.password) parsed.password = '***';
+    return parsed.toString();
+  } catch {
+    return '(unparseable URL)';
+  }
 }
 
 export function makeProgram(): Command {
   const program = new Command('reaper')
     .description('Expires data reliably: scheduler, workers and operator commands.')
+    .version(packageVersion(), '-V, --version', 'print the version')
     .exitOverride()
     .configureOutput({ writeErr: (text) => process.stderr.write(text) });
   const json = () => new Option('--json', 'print machine-readable JSON');
@@ -206,7 +239,10 @@ export function makeProgram(): Command {
     .addOption(json())
     .action(async (options: { json?: boolean }) => {
       const env = loadEnv();
-      const result = await migrate(env.databaseUrl);
+      // Progress on stderr as each file starts (not with --json, whose reader wants one document):
+      // a long migration is visibly running, and the last line names the file that failed.
+      const announce = options.json ? undefined : (name: string) => process.stderr.write(`applying ${name} ...\n`);
+      const result = await migrate(env.databaseUrl, { onApplying: announce });
       printResult(!!options.json, result, () =>
         result.applied.length ? `applied ${result.applied.join(', ')}; schema version ${result.current}` : `up to date (version ${result.current})`,
       );
@@ -256,7 +292,7 @@ export function makeProgram(): Command {
         let cutoff = options.cutoff;
         if (options.run) {
           const original = await runsGetSummary(pool, options.run);
-          if (!original) throw new UsageError(`--run: no run ${options.run}`);
+          if (!original) throw new NotFoundError(`--run: no run ${options.run}`);
           policy = original.policy;
           cutoff = original.cutoff;
         }
@@ -295,7 +331,7 @@ export function makeProgram(): Command {
       const env = loadEnv();
       await withPool(env, async (pool) => {
         const run = await runsGetSummary(pool, runId);
-        if (!run) throw new UsageError(`no run ${runId}`);
+        if (!run) throw new NotFoundError(`no run ${runId}`);
         printResult(!!options.json, run, () => describeRun(run));
       });
     });
@@ -332,7 +368,9 @@ export function makeProgram(): Command {
             })),
             ['policy', 'kind', 'paused', 'oldestEligible', 'oldestLeased', 'waiting', 'lastCompleted', 'lag', 'lastRun', 'lastRunState', 'lastRunError', 'queued', 'pending', 'inFlight', 'confirmed', 'rejected', 'gaveUp'],
           ),
+          `delay tiers (retries waiting): ${status.delayed ?? 'unknown'} message(s)`,
           `dead-letter queue: ${status.deadLetters ?? 'unknown'} message(s)`,
+          ...(status.brokerError ? [`broker not reachable, queue counts unknown: ${status.brokerError}`] : []),
         ].join('\n'),
       );
     });
@@ -400,8 +438,19 @@ export function makeProgram(): Command {
     .command('demo')
     .description('run the demo end to end in the reaper_demo database (npm run demo)')
     .action(async () => {
+      // Loaded on demand: the demo brings the stand-in media API, which the runtime image need not carry.
+      const { runDemo } = require('./demo') as typeof import('./demo');
       process.exitCode = await runDemo();
     });
+
+  addRolesCommand(program);
+
+  // Operator commands stop on SIGINT/SIGTERM at once (the services drain instead: runService).
+  // Explicit handlers matter when the command is PID 1 (a container, a Kubernetes Job): the kernel
+  // delivers no signal to PID 1 that it has not installed a handler for.
+  program.hook('preAction', (_program, action) => {
+    if (action.name() !== 'scheduler' && action.name() !== 'worker') stopOnSignals();
+  });
 
   return program;
 }
@@ -420,12 +469,39 @@ export async function main(argv: string[]): Promise<number> {
       process.stderr.write(`reaper: ${error.message}\n`);
       return 2;
     }
+    if (error instanceof NotFoundError) {
+      process.stderr.write(`reaper: ${error.message}\n`);
+      return 1;
+    }
+    if ((error as { code?: string }).code === '42P01') {
+      // undefined_table: the database has no reaper schema (or an older one).
+      process.stderr.write(`reaper: ${(error as Error).message}: the database has no reaper schema yet; run \`reaper migrate\` first\n`);
+      return 1;
+    }
     if (error instanceof ConfigError) {
       process.stderr.write(`reaper: ${error.message}\n`);
       return 1;
     }
     process.stderr.write(`reaper: ${(error as Error).message}\n`);
     return 1;
+  }
+}
+
+function packageVersion(): string {
+  // dist/services/cli/main.js -> package.json at the package root (also /app in the image).
+  const { version } = require('../../../package.json') as { version: string };
+  return version;
+}
+
+const SIGNAL_EXIT_CODES = { SIGINT: 130, SIGTERM: 143 } as const;
+
+/** Exits 130/143 on SIGINT/SIGTERM (the shell's convention), after saying so on stderr. */
+function stopOnSignals(): void {
+  for (const signal of ['SIGINT', 'SIGTERM'] as const) {
+    process.once(signal, () => {
+      process.stderr.write(`reaper: stopped by ${signal}\n`);
+      process.exit(SIGNAL_EXIT_CODES[signal]);
+    });
   }
 }
 

@@ -130,33 +130,50 @@ export function policyVersion(policy: Policy): string {
   return createHash('sha256').update(JSON.stringify(canonical(rule))).digest('hex').slice(0, 16);
 }
 
-/** Replaces `${NAME}` in every string value with the environment's value; a missing one is an error. */
-function substituteEnvironment(value: unknown, source: NodeJS.ProcessEnv, where: string): unknown {
+/** Reads a secret file named by `${file:/path}`; tests pass their own. */
+export type SecretFileReader = (filePath: string) => string;
+const readSecretFile: SecretFileReader = (filePath) => readFileSync(filePath, 'utf8');
+
+/**
+ * Replaces `${NAME}` in every string value with the environment's value, and `${file:/path}` with
+ * the content of that file without its trailing newline (a mounted Secret: the remote API's token
+ * never passes through the environment, like every other secret). A missing variable or an
+ * unreadable file is an error naming the key.
+ */
+function substituteEnvironment(value: unknown, source: NodeJS.ProcessEnv, where: string, readFile: SecretFileReader = readSecretFile): unknown {
   if (typeof value === 'string') {
-    return value.replace(/\$\{([A-Za-z_][A-Za-z0-9_]*)\}/g, (_match, name: string) => {
-      const found = source[name];
+    return value.replace(/\$\{(?:file:([^}]+)|([A-Za-z_][A-Za-z0-9_]*))\}/g, (_match, file: string | undefined, name: string | undefined) => {
+      if (file !== undefined) {
+        if (!file.startsWith('/')) throw new ConfigError(`${where}: \${file:${file}} must name an absolute path`);
+        try {
+          return readFile(file).replace(/\r?\n$/, '');
+        } catch (error) {
+          throw new ConfigError(`${where}: cannot read \${file:${file}} (${(error as Error).message})`);
+        }
+      }
+      const found = source[name!];
       if (found === undefined) throw new ConfigError(`${where}: environment variable ${name} is not set`);
       return found;
     });
   }
-  if (Array.isArray(value)) return value.map((item, index) => substituteEnvironment(item, source, `${where}[${index}]`));
+  if (Array.isArray(value)) return value.map((item, index) => substituteEnvironment(item, source, `${where}[${index}]`, readFile));
   if (value !== null && typeof value === 'object') {
     return Object.fromEntries(
-      Object.entries(value).map(([key, item]) => [key, substituteEnvironment(item, source, `${where}.${key}`)]),
+      Object.entries(value).map(([key, item]) => [key, substituteEnvironment(item, source, `${where}.${key}`, readFile)]),
     );
   }
   return value;
 }
 
 /** Parses policies from YAML text. `origin` names the file in error messages. */
-export function parsePolicies(text: string, origin: string, source: NodeJS.ProcessEnv = process.env): PolicySet {
+export function parsePolicies(text: string, origin: string, source: NodeJS.ProcessEnv = process.env, readFile?: SecretFileReader): PolicySet {
   let document: unknown;
   try {
     document = parseYaml(text);
   } catch (error) {
     throw new ConfigError(`${origin}: not valid YAML (${(error as Error).message})`);
   }
-  const substituted = substituteEnvironment(document, source, origin);
+  const substituted = substituteEnvironment(document, source, origin, readFile);
   const parsed = policiesFileSchema.safeParse(substituted);
   if (!parsed.success) {
     const lines = parsed.error.issues.map((issue) => {

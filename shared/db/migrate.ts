@@ -29,7 +29,10 @@ export function listMigrations(dir = migrationsDirectory()): Migration[] {
     .map((file) => ({ version: Number(file.slice(0, 4)), name: file, sql: readFileSync(path.join(dir, file), 'utf8') }));
 }
 
-export async function migrate(connectionString: string): Promise<{ applied: string[]; current: number }> {
+export async function migrate(
+  connectionString: string,
+  hooks: { onApplying?: (name: string) => void } = {},
+): Promise<{ applied: string[]; current: number }> {
   const client = new pg.Client({ connectionString, application_name: 'reaper-migrate' });
   await client.connect();
   try {
@@ -43,6 +46,7 @@ export async function migrate(connectionString: string): Promise<{ applied: stri
     let current = Math.max(0, ...done);
     for (const migration of listMigrations()) {
       if (done.has(migration.version)) continue;
+      hooks.onApplying?.(migration.name);
       await client.query('BEGIN');
       try {
         await client.query(migration.sql);

@@ -1,0 +1,165 @@
+import type { PolicySet } from '../../config/policies';
+import { quoteIdentifier } from '../pool';
+
+/**
+ * Least privilege in PostgreSQL, as SQL: three roles and exactly the grants each needs.
+ *
+ *  - the migrator owns reaper's own tables and may create new ones (the migrate Job);
+ *  - the scheduler reads the targets (keyset scans, webhooks), writes runs, records ledger
+ *    candidates from webhooks;
+ *  - the worker deletes rows of row-delete targets, settles rows of remote-delete targets (DELETE,
+ *    or UPDATE when the policy has `markConfirmed`), writes receipts, the ledger and admission.
+ *
+ * Nobody else gets anything: the worker can neither drop a table nor delete from a table that no
+ * policy names (test/integration/least-privilege-db.test.ts). The SQL is idempotent: it creates what
+ * is missing and revokes before it grants, so re-running it after a policy or a migration changed
+ * leaves exactly the new set. Run it as a superuser or the owner of every table involved (the
+ * targets belong to their application), after `reaper migrate`.
+ */
+
+export type DbPrivilege = 'SELECT' | 'INSERT' | 'UPDATE' | 'DELETE';
+
+/** The roles, by purpose. Tests suffix them (role names are cluster-wide). */
+export interface DbRoleNames {
+  migrator: string;
+  scheduler: string;
+  worker: string;
+}
+
+export const DEFAULT_DB_ROLE_NAMES: DbRoleNames = { migrator: 'reaper_migrator', scheduler: 'reaper_scheduler', worker: 'reaper_worker' };
+
+/**
+ * reaper's own tables and what each service does with them, read off shared/db/queries/ (SELECT
+ * ... FOR UPDATE needs UPDATE; INSERT ... ON CONFLICT DO UPDATE needs UPDATE). A migration that
+ * adds a table must add it here: test/integration/least-privilege-db.test.ts compares this list
+ * with the tables the migrations create.
+ */
+export const REAPER_TABLE_GRANTS: Readonly<Record<string, { scheduler: readonly DbPrivilege[]; worker: readonly DbPrivilege[] }>> = {
+  reaper_schema_migrations: { scheduler: ['SELECT'], worker: ['SELECT'] }, // assertSchemaCurrent at start-up
+  cleanup_runs: { scheduler: ['SELECT', 'INSERT', 'UPDATE'], worker: [] },
+  cleanup_run_batches: { scheduler: ['SELECT', 'INSERT'], worker: [] },
+  cleanup_batches: { scheduler: ['SELECT'], worker: ['SELECT', 'INSERT'] },
+  cleanup_ledger: { scheduler: ['SELECT', 'INSERT', 'UPDATE'], worker: ['SELECT', 'INSERT', 'UPDATE'] },
+  // the scheduler's backlog gauges read the pause switch and the 429 block
+  cleanup_admission: { scheduler: ['SELECT'], worker: ['SELECT', 'INSERT', 'UPDATE'] },
+  // kept bodies of remote batches until their receipt; the ledger sweeper republishes them
+  cleanup_remote_batches: { scheduler: [], worker: ['SELECT', 'INSERT', 'UPDATE', 'DELETE'] },
+  // webhook signatures accepted once, pruned by age
+  cleanup_webhook_signatures: { scheduler: ['SELECT', 'INSERT', 'DELETE'], worker: [] },
+  // legal holds: read by the scan, the brake and every deleting statement; placed by operators
+  cleanup_holds: { scheduler: ['SELECT'], worker: ['SELECT'] },
+  // audit rows: written by the deleting statements, kept to retainDays by the scheduler
+  cleanup_audit: { scheduler: ['SELECT', 'DELETE'], worker: ['INSERT'] },
+};
+
+/** reaper's functions, owned by the migrator with its tables. */
+const REAPER_FUNCTIONS = ['reaper_iso(timestamptz)'];
+
+/** Role defaults: a session that forgets to set them still cannot hang on a lock or a statement. */
+export interface DbRoleTimeouts {
+  statementTimeoutMs: number;
+  lockTimeoutMs: number;
+  idleInTransactionSessionTimeoutMs: number;
+}
+
+export const DEFAULT_DB_ROLE_TIMEOUTS: Readonly<Record<keyof DbRoleNames, DbRoleTimeouts>> = {
+  // A migration may rewrite a large table; it must still not queue forever behind an application's
+  // lock (that would block every query queued behind the migration's own lock request).
+  migrator: { statementTimeoutMs: 900_000, lockTimeoutMs: 10_000, idleInTransactionSessionTimeoutMs: 60_000 },
+  // The same values as REAPER_STATEMENT_TIMEOUT_MS / REAPER_LOCK_TIMEOUT_MS (env.ts), which the
+  // services also send per session; the role defaults cover any other client using the role.
+  scheduler: { statementTimeoutMs: 60_000, lockTimeoutMs: 5_000, idleInTransactionSessionTimeoutMs: 60_000 },
+  worker: { statementTimeoutMs: 60_000, lockTimeoutMs: 5_000, idleInTransactionSessionTimeoutMs: 60_000 },
+};
+
+/** What each role gets on each policy's table, by policy kind. */
+export function targetGrants(policies: PolicySet): Map<string, { scheduler: Set<DbPrivilege>; worker: Set<DbPrivilege> }> {
+  const grants = new Map<string, { scheduler: Set<DbPrivilege>; worker: Set<DbPrivilege> }>();
+  for (const policy of policies.values()) {
+    const entry = grants.get(policy.table) ?? { scheduler: new Set<DbPrivilege>(), worker: new Set<DbPrivilege>() };
+    // The scheduler scans for expired rows (and webhooks re-read one): read only.
+    entry.scheduler.add('SELECT');
+    // The worker's conditional DELETE/UPDATE reads the columns it compares (SELECT), and the
+    // remote-delete ledger joins the target when it records candidates.
+    entry.worker.add('SELECT');
+    if (policy.kind === 'row-delete') entry.worker.add('DELETE');
+    else if (policy.markConfirmed && Object.keys(policy.markConfirmed).length > 0) entry.worker.add('UPDATE');
+    else entry.worker.add('DELETE');
+    grants.set(policy.table, entry);
+  }
+  return grants;
+}
+
+function literal(text: string): string {
+  return `'${text.replace(/'/g, "''")}'`;
+}
+
+function ms(value: number): string {
+  return literal(`${value}ms`);
+}
+
+/** Schemas the targets live in, besides the search path's `public`. */
+function targetSchemas(tables: Iterable<string>): string[] {
+  return [...new Set([...tables].filter((table) => table.includes('.')).map((table) => table.split('.')[0]!))];
+}
+
+/**
+ * The SQL that creates the roles (LOGIN, no password: set it with `ALTER ROLE ... PASSWORD` or use
+ * your platform's authentication), sets their defaults and grants exactly what each needs.
+ */
+export function rolesSql(policies: PolicySet, names: DbRoleNames = DEFAULT_DB_ROLE_NAMES, timeouts = DEFAULT_DB_ROLE_TIMEOUTS): string {
+  const q = (name: string) => quoteIdentifier(name);
+  const { migrator, scheduler, worker } = { migrator: q(names.migrator), scheduler: q(names.scheduler), worker: q(names.worker) };
+  const lines: string[] = [
+    `-- reaper: least-privilege roles (${names.migrator}, ${names.scheduler}, ${names.worker}).`,
+    '-- Run after `reaper migrate`, as a superuser or the owner of every table below; safe to run again.',
+    '-- Passwords are not set here: ALTER ROLE <role> PASSWORD ..., or your platform\'s authentication.',
+    'BEGIN;',
+    '',
+    '-- The roles: log in, nothing else (no superuser, no CREATEROLE, no CREATEDB, no RLS bypass).',
+  ];
+  for (const role of [names.migrator, names.scheduler, names.worker]) {
+    lines.push(
+      `DO $$ BEGIN IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = ${literal(role)}) THEN CREATE ROLE ${q(role)}; END IF; END $$;`,
+      `ALTER ROLE ${q(role)} LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS INHERIT;`,
+    );
+  }
+  lines.push('', '-- Role defaults: every session of the role starts with these limits.');
+  for (const key of ['migrator', 'scheduler', 'worker'] as const) {
+    const limits = timeouts[key];
+    const role = q(names[key]);
+    lines.push(
+      `ALTER ROLE ${role} SET statement_timeout = ${ms(limits.statementTimeoutMs)};`,
+      `ALTER ROLE ${role} SET lock_timeout = ${ms(limits.lockTimeoutMs)};`,
+      `ALTER ROLE ${role} SET idle_in_transaction_session_timeout = ${ms(limits.idleInTransactionSessionTimeoutMs)};`,
+    );
+  }
+  const targets = targetGrants(policies);
+  lines.push(
+    '',
+    '-- The database and the schema: the migrator creates tables, the services only look them up.',
+    `DO $$ BEGIN EXECUTE format('GRANT CONNECT ON DATABASE %I TO %I, %I, %I', current_database(), ${literal(names.migrator)}, ${literal(names.scheduler)}, ${literal(names.worker)}); END $$;`,
+    `GRANT USAGE, CREATE ON SCHEMA public TO ${migrator};`,
+    `GRANT USAGE ON SCHEMA public TO ${scheduler}, ${worker};`,
+    ...targetSchemas(targets.keys()).map((schema) => `GRANT USAGE ON SCHEMA ${q(schema)} TO ${scheduler}, ${worker};`),
+    '',
+    "-- reaper's own tables: owned by the migrator (later migrations alter them), then exactly the",
+    '-- statements each service runs (shared/db/queries/).',
+  );
+  for (const [table, grants] of Object.entries(REAPER_TABLE_GRANTS)) {
+    lines.push(`ALTER TABLE ${q(table)} OWNER TO ${migrator};`, `REVOKE ALL ON ${q(table)} FROM PUBLIC, ${scheduler}, ${worker};`);
+    if (grants.scheduler.length > 0) lines.push(`GRANT ${grants.scheduler.join(', ')} ON ${q(table)} TO ${scheduler};`);
+    if (grants.worker.length > 0) lines.push(`GRANT ${grants.worker.join(', ')} ON ${q(table)} TO ${worker};`);
+  }
+  for (const fn of REAPER_FUNCTIONS) lines.push(`ALTER FUNCTION ${fn} OWNER TO ${migrator};`);
+  lines.push('', '-- The policies\' tables (they belong to their application): per policy kind, see README "Deploying".');
+  for (const [table, grants] of targets) {
+    lines.push(
+      `REVOKE ALL ON ${q(table)} FROM ${scheduler}, ${worker};`,
+      `GRANT ${[...grants.scheduler].join(', ')} ON ${q(table)} TO ${scheduler};`,
+      `GRANT ${[...grants.worker].join(', ')} ON ${q(table)} TO ${worker};`,
+    );
+  }
+  lines.push('', 'COMMIT;', '');
+  return lines.join('\n');
+}

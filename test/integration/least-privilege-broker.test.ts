@@ -1,0 +1,179 @@
+/**
+ * reaper under its least-privilege RabbitMQ users (shared/amqp/permissions.ts, the permissions in
+ * infra/rabbitmq/definitions.json; issue 11). In a scratch vhost of the running broker, one user
+ * per service is created with `rabbitmqctl` and exactly the configure/write/read patterns of its
+ * role; a scheduler and a worker then run a row-delete and a remote-delete policy under them, and
+ * `reaper status` counts the queues as the operator user. The worker user cannot declare or delete
+ * a queue outside the prefix; the autoscaler user can read a work queue's depth and nothing more.
+ * Vhost and users are removed in `after`.
+ */
+import { test, before, after } from 'node:test';
+import assert from 'node:assert/strict';
+import { execFile } from 'node:child_process';
+import { randomBytes } from 'node:crypto';
+import { promisify } from 'node:util';
+import amqp from 'amqplib';
+import { brokerPermissions, brokerUserName, type BrokerRole } from '../../shared/amqp/permissions';
+import { eventually } from '../support/eventually';
+import { startMediaApi, type MediaApi } from '../support/media-api';
+import { assertNoLeakedProcesses, runReaperCli } from '../support/processes';
+import { assetStatuses, errorsLogged, seedAssets, started, startSchedulerProcess, startWorkerProcess, stopStarted } from '../support/remote-helpers';
+import { countReservations, seedHolds } from '../support/seed';
+import { makeTestBed, type TestBed } from '../support/testbed';
+
+const run = promisify(execFile);
+const rabbitmqctl = (...args: string[]) => run('rabbitmqctl', ['-q', ...args], { timeout: 60_000 });
+
+const vhost = `reaper-test-${randomBytes(4).toString('hex')}`;
+const ROLES: BrokerRole[] = ['scheduler', 'worker', 'operator', 'autoscaler'];
+const passwords = new Map(ROLES.map((role) => [role, randomBytes(12).toString('hex')]));
+const created: string[] = [];
+let vhostCreated = false;
+
+let bed: TestBed;
+let api: MediaApi;
+
+function user(role: BrokerRole): string {
+  return brokerUserName(bed.prefix, role);
+}
+
+function amqpUrlAs(role: BrokerRole): string {
+  const url = new URL(bed.amqpUrl);
+  url.username = user(role);
+  url.password = passwords.get(role)!;
+  url.pathname = `/${encodeURIComponent(vhost)}`;
+  return url.toString();
+}
+
+/** What the broker answers when a channel operation is refused (the channel closes with it). */
+async function brokerAnswer(role: BrokerRole, work: (channel: amqp.Channel) => Promise<unknown>): Promise<string> {
+  const connection = await amqp.connect(amqpUrlAs(role));
+  try {
+    const channel = await connection.createChannel();
+    channel.on('error', () => undefined);
+    try {
+      await work(channel);
+      await channel.close();
+      return 'ok';
+    } catch (error) {
+      return String((error as Error).message).includes('ACCESS_REFUSED') ? 'ACCESS_REFUSED' : String((error as Error).message);
+    }
+  } finally {
+    await connection.close().catch(() => undefined);
+  }
+}
+
+before(async () => {
+  bed = await makeTestBed('least_privilege_broker');
+  api = await startMediaApi({});
+  await rabbitmqctlWhenUp('add_vhost', vhost);
+  vhostCreated = true;
+  const permissions = brokerPermissions(bed.prefix);
+  for (const role of ROLES) {
+    await rabbitmqctlWhenUp('add_user', user(role), passwords.get(role)!);
+    created.push(user(role));
+    const { configure, write, read } = permissions[role];
+    await rabbitmqctlWhenUp('set_permissions', '-p', vhost, user(role), configure, write, read);
+  }
+  bed.writePolicies(`policies:
+  - name: seat-holds
+    kind: row-delete
+    schedule: "0 0 1 1 *"
+    table: seat_reservations
+    key: reservation_id
+    expiresAt: expires_at
+    guard: { status: held }
+    batchSize: 20
+  - name: media-assets
+    kind: remote-delete
+    schedule: "0 0 1 1 *"
+    table: media_assets
+    key: asset_id
+    expiresAt: retention_expires_at
+    guard: { status: active }
+    markConfirmed: { status: deleted }
+    batchSize: 10
+    remote:
+      baseUrl: ${api.url}
+      path: /assets/{id}
+      timeoutMs: 2000
+    admission: { ratePerSecond: 500, burst: 50, concurrency: 8 }
+    leaseMs: 12000
+`);
+});
+
+/** rabbitmqctl once the broker app runs: another test file (broker-restart) may be restarting it. */
+async function rabbitmqctlWhenUp(...args: string[]): Promise<void> {
+  await rabbitmqctl('await_startup', '--timeout', '120');
+  await rabbitmqctl(...args);
+}
+
+after(async () => {
+  const failures: unknown[] = [];
+  // Every step runs whatever an earlier one did: a leftover vhost, user or server would outlive the file.
+  for (const step of [
+    () => stopStarted(),
+    () => assertNoLeakedProcesses(),
+    ...(vhostCreated ? [() => rabbitmqctlWhenUp('delete_vhost', vhost)] : []),
+    ...created.map((name) => () => rabbitmqctlWhenUp('delete_user', name)),
+    () => api?.close(),
+    () => bed?.close(),
+  ]) {
+    try {
+      await step();
+    } catch (error) {
+      failures.push(error);
+    }
+  }
+  if (failures.length > 0) throw failures[0];
+});
+
+test('a scheduler and a worker run both policy kinds as their own prefix-limited users; the operator reads the status', async () => {
+  const holds = await seedHolds(bed.pool, { expiredHeld: 25 });
+  const assets = await seedAssets(bed.pool, 'lpb', 8);
+  const scheduler = startSchedulerProcess(bed, 'lpb-scheduler', { AMQP_URL: amqpUrlAs('scheduler') });
+  const worker = startWorkerProcess(bed, 'lpb-worker', { AMQP_URL: amqpUrlAs('worker') });
+  await Promise.all([started(scheduler, 'scheduler'), started(worker, 'worker')]);
+
+  const operator = bed.processEnv({ AMQP_URL: amqpUrlAs('operator') });
+  const rows = await runReaperCli(['trigger', 'seat-holds', '--wait', '--timeout', '60', '--json'], operator);
+  assert.equal(rows.code, 0, rows.stdout);
+  assert.equal(await countReservations(bed.pool, holds.expiredHeld), 0, 'every expired hold deleted');
+  const remote = await runReaperCli(['trigger', 'media-assets', '--wait', '--timeout', '60', '--json'], operator);
+  assert.equal(remote.code, 0, remote.stdout);
+  await eventually('every asset marked deleted', async () => {
+    const statuses = await assetStatuses(bed.pool, assets);
+    return [...statuses.values()].every((status) => status === 'deleted') ? statuses : undefined;
+  }, { timeoutMs: 30_000 });
+
+  const status = await runReaperCli(['status', '--json'], operator);
+  assert.equal(status.code, 0, status.stdout);
+  const parsed = JSON.parse(status.stdout) as { policies: Array<{ policy: string; queued: number | null }>; deadLetters: number | null; delayed: number | null; brokerError: string | null };
+  assert.equal(parsed.brokerError, null, 'the operator user reaches the broker');
+  assert.ok(parsed.policies.every((policy) => policy.queued === 0), `work queues counted: ${status.stdout}`);
+  assert.equal(parsed.deadLetters, 0, 'dead-letter queue counted');
+  assert.equal(parsed.delayed, 0, 'delay tiers counted');
+
+  assert.deepEqual(errorsLogged([scheduler, worker]), [], 'nothing was refused');
+  assert.equal((await scheduler.stop()).code, 0);
+  assert.equal((await worker.stop()).code, 0);
+});
+
+test('the worker user cannot declare or delete queues outside its prefix; the autoscaler user only reads depths', async () => {
+  assert.equal(await brokerAnswer('worker', (channel) => channel.assertQueue('other.queue', { durable: false })), 'ACCESS_REFUSED', 'declare another queue');
+  assert.equal(await brokerAnswer('worker', (channel) => channel.assertQueue(`${bed.prefix}x.cleanup.y`, { durable: false })), 'ACCESS_REFUSED', 'a prefix that merely starts the same');
+  assert.equal(await brokerAnswer('worker', (channel) => channel.deleteExchange('amq.direct')), 'ACCESS_REFUSED', 'delete a broker exchange');
+  // A refused publish closes the channel; the next call on it reports why.
+  assert.equal(
+    await brokerAnswer('worker', async (channel) => {
+      channel.publish('amq.topic', 'x', Buffer.from('x'));
+      await channel.checkQueue(`${bed.prefix}.dead-letter`);
+    }),
+    'ACCESS_REFUSED',
+    'publish outside the prefix',
+  );
+  const workQueue = `${bed.prefix}.cleanup.seat-holds`;
+  assert.equal(await brokerAnswer('autoscaler', (channel) => channel.checkQueue(workQueue)), 'ok', 'KEDA reads the depth (passive declare)');
+  assert.equal(await brokerAnswer('autoscaler', (channel) => channel.purgeQueue(workQueue)), 'ACCESS_REFUSED', 'but cannot purge (no read)');
+  assert.equal(await brokerAnswer('autoscaler', (channel) => channel.assertQueue(`${bed.prefix}.cleanup.new`)), 'ACCESS_REFUSED', 'nor declare');
+});

@@ -1,0 +1,535 @@
+/**
+ * The Kubernetes manifests as a cluster would get them: `kubectl kustomize` renders the base and
+ * each overlay (no model of kustomize of our own), every rendered object is validated against the
+ * Kubernetes API schemas (npm `kubernetes-models`, `@kubernetes-models/keda`,
+ * `@kubernetes-models/prometheus-operator`), and then our own rules run on the rendered output:
+ * probes, resources, the restricted pod-security profile, selectors, PDB and ScaledObject targets,
+ * network policies, service accounts, labels, and the environment each container gets compared
+ * with what shared/config/env.ts and the policies file read.
+ */
+import { test, after } from 'node:test';
+import assert from 'node:assert/strict';
+import { execFileSync } from 'node:child_process';
+import { mkdtempSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import path from 'node:path';
+import { brokerNames } from '../../shared/amqp/topology';
+import { loadEnv, type Env } from '../../shared/config/env';
+import { type PolicySet } from '../../shared/config/policies';
+import {
+  DEFINITIONS_DELIVERY_LIMIT,
+  DEFINITIONS_PREFIX,
+  ENV_NAMES,
+  K8S,
+  SECRET_NAMES,
+  TEST_ONLY_NAMES,
+  demoPolicies,
+  dummySecret,
+  imageUid,
+  parsePoliciesWithPlaceholders,
+  policyInputs,
+  remoteBaseUrls,
+  withoutEnvironmentSpecifics,
+  writeSecret,
+  yamlTextDocuments,
+  type Obj,
+} from '../support/deployment-files';
+
+const tmp = mkdtempSync(path.join(tmpdir(), 'reaper-k8s-test-'));
+after(() => rmSync(tmp, { recursive: true, force: true }));
+
+const KUBECTL_HINT =
+  'kubectl (with kustomize built in, v1.27 or later) is needed to render infra/k8s: install it from the Kubernetes package ' +
+  'repository (apt-get install kubectl) or as a binary (https://kubernetes.io/docs/tasks/tools/), then run the tests again';
+
+/** `kubectl kustomize <dir>`: the objects exactly as `kubectl apply -k <dir>` would send them. */
+function kustomize(dir: string): Obj[] {
+  let output: string;
+  try {
+    output = execFileSync('kubectl', ['kustomize', dir], { encoding: 'utf8', stdio: ['ignore', 'pipe', 'pipe'], timeout: 60_000 });
+  } catch (error) {
+    const failure = error as NodeJS.ErrnoException & { stderr?: string };
+    if (failure.code === 'ENOENT') throw new Error(`kubectl is not installed. ${KUBECTL_HINT}`);
+    throw new Error(`kubectl kustomize ${path.relative(process.cwd(), dir)} failed: ${failure.stderr || failure.message}`);
+  }
+  return yamlTextDocuments(output, `kubectl kustomize ${dir}`);
+}
+
+const TARGETS: [string, string][] = [
+  ['base', path.join(K8S, 'base')],
+  ['dev', path.join(K8S, 'overlays', 'dev')],
+  ['prod', path.join(K8S, 'overlays', 'prod')],
+];
+const rendered = new Map(TARGETS.map(([name, dir]) => [name, kustomize(dir)]));
+const OVERLAYS = ['dev', 'prod'];
+
+const SCHEDULER = 'reaper-scheduler';
+const WORKER = 'reaper-worker';
+const MIGRATE = 'reaper-migrate';
+
+function find(manifests: Obj[], kind: string, name: string | RegExp): Obj {
+  const found = manifests.find((m) => m.kind === kind && (typeof name === 'string' ? m.metadata?.name === name : name.test(m.metadata?.name)));
+  assert.ok(found, `${kind}/${name} exists; have ${manifests.map((m) => `${m.kind}/${m.metadata?.name}`).join(', ')}`);
+  return found;
+}
+
+function ofKind(manifests: Obj[], kind: string): Obj[] {
+  return manifests.filter((m) => m.kind === kind);
+}
+
+/** Deployments and Jobs: everything that runs pods. */
+function workloads(manifests: Obj[]): Obj[] {
+  return manifests.filter((m) => m.kind === 'Deployment' || m.kind === 'Job');
+}
+
+function containersOf(workload: Obj): Obj[] {
+  return (workload.spec?.template?.spec?.containers ?? []) as Obj[];
+}
+
+function matches(selector: Obj | undefined, labels: Obj | undefined): boolean {
+  return Object.entries(selector ?? {}).every(([key, value]) => labels?.[key] === value);
+}
+
+function bytes(quantity: string): number {
+  const match = /^(\d+(?:\.\d+)?)(Ki|Mi|Gi|k|M|G)?$/.exec(String(quantity));
+  assert.ok(match, `memory quantity ${quantity}`);
+  const unit = { Ki: 1024, Mi: 1024 ** 2, Gi: 1024 ** 3, k: 1e3, M: 1e6, G: 1e9 }[match[2] ?? ''] ?? 1;
+  return Number(match[1]) * unit;
+}
+
+function millicores(quantity: string | number): number {
+  const text = String(quantity);
+  return text.endsWith('m') ? Number(text.slice(0, -1)) : Number(text) * 1000;
+}
+
+// ------------------------------------------------------------------------------------------------
+// The API schemas
+// ------------------------------------------------------------------------------------------------
+
+/** The npm package that holds the model of an apiVersion, and the module path inside it. */
+function modelModule(apiVersion: string): { pkg: string; module: string } {
+  const [group, version] = apiVersion.includes('/') ? (apiVersion.split('/') as [string, string]) : ['', apiVersion];
+  if (group === '') return { pkg: 'kubernetes-models', module: `kubernetes-models/${version}` };
+  if (group === 'keda.sh' || group.endsWith('.keda.sh')) return { pkg: '@kubernetes-models/keda', module: `@kubernetes-models/keda/${group}/${version}` };
+  if (group === 'monitoring.coreos.com') return { pkg: '@kubernetes-models/prometheus-operator', module: `@kubernetes-models/prometheus-operator/${group}/${version}` };
+  return { pkg: 'kubernetes-models', module: `kubernetes-models/${group}/${version}` };
+}
+
+interface Model {
+  validate(): void;
+}
+type ModelClass = new (data: Obj) => Model;
+
+/** Loads a model class; a missing package fails with the command that installs it. */
+async function modelClass(apiVersion: string, kind: string): Promise<ModelClass> {
+  const { pkg, module } = modelModule(apiVersion);
+  let loaded: Record<string, unknown>;
+  try {
+    // The model packages are ES modules: import(), not require(), from this CommonJS build.
+    loaded = (await import(module)) as Record<string, unknown>;
+  } catch (error) {
+    const code = (error as NodeJS.ErrnoException).code;
+    if (code === 'ERR_MODULE_NOT_FOUND' || code === 'MODULE_NOT_FOUND') {
+      throw new Error(`the npm package ${pkg} is missing (it validates ${apiVersion} objects): npm install --save-dev ${pkg}`);
+    }
+    if (code === 'ERR_PACKAGE_PATH_NOT_EXPORTED') throw new Error(`${pkg} has no models for apiVersion ${apiVersion}`);
+    throw error;
+  }
+  const found = loaded[kind];
+  assert.equal(typeof found, 'function', `${pkg} has a model for ${apiVersion} ${kind}`);
+  return found as ModelClass;
+}
+
+for (const [name, manifests] of rendered) {
+  test(`k8s ${name}: every rendered object validates against its API schema`, async () => {
+    assert.ok(manifests.length >= 10, `${name} renders objects (${manifests.length})`);
+    for (const manifest of manifests) {
+      const where = `${name}: ${manifest.apiVersion} ${manifest.kind}/${manifest.metadata?.name}`;
+      const Model = await modelClass(manifest.apiVersion as string, manifest.kind as string);
+      assert.doesNotThrow(() => new Model(manifest).validate(), where);
+    }
+  });
+}
+
+test('the schema check catches a wrong field type (it is not a no-op)', async () => {
+  const Deployment = await modelClass('apps/v1', 'Deployment');
+  const worker = structuredClone(find(rendered.get('prod')!, 'Deployment', WORKER));
+  worker.spec.template.spec.containers[0].ports[0].containerPort = 'eighty';
+  assert.throws(() => new Deployment(worker).validate());
+  const ScaledObject = await modelClass('keda.sh/v1alpha1', 'ScaledObject');
+  const scaled = structuredClone(find(rendered.get('prod')!, 'ScaledObject', WORKER));
+  delete scaled.spec.triggers;
+  assert.throws(() => new ScaledObject(scaled).validate());
+});
+
+// ------------------------------------------------------------------------------------------------
+// Each container's environment against what the code reads
+// ------------------------------------------------------------------------------------------------
+
+/** Checks a container's environment and returns what loadEnv makes of it, plus its policies. */
+function checkContainerEnv(where: string, podSpec: Obj, container: Obj, manifests: Obj[]): { env: Env; policies: PolicySet | undefined; raw: Map<string, string>; secretKeys: string[] } {
+  const configMap = (configMapName: string) => find(manifests, 'ConfigMap', configMapName).data as Record<string, string>;
+  const raw = new Map<string, string>();
+  const resolved: NodeJS.ProcessEnv = {};
+  for (const from of (container.envFrom ?? []) as Obj[]) {
+    assert.ok(from.configMapRef, `${where}: envFrom only from ConfigMaps (secrets are files)`);
+    for (const [key, value] of Object.entries(configMap(from.configMapRef.name))) {
+      raw.set(key, value);
+      resolved[key] = value;
+    }
+  }
+  for (const entry of (container.env ?? []) as Obj[]) {
+    if (entry.valueFrom) {
+      assert.ok(!entry.valueFrom.secretKeyRef, `${where}: ${entry.name} does not read a secret into the environment (use ${entry.name}_FILE)`);
+      assert.ok(entry.valueFrom.fieldRef, `${where}: ${entry.name} comes from the downward API`);
+      raw.set(entry.name, `fieldRef:${entry.valueFrom.fieldRef.fieldPath}`);
+      resolved[entry.name] = 'reaper-pod-7d9f8b6c4-x2x9z';
+    } else {
+      raw.set(entry.name, String(entry.value));
+      resolved[entry.name] = String(entry.value);
+    }
+  }
+  const mounts = (container.volumeMounts ?? []) as Obj[];
+  const volumes = (podSpec.volumes ?? []) as Obj[];
+  /** The volume and the key a file path inside the container comes from. */
+  const sourceOf = (file: string) => {
+    const mount = mounts.find((m) => file.startsWith(`${m.mountPath}/`));
+    assert.ok(mount, `${where}: ${file} is under a volume mount`);
+    const volume = volumes.find((v) => v.name === mount.name);
+    assert.ok(volume, `${where}: volume ${mount.name} exists`);
+    const inside = file.slice(mount.mountPath.length + 1);
+    const source = volume.secret ?? volume.configMap;
+    const items = (source?.items ?? []) as Obj[];
+    const item = items.find((i) => i.path === inside);
+    // With `items`, only the listed keys become files.
+    assert.ok(items.length === 0 || item, `${where}: ${file} is one of the items of volume ${volume.name}`);
+    return { volume, key: (item?.key as string | undefined) ?? inside };
+  };
+
+  const secretKeys: string[] = [];
+  for (const volume of volumes.filter((v) => v.secret)) {
+    assert.equal(volume.secret.secretName, 'reaper-secrets', `${where}: secrets come from reaper-secrets`);
+    assert.ok(volume.secret.defaultMode === undefined || (volume.secret.defaultMode & 0o007) === 0, `${where}: secret files are not world-readable`);
+    secretKeys.push(...((volume.secret.items ?? []) as Obj[]).map((item) => item.key as string));
+  }
+
+  let policies: PolicySet | undefined;
+  let policyVariables = new Set<string>();
+  const policiesPath = raw.get('REAPER_POLICIES');
+  if (policiesPath !== undefined) {
+    const { volume, key } = sourceOf(policiesPath);
+    assert.ok(volume.configMap, `${where}: REAPER_POLICIES=${policiesPath} is on a ConfigMap volume`);
+    const text = configMap(volume.configMap.name)[key];
+    assert.ok(text, `${where}: ConfigMap ${volume.configMap.name} has the key ${key}`);
+    const inputs = policyInputs(text, `${where} policies`);
+    policyVariables = inputs.variables;
+    for (const name of inputs.variables) assert.ok(raw.has(name), `${where}: the policies read \${${name}}, which the container sets`);
+    for (const file of inputs.files) {
+      const source = sourceOf(file);
+      assert.ok(source.volume.secret, `${where}: the policies read \${file:${file}}, which is a mounted Secret key`);
+    }
+    policies = parsePoliciesWithPlaceholders(text, `${where} policies`, resolved);
+  }
+  for (const name of raw.keys()) {
+    assert.ok(ENV_NAMES.has(name) || policyVariables.has(name), `${where}: ${name} is read by shared/config/env.ts or by the mounted policies file`);
+    assert.ok(!TEST_ONLY_NAMES.has(name), `${where}: test-only ${name} is not deployed`);
+  }
+  for (const name of SECRET_NAMES) {
+    assert.ok(!raw.has(name), `${where}: secret ${name} is not an environment value; use ${name}_FILE`);
+    const file = raw.get(`${name}_FILE`);
+    if (file === undefined) continue;
+    const { volume, key } = sourceOf(file);
+    assert.ok(volume.secret, `${where}: ${name}_FILE=${file} is on a Secret volume`);
+    assert.match(key, /^[-._a-zA-Z0-9]+$/, `${where}: ${name}_FILE names a valid key of Secret ${volume.secret.secretName}`);
+    resolved[`${name}_FILE`] = writeSecret(tmp, dummySecret(name));
+  }
+  return { env: loadEnv(resolved), policies, raw, secretKeys };
+}
+
+// ------------------------------------------------------------------------------------------------
+// Our rules
+// ------------------------------------------------------------------------------------------------
+
+test('k8s base: a scheduler Deployment, a worker Deployment and a migrate Job, each running its command', () => {
+  const manifests = rendered.get('base')!;
+  const scheduler = find(manifests, 'Deployment', SCHEDULER);
+  const worker = find(manifests, 'Deployment', WORKER);
+  const migrate = find(manifests, 'Job', MIGRATE);
+  assert.deepEqual(containersOf(scheduler).map((c) => c.args), [['scheduler']]);
+  assert.deepEqual(containersOf(worker).map((c) => c.args), [['worker']]);
+  assert.equal(containersOf(migrate)[0]!.args[0], 'migrate');
+  assert.ok(['Never', 'OnFailure'].includes(migrate.spec.template.spec.restartPolicy), 'the Job does not restart forever');
+  assert.ok(Number.isInteger(migrate.spec.backoffLimit), 'the Job retries a bounded number of times');
+  for (const workload of [scheduler, worker, migrate]) {
+    for (const container of containersOf(workload)) {
+      assert.equal(container.image, 'reaper', `${workload.metadata.name}: the image is set by the overlays' images:`);
+      assert.equal(container.command, undefined, `${workload.metadata.name}: the image's ENTRYPOINT (bin/reaper) runs`);
+    }
+  }
+  assert.ok(scheduler.spec.replicas >= 2, 'two schedulers: runs are unique per tick in the database');
+});
+
+/** The restricted Pod Security Standard (and our read-only root file system), per pod. */
+function checkRestricted(where: string, podSpec: Obj): void {
+  const pod = podSpec.securityContext ?? {};
+  assert.equal(pod.runAsNonRoot, true, `${where}: runAsNonRoot`);
+  assert.equal(pod.runAsUser, imageUid, `${where}: runAsUser is the image's USER`);
+  assert.ok(['RuntimeDefault', 'Localhost'].includes(pod.seccompProfile?.type), `${where}: seccompProfile RuntimeDefault`);
+  for (const flag of ['hostNetwork', 'hostPID', 'hostIPC']) assert.notEqual(podSpec[flag], true, `${where}: no ${flag}`);
+  const allowedVolumes = ['configMap', 'secret', 'emptyDir', 'projected', 'downwardAPI', 'persistentVolumeClaim', 'ephemeral', 'csi'];
+  for (const volume of (podSpec.volumes ?? []) as Obj[]) {
+    const type = Object.keys(volume).find((key) => key !== 'name')!;
+    assert.ok(allowedVolumes.includes(type), `${where}: volume ${volume.name} is of an allowed type (${type})`);
+  }
+  for (const container of [...((podSpec.initContainers ?? []) as Obj[]), ...((podSpec.containers ?? []) as Obj[])]) {
+    const context = container.securityContext ?? {};
+    const at = `${where} container ${container.name}`;
+    assert.equal(context.allowPrivilegeEscalation, false, `${at}: allowPrivilegeEscalation false`);
+    assert.notEqual(context.privileged, true, `${at}: not privileged`);
+    assert.ok(((context.capabilities?.drop ?? []) as string[]).includes('ALL'), `${at}: drops ALL capabilities`);
+    assert.ok(((context.capabilities?.add ?? []) as string[]).every((cap) => cap === 'NET_BIND_SERVICE'), `${at}: adds no capability`);
+    assert.equal(context.readOnlyRootFilesystem, true, `${at}: read-only root file system`);
+    assert.ok(context.runAsUser === undefined || context.runAsUser !== 0, `${at}: not root`);
+    assert.ok(context.seccompProfile === undefined || ['RuntimeDefault', 'Localhost'].includes(context.seccompProfile.type), `${at}: seccomp`);
+    const { requests, limits } = container.resources ?? {};
+    assert.ok(requests?.cpu && requests?.memory && limits?.memory, `${at}: cpu/memory requests and a memory limit`);
+    assert.ok(bytes(limits.memory) >= bytes(requests.memory), `${at}: memory limit >= request`);
+    assert.ok(millicores(requests.cpu) > 0, `${at}: cpu request`);
+    assert.equal(container.lifecycle?.preStop?.exec, undefined, `${at}: preStop uses the sleep action, not exec (the image need not have a sleep binary)`);
+  }
+}
+
+for (const [name, manifests] of rendered) {
+  test(`k8s ${name}: restricted pods, probes, ports, worker id, grace periods, resources`, () => {
+    for (const workload of workloads(manifests)) checkRestricted(`${name} ${workload.kind}/${workload.metadata.name}`, workload.spec.template.spec);
+    for (const deploymentName of [SCHEDULER, WORKER]) {
+      const deployment = find(manifests, 'Deployment', deploymentName);
+      const podSpec = deployment.spec.template.spec;
+      const where = `${name} ${deploymentName}`;
+      assert.ok(podSpec.terminationGracePeriodSeconds >= 45, `${where}: terminationGracePeriodSeconds ${podSpec.terminationGracePeriodSeconds} leaves time to drain`);
+      const container = containersOf(deployment)[0]!;
+      const { env } = checkContainerEnv(where, podSpec, container, manifests);
+      assert.equal(env.httpPort, 8080, `${where}: HTTP_PORT`);
+      const portByName = new Map(((container.ports ?? []) as Obj[]).map((port) => [port.name, port.containerPort]));
+      const probePort = (probe: Obj) => (typeof probe.httpGet.port === 'string' ? portByName.get(probe.httpGet.port) : probe.httpGet.port);
+      assert.equal(container.livenessProbe?.httpGet?.path, '/livez', `${where}: liveness /livez`);
+      assert.equal(container.readinessProbe?.httpGet?.path, '/readyz', `${where}: readiness /readyz`);
+      assert.equal(container.startupProbe?.httpGet?.path, '/livez', `${where}: startup /livez`);
+      for (const probe of [container.livenessProbe, container.readinessProbe, container.startupProbe]) {
+        assert.equal(probePort(probe), env.httpPort, `${where}: probes hit HTTP_PORT`);
+      }
+      const workerId = ((container.env ?? []) as Obj[]).find((entry) => entry.name === 'REAPER_WORKER_ID');
+      assert.equal(workerId?.valueFrom?.fieldRef?.fieldPath, 'metadata.name', `${where}: REAPER_WORKER_ID is the pod name`);
+      if (deploymentName === WORKER) {
+        const memory = bytes(container.resources.requests.memory);
+        assert.ok(memory >= 128 * 1024 ** 2 && memory <= 256 * 1024 ** 2, `${where}: worker memory request ~150Mi (${container.resources.requests.memory})`);
+      }
+    }
+  });
+
+  test(`k8s ${name}: one credential per workload, secrets as files, policies equal to the demo but for the media API`, () => {
+    const keysOf = new Map<string, string[]>();
+    for (const workload of workloads(manifests)) {
+      const where = `${name} ${workload.metadata.name}`;
+      const { env, policies, raw, secretKeys } = checkContainerEnv(where, workload.spec.template.spec, containersOf(workload)[0]!, manifests);
+      keysOf.set(workload.metadata.labels['app.kubernetes.io/component'], secretKeys);
+      assert.ok(raw.has('DATABASE_URL_FILE'), `${where}: DATABASE_URL_FILE`);
+      if (workload.kind === 'Job') continue;
+      assert.ok(raw.has('AMQP_URL_FILE'), `${where}: AMQP_URL_FILE`);
+      assert.equal(env.policiesPath, '/etc/reaper/policies.yaml', `${where}: REAPER_POLICIES`);
+      assert.ok(policies, `${where}: policies are mounted`);
+      assert.deepEqual(withoutEnvironmentSpecifics(policies), withoutEnvironmentSpecifics(demoPolicies), `${where}: the deployed policies are the demo policies`);
+      for (const url of remoteBaseUrls(policies)) assert.ok(!/127\.0\.0\.1|localhost/.test(url), `${where}: the media API is not loopback (${url})`);
+    }
+    // The migrate Job alone may change the schema: it alone gets the migrator's credentials.
+    assert.deepEqual(keysOf.get('migrate'), ['migrate-database-url'], `${name}: the migrate Job gets only its own key`);
+    assert.deepEqual(new Set(keysOf.get('scheduler')), new Set(['scheduler-database-url', 'scheduler-amqp-url', 'webhook-secret', 'media-api-token']), `${name}: scheduler keys`);
+    assert.deepEqual(new Set(keysOf.get('worker')), new Set(['worker-database-url', 'worker-amqp-url', 'media-api-token']), `${name}: worker keys`);
+    const scheduler = find(manifests, 'Deployment', SCHEDULER);
+    assert.ok(((containersOf(scheduler)[0]!.env ?? []) as Obj[]).some((e) => e.name === 'REAPER_WEBHOOK_SECRET_FILE'), 'the scheduler gets the webhook secret (as a file)');
+    for (const [deploymentName, prefix, limit] of [[SCHEDULER], [WORKER]].map(([d]) => [d!, DEFINITIONS_PREFIX, DEFINITIONS_DELIVERY_LIMIT] as const)) {
+      const deployment = find(manifests, 'Deployment', deploymentName);
+      const { env } = checkContainerEnv(`${name} ${deploymentName}`, deployment.spec.template.spec, containersOf(deployment)[0]!, manifests);
+      assert.equal(env.amqpPrefix, prefix, `${name} ${deploymentName}: REAPER_AMQP_PREFIX is the one infra/rabbitmq/definitions.json was made for`);
+      assert.equal(env.deliveryLimit, limit, `${name} ${deploymentName}: REAPER_DELIVERY_LIMIT (a different x-delivery-limit is refused by the broker)`);
+    }
+  });
+
+  test(`k8s ${name}: selectors, the scheduler Service, PodDisruptionBudgets, service accounts`, () => {
+    const scheduler = find(manifests, 'Deployment', SCHEDULER);
+    const worker = find(manifests, 'Deployment', WORKER);
+    const podLabels = new Map(workloads(manifests).map((w) => [w.metadata.name as string, w.spec.template.metadata.labels as Obj]));
+    for (const deployment of [scheduler, worker]) {
+      assert.ok(matches(deployment.spec.selector.matchLabels, podLabels.get(deployment.metadata.name)), `${deployment.metadata.name} selects its pods`);
+      for (const [other, labels] of podLabels) {
+        if (other !== deployment.metadata.name) assert.ok(!matches(deployment.spec.selector.matchLabels, labels), `${deployment.metadata.name}'s selector does not take ${other}'s pods`);
+      }
+    }
+    const webhook = ofKind(manifests, 'Service').find((service) => matches(service.spec.selector, podLabels.get(SCHEDULER)));
+    assert.ok(webhook, 'a Service selects the scheduler pods');
+    assert.ok(!matches(webhook.spec.selector, podLabels.get(WORKER)), 'the webhook Service does not route to workers');
+    const schedulerPorts = (containersOf(scheduler)[0]!.ports ?? []) as Obj[];
+    for (const port of webhook.spec.ports as Obj[]) {
+      const target = port.targetPort ?? port.port;
+      assert.ok(schedulerPorts.some((p) => p.name === target || p.containerPort === target), `Service targetPort ${target} is a scheduler port`);
+    }
+    const budgets = ofKind(manifests, 'PodDisruptionBudget');
+    for (const budget of budgets) {
+      const covered = [scheduler, worker].filter((d) => matches(budget.spec.selector.matchLabels, podLabels.get(d.metadata.name)));
+      assert.equal(covered.length, 1, `PodDisruptionBudget ${budget.metadata.name} covers exactly one Deployment`);
+    }
+    for (const deployment of [scheduler, worker]) {
+      const matching = budgets.filter((b) => matches(b.spec.selector.matchLabels, podLabels.get(deployment.metadata.name)));
+      assert.equal(matching.length, 1, `one PodDisruptionBudget covers ${deployment.metadata.name}`);
+      if (matching[0]!.spec.minAvailable !== undefined && deployment.spec.replicas !== undefined) {
+        assert.ok(matching[0]!.spec.minAvailable < deployment.spec.replicas, `${deployment.metadata.name}: the budget allows a drain`);
+      }
+    }
+    const accounts = new Map(ofKind(manifests, 'ServiceAccount').map((account) => [account.metadata.name as string, account]));
+    const used = new Set<string>();
+    for (const workload of workloads(manifests)) {
+      const podSpec = workload.spec.template.spec;
+      const account = accounts.get(podSpec.serviceAccountName);
+      assert.ok(account, `${workload.metadata.name}: its ServiceAccount ${podSpec.serviceAccountName} is part of the deployment`);
+      assert.ok(!used.has(podSpec.serviceAccountName), `${workload.metadata.name}: a ServiceAccount of its own`);
+      used.add(podSpec.serviceAccountName);
+      assert.equal(account.automountServiceAccountToken, false, `${account.metadata.name}: no token`);
+      assert.equal(podSpec.automountServiceAccountToken, false, `${workload.metadata.name}: no token mounted`);
+    }
+  });
+
+  test(`k8s ${name}: a restricted Namespace, network policies that deny by default and open only what each workload needs`, () => {
+    const namespaces = ofKind(manifests, 'Namespace');
+    assert.equal(namespaces.length, 1, 'one Namespace');
+    const labels = namespaces[0]!.metadata.labels as Obj;
+    assert.equal(labels['pod-security.kubernetes.io/enforce'], 'restricted', 'pod security enforced at restricted');
+    if (name !== 'base') {
+      for (const manifest of manifests.filter((m) => m.kind !== 'Namespace')) {
+        assert.equal(manifest.metadata.namespace, namespaces[0]!.metadata.name, `${manifest.kind}/${manifest.metadata.name} is in the Namespace the overlay creates`);
+      }
+    }
+    const policies = ofKind(manifests, 'NetworkPolicy');
+    const denyAll = policies.filter((p) => Object.keys(p.spec.podSelector ?? {}).length === 0 && p.spec.ingress === undefined && p.spec.egress === undefined);
+    assert.equal(denyAll.length, 1, 'a default-deny policy selects every pod');
+    assert.deepEqual([...denyAll[0]!.spec.policyTypes].sort(), ['Egress', 'Ingress'], 'it denies both directions');
+
+    const dnsPorts = new Set([53]);
+    const allowedEgress: Record<string, Set<number>> = {
+      scheduler: new Set([5432, 5672]),
+      worker: new Set([5432, 5672, 443, 8081]),
+      migrate: new Set([5432]),
+    };
+    for (const workload of workloads(manifests)) {
+      const component = workload.metadata.labels['app.kubernetes.io/component'] as string;
+      const where = `${name} ${workload.metadata.name}`;
+      const podLabels = workload.spec.template.metadata.labels as Obj;
+      const selecting = policies.filter((p) => p !== denyAll[0] && matches(p.spec.podSelector.matchLabels, podLabels));
+      assert.equal(selecting.length, 1, `${where}: one policy of its own opens its traffic`);
+      const policy = selecting[0]!.spec;
+      assert.deepEqual([...policy.policyTypes].sort(), ['Egress', 'Ingress'], `${where}: the policy covers both directions`);
+      const egressPorts = new Set<number>();
+      for (const rule of (policy.egress ?? []) as Obj[]) {
+        const ports = ((rule.ports ?? []) as Obj[]).map((p) => p.port as number);
+        assert.ok(ports.length > 0, `${where}: every egress rule names its ports (no "any port")`);
+        const isDns = ports.every((port) => dnsPorts.has(port));
+        if (isDns) {
+          assert.ok(((rule.to ?? []) as Obj[]).every((peer) => peer.podSelector?.matchLabels?.['k8s-app'] === 'kube-dns'), `${where}: port 53 only to the cluster DNS`);
+        }
+        for (const port of ports) if (!isDns) egressPorts.add(port);
+      }
+      assert.deepEqual([...egressPorts].sort(), [...allowedEgress[component]!].filter((port) => egressPorts.has(port)).sort(), `${where}: egress only to PostgreSQL, RabbitMQ, DNS${component === 'worker' ? ' and the media API' : ''}`);
+      assert.ok(egressPorts.has(5432), `${where}: reaches PostgreSQL`);
+      if (component !== 'migrate') assert.ok(egressPorts.has(5672), `${where}: reaches RabbitMQ`);
+      const ingress = (policy.ingress ?? []) as Obj[];
+      if (component === 'migrate') {
+        assert.equal(ingress.length, 0, `${where}: nothing connects to the migrate Job`);
+        continue;
+      }
+      for (const rule of ingress) {
+        assert.deepEqual(((rule.ports ?? []) as Obj[]).map((p) => p.port), ['http'], `${where}: ingress only on the HTTP port`);
+        for (const peer of (rule.from ?? []) as Obj[]) {
+          const fromMonitoring = peer.namespaceSelector?.matchLabels?.['kubernetes.io/metadata.name'] === 'monitoring' && peer.podSelector === undefined;
+          const webhookSender = component === 'scheduler' && peer.podSelector?.matchLabels?.['reaper.webhook/sender'] === 'true';
+          assert.ok(fromMonitoring || webhookSender, `${where}: ingress only from the monitoring namespace${component === 'scheduler' ? ' and webhook senders' : ''} (${JSON.stringify(peer)})`);
+        }
+      }
+      assert.ok(ingress.length >= 1, `${where}: Prometheus may scrape it`);
+    }
+  });
+
+  test(`k8s ${name}: standard labels; the migrate Job cleans up after itself`, () => {
+    const version = name === 'base' ? undefined : find(manifests, 'Deployment', WORKER).metadata.labels['app.kubernetes.io/version'];
+    for (const manifest of manifests) {
+      const labels = manifest.metadata.labels ?? {};
+      const where = `${name} ${manifest.kind}/${manifest.metadata.name}`;
+      for (const key of ['app.kubernetes.io/name', 'app.kubernetes.io/part-of', 'app.kubernetes.io/instance', 'app.kubernetes.io/managed-by']) {
+        assert.ok(labels[key], `${where}: label ${key}`);
+      }
+      if (name !== 'base') assert.equal(labels['app.kubernetes.io/version'], version, `${where}: label app.kubernetes.io/version`);
+    }
+    for (const workload of workloads(manifests)) {
+      const labels = workload.spec.template.metadata.labels as Obj;
+      assert.ok(labels['app.kubernetes.io/component'], `${workload.metadata.name}: pods carry their component`);
+      if (name !== 'base') assert.equal(labels['app.kubernetes.io/version'], version, `${workload.metadata.name}: pods carry the version`);
+    }
+    const job = find(manifests, 'Job', /^reaper-migrate/);
+    assert.ok(Number.isInteger(job.spec.ttlSecondsAfterFinished) && job.spec.ttlSecondsAfterFinished > 0, 'the finished Job is removed (ttlSecondsAfterFinished)');
+    if (name !== 'base') {
+      assert.equal(job.metadata.name, `${MIGRATE}-${version}`, `${name}: the migrate Job is named per release, so a new release creates a new Job`);
+    }
+  });
+}
+
+test('k8s overlays: images, replicas; prod pins its tag, matches the version label, and scales workers on queue depth with KEDA', () => {
+  for (const name of OVERLAYS) {
+    const manifests = rendered.get(name)!;
+    for (const workload of workloads(manifests)) {
+      const image = containersOf(workload)[0]!.image as string;
+      assert.notEqual(image, 'reaper', `${name} ${workload.metadata.name}: the overlay sets the image`);
+    }
+  }
+  const prod = rendered.get('prod')!;
+  const worker = find(prod, 'Deployment', WORKER);
+  const image = containersOf(worker)[0]!.image as string;
+  const tag = image.slice(image.lastIndexOf(':') + 1);
+  assert.ok(!['latest', 'dev', ''].includes(tag) && image.includes(':'), `prod pins a release tag (${image})`);
+  assert.equal(worker.metadata.labels['app.kubernetes.io/version'], tag, 'prod: the version label is the image tag');
+  assert.equal(ofKind(prod, 'HorizontalPodAutoscaler').length, 0, 'prod: no CPU HorizontalPodAutoscaler (KEDA creates its own)');
+  assert.equal(worker.spec.replicas, undefined, 'prod removes the worker replicas field (the autoscaler owns it)');
+  assert.ok(find(prod, 'Deployment', SCHEDULER).spec.replicas >= 2, 'prod runs two schedulers');
+
+  const scaled = find(prod, 'ScaledObject', WORKER);
+  const target = scaled.spec.scaleTargetRef;
+  assert.equal(target.kind ?? 'Deployment', 'Deployment');
+  find(prod, 'Deployment', target.name);
+  const { env } = checkContainerEnv('prod worker', worker.spec.template.spec, containersOf(worker)[0]!, prod);
+  const names = brokerNames(env.amqpPrefix);
+  const policyNames = [...demoPolicies.keys()];
+  const triggers = scaled.spec.triggers as Obj[];
+  assert.deepEqual(
+    triggers.map((t) => t.metadata.queueName).sort(),
+    policyNames.map((policy) => names.workQueue(policy)).sort(),
+    'one rabbitmq trigger per work queue of the deployed policies',
+  );
+  for (const trigger of triggers) {
+    assert.equal(trigger.type, 'rabbitmq');
+    assert.equal(trigger.metadata.mode, 'QueueLength', 'scales on ready messages');
+    assert.equal(trigger.metadata.host, undefined, 'no credentials in the manifest');
+    const auth = find(prod, 'TriggerAuthentication', trigger.authenticationRef.name);
+    const host = (auth.spec.secretTargetRef as Obj[]).find((ref) => ref.parameter === 'host');
+    assert.ok(host && host.name === 'reaper-secrets', 'the AMQP URL comes from reaper-secrets');
+  }
+  // The connection budget the comment in worker-autoscaling.yaml derives.
+  assert.ok(scaled.spec.minReplicaCount >= 2 && scaled.spec.maxReplicaCount >= scaled.spec.minReplicaCount, 'bounds');
+  assert.ok(scaled.spec.maxReplicaCount * env.dbPoolSize <= 48, `maxReplicaCount x REAPER_DB_POOL_SIZE (${scaled.spec.maxReplicaCount} x ${env.dbPoolSize}) stays within the 48 connections budgeted for workers`);
+});
+
+test('k8s: a missing kubectl fails with the install hint', () => {
+  const saved = process.env.PATH;
+  process.env.PATH = tmp;
+  try {
+    assert.throws(() => kustomize(path.join(K8S, 'base')), /kubectl is not installed.*apt-get install kubectl/);
+  } finally {
+    process.env.PATH = saved;
+  }
+});
