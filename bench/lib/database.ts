@@ -1,5 +1,6 @@
 import pg from 'pg';
 import { migrate } from '../../shared/db/migrate';
+import { demoTablesCreate } from '../../shared/db/queries/demo-tables';
 
 /**
  * The benchmark's own databases. The seed is generated once per size into SEED_DATABASE, then every
@@ -60,6 +61,7 @@ export class BenchDatabases {
     const client = new pg.Client({ connectionString: this.seedUrl, application_name: 'reaper-bench-seed' });
     await client.connect();
     try {
+      await demoTablesCreate(client);
       // Row i: i % 4 in {0, 1} expired held (the candidates), 2 held until 2999, 3 expired but confirmed.
       // Expiry = base + i ms + (i * 7919 mod 997) us: strictly increasing in i, sub-millisecond digits set.
       await client.query(

@@ -4,6 +4,7 @@ import amqp from 'amqplib';
 import pg from 'pg';
 import { DEMO_POLICIES_PATH, loadEnv } from '../../shared/config/env';
 import { loadPolicies, type RemoteDeletePolicy } from '../../shared/config/policies';
+import { demoTablesCreate } from '../../shared/db/queries/demo-tables';
 import { migrate } from '../../shared/db/migrate';
 import { makeTopology } from '../../shared/amqp/topology';
 import { runsGetSummary, runsInsertIfAbsent, type Run, type RunSummary } from '../../shared/db/queries/runs';
@@ -46,6 +47,7 @@ export async function runDemo(): Promise<number> {
   await admin.end();
   await migrate(demoUrl.toString());
   const pool = new pg.Pool({ connectionString: demoUrl.toString(), max: 2 });
+  await demoTablesCreate(pool);
   await resetBroker(env.amqpUrl, [...policies.keys()]);
 
   say(`2. seeding ${HOLDS.expiredHeld} expired holds, ${HOLDS.futureHeld} held until tomorrow, ${HOLDS.expiredConfirmed} expired but confirmed;`);

@@ -11,6 +11,7 @@ import { targetResolve, type ResolvedTarget } from '../../shared/db/queries/expi
 import { readBacklog } from '../scheduler/backlog-gauges';
 import { deadLettersList, deadLettersPurge, deadLettersRequeue, describeRequeue } from './dead-letters';
 import { migrate } from '../../shared/db/migrate';
+import { demoTablesCreate } from '../../shared/db/queries/demo-tables';
 import type { Pool } from '../../shared/db/pool';
 import { runsGetSummary, runsInsertIfAbsent, runsListSummaries, type RunSummary } from '../../shared/db/queries/runs';
 import { makeLogger } from '../../shared/observability/logger';
@@ -236,13 +237,16 @@ export function makeProgram(): Command {
   program
     .command('migrate')
     .description('apply database migrations (safe to run from several processes at once)')
+    .option('--with-demo-tables', "also create the demo's own tables seat_reservations and media_assets if missing (local stack, demo)")
     .addOption(json())
-    .action(async (options: { json?: boolean }) => {
+    .action(async (options: { json?: boolean; withDemoTables?: boolean }) => {
       const env = loadEnv();
       // Progress on stderr as each file starts (not with --json, whose reader wants one document):
       // a long migration is visibly running, and the last line names the file that failed.
       const announce = options.json ? undefined : (name: string) => process.stderr.write(`applying ${name} ...\n`);
       const result = await migrate(env.databaseUrl, { onApplying: announce });
+      // Production databases never get them: they are the demo policies' targets, not reaper's.
+      if (options.withDemoTables) await withPool(env, (pool) => demoTablesCreate(pool));
       printResult(!!options.json, result, () =>
         result.applied.length ? `applied ${result.applied.join(', ')}; schema version ${result.current}` : `up to date (version ${result.current})`,
       );

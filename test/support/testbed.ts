@@ -8,6 +8,7 @@ import { parse as parseYaml } from 'yaml';
 import { makeTopology } from '../../shared/amqp/topology';
 import { loadEnv, type Env } from '../../shared/config/env';
 import { migrate } from '../../shared/db/migrate';
+import { demoTablesCreate } from '../../shared/db/queries/demo-tables';
 import { findServers } from './servers';
 
 /**
@@ -66,6 +67,14 @@ export async function makeTestBed(label: string, options: TestBedOptions = {}): 
   const databaseUrl = url.toString();
   try {
     await (options.migrate ?? migrate)(databaseUrl);
+    // The demo's own tables (seat_reservations, media_assets): the tests' targets, not reaper's.
+    const setup = new pg.Client({ connectionString: databaseUrl });
+    await setup.connect();
+    try {
+      await demoTablesCreate(setup);
+    } finally {
+      await setup.end();
+    }
   } catch (error) {
     // A failed migration must not leave a half-made database behind for every later run to find.
     await dropDatabase();

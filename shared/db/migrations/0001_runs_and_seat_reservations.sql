@@ -1,4 +1,4 @@
--- reaper migration 1: run bookkeeping, batch receipts, and the demo row-delete table.
+-- reaper migration 1: run bookkeeping and batch receipts.
 
 -- Every timestamp that crosses a process boundary is written with microseconds: a JS Date keeps
 -- only milliseconds, and a DELETE that compares against a truncated expiry would be a false no-op.
@@ -6,19 +6,8 @@ CREATE OR REPLACE FUNCTION reaper_iso(ts timestamptz) RETURNS text
 LANGUAGE sql STABLE PARALLEL SAFE
 AS $$ SELECT to_char(ts AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"') $$;
 
--- The demo policy "seat-holds": holds on seats that lapse unless confirmed.
-CREATE TABLE IF NOT EXISTS seat_reservations (
-  reservation_id uuid PRIMARY KEY,
-  status         text NOT NULL CHECK (status IN ('held', 'confirmed')),
-  expires_at     timestamptz NOT NULL,
-  seat           text,
-  holder         text,
-  created_at     timestamptz NOT NULL DEFAULT now(),
-  updated_at     timestamptz NOT NULL DEFAULT now()
-);
--- The scan reads held rows in (expiry, key) order from a keyset cursor; this index serves it whole.
-CREATE INDEX IF NOT EXISTS seat_reservations_held_by_expiry
-  ON seat_reservations (expires_at, reservation_id) WHERE status = 'held';
+-- (The demo's own table seat_reservations used to be created here. It belongs to the demo, not to
+-- reaper: `reaper migrate --with-demo-tables` and the demo create it; shared/db/queries/demo-tables.ts.)
 
 -- One row per run. (policy, scheduled_for) is unique: however many scheduler replicas see a tick,
 -- one run exists for it. The cutoff is frozen here, from the database clock, when the run is made.

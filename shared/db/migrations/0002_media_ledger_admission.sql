@@ -1,17 +1,6 @@
--- reaper migration 2: remote-delete. The demo table, the operation ledger and global admission.
+-- reaper migration 2: remote-delete. The operation ledger and global admission.
 
--- The demo policy "media-assets": media whose bytes live in a rate-limited remote API.
-CREATE TABLE IF NOT EXISTS media_assets (
-  asset_id             text PRIMARY KEY,
-  status               text NOT NULL,            -- 'active' | 'deleted' (the demo marks confirmed deletions)
-  retention_expires_at timestamptz NOT NULL,
-  url                  text,
-  metadata             jsonb,
-  created_at           timestamptz NOT NULL DEFAULT now(),
-  updated_at           timestamptz NOT NULL DEFAULT now()
-);
-CREATE INDEX IF NOT EXISTS media_assets_active_by_expiry
-  ON media_assets (retention_expires_at, asset_id) WHERE status = 'active';
+-- (The demo's table media_assets used to be created here: see migration 1.)
 
 -- One row per destructive operation; the authority for every remote call.
 -- operation_key = '<policy>:<id>:<observed expiry>': an asset restored and expired again is a new
