@@ -43,7 +43,8 @@ describe('row-delete: replica-lag brake', () => {
     }
   });
 
-  test('deletions stop while the standby replay is paused and resume after it catches up', async () => {
+  // A base backup of the whole test server (every test database on it) takes minutes on a busy machine.
+  test('deletions stop while the standby replay is paused and resume after it catches up', { timeout: 360_000 }, async () => {
     let standby: Standby | undefined;
     let worker: WorkerHandle | undefined;
     let noise: NodeJS.Timeout | undefined;

@@ -115,7 +115,7 @@ export async function startStandby(primaryUrl: string, label: string): Promise<S
   const watcher = new pg.Client({ connectionString: primaryUrl });
   try {
     await watcher.connect();
-    await eventually(`standby ${name} streaming`, async () => (await watcher.query(`SELECT 1 FROM pg_stat_replication WHERE application_name = $1 AND state = 'streaming'`, [name])).rowCount === 1, { timeoutMs: 30_000 });
+    await eventually(`standby ${name} streaming`, async () => (await watcher.query(`SELECT 1 FROM pg_stat_replication WHERE application_name = $1 AND state = 'streaming'`, [name])).rowCount === 1, { timeoutMs: 120_000 });
   } catch (error) {
     await close();
     throw error;
