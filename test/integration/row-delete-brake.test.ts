@@ -26,6 +26,8 @@ describe('row-delete: replica-lag brake', () => {
   let bed: TestBed;
   let broker: TestBroker;
   let names: ReturnType<typeof brokerNames>;
+  /** Also closed in after(): a test that times out never reaches its own finally. */
+  let standby: Standby | undefined;
 
   before(async () => {
     bed = await makeTestBed('row_delete_brake');
@@ -37,6 +39,7 @@ describe('row-delete: replica-lag brake', () => {
 
   after(async () => {
     try {
+      await standby?.close();
       await broker?.close();
     } finally {
       await bed?.close();
@@ -45,7 +48,6 @@ describe('row-delete: replica-lag brake', () => {
 
   // A base backup of the whole test server (every test database on it) takes minutes on a busy machine.
   test('deletions stop while the standby replay is paused and resume after it catches up', { timeout: 360_000 }, async () => {
-    let standby: Standby | undefined;
     let worker: WorkerHandle | undefined;
     let noise: NodeJS.Timeout | undefined;
     const lines: Array<Record<string, unknown>> = [];
@@ -91,6 +93,7 @@ describe('row-delete: replica-lag brake', () => {
       if (noise) clearInterval(noise);
       await worker?.stop();
       await standby?.close();
+      standby = undefined;
     }
   });
 });

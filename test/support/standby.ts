@@ -53,12 +53,19 @@ export async function startStandby(primaryUrl: string, label: string): Promise<S
   const name = `reaper_standby_${label}`.replace(/[^a-z0-9_]/gi, '_').toLowerCase();
   const port = await freePort();
   let started = false;
+  let slotCreated = false;
   const settings = new pg.Client({ connectionString: primaryUrl });
   const close = async () => {
     try {
       if (started) await exec('pg_ctl', ['-D', data, '-m', 'immediate', '-w', '-t', '30', 'stop'], 60_000).catch(() => undefined); // already stopped
     } finally {
       rmSync(dir, { recursive: true, force: true });
+      if (slotCreated) {
+        const admin = new pg.Client({ connectionString: primaryUrl });
+        await admin.connect();
+        await admin.query('SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1', [name]).finally(() => admin.end());
+        slotCreated = false;
+      }
     }
   };
   try {
@@ -70,8 +77,13 @@ export async function startStandby(primaryUrl: string, label: string): Promise<S
         `SELECT name, setting FROM pg_settings WHERE name IN ('max_connections', 'max_worker_processes', 'max_wal_senders', 'max_prepared_transactions', 'max_locks_per_transaction')`,
       )).rows.map((row) => [row.name, row.setting]),
     );
+    // A physical slot keeps the WAL the standby still needs: without it, a busy server recycles the
+    // segments written between the end of the base backup and the standby's start. Slots of earlier
+    // runs that died before close() (inactive, same prefix) are dropped first, so none keeps WAL forever.
+    await settings.query(`SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name LIKE 'reaper_standby_%' AND NOT active`);
     await settings.end();
-    await exec('pg_basebackup', ['-h', primary.hostname, '-p', primary.port || '5432', '-U', decodeURIComponent(primary.username || 'postgres'), '-D', data, '-R', '-X', 'stream', '-c', 'fast']);
+    await exec('pg_basebackup', ['-h', primary.hostname, '-p', primary.port || '5432', '-U', decodeURIComponent(primary.username || 'postgres'), '-D', data, '-R', '-X', 'stream', '-C', '-S', name, '-c', 'fast']);
+    slotCreated = true;
     // Debian keeps postgresql.conf outside the data directory: the standby gets its own.
     const conf = [
       `port = ${port}`,
@@ -90,7 +102,7 @@ export async function startStandby(primaryUrl: string, label: string): Promise<S
     // postgresql.auto.conf, read after postgresql.conf: the last setting there wins.
     appendFileSync(
       path.join(data, 'postgresql.auto.conf'),
-      `primary_conninfo = 'host=${primary.hostname} port=${primary.port || '5432'} user=${decodeURIComponent(primary.username || 'postgres')} application_name=${name}'\n`,
+      `primary_conninfo = 'host=${primary.hostname} port=${primary.port || '5432'} user=${decodeURIComponent(primary.username || 'postgres')} application_name=${name}'\nprimary_slot_name = '${name}'\n`,
     );
     writeFileSync(path.join(data, 'pg_hba.conf'), 'local all all trust\nhost all all 127.0.0.1/32 trust\n');
     writeFileSync(path.join(data, 'pg_ident.conf'), '');
