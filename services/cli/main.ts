@@ -4,7 +4,9 @@ import { ConfigError } from '../../shared/config/errors';
 import amqp from 'amqplib';
 import { requirePolicy, type PolicySet, type RemoteDeletePolicy } from '../../shared/config/policies';
 import { brokerNames, DELAY_TIERS_MS, makeTopology, topologyAsDefinitions } from '../../shared/amqp/topology';
-import { admissionList, admissionSetPaused } from '../../shared/db/queries/admission';
+import { admissionList, admissionSetPaused, replicationLagRead } from '../../shared/db/queries/admission';
+import { admissionViews } from '../../shared/admission/overrides';
+import { describe as describeAdmission } from './admission';
 import { ledgerCountsByPolicy } from '../../shared/db/queries/ledger';
 import { ELIGIBLE_ROWS_CAP } from '../../shared/db/queries/backlog';
 import { targetResolve, type ResolvedTarget } from '../../shared/db/queries/expiring-rows';
@@ -25,6 +27,7 @@ import { registerApprovalCommands } from './approvals';
 import { registerAuditCommand } from './audit';
 import { registerHoldCommands } from './holds';
 import { registerPlanCommand } from './plan';
+import { registerAdmissionCommands } from './admission';
 
 /** Runs a service in the foreground until SIGTERM/SIGINT, then drains and exits 0. */
 async function runService(kind: 'scheduler' | 'worker'): Promise<void> {
@@ -127,6 +130,8 @@ async function collectStatus(env: Env, policies: PolicySet) {
     const backlog = new Map((await readBacklog(pool, [...policies.values()], targets)).map((entry) => [entry.policy, entry]));
     const ledger = new Map((await ledgerCountsByPolicy(pool)).map((row) => [row.policy, row]));
     const admission = new Map((await admissionList(pool)).map((row) => [row.policy, row]));
+    const inForce = new Map((await admissionViews(pool, [...policies.values()])).map((view) => [view.policy, view]));
+    const replication = await replicationLagRead(pool);
     const recent = await runsListSummaries(pool, { limit: 500 });
     const depths = await queueDepths(env, [...policies.keys()]);
     const brokerError = depths.error;
@@ -146,6 +151,13 @@ async function collectStatus(env: Env, policies: PolicySet) {
           lastCompletedAt: waiting?.lastCompleted?.finishedAt ?? null,
           lastCompletedLagSeconds: waiting?.lastCompleted ? roundSeconds(waiting.lastCompleted.lagSeconds) : null,
           paused: admission.get(policy.name)?.paused ?? false,
+          // Live admission (file values, `reaper admission set` override with who and when, in force).
+          admission: inForce.get(policy.name)!,
+          // row-delete replica-lag brake: engaged while a standby's replay lag is over the maximum.
+          brake:
+            policy.kind === 'row-delete' && policy.brake
+              ? { maxReplicationLagSeconds: policy.brake.maxReplicationLagSeconds, lagSeconds: roundSeconds(replication.lagSeconds), standbys: replication.standbys, engaged: replication.lagSeconds > policy.brake.maxReplicationLagSeconds }
+              : null,
           lastRun: last?.createdAt ?? null,
           lastRunState: last?.state ?? null,
           // Why the last run failed or is incomplete (null when it did not).
@@ -369,8 +381,10 @@ export function makeProgram(): Command {
               waiting: row.waitingRows === null ? null : `${row.waitingRows}${row.waitingRowsCapped ? '+' : ''}`,
               lastCompleted: row.lastCompletedAt,
               lag: row.lastCompletedLagSeconds === null ? null : `${row.lastCompletedLagSeconds}s`,
+              admission: `${describeAdmission(row.admission.inForce, row.admission.rateUnit)}${row.admission.override ? ` (override by ${row.admission.override.setBy})` : ''}`,
+              brake: row.brake === null ? null : `${row.brake.engaged ? 'ENGAGED' : 'off'} (lag ${row.brake.lagSeconds}s, max ${row.brake.maxReplicationLagSeconds}s)`,
             })),
-            ['policy', 'kind', 'paused', 'oldestEligible', 'oldestLeased', 'waiting', 'lastCompleted', 'lag', 'lastRun', 'lastRunState', 'lastRunError', 'queued', 'pending', 'inFlight', 'confirmed', 'rejected', 'gaveUp'],
+            ['policy', 'kind', 'paused', 'admission', 'brake', 'oldestEligible', 'oldestLeased', 'waiting', 'lastCompleted', 'lag', 'lastRun', 'lastRunState', 'lastRunError', 'queued', 'pending', 'inFlight', 'confirmed', 'rejected', 'gaveUp'],
           ),
           `delay tiers (retries waiting): ${status.delayed ?? 'unknown'} message(s)`,
           `dead-letter queue: ${status.deadLetters ?? 'unknown'} message(s)`,
@@ -437,6 +451,7 @@ export function makeProgram(): Command {
   registerApprovalCommands(program);
   registerHoldCommands(program);
   registerAuditCommand(program);
+  registerAdmissionCommands(program);
 
   program
     .command('demo')

@@ -16,7 +16,10 @@ import { targetResolve } from '../../shared/db/queries/expiring-rows';
 import { startHealthServer } from '../../shared/observability/http';
 import { makeMetrics, type Metrics } from '../../shared/observability/metrics';
 import { classifyHandlerError } from './errors';
-import { makeRowDeleteHandler } from './handlers/row-delete';
+import { makeRowDeleteGroupHandler, type BatchGroupHandler } from './handlers/row-delete';
+import { makeCoalescer, type Coalescer } from './coalescer';
+import { makeFailpoint, readFailpoint } from './failpoint';
+import type { BatchV1 } from '../../shared/contracts/batch';
 import type { BatchHandler, HandlerContext } from './handlers/types';
 import type { BatchResult } from './results';
 import { requeueIfUnsettled, settle, type SettleDeps } from './settle';
@@ -39,11 +42,17 @@ const RECONSUME_BACKOFF_MS = { first: 200, max: 10_000 };
 /** After a fatal broker error, how long in-flight batches get to settle before the process exits 1. */
 const FATAL_DRAIN_MS = 10_000;
 
-async function makeHandler(policy: Policy, pool: Pool, log: Logger, metrics: Metrics): Promise<BatchHandler> {
+/**
+ * Coalesced row-delete groups one worker runs at once per policy: while they run, deliveries in
+ * hand gather into the next group. Two keep the database busy while a group's acks go out.
+ */
+const ROW_GROUPS_PER_POLICY = 2;
+
+async function makeHandler(policy: Policy, pool: Pool, log: Logger, metrics: Metrics): Promise<BatchHandler | BatchGroupHandler> {
   const target = await targetResolve(pool, policy);
   switch (policy.kind) {
     case 'row-delete':
-      return makeRowDeleteHandler(policy, target);
+      return makeRowDeleteGroupHandler(policy, target);
     case 'remote-delete': {
       const remote = withCircuitBreaker(makeHttpRemoteClient(policy.remote, log.child({ policy: policy.name })));
       // reaper_circuit_open: half-open still refuses all but one trial call, so it counts as open.
@@ -65,11 +74,24 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
   const pool = makePool(env.databaseUrl, env.dbPoolSize, 'reaper-worker', env.sessionTimeouts);
   const names = brokerNames(env.amqpPrefix);
   const handlers = new Map<string, BatchHandler>();
+  /** row-delete: one coalescer per policy in front of its group handler. */
+  const coalescers = new Map<string, Coalescer<BatchV1, BatchResult>>();
+  const failpoint = makeFailpoint(readFailpoint(), (name) => log.warn({ failpoint: name }, 'failpoint reached: killing this process'));
+  let stopping = false;
   try {
     await assertSchemaCurrent(pool);
     for (const policy of policies.values()) {
       try {
-        handlers.set(policy.name, await makeHandler(policy, pool, log, metrics));
+        const made = await makeHandler(policy, pool, log, metrics);
+        if (policy.kind === 'row-delete') {
+          const group = made as BatchGroupHandler;
+          const groupLog = log.child({ policy: policy.name });
+          const context = { pool, workerId: env.workerId, log: groupLog, metrics, deliveryCount: 1, failpoint, stopping: () => stopping };
+          coalescers.set(policy.name, makeCoalescer({ maxGroups: ROW_GROUPS_PER_POLICY, maxItems: env.prefetch, run: (batches) => group(batches, context) }));
+          handlers.set(policy.name, (batch) => coalescers.get(policy.name)!.submit(batch));
+        } else {
+          handlers.set(policy.name, made as BatchHandler);
+        }
       } catch (error) {
         throw new Error(`policy ${policy.name}: ${(error as Error).message}`);
       }
@@ -105,7 +127,6 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
   let channel: Channel | null = null;
   /** Consumer tag per policy on `channel`; a policy missing here is not being consumed right now. */
   const consumers = new Map<string, string>();
-  let stopping = false;
   let databasePaused = false;
   let inFlight = 0;
   let idle: (() => void) | null = null;
@@ -181,13 +202,6 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
   }
   connection.onReady(openConsumer);
 
-  function failpoint(name: NonNullable<Env['failpoint']>): void {
-    if (env.failpoint === name) {
-      log.warn({ failpoint: name }, 'failpoint reached: killing this process');
-      process.kill(process.pid, 'SIGKILL');
-    }
-  }
-
   /**
    * The consumer callback. onMessage must never reject: the promise is not awaited by amqplib, and
    * an unhandled rejection ends Node with every batch of the channel in flight. settle never
@@ -231,7 +245,7 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
     } else if (!handlers.has(policy)) {
       result = { kind: 'dead-letter', reason: 'unknown-policy', detail: `policy "${policy}" is not configured on this worker` };
     } else {
-      const context: HandlerContext = { pool, workerId: env.workerId, log: batchLog, metrics, deliveryCount, failpoint, failpointArmed: (name) => env.failpoint === name };
+      const context: HandlerContext = { pool, workerId: env.workerId, log: batchLog, metrics, deliveryCount, failpoint };
       try {
         result = await handlers.get(policy)!(decoded.batch, context);
       } catch (error) {

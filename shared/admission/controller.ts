@@ -4,6 +4,7 @@ import { withTransaction, type Pool } from '../db/pool';
 import { admissionBlockFor, admissionGrantAndClaim, admissionLock, admissionTakeOne } from '../db/queries/admission';
 import type { ResolvedTarget } from '../db/queries/expiring-rows';
 import type { ClaimedOperation } from '../db/queries/ledger';
+import { overrideFor, remoteAdmissionWith } from './overrides';
 
 /**
  * Global admission: no token, no call. One short transaction locks the policy's admission row,
@@ -80,8 +81,10 @@ export async function admitAndClaim(
   target: ResolvedTarget,
   request: { keys: readonly string[]; owner: string; cutoff: string; batchId: string },
 ): Promise<AdmissionGrant> {
-  const { concurrency } = policy.admission;
-  const bucket = bucketShape(policy.admission.ratePerSecond, policy.admission.burst);
+  // The file's values, or what `reaper admission set` put over them (read at most OVERRIDE_REFRESH_MS ago).
+  const admission = remoteAdmissionWith(policy, await overrideFor(pool, policy.name));
+  const { concurrency } = admission;
+  const bucket = bucketShape(admission.ratePerSecond, admission.burst);
   return withTransaction(pool, async (client) => {
     const asked = performance.now();
     await admissionLock(client, policy.name, bucket.capacity);
@@ -130,7 +133,8 @@ export async function admitAndClaim(
 export async function grantStillGood(pool: Pool, policy: RemoteDeletePolicy, grant: AdmissionGrant): Promise<'in-time' | 'late-same-bucket' | 'regranted' | 'no-token'> {
   const lateMs = performance.now() - grant.readAt;
   if (lateMs <= GRANT_LIFETIME_MS) return 'in-time';
-  const bucket = bucketShape(policy.admission.ratePerSecond, policy.admission.burst);
+  const admission = remoteAdmissionWith(policy, await overrideFor(pool, policy.name));
+  const bucket = bucketShape(admission.ratePerSecond, admission.burst);
   const highest = grant.tokensAfter + grant.claimed.length + (bucket.ratePerSecond * (lateMs + NETWORK_MARGIN_MS)) / 1000;
   if (highest <= bucket.capacity) return 'late-same-bucket';
   const taken = await admissionTakeOne(pool, { policy: policy.name, ratePerSecond: bucket.ratePerSecond, burst: bucket.capacity });

@@ -33,8 +33,6 @@ const envSchema = z.object({
   REAPER_LOCK_TIMEOUT_MS: z.coerce.number().int().min(0).max(86_400_000).default(5_000),
   /** How often the scheduler reads the backlog gauges from PostgreSQL (one bounded query per policy per pass). */
   REAPER_BACKLOG_REFRESH_MS: z.coerce.number().int().min(100).max(300_000).default(10_000),
-  /** Test-only crash points: "before-commit" or "after-commit" (the worker SIGKILLs itself there). */
-  REAPER_FAILPOINT: z.enum(['before-commit', 'after-commit', 'after-remote-call']).optional(),
 });
 
 export type Env = {
@@ -49,7 +47,6 @@ export type Env = {
   dbPoolSize: number;
   deliveryLimit: number;
   webhookSecret: string | undefined;
-  failpoint: z.infer<typeof envSchema>['REAPER_FAILPOINT'];
   sessionTimeouts: SessionTimeouts;
   backlogRefreshMs: number;
 };
@@ -105,7 +102,6 @@ export function loadEnv(source: NodeJS.ProcessEnv = process.env): Env {
     dbPoolSize: env.REAPER_DB_POOL_SIZE,
     deliveryLimit: env.REAPER_DELIVERY_LIMIT,
     webhookSecret: env.REAPER_WEBHOOK_SECRET,
-    failpoint: env.REAPER_FAILPOINT,
     sessionTimeouts: { statementTimeoutMs: env.REAPER_STATEMENT_TIMEOUT_MS, lockTimeoutMs: env.REAPER_LOCK_TIMEOUT_MS },
     backlogRefreshMs: env.REAPER_BACKLOG_REFRESH_MS,
   };

@@ -53,7 +53,25 @@ const common = {
     .optional(),
 };
 
-const rowDeletePolicy = z.strictObject({ ...common, kind: z.literal('row-delete') });
+const rowDeletePolicy = z.strictObject({
+  ...common,
+  kind: z.literal('row-delete'),
+  /**
+   * The global throttle: rows deleted per second across every worker together, and row-delete
+   * statements running at once, held by the PostgreSQL admission controller (a batch takes tokens
+   * for its item count), so adding workers never adds load. `burst`: rows the bucket holds
+   * (default: one batch). Absent: unthrottled. Live changes: `reaper admission set`.
+   */
+  admission: z
+    .strictObject({
+      rowsPerSecond: z.number().positive().max(10_000_000),
+      concurrency: z.number().int().min(1).max(1000),
+      burst: z.number().int().min(1).max(10_000_000).optional(),
+    })
+    .optional(),
+  /** Replica-lag brake: no row-delete admission while any standby's replay lag is over this. */
+  brake: z.strictObject({ maxReplicationLagSeconds: z.number().positive().max(86_400) }).optional(),
+});
 
 const remotePolicy = z.strictObject({
   ...common,

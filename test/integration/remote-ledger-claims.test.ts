@@ -67,7 +67,6 @@ describe('remote-delete: the claim re-checks, fences and counts', () => {
       metrics: makeMetrics(),
       deliveryCount: 1,
       failpoint: () => undefined,
-      failpointArmed: () => false,
     };
   }
 

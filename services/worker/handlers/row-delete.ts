@@ -1,38 +1,143 @@
+import { overrideFor, rowAdmissionWith } from '../../../shared/admission/overrides';
+import { admitRows, takeRowSlot } from '../../../shared/admission/rows';
 import { policyVersion, type RowDeletePolicy } from '../../../shared/config/policies';
-import { withTransaction, type Db } from '../../../shared/db/pool';
-import { expiringRowsDeleteIfStillExpired, type ResolvedTarget } from '../../../shared/db/queries/expiring-rows';
-import type { BatchHandler } from './types';
+import type { BatchV1 } from '../../../shared/contracts/batch';
+import { withTransaction } from '../../../shared/db/pool';
+import { expiringRowsDeleteGroupIfStillExpired, type GroupBatchOutcome, type ResolvedTarget } from '../../../shared/db/queries/expiring-rows';
+import { classifyHandlerError } from '../errors';
+import type { BatchResult } from '../results';
+import type { BatchHandler, HandlerContext } from './types';
+
+/** Longest a group waits in the worker for the throttle, the brake or a slot before going to a delay tier. */
+export const ROW_ADMISSION_HOLD_MS = 5_000;
+
+/** Handles several batches of one policy together; one result per batch, in the order given. */
+export type BatchGroupHandler = (batches: readonly BatchV1[], context: HandlerContext & { stopping?: () => boolean }) => Promise<BatchResult[]>;
 
 /**
- * row-delete: one statement (its own transaction): a conditional DELETE over every item of the
- * batch plus the batch receipt. The database decides what is still expired; a renewed or confirmed row is a no-op.
+ * row-delete, coalesced: the batches a worker has in hand for one policy (within its prefetch) go
+ * to the database as ONE statement (expiringRowsDeleteGroupIfStillExpired: the conditional DELETE
+ * over all their items, one receipt per batch, the audit rows) in one transaction; each message is
+ * acked after that commit (the consumer settles each batch with its own result). The database
+ * decides what is still expired; a renewed or confirmed row is a no-op.
+ *
+ *  - A batch id seen twice in one group is a duplicate delivery: the statement runs for the first,
+ *    the second is a counted duplicate no-op.
+ *  - If the combined statement fails, the batches run again one by one (each its own statement
+ *    and transaction), so one bad batch (say, a key that is not a uuid) never poisons the others.
+ *  - Throttle: the group takes tokens for its item count from the policy's global bucket and a
+ *    statement slot inside its transaction (shared/admission/rows.ts); a group that cannot be
+ *    admitted within ROW_ADMISSION_HOLD_MS goes to a delay tier (acked after that publish).
+ *
+ * Every group runs in an explicit transaction, the same code whether a failpoint is armed or not:
+ * BEGIN, the slot, the statement, COMMIT. With coalescing, its two extra round trips are paid once
+ * per group, not per batch.
  */
-export function makeRowDeleteHandler(policy: RowDeletePolicy, target: ResolvedTarget): BatchHandler {
+export function makeRowDeleteGroupHandler(policy: RowDeletePolicy, target: ResolvedTarget): BatchGroupHandler {
   const audit = policy.audit?.enabled ? { policyVersion: policyVersion(policy) } : null;
-  return async (batch, context) => {
-    const deleteAndRecord = (db: Db) =>
-      expiringRowsDeleteIfStillExpired(db, target, {
-        batchId: batch.batchId,
-        runId: batch.runId,
-        policy: batch.policy,
-        cutoff: batch.cutoff,
-        items: batch.items,
-        workerId: context.workerId,
-        audit,
-      });
-    // The DELETE and the receipt are ONE statement, atomic on its own: run as is, it saves the
-    // BEGIN and COMMIT round trips (measured: about 13% more batches per second). Only a crash
-    // test that must die between the statement and COMMIT gets the explicit transaction.
-    const outcome = context.failpointArmed('before-commit')
-      ? await withTransaction(context.pool, deleteAndRecord, { beforeCommit: () => context.failpoint('before-commit') })
-      : await deleteAndRecord(context.pool);
+
+  async function runInTransaction(batches: readonly BatchV1[], context: HandlerContext, concurrency: number | null): Promise<GroupBatchOutcome[] | 'no-slot'> {
+    const outcome = await withTransaction(
+      context.pool,
+      async (client) => {
+        if (!(await takeRowSlot(client, policy.name, concurrency, ROW_ADMISSION_HOLD_MS))) return 'no-slot' as const;
+        return expiringRowsDeleteGroupIfStillExpired(client, target, {
+          policy: policy.name,
+          batches: batches.map((batch) => ({ batchId: batch.batchId, runId: batch.runId, cutoff: batch.cutoff, items: batch.items })),
+          workerId: context.workerId,
+          audit,
+        });
+      },
+      // Between the statement and COMMIT: a crash here loses the transaction, never half of it.
+      { beforeCommit: () => context.failpoint('before-commit') },
+    );
+    if (outcome === 'no-slot') return outcome;
     context.failpoint('after-commit');
-    for (const lag of outcome.lagSeconds) context.metrics.deletionLagSeconds.observe({ policy: batch.policy }, lag);
-    return {
-      kind: 'done',
-      deleted: outcome.deleted,
-      noop: batch.items.length - outcome.deleted,
-      duplicate: !outcome.receiptWritten,
-    };
+    for (const lag of outcome.lagSeconds) context.metrics.deletionLagSeconds.observe({ policy: policy.name }, lag);
+    return outcome.batches;
+  }
+
+  const resultOf = (batch: BatchV1, outcome: GroupBatchOutcome): BatchResult => ({
+    kind: 'done',
+    deleted: outcome.deleted,
+    noop: batch.items.length - outcome.deleted,
+    duplicate: !outcome.receiptWritten,
+  });
+
+  return async (batches, context) => {
+    const results: Array<BatchResult | undefined> = new Array(batches.length);
+    // Distinct batch ids, first occurrence runs; a repeat in the same group is a duplicate no-op.
+    const firstIndex = new Map<string, number>();
+    batches.forEach((batch, index) => {
+      if (firstIndex.has(batch.batchId)) results[index] = { kind: 'done', deleted: 0, noop: batch.items.length, duplicate: true };
+      else firstIndex.set(batch.batchId, index);
+    });
+    // Throttled: a group takes at most one bucket (the burst) or one batch, so any second sees at
+    // most the rate plus one batch; unthrottled, the whole group goes as one statement.
+    const inForce = rowAdmissionWith(policy, await overrideFor(context.pool, policy.name));
+    const maxRows = inForce.rowsPerSecond === null ? Number.POSITIVE_INFINITY : inForce.burst;
+    const chunks: BatchV1[][] = [];
+    let rowsInChunk = 0;
+    for (const index of firstIndex.values()) {
+      const batch = batches[index]!;
+      const last = chunks[chunks.length - 1];
+      if (last && rowsInChunk + batch.items.length <= maxRows) {
+        last.push(batch);
+        rowsInChunk += batch.items.length;
+      } else {
+        chunks.push([batch]);
+        rowsInChunk = batch.items.length;
+      }
+    }
+    for (const chunk of chunks) await runChunk(chunk, firstIndex, results, context);
+    return results.map((result) => result!);
   };
+
+  async function runChunk(unique: BatchV1[], firstIndex: ReadonlyMap<string, number>, results: Array<BatchResult | undefined>, context: HandlerContext & { stopping?: () => boolean }): Promise<void> {
+    const rows = unique.reduce((sum, batch) => sum + batch.items.length, 0);
+
+    const admitted = await admitRows(context.pool, policy, rows, { holdMs: ROW_ADMISSION_HOLD_MS, registry: context.metrics.registry, ...(context.stopping ? { stopping: context.stopping } : {}) });
+    const later = (reason: string, delayMs: number): BatchResult => ({ kind: 'retry', delayMs, reason });
+    if (!admitted.admitted) {
+      context.log.info({ reason: admitted.reason, batches: unique.length, rows, waitedMs: Math.round(admitted.waitedMs) }, 'row-delete not admitted in time; batches go to a delay tier');
+      for (const batch of unique) results[firstIndex.get(batch.batchId)!] = later(admitted.reason, admitted.retryInMs);
+      return;
+    }
+    const concurrency = admitted.admission.concurrency;
+
+    let combined: GroupBatchOutcome[] | 'no-slot' | Error;
+    try {
+      combined = await runInTransaction(unique, context, concurrency);
+    } catch (error) {
+      combined = error instanceof Error ? error : new Error(String(error));
+    }
+    if (combined === 'no-slot') {
+      for (const batch of unique) results[firstIndex.get(batch.batchId)!] = later('concurrency', 1_000);
+    } else if (!(combined instanceof Error)) {
+      unique.forEach((batch, i) => (results[firstIndex.get(batch.batchId)!] = resultOf(batch, combined[i]!)));
+    } else if (unique.length === 1 || isUnavailable(classifyHandlerError(combined))) {
+      // One batch, or the database itself is unreachable (one by one would fail the same way).
+      for (const batch of unique) results[firstIndex.get(batch.batchId)!] = classifyHandlerError(combined);
+    } else {
+      // One bad batch must not poison the others: each alone, in turn, with its own outcome.
+      context.log.warn({ err: combined.message, batches: unique.length }, 'coalesced delete failed; retrying its batches one by one');
+      for (const batch of unique) {
+        const index = firstIndex.get(batch.batchId)!;
+        try {
+          const alone = await runInTransaction([batch], context, concurrency);
+          results[index] = alone === 'no-slot' ? later('concurrency', 1_000) : resultOf(batch, alone[0]!);
+        } catch (error) {
+          results[index] = classifyHandlerError(error);
+        }
+      }
+    }
+  }
+}
+
+const isUnavailable = (result: BatchResult): boolean => result.kind === 'unknown' && result.databaseUnavailable;
+
+/** One batch at a time (a group of one): for callers that hold a single delivery. */
+export function makeRowDeleteHandler(policy: RowDeletePolicy, target: ResolvedTarget): BatchHandler {
+  const group = makeRowDeleteGroupHandler(policy, target);
+  return async (batch, context) => (await group([batch], context))[0]!;
 }

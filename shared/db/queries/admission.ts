@@ -207,3 +207,127 @@ export async function admissionList(db: Db): Promise<Array<{ policy: string; pau
   );
   return result.rows.map((row) => ({ policy: row.policy, paused: row.paused, tokens: row.tokens, blockedForMs: row.blocked_for_ms }));
 }
+
+/*
+ * Live admission control (`reaper admission set|show|reset`) and the row-delete throttle.
+ * Added beside the remote-delete statements above, which they do not change: an override only
+ * changes the numbers the controller passes to them.
+ */
+
+export interface AdmissionOverride {
+  policy: string;
+  /** remote-delete: calls per second; row-delete: rows per second. Null: the file's value. */
+  rate: number | null;
+  burst: number | null;
+  concurrency: number | null;
+  setBy: string;
+  setAt: string;
+}
+
+/** Overrides in force, all of them or those of `policies`. */
+export async function admissionOverridesRead(db: Db, policies?: readonly string[]): Promise<AdmissionOverride[]> {
+  const result = await db.query<{ policy: string; rate: number | null; burst: number | null; concurrency: number | null; set_by: string; set_at: string }>(
+    `SELECT policy, rate, burst, concurrency, set_by, reaper_iso(set_at) AS set_at
+     FROM cleanup_admission_overrides WHERE $1::text[] IS NULL OR policy = ANY($1::text[]) ORDER BY policy`,
+    [policies ?? null],
+  );
+  return result.rows.map((row) => ({ policy: row.policy, rate: row.rate, burst: row.burst, concurrency: row.concurrency, setBy: row.set_by, setAt: row.set_at }));
+}
+
+/**
+ * Sets the given values (a value left out keeps what an earlier `set` gave, or the file's), with
+ * who and when. Returns the override now stored.
+ */
+export async function admissionOverrideSet(
+  db: Db,
+  change: { policy: string; rate?: number | undefined; burst?: number | undefined; concurrency?: number | undefined; setBy: string },
+): Promise<AdmissionOverride> {
+  const result = await db.query<{ policy: string; rate: number | null; burst: number | null; concurrency: number | null; set_by: string; set_at: string }>(
+    `INSERT INTO cleanup_admission_overrides AS o (policy, rate, burst, concurrency, set_by, set_at)
+     VALUES ($1, $2, $3, $4, $5, clock_timestamp())
+     ON CONFLICT (policy) DO UPDATE SET rate = coalesce($2, o.rate), burst = coalesce($3, o.burst),
+       concurrency = coalesce($4, o.concurrency), set_by = $5, set_at = clock_timestamp()
+     RETURNING policy, rate, burst, concurrency, set_by, reaper_iso(set_at) AS set_at`,
+    [change.policy, change.rate ?? null, change.burst ?? null, change.concurrency ?? null, change.setBy],
+  );
+  const row = result.rows[0]!;
+  return { policy: row.policy, rate: row.rate, burst: row.burst, concurrency: row.concurrency, setBy: row.set_by, setAt: row.set_at };
+}
+
+/** Back to the file's values. True when an override was removed. */
+export async function admissionOverrideReset(db: Db, policy: string): Promise<boolean> {
+  const result = await db.query('DELETE FROM cleanup_admission_overrides WHERE policy = $1', [policy]);
+  return (result.rowCount ?? 0) > 0;
+}
+
+/** Creates a row-delete policy's bucket row (full) if it is missing: once per process and policy. */
+export async function admissionRowsEnsure(db: Db, policy: string, capacity: number): Promise<void> {
+  await db.query(`INSERT INTO cleanup_admission (policy, tokens, refilled_at) VALUES ($1, $2, clock_timestamp()) ON CONFLICT (policy) DO NOTHING`, [policy, capacity]);
+}
+
+export interface RowsTakeOutcome {
+  admitted: boolean;
+  /** Tokens (rows) in the bucket after this request (negative: the debt a large group left). */
+  tokens: number;
+  paused: boolean;
+  /** Largest replay lag of any standby now (pg_stat_replication), seconds; 0 without standbys. */
+  replicationLagSeconds: number;
+  /** The replica-lag brake is on: the lag is over the policy's maximum. */
+  braked: boolean;
+}
+
+/**
+ * The row-delete throttle's token take, one statement: refill the policy's bucket (rows per
+ * second, capacity in rows) from the database clock, read the standbys' replay lag, and take
+ * `rows` tokens when the bucket holds min(rows, capacity) of them, the policy is not paused and
+ * the lag is not over `maxLagSeconds` (null: no brake). A group larger than the capacity leaves
+ * the bucket in debt, so the rate over time stays the configured one. The row is locked for this
+ * statement only (autocommit): the DELETE that follows never holds it.
+ */
+export async function admissionRowsTake(
+  db: Db,
+  take: { policy: string; rowsPerSecond: number; capacity: number; rows: number; maxLagSeconds: number | null },
+): Promise<RowsTakeOutcome> {
+  const result = await db.query<{ admitted: boolean; tokens: number; paused: boolean; lag: number; braked: boolean }>(
+    `WITH lag AS (
+       SELECT coalesce(max(extract(epoch FROM replay_lag)), 0)::float8 AS seconds FROM pg_stat_replication
+     ), b AS (
+       SELECT least($2::float8, tokens + greatest(0, extract(epoch FROM clock_timestamp() - refilled_at)) * $3::float8) AS tokens,
+              greatest(clock_timestamp(), refilled_at) AS at, paused,
+              $5::float8 IS NOT NULL AND (SELECT seconds FROM lag) > $5::float8 AS braked
+       FROM cleanup_admission WHERE policy = $1 FOR UPDATE
+     ), decided AS (
+       SELECT b.*, NOT b.paused AND NOT b.braked AND b.tokens >= least($4::float8, $2::float8) AS admitted FROM b
+     )
+     UPDATE cleanup_admission a SET tokens = d.tokens - CASE WHEN d.admitted THEN $4::float8 ELSE 0 END, refilled_at = d.at, updated_at = clock_timestamp()
+     FROM decided d
+     WHERE a.policy = $1
+     RETURNING d.admitted, a.tokens, d.paused, (SELECT seconds FROM lag) AS lag, d.braked`,
+    [take.policy, take.capacity, take.rowsPerSecond, take.rows, take.maxLagSeconds],
+  );
+  const row = result.rows[0];
+  if (!row) return { admitted: false, tokens: 0, paused: false, replicationLagSeconds: 0, braked: false };
+  return { admitted: row.admitted, tokens: row.tokens, paused: row.paused, replicationLagSeconds: row.lag, braked: row.braked };
+}
+
+/**
+ * One of `concurrency` slots for a row-delete statement, taken inside the deleting transaction
+ * (pg_try_advisory_xact_lock on (policy hash, slot)): released by COMMIT or ROLLBACK, and by the
+ * server when a worker dies, so a crashed worker never keeps a slot. Returns the slot or null.
+ */
+export async function admissionRowsSlotTry(db: Db, policy: string, concurrency: number): Promise<number | null> {
+  // LIMIT 1 stops at the first slot locked: the filter is evaluated row by row in series order.
+  const result = await db.query<{ slot: number }>(
+    `SELECT s AS slot FROM generate_series(0, $2::int - 1) s WHERE pg_try_advisory_xact_lock(hashtext('reaper-rows:' || $1), s) LIMIT 1`,
+    [policy, concurrency],
+  );
+  return result.rows[0]?.slot ?? null;
+}
+
+/** The largest replay lag of any standby now, seconds (0 without standbys), for `status`. */
+export async function replicationLagRead(db: Db): Promise<{ standbys: number; lagSeconds: number }> {
+  const result = await db.query<{ standbys: number; lag: number }>(
+    `SELECT count(*)::int AS standbys, coalesce(max(extract(epoch FROM replay_lag)), 0)::float8 AS lag FROM pg_stat_replication`,
+  );
+  return { standbys: result.rows[0]!.standbys, lagSeconds: result.rows[0]!.lag };
+}

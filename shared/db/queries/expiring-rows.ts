@@ -247,6 +247,109 @@ export async function expiringRowsDeleteIfStillExpired(
   return { receiptWritten: row.receipt_written, deleted: row.deleted, lagSeconds: row.lag_seconds };
 }
 
+/** One batch of a coalesced group (expiringRowsDeleteGroupIfStillExpired). */
+export interface GroupBatch {
+  batchId: string;
+  runId: string;
+  cutoff: string;
+  items: readonly ExpiringItem[];
+}
+
+/** Per batch of a group, in the order given: what its receipt says and whether this statement wrote it. */
+export interface GroupBatchOutcome {
+  batchId: string;
+  receiptWritten: boolean;
+  deleted: number;
+}
+
+/**
+ * The coalesced row-delete step, ONE statement for several batches of one policy (a worker's
+ * deliveries in hand): the same conditional DELETE as expiringRowsDeleteIfStillExpired over all
+ * their items (each item checked against ITS batch's cutoff: key, exact observed expiry, expiry <=
+ * least(cutoff, now), guard, no active hold, no receipt for its batch yet), one receipt per batch
+ * counting the rows deleted for it, and the audit rows (with each row's own run and batch id).
+ * Batch ids must be distinct (the caller counts a repeated one as a duplicate no-op). A row named
+ * by two batches of the group is deleted once and counted once, for one of them, as two statements
+ * in a row would. The statement commits or fails as a whole.
+ */
+export async function expiringRowsDeleteGroupIfStillExpired(
+  db: Db,
+  target: ResolvedTarget,
+  group: {
+    policy: string;
+    batches: readonly GroupBatch[];
+    workerId: string;
+    audit?: { policyVersion: string } | null;
+  },
+): Promise<{ batches: GroupBatchOutcome[]; lagSeconds: number[] }> {
+  const { table, key, expiresAt, keyType } = target;
+  const audited = group.audit
+    ? `, audited AS (
+       INSERT INTO cleanup_audit (policy, key, observed_expiry, run_id, batch_id, policy_version)
+       SELECT $9, r.key, r.expiry, r.run_id, r.batch_id, $11 FROM removed r
+     )`
+    : '';
+  const ids: string[] = [];
+  const expiries: string[] = [];
+  const ordinals: number[] = [];
+  group.batches.forEach((batch, index) => {
+    for (const item of batch.items) {
+      ids.push(item.id);
+      expiries.push(item.observedExpiry);
+      ordinals.push(index + 1);
+    }
+  });
+  const result = await db.query<{ batch_id: string; receipt_written: boolean; deleted: number; lag_seconds: number[] | null }>(
+    `WITH b AS (
+       SELECT * FROM unnest($1::text[], $2::uuid[], $3::timestamptz[], $4::int[]) WITH ORDINALITY AS b(batch_id, run_id, cutoff, items, ord)
+     ), fresh AS (
+       -- A batch whose receipt exists was committed before: it deletes nothing now (see the one-batch statement).
+       SELECT b.* FROM b WHERE NOT EXISTS (SELECT 1 FROM cleanup_batches done WHERE done.batch_id = b.batch_id)
+     ), removed AS (
+       DELETE FROM ${table} t
+       USING unnest($5::${keyType}[], $6::timestamptz[], $7::int[]) AS item(id, observed_expiry, ord)
+         JOIN fresh f ON f.ord = item.ord
+       WHERE t.${key} = item.id AND t.${expiresAt} = item.observed_expiry
+         -- Each batch's own cutoff, never later than now: a future cutoff makes nothing eligible.
+         AND t.${expiresAt} <= least(f.cutoff, statement_timestamp())${guardSql(target, 12)}
+         AND ${noActiveHold('$9', `t.${key}`)}
+       RETURNING f.ord, f.batch_id, f.run_id, t.${key}::text AS key, t.${expiresAt} AS expiry
+     ), counted AS (
+       SELECT b.ord, b.batch_id, b.run_id, b.items, coalesce(n.deleted, 0)::int AS deleted, n.lag_seconds
+       FROM b LEFT JOIN (
+         SELECT ord, count(*) AS deleted, array_agg(extract(epoch FROM clock_timestamp() - expiry)::float8) AS lag_seconds FROM removed GROUP BY ord
+       ) n ON n.ord = b.ord
+     ), receipt AS (
+       INSERT INTO cleanup_batches (batch_id, run_id, policy, items, deleted, noop, worker_id)
+       SELECT c.batch_id, c.run_id, $9, c.items, c.deleted, c.items - c.deleted, $8 FROM counted c ORDER BY c.ord
+       ON CONFLICT (batch_id) DO NOTHING
+       RETURNING batch_id
+     )${audited}
+     SELECT c.batch_id, EXISTS (SELECT 1 FROM receipt r WHERE r.batch_id = c.batch_id) AS receipt_written, c.deleted, c.lag_seconds,
+       -- $10 and $11 are named here so their types are known whichever CTEs are left out
+       $10::int AS batches, $11::text AS policy_version
+     FROM counted c ORDER BY c.ord`,
+    [
+      group.batches.map((batch) => batch.batchId),
+      group.batches.map((batch) => batch.runId),
+      group.batches.map((batch) => batch.cutoff),
+      group.batches.map((batch) => batch.items.length),
+      ids,
+      expiries,
+      ordinals,
+      group.workerId,
+      group.policy,
+      group.batches.length,
+      group.audit?.policyVersion ?? null,
+      ...target.guardValues,
+    ],
+  );
+  return {
+    batches: result.rows.map((row) => ({ batchId: row.batch_id, receiptWritten: row.receipt_written, deleted: row.deleted })),
+    lagSeconds: result.rows.flatMap((row) => row.lag_seconds ?? []),
+  };
+}
+
 /**
  * One row by key if it is expired now (database clock) and its guard holds, with that "now".
  * An id that cannot be a key of this type raises a 22xxx error for the caller to report.

@@ -50,6 +50,8 @@ export const REAPER_TABLE_GRANTS: Readonly<Record<string, { scheduler: readonly 
   cleanup_holds: { scheduler: ['SELECT'], worker: ['SELECT'] },
   // audit rows: written by the deleting statements, kept to retainDays by the scheduler
   cleanup_audit: { scheduler: ['SELECT', 'DELETE'], worker: ['INSERT'] },
+  // `reaper admission set`: live overrides every worker reads (set by operators)
+  cleanup_admission_overrides: { scheduler: ['SELECT'], worker: ['SELECT'] },
 };
 
 /** reaper's functions, owned by the migrator with its tables. */
@@ -133,6 +135,11 @@ export function rolesSql(policies: PolicySet, names: DbRoleNames = DEFAULT_DB_RO
       `ALTER ROLE ${role} SET lock_timeout = ${ms(limits.lockTimeoutMs)};`,
       `ALTER ROLE ${role} SET idle_in_transaction_session_timeout = ${ms(limits.idleInTransactionSessionTimeoutMs)};`,
     );
+  }
+  if ([...policies.values()].some((policy) => policy.kind === 'row-delete' && policy.brake !== undefined)) {
+    // The replica-lag brake reads replay_lag from pg_stat_replication, which only members of
+    // pg_read_all_stats (or superusers) see; without it the brake would read no lag at all.
+    lines.push('', '-- brake.maxReplicationLagSeconds: the worker reads the standbys\' replay lag.', `GRANT pg_read_all_stats TO ${q(names.worker)};`);
   }
   const targets = targetGrants(policies);
   lines.push(

@@ -1,0 +1,124 @@
+import { Gauge, type Registry } from 'prom-client';
+import type { RowDeletePolicy } from '../config/policies';
+import type { Db, Pool } from '../db/pool';
+import { admissionRowsEnsure, admissionRowsSlotTry, admissionRowsTake, replicationLagRead } from '../db/queries/admission';
+import { overrideFor, rowAdmissionWith, type RowAdmission } from './overrides';
+
+/**
+ * The row-delete throttle, global across workers (issue 12): a token bucket of ROWS per second
+ * kept in cleanup_admission (the same table and controller as remote-delete), a cap on row-delete
+ * statements running at once (advisory slots taken inside the deleting transaction), and the
+ * replica-lag brake (no admission while a standby's replay lag is over the policy's maximum).
+ * A group of batches takes tokens for its item count before its transaction begins.
+ */
+
+/** Longest wait between two asks while the bucket is empty, the policy paused or the brake on. */
+const MAX_ASK_INTERVAL_MS = 250;
+const MIN_ASK_INTERVAL_MS = 5;
+
+export interface RowsAdmitted {
+  admitted: true;
+  /** What was in force for this grant (the slot step uses its concurrency). */
+  admission: RowAdmission;
+  waitedMs: number;
+}
+
+export interface RowsRefused {
+  admitted: false;
+  reason: 'throttled' | 'paused' | 'replica-lag';
+  /** A good time to ask again. */
+  retryInMs: number;
+  waitedMs: number;
+}
+
+interface Gauges {
+  lag: Gauge<never>;
+  braked: Gauge<'policy'>;
+}
+const gaugesByRegistry = new WeakMap<Registry, Gauges>();
+
+/** reaper_replication_lag_seconds and reaper_replication_brake_engaged{policy}, registered on first use. */
+export function brakeGauges(registry: Registry): Gauges {
+  let gauges = gaugesByRegistry.get(registry);
+  if (!gauges) {
+    gauges = {
+      lag: new Gauge({ name: 'reaper_replication_lag_seconds', help: "Largest standby replay lag seen by this worker's last row-delete admission (pg_stat_replication)", registers: [registry] }),
+      braked: new Gauge({
+        name: 'reaper_replication_brake_engaged',
+        help: 'row-delete: 1 while the replica-lag brake stops admission (lag over brake.maxReplicationLagSeconds)',
+        labelNames: ['policy'],
+        registers: [registry],
+      }),
+    };
+    gaugesByRegistry.set(registry, gauges);
+  }
+  return gauges;
+}
+
+const ensured = new WeakMap<Pool, Set<string>>();
+
+/**
+ * Waits (up to `holdMs`) until the policy may delete `rows` rows: the brake is off, the policy is
+ * not paused, and the bucket gave the tokens. Unthrottled and without a brake: admitted at once,
+ * no query. Refused after `holdMs`: the caller hands the batches back (delay tier).
+ */
+export async function admitRows(
+  pool: Pool,
+  policy: RowDeletePolicy,
+  rows: number,
+  options: { holdMs: number; registry?: Registry; stopping?: () => boolean },
+): Promise<RowsAdmitted | RowsRefused> {
+  const started = performance.now();
+  const maxLag = policy.brake?.maxReplicationLagSeconds ?? null;
+  const gauges = options.registry ? brakeGauges(options.registry) : null;
+  for (;;) {
+    const admission = rowAdmissionWith(policy, await overrideFor(pool, policy.name));
+    if (admission.rowsPerSecond === null && maxLag === null) return { admitted: true, admission, waitedMs: performance.now() - started };
+    let reason: RowsRefused['reason'];
+    let retryInMs: number;
+    if (admission.rowsPerSecond === null) {
+      // A brake without a rate: only the lag is read.
+      const lag = await replicationLagRead(pool);
+      const braked = lag.lagSeconds > maxLag!;
+      gauges?.lag.set(lag.lagSeconds);
+      gauges?.braked.set({ policy: policy.name }, braked ? 1 : 0);
+      if (!braked) return { admitted: true, admission, waitedMs: performance.now() - started };
+      reason = 'replica-lag';
+      retryInMs = MAX_ASK_INTERVAL_MS;
+    } else {
+      const capacity = Math.max(1, admission.burst);
+      let known = ensured.get(pool);
+      if (!known) ensured.set(pool, (known = new Set()));
+      if (!known.has(policy.name)) {
+        await admissionRowsEnsure(pool, policy.name, capacity);
+        known.add(policy.name);
+      }
+      const take = await admissionRowsTake(pool, { policy: policy.name, rowsPerSecond: admission.rowsPerSecond, capacity, rows, maxLagSeconds: maxLag });
+      gauges?.lag.set(take.replicationLagSeconds);
+      gauges?.braked.set({ policy: policy.name }, take.braked ? 1 : 0);
+      if (take.admitted) return { admitted: true, admission, waitedMs: performance.now() - started };
+      reason = take.braked ? 'replica-lag' : take.paused ? 'paused' : 'throttled';
+      // The tokens missing arrive at the rate; ask again then (bounded both ways).
+      const missing = Math.min(rows, capacity) - take.tokens;
+      retryInMs = reason === 'throttled' ? Math.min(MAX_ASK_INTERVAL_MS, Math.max(MIN_ASK_INTERVAL_MS, (missing / admission.rowsPerSecond) * 1000)) : MAX_ASK_INTERVAL_MS;
+    }
+    const waitedMs = performance.now() - started;
+    if (waitedMs + retryInMs > options.holdMs || options.stopping?.()) return { admitted: false, reason, retryInMs: Math.max(retryInMs, 1000), waitedMs };
+    await new Promise((resolve) => setTimeout(resolve, retryInMs));
+  }
+}
+
+/**
+ * Takes one of the policy's `concurrency` statement slots inside the caller's open transaction,
+ * waiting (polling, at most `holdMs`) while all are in use. No cap: nothing to take. The slot is
+ * an advisory transaction lock: COMMIT, ROLLBACK or a dead connection frees it.
+ */
+export async function takeRowSlot(client: Db, policy: string, concurrency: number | null, holdMs: number): Promise<boolean> {
+  if (concurrency === null) return true;
+  const started = performance.now();
+  for (let attempt = 0; ; attempt++) {
+    if ((await admissionRowsSlotTry(client, policy, concurrency)) !== null) return true;
+    if (performance.now() - started > holdMs) return false;
+    await new Promise((resolve) => setTimeout(resolve, Math.min(50, 2 * 2 ** attempt)));
+  }
+}

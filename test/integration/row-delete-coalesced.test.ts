@@ -1,0 +1,150 @@
+import assert from 'node:assert/strict';
+import { randomUUID } from 'node:crypto';
+import { after, before, describe, test } from 'node:test';
+import pino from 'pino';
+import { brokerNames } from '../../shared/amqp/topology';
+import { makeBatchId, type BatchV1 } from '../../shared/contracts/batch';
+import { loadPolicies, type RowDeletePolicy } from '../../shared/config/policies';
+import { targetResolve } from '../../shared/db/queries/expiring-rows';
+import { makeMetrics } from '../../shared/observability/metrics';
+import { makeRowDeleteGroupHandler, type BatchGroupHandler } from '../../services/worker/handlers/row-delete';
+import type { HandlerContext } from '../../services/worker/handlers/types';
+import { startWorker } from '../../services/worker/worker';
+import { openTestBroker, type TestBroker } from '../support/broker';
+import { makeRowBatch, publishBatch, readyAtRest, receiptsOf } from '../support/fixtures';
+import { eventually } from '../support/eventually';
+import { countReservations, seedHolds } from '../support/seed';
+import { makeTestBed, type TestBed } from '../support/testbed';
+
+/**
+ * Coalesced deletes (issue 12): the batches a worker has in hand for one policy go to the database
+ * as one statement, and every receipt, count and ack rule of one batch at a time still holds.
+ */
+describe('row-delete: coalesced groups', () => {
+  let bed: TestBed;
+  let broker: TestBroker;
+  let names: ReturnType<typeof brokerNames>;
+  let policy: RowDeletePolicy;
+  let group: BatchGroupHandler;
+
+  before(async () => {
+    bed = await makeTestBed('row_delete_coalesced');
+    broker = await openTestBroker(bed.amqpUrl);
+    names = brokerNames(bed.prefix);
+    policy = loadPolicies(bed.env().policiesPath).get('seat-holds') as RowDeletePolicy;
+    group = makeRowDeleteGroupHandler(policy, await targetResolve(bed.pool, policy));
+  });
+
+  after(async () => {
+    try {
+      await broker?.close();
+    } finally {
+      await bed?.close();
+    }
+  });
+
+  const context = (failpoint: HandlerContext['failpoint'] = () => undefined): HandlerContext => ({
+    pool: bed.pool,
+    workerId: 'in-process',
+    log: pino({ level: 'silent' }),
+    metrics: makeMetrics(),
+    deliveryCount: 1,
+    failpoint,
+  });
+
+  async function batches(count: number, rowsEach: number): Promise<BatchV1[]> {
+    const out: BatchV1[] = [];
+    for (let i = 0; i < count; i++) {
+      const seeded = await seedHolds(bed.pool, { expiredHeld: rowsEach });
+      const runId = randomUUID();
+      out.push(await makeRowBatch(bed.pool, seeded.expiredHeld, { runId, batchId: makeBatchId(runId, 1) }));
+    }
+    return out;
+  }
+
+  test('one statement for the group: a receipt per batch with its own counts, renewed rows no-ops, a duplicate in the group a no-op', async () => {
+    const [a, b, c] = await batches(3, 10);
+    // A row of b renewed after the scan: b's receipt counts it as a no-op, the others are untouched.
+    await bed.pool.query(`UPDATE seat_reservations SET expires_at = now() + interval '1 hour' WHERE reservation_id = $1`, [b!.items[0]!.id]);
+    const results = await group([a!, b!, a!, c!], context());
+    assert.deepEqual(results, [
+      { kind: 'done', deleted: 10, noop: 0, duplicate: false },
+      { kind: 'done', deleted: 9, noop: 1, duplicate: false },
+      { kind: 'done', deleted: 0, noop: 10, duplicate: true },
+      { kind: 'done', deleted: 10, noop: 0, duplicate: false },
+    ]);
+    for (const [batch, deleted] of [[a!, 10], [b!, 9], [c!, 10]] as const) {
+      assert.deepEqual(await receiptsOf(bed.pool, batch.batchId), [{ deleted, noop: 10 - deleted, worker_id: 'in-process' }], `one receipt for ${batch.batchId}`);
+    }
+    // Same transaction: the receipts share their completed_at (now() of the one transaction).
+    const stamps = await bed.pool.query<{ n: number }>('SELECT count(DISTINCT completed_at)::int AS n FROM cleanup_batches WHERE batch_id = ANY($1)', [[a!.batchId, b!.batchId, c!.batchId]]);
+    assert.equal(stamps.rows[0]!.n, 1, 'the three batches were one statement');
+    // Delivered again, as a group: all duplicates, nothing changes.
+    const again = await group([c!, a!], context());
+    assert.deepEqual(again.map((result) => result.kind === 'done' && result.duplicate), [true, true]);
+    assert.deepEqual(await receiptsOf(bed.pool, a!.batchId), [{ deleted: 10, noop: 0, worker_id: 'in-process' }], 'the receipt is not rewritten');
+  });
+
+  test('a combined statement that fails is retried batch by batch: the bad batch alone fails, the others commit', async () => {
+    const [good1, good2] = await batches(2, 5);
+    const poisonRun = randomUUID();
+    const poison: BatchV1 = { ...good1!, runId: poisonRun, batchId: makeBatchId(poisonRun, 1), items: [{ id: 'not-a-uuid', observedExpiry: good1!.items[0]!.observedExpiry }] };
+    const results = await group([good1!, poison, good2!], context());
+    assert.deepEqual(results[0], { kind: 'done', deleted: 5, noop: 0, duplicate: false });
+    assert.equal(results[1]!.kind, 'dead-letter', 'the batch the database refuses is dead-lettered on its own');
+    assert.deepEqual(results[2], { kind: 'done', deleted: 5, noop: 0, duplicate: false });
+    assert.deepEqual(await receiptsOf(bed.pool, poison.batchId), [], 'no receipt for the refused batch');
+    assert.equal((await receiptsOf(bed.pool, good1!.batchId)).length, 1);
+    assert.equal((await receiptsOf(bed.pool, good2!.batchId)).length, 1);
+    const stamps = await bed.pool.query<{ n: number }>('SELECT count(DISTINCT completed_at)::int AS n FROM cleanup_batches WHERE batch_id = ANY($1)', [[good1!.batchId, good2!.batchId]]);
+    assert.equal(stamps.rows[0]!.n, 2, 'after the failed group, each batch committed alone');
+  });
+
+  test('the before-commit point is on the production path: a crash there loses the whole statement, nothing half-done', async () => {
+    const [batch] = await batches(1, 7);
+    const ids = batch!.items.map((item) => item.id);
+    const reached: string[] = [];
+    // Nothing is armed in the process: this context's failpoint stands in for the kill by
+    // throwing at 'before-commit' (the process would die at that same instant, on the same code).
+    const dieBeforeCommit: HandlerContext['failpoint'] = (name) => {
+      reached.push(name);
+      if (name === 'before-commit') throw new Error('killed at before-commit');
+    };
+    const [result] = await group([batch!], context(dieBeforeCommit));
+    assert.deepEqual(reached, ['before-commit'], 'the before-commit point is reached on the path production runs');
+    assert.equal(result!.kind, 'unknown', 'not acked: the broker would redeliver');
+    assert.equal(await countReservations(bed.pool, ids), 7, 'the statement had not committed: every row is still there');
+    assert.deepEqual(await receiptsOf(bed.pool, batch!.batchId), [], 'and no receipt');
+    // The same batch again, nothing in the way: deleted once.
+    assert.deepEqual(await group([batch!], context()), [{ kind: 'done', deleted: 7, noop: 0, duplicate: false }]);
+  });
+
+  test('a worker coalesces the deliveries it has in hand, acks each after the commit, and a duplicate delivery in the same group is a counted no-op', async () => {
+    const all = await batches(8, 20);
+    const env = bed.env({ REAPER_PREFETCH: '16', REAPER_WORKER_ID: 'coalescing-worker' });
+    const log = pino({ level: process.env.TEST_LOG_LEVEL ?? 'silent' });
+    // A first start declares the topology; the batches then wait in the queue, to be in hand at once.
+    await (await startWorker(env, loadPolicies(env.policiesPath), log)).stop();
+    for (const batch of all) await publishBatch(broker, names, batch);
+    await publishBatch(broker, names, all[3]!); // a duplicate delivery, in hand with its original
+    const worker = await startWorker(env, loadPolicies(env.policiesPath), log);
+    try {
+      const counter = async (name: string, labels: Record<string, string>): Promise<number> => {
+        const metric = await worker.metrics.registry.getSingleMetric(name)!.get();
+        return metric.values.filter((v) => Object.entries(labels).every(([k, l]) => v.labels[k] === l)).reduce((sum, v) => sum + v.value, 0);
+      };
+      await eventually('nine deliveries settled', async () => (await counter('reaper_batches_total', { policy: 'seat-holds' })) === 9);
+      assert.equal(await counter('reaper_batches_total', { policy: 'seat-holds', outcome: 'done' }), 8);
+      assert.equal(await counter('reaper_batches_total', { policy: 'seat-holds', outcome: 'duplicate' }), 1, 'the duplicate delivery is counted as such');
+      assert.equal(await counter('reaper_items_total', { policy: 'seat-holds', outcome: 'deleted' }), 160);
+      for (const batch of all) assert.deepEqual(await receiptsOf(bed.pool, batch.batchId), [{ deleted: 20, noop: 0, worker_id: 'coalescing-worker' }]);
+      assert.equal(await countReservations(bed.pool, all.flatMap((batch) => batch.items.map((item) => item.id))), 0);
+      const stamps = await bed.pool.query<{ n: number }>('SELECT count(DISTINCT completed_at)::int AS n FROM cleanup_batches WHERE batch_id = ANY($1)', [all.map((batch) => batch.batchId)]);
+      assert.ok(stamps.rows[0]!.n < all.length, `batches in hand were coalesced (${stamps.rows[0]!.n} transactions for ${all.length} batches)`);
+    } finally {
+      await worker.stop();
+    }
+    assert.equal(await readyAtRest(broker, names.workQueue('seat-holds')), 0, 'every delivery was acked: nothing came back');
+    assert.equal((await broker.drain(names.deadLetterQueue)).length, 0);
+  });
+});

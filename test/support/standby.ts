@@ -1,0 +1,145 @@
+import { execFile } from 'node:child_process';
+import { appendFileSync, chownSync, existsSync, mkdtempSync, rmSync, writeFileSync } from 'node:fs';
+import { createServer } from 'node:net';
+import { tmpdir, userInfo } from 'node:os';
+import path from 'node:path';
+import { promisify } from 'node:util';
+import pg from 'pg';
+import { eventually } from './eventually';
+
+const run = promisify(execFile);
+
+/**
+ * A real streaming standby of the test PostgreSQL, for the replica-lag brake: `pg_basebackup -R`
+ * into a temporary directory, started with `pg_ctl` on a free port, stopped and removed by
+ * `close()` (call it in `finally`). Needs the server's binaries on this machine and a pg_hba line
+ * allowing replication from 127.0.0.1 (.ci/run adds it). PostgreSQL refuses to run as root: as
+ * root, the commands run as the `postgres` user.
+ */
+export interface Standby {
+  /** Its application_name in the primary's pg_stat_replication. */
+  name: string;
+  port: number;
+  query<T extends pg.QueryResultRow>(sql: string): Promise<T[]>;
+  pauseReplay(): Promise<void>;
+  resumeReplay(): Promise<void>;
+  close(): Promise<void>;
+}
+
+function binDir(): string {
+  for (const dir of ['/usr/lib/postgresql/15/bin', '/usr/local/pgsql/bin']) if (existsSync(path.join(dir, 'pg_ctl'))) return dir;
+  return ''; // on PATH
+}
+
+async function freePort(): Promise<number> {
+  return new Promise((resolve, reject) => {
+    const server = createServer();
+    server.once('error', reject);
+    server.listen(0, '127.0.0.1', () => {
+      const { port } = server.address() as { port: number };
+      server.close(() => resolve(port));
+    });
+  });
+}
+
+export async function startStandby(primaryUrl: string, label: string): Promise<Standby> {
+  const primary = new URL(primaryUrl);
+  const asRoot = userInfo().uid === 0;
+  const tool = (name: string) => (binDir() ? path.join(binDir(), name) : name);
+  const exec = (name: string, args: string[], timeoutMs = 120_000) =>
+    asRoot ? run('runuser', ['-u', 'postgres', '--', tool(name), ...args], { timeout: timeoutMs }) : run(tool(name), args, { timeout: timeoutMs });
+  const dir = mkdtempSync(path.join(tmpdir(), 'reaper-standby-'));
+  const data = path.join(dir, 'data');
+  const name = `reaper_standby_${label}`.replace(/[^a-z0-9_]/gi, '_').toLowerCase();
+  const port = await freePort();
+  let started = false;
+  let slotCreated = false;
+  const settings = new pg.Client({ connectionString: primaryUrl });
+  const close = async () => {
+    try {
+      if (started) await exec('pg_ctl', ['-D', data, '-m', 'immediate', '-w', '-t', '30', 'stop'], 60_000).catch(() => undefined); // already stopped
+    } finally {
+      rmSync(dir, { recursive: true, force: true });
+      if (slotCreated) {
+        const admin = new pg.Client({ connectionString: primaryUrl });
+        await admin.connect();
+        await admin.query('SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1', [name]).finally(() => admin.end());
+        slotCreated = false;
+      }
+    }
+  };
+  try {
+    if (asRoot) chownSync(dir, Number((await run('id', ['-u', 'postgres'])).stdout.trim()), Number((await run('id', ['-g', 'postgres'])).stdout.trim()));
+    await settings.connect();
+    // A hot standby needs these at least as high as on the primary.
+    const values = new Map(
+      (await settings.query<{ name: string; setting: string }>(
+        `SELECT name, setting FROM pg_settings WHERE name IN ('max_connections', 'max_worker_processes', 'max_wal_senders', 'max_prepared_transactions', 'max_locks_per_transaction')`,
+      )).rows.map((row) => [row.name, row.setting]),
+    );
+    // A physical slot keeps the WAL the standby still needs: without it, a busy server recycles the
+    // segments written between the end of the base backup and the standby's start. Slots of earlier
+    // runs that died before close() (inactive, same prefix) are dropped first, so none keeps WAL forever.
+    await settings.query(`SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name LIKE 'reaper_standby_%' AND NOT active`);
+    await settings.end();
+    await exec('pg_basebackup', ['-h', primary.hostname, '-p', primary.port || '5432', '-U', decodeURIComponent(primary.username || 'postgres'), '-D', data, '-R', '-X', 'stream', '-C', '-S', name, '-c', 'fast']);
+    slotCreated = true;
+    // Debian keeps postgresql.conf outside the data directory: the standby gets its own.
+    const conf = [
+      `port = ${port}`,
+      `listen_addresses = '127.0.0.1'`,
+      `unix_socket_directories = '${dir}'`,
+      ...[...values].map(([key, value]) => `${key} = ${value}`),
+      'shared_buffers = 16MB',
+      'hot_standby = on',
+      'wal_receiver_status_interval = 1s',
+      `hba_file = '${data}/pg_hba.conf'`,
+      `ident_file = '${data}/pg_ident.conf'`,
+      `cluster_name = '${name}'`,
+    ];
+    writeFileSync(path.join(data, 'postgresql.conf'), `${conf.join('\n')}\n`);
+    // Its name in the primary's pg_stat_replication. -R wrote primary_conninfo in
+    // postgresql.auto.conf, read after postgresql.conf: the last setting there wins.
+    appendFileSync(
+      path.join(data, 'postgresql.auto.conf'),
+      `primary_conninfo = 'host=${primary.hostname} port=${primary.port || '5432'} user=${decodeURIComponent(primary.username || 'postgres')} application_name=${name}'\nprimary_slot_name = '${name}'\n`,
+    );
+    writeFileSync(path.join(data, 'pg_hba.conf'), 'local all all trust\nhost all all 127.0.0.1/32 trust\n');
+    writeFileSync(path.join(data, 'pg_ident.conf'), '');
+    if (asRoot) await run('chown', ['-R', 'postgres:postgres', data]);
+    await exec('pg_ctl', ['-D', data, '-l', path.join(dir, 'log'), '-w', '-t', '60', 'start']);
+    started = true;
+  } catch (error) {
+    await settings.end().catch(() => undefined);
+    await close();
+    throw error;
+  }
+  const url = `postgres://postgres@127.0.0.1:${port}/postgres`;
+  const query = async <T extends pg.QueryResultRow>(sql: string): Promise<T[]> => {
+    const client = new pg.Client({ connectionString: url });
+    await client.connect();
+    try {
+      return (await client.query<T>(sql)).rows;
+    } finally {
+      await client.end();
+    }
+  };
+  const watcher = new pg.Client({ connectionString: primaryUrl });
+  try {
+    await watcher.connect();
+    await eventually(`standby ${name} streaming`, async () => (await watcher.query(`SELECT 1 FROM pg_stat_replication WHERE application_name = $1 AND state = 'streaming'`, [name])).rowCount === 1, { timeoutMs: 120_000 });
+  } catch (error) {
+    await close();
+    throw error;
+  } finally {
+    await watcher.end().catch(() => undefined);
+  }
+  return {
+    name,
+    port,
+    query,
+    pauseReplay: async () => void (await query('SELECT pg_wal_replay_pause()')),
+    resumeReplay: async () => void (await query('SELECT pg_wal_replay_resume()')),
+    close,
+  };
+}
