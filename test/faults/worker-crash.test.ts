@@ -26,7 +26,8 @@ describe('worker crash around the commit', () => {
   before(async () => {
     bed = await makeTestBed('fault_worker_crash');
     // The schedule never matters here: no scheduler runs in this file, batches are crafted.
-    bed.writePolicies(rowDeletePolicyYaml({ batchSize: 100 }));
+    // Audit on: an audit row must exist exactly when a deletion committed, whatever the crash.
+    bed.writePolicies(rowDeletePolicyYaml({ batchSize: 100, audit: true }));
     broker = await openTestBroker(bed.amqpUrl);
     names = brokerNames(bed.prefix);
   });
@@ -60,6 +61,10 @@ describe('worker crash around the commit', () => {
 
   const receipts = async (batchId: string) =>
     (await bed.pool.query<{ deleted: number; noop: number; worker_id: string }>('SELECT deleted, noop, worker_id FROM cleanup_batches WHERE batch_id = $1', [batchId])).rows;
+
+  /** The audit trail of a batch: how many rows, and how many distinct keys. */
+  const audited = async (batchId: string) =>
+    (await bed.pool.query<{ rows: number; keys: number }>('SELECT count(*)::int AS rows, count(DISTINCT key)::int AS keys FROM cleanup_audit WHERE batch_id = $1', [batchId])).rows[0]!;
 
   const settledLines = (worker: ReaperProcess, batchId: string): LogLine[] =>
     worker.lines.filter((line) => line.msg === 'batch settled' && line.batchId === batchId);
@@ -109,6 +114,7 @@ describe('worker crash around the commit', () => {
     });
     assert.equal(await countReservations(bed.pool, seeded.expiredHeld), 40, 'a crash before commit deletes nothing');
     assert.deepEqual(await receipts(batch.batchId), [], 'no receipt for an uncommitted batch');
+    assert.deepEqual(await audited(batch.batchId), { rows: 0, keys: 0 }, 'no audit row for an uncommitted deletion');
 
     const fresh = startWorker('fresh-after-before-commit');
     const settled = await fresh.waitForLine('the redelivered batch to settle', (line) => line.msg === 'batch settled' && line.batchId === batch.batchId, 30_000);
@@ -118,6 +124,7 @@ describe('worker crash around the commit', () => {
     assert.equal(settled.deliveryCount, 2, 'the second delivery: the one the killed worker held, given back once');
     assert.equal(await countReservations(bed.pool, seeded.expiredHeld), 0, 'the fresh worker deleted every row');
     assert.deepEqual(await receipts(batch.batchId), [{ deleted: 40, noop: 0, worker_id: 'fresh-after-before-commit' }], 'exactly one receipt, from the fresh worker');
+    assert.deepEqual(await audited(batch.batchId), { rows: 40, keys: 40 }, 'one audit row per deleted row, once each');
     await eventually('the work queue to be empty', async () => (await readyInWorkQueue()) === 0);
 
     const stopped = await fresh.stop();
@@ -144,6 +151,7 @@ describe('worker crash around the commit', () => {
     assert.equal(await countReservations(bed.pool, seeded.futureHeld), 5, 'rows outside the batch are untouched');
     const committed = await receipts(batch.batchId);
     assert.deepEqual(committed, [{ deleted: 25, noop: 0, worker_id: 'crash-after-commit' }]);
+    assert.deepEqual(await audited(batch.batchId), { rows: 25, keys: 25 }, 'the committed deletion is audited');
 
     const fresh = startWorker('fresh-after-after-commit');
     const settled = await fresh.waitForLine('the redelivered batch to settle', (line) => line.msg === 'batch settled' && line.batchId === batch.batchId, 30_000);
@@ -151,6 +159,7 @@ describe('worker crash around the commit', () => {
     assert.equal(settled.deleted, 0, 'the duplicate deletes nothing');
     assert.equal(settled.deliveryCount, 2, 'the second delivery: the one the killed worker held, given back once');
     assert.deepEqual(await receipts(batch.batchId), committed, 'the receipt is unchanged (not overwritten, not doubled)');
+    assert.deepEqual(await audited(batch.batchId), { rows: 25, keys: 25 }, 'the duplicate adds no audit row');
     assert.equal(await countReservations(bed.pool, seeded.futureHeld), 5);
     await eventually('the work queue to be empty', async () => (await readyInWorkQueue()) === 0);
 

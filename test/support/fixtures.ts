@@ -25,6 +25,8 @@ export interface RowDeletePolicyOptions {
   batchSize?: number;
   /** Default: a schedule that never fires while a test runs (runs are triggered). */
   schedule?: string;
+  /** Turn the audit trail on (retainDays 30). */
+  audit?: boolean;
 }
 
 /** A row-delete policies file (one policy; seat_reservations' held rows unless told otherwise). */
@@ -41,6 +43,7 @@ export function rowDeletePolicyYaml(options: RowDeletePolicyOptions = {}): strin
   ];
   if (guard) lines.push(`    guard: { ${Object.entries(guard).map(([column, value]) => `${column}: ${value}`).join(', ')} }`);
   if (options.batchSize !== undefined) lines.push(`    batchSize: ${options.batchSize}`);
+  if (options.audit) lines.push('    audit: { enabled: true, retainDays: 30 }');
   return `${lines.join('\n')}\n`;
 }
 
