@@ -12,6 +12,7 @@ import { planCount } from '../../shared/db/queries/plan';
 import {
   runClaimOf,
   runsClaimById,
+  runsCompleteIfAllBatchesDone,
   runsGetSummary,
   runsInsertIfAbsent,
   runsReleaseLease,
@@ -79,11 +80,17 @@ export function describeRun(run: RunSummary): string {
   ].join('\n');
 }
 
-/** Polls a run until it settles (SETTLED_STATES), printing progress to stderr; bounded by `timeoutMs`. */
-export async function waitForRun(pool: Pool, runId: string, timeoutMs: number, quiet: boolean): Promise<RunSummary> {
+/**
+ * Polls a run until it settles (SETTLED_STATES), printing progress to stderr; bounded by `timeoutMs`.
+ * `complete`: this process published the run, and no scheduler may be running to notice that every
+ * batch has its receipt, so each poll also makes the run completed when it is (the same conditional
+ * statement the scheduler's completion pass uses; running it twice changes nothing).
+ */
+export async function waitForRun(pool: Pool, runId: string, timeoutMs: number, quiet: boolean, complete = false): Promise<RunSummary> {
   const deadline = Date.now() + timeoutMs;
   let last = '';
   for (;;) {
+    if (complete) await runsCompleteIfAllBatchesDone(pool, runId);
     const run = (await runsGetSummary(pool, runId))!;
     const progress = `${run.state}: ${run.batchesDone}/${run.batchesConfirmed} batches, ${run.deleted} deleted, ${run.noop} no-op`;
     if (!quiet && progress !== last) process.stderr.write(`${progress}\n`);
@@ -367,7 +374,7 @@ async function report(pool: Pool, run: Run, outcome: RunOutcome, options: StartO
   const continues = outcome === 'published' || outcome === 'lost-lease';
   if (options.wait && continues) {
     if (!json) process.stderr.write(`${messages[outcome]}\n`);
-    const final = await waitForRun(pool, run.runId, timeoutMs, json);
+    const final = await waitForRun(pool, run.runId, timeoutMs, json, true);
     printResult(json, final, () => describeRun(final));
     if (UNSUCCESSFUL_STATES.has(final.state)) process.exitCode = 1;
     return;
