@@ -13,6 +13,8 @@ const BROKER_TIMEOUT_MS = 5_000;
 
 export interface BatchVersionDecision {
   version: BatchVersion;
+  /** What decided it; a change of version or of cause is logged. */
+  cause: 'configured' | 'older-worker' | 'unannounced-consumer' | 'unknown' | 'all-accept';
   /** Why, for the log: which consumer holds the version back, or that all accept it. */
   reason: string;
 }
@@ -45,7 +47,7 @@ export function makeBatchVersionGate(options: {
 }): { versionFor(policy: string): Promise<BatchVersion>; decide(policy: string): Promise<BatchVersionDecision> } {
   const { wanted, log } = options;
   const cache = new Map<string, { at: number; decision: BatchVersionDecision }>();
-  const logged = new Map<string, BatchVersion>();
+  const logged = new Map<string, string>();
 
   async function consumerCount(policy: string): Promise<number> {
     const model = await options.connection.waitReady(BROKER_TIMEOUT_MS);
@@ -59,22 +61,22 @@ export function makeBatchVersionGate(options: {
   }
 
   async function decide(policy: string): Promise<BatchVersionDecision> {
-    if (wanted === 1) return { version: 1, reason: 'REAPER_BATCH_VERSION is 1' };
+    if (wanted === 1) return { version: 1, cause: 'configured', reason: 'REAPER_BATCH_VERSION is 1' };
     try {
       const live = await heartbeatsLiveWorkers(options.pool, { policy, amqpPrefix: options.amqpPrefix, freshSeconds: WORKER_FRESH_SECONDS });
       const older = live.filter((worker) => worker.maxBatchVersion < wanted);
       if (older.length > 0) {
         const oldest = Math.max(1, Math.min(...older.map((worker) => worker.maxBatchVersion))) as BatchVersion;
         const who = older.map((worker) => `${worker.workerId} (accepts ${worker.maxBatchVersion})`).join(', ');
-        return { version: oldest, reason: `${older.length} connected worker(s) accept at most version ${oldest}: ${who}` };
+        return { version: oldest, cause: 'older-worker', reason: `${older.length} connected worker(s) accept at most version ${oldest}: ${who}` };
       }
       const consumers = await consumerCount(policy);
       if (consumers > live.length) {
-        return { version: 1, reason: `${consumers} consumer(s) on the work queue but only ${live.length} announce version ${wanted}: an older worker is connected` };
+        return { version: 1, cause: 'unannounced-consumer', reason: `${consumers} consumer(s) on the work queue but only ${live.length} announce version ${wanted}: an older worker is connected` };
       }
-      return { version: wanted, reason: `every connected consumer (${consumers}) accepts version ${wanted}` };
+      return { version: wanted, cause: 'all-accept', reason: `every connected consumer (${consumers}) accepts version ${wanted}` };
     } catch (error) {
-      return { version: 1, reason: `cannot tell which versions the consumers accept (${(error as Error).message})` };
+      return { version: 1, cause: 'unknown', reason: `cannot tell which versions the consumers accept (${(error as Error).message})` };
     }
   }
 
@@ -83,9 +85,10 @@ export function makeBatchVersionGate(options: {
     if (cached && Date.now() - cached.at < GATE_CACHE_MS) return cached.decision.version;
     const decision = await decide(policy);
     cache.set(policy, { at: Date.now(), decision });
-    // Logged when the version changes (and the first time), not at every window.
-    if (logged.get(policy) !== decision.version) {
-      logged.set(policy, decision.version);
+    // Logged when the version or its cause changes (and the first time), not at every window.
+    const key = `${decision.version}:${decision.cause}`;
+    if (logged.get(policy) !== key) {
+      logged.set(policy, key);
       if (decision.version < wanted) {
         log.warn({ policy, wanted, publishing: decision.version, reason: decision.reason }, `holding batch version at ${decision.version} (REAPER_BATCH_VERSION=${wanted})`);
       } else {
