@@ -6,8 +6,6 @@ import type { Pool } from '../../shared/db/pool';
 import { heartbeatsLiveWorkers } from '../../shared/db/queries/heartbeats';
 import { WORKER_FRESH_SECONDS } from '../../shared/observability/heartbeat';
 
-/** How long one look at a policy's consumers is reused (one window of a run takes about this long). */
-const GATE_CACHE_MS = 1_000;
 /** A look at the consumers that takes longer than this counts as failed (version 1, the safe answer). */
 const BROKER_TIMEOUT_MS = 5_000;
 
@@ -46,7 +44,6 @@ export function makeBatchVersionGate(options: {
   log: Logger;
 }): { versionFor(policy: string): Promise<BatchVersion>; decide(policy: string): Promise<BatchVersionDecision> } {
   const { wanted, log } = options;
-  const cache = new Map<string, { at: number; decision: BatchVersionDecision }>();
   const logged = new Map<string, string>();
 
   async function consumerCount(policy: string): Promise<number> {
@@ -80,11 +77,12 @@ export function makeBatchVersionGate(options: {
     }
   }
 
+  /**
+   * Asked once per window (up to 32 batches): one indexed read and one queue check, small next to
+   * the window's publishes, and never a stale answer.
+   */
   async function versionFor(policy: string): Promise<BatchVersion> {
-    const cached = cache.get(policy);
-    if (cached && Date.now() - cached.at < GATE_CACHE_MS) return cached.decision.version;
     const decision = await decide(policy);
-    cache.set(policy, { at: Date.now(), decision });
     // Logged when the version or its cause changes (and the first time), not at every window.
     const key = `${decision.version}:${decision.cause}`;
     if (logged.get(policy) !== key) {
