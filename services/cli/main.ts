@@ -14,20 +14,20 @@ import { readBacklog } from '../scheduler/backlog-gauges';
 import { deadLettersList, deadLettersPurge, deadLettersRequeue, describeRequeue } from './dead-letters';
 import { migrate } from '../../shared/db/migrate';
 import { demoTablesCreate } from '../../shared/db/queries/demo-tables';
-import type { Pool } from '../../shared/db/pool';
-import { runsGetSummary, runsInsertIfAbsent, runsListSummaries, type RunSummary } from '../../shared/db/queries/runs';
+import { runsGetSummary, runsListSummaries } from '../../shared/db/queries/runs';
 import { makeLogger } from '../../shared/observability/logger';
 import { startScheduler } from '../scheduler/scheduler';
 import { startWorker } from '../worker/worker';
 import { printResult, table } from './output';
 import { addRolesCommand } from './roles';
 
-import { context, ISO_INPUT, NotFoundError, pastCutoff, UsageError, withPool } from './common';
+import { context, NotFoundError, UsageError, withPool } from './common';
 import { registerApprovalCommands } from './approvals';
 import { registerAuditCommand } from './audit';
 import { registerHoldCommands } from './holds';
 import { registerPlanCommand } from './plan';
 import { registerAdmissionCommands } from './admission';
+import { describeRun, registerRunCommands, runRow } from './runs';
 
 /** Runs a service in the foreground until SIGTERM/SIGINT, then drains and exits 0. */
 async function runService(kind: 'scheduler' | 'worker'): Promise<void> {
@@ -45,54 +45,6 @@ async function runService(kind: 'scheduler' | 'worker'): Promise<void> {
   });
   await handle.stop();
   log.info(`${kind} stopped`);
-}
-
-function runRow(run: RunSummary): Record<string, unknown> {
-  return {
-    run: run.runId,
-    policy: run.policy,
-    trigger: run.trigger,
-    state: run.state,
-    cutoff: run.cutoff,
-    candidates: run.candidates,
-    skipped: run.skipped,
-    batches: `${run.batchesDone}/${run.batchesConfirmed}`,
-    deleted: run.deleted,
-    noop: run.noop,
-    // Why a run failed or is incomplete; the whole text is in `reaper run <id>`.
-    reason: run.error === null ? null : run.error.length > 60 ? `${run.error.slice(0, 59)}…` : run.error,
-  };
-}
-
-function describeRun(run: RunSummary): string {
-  return [
-    `run        ${run.runId}`,
-    `policy     ${run.policy} (${run.trigger}${run.replayOf ? ` of ${run.replayOf}` : ''})`,
-    `state      ${run.state}${run.error ? `: ${run.error}` : ''}`,
-    `scheduled  ${run.scheduledFor}`,
-    `cutoff     ${run.cutoff}`,
-    `candidates ${run.candidates}`,
-    `skipped    ${run.skipped}${run.skipped > 0 ? ' (keys too long for a message; not deleted)' : ''}`,
-    `batches    ${run.batchesDone} done of ${run.batchesConfirmed} confirmed${run.state === 'incomplete' ? `, ${run.batchesConfirmed - run.batchesDone} missing` : ''}`,
-    `deleted    ${run.deleted}`,
-    `no-op      ${run.noop}`,
-    `finished   ${run.finishedAt ?? '-'}`,
-  ].join('\n');
-}
-
-/** Polls a run until it completes or fails, printing progress to stderr; bounded by `timeoutMs`. */
-async function waitForRun(pool: Pool, runId: string, timeoutMs: number, quiet: boolean): Promise<RunSummary> {
-  const deadline = Date.now() + timeoutMs;
-  let last = '';
-  for (;;) {
-    const run = (await runsGetSummary(pool, runId))!;
-    const progress = `${run.state}: ${run.batchesDone}/${run.batchesConfirmed} batches, ${run.deleted} deleted, ${run.noop} no-op`;
-    if (!quiet && progress !== last) process.stderr.write(`${progress}\n`);
-    last = progress;
-    if (run.state === 'completed' || run.state === 'failed' || run.state === 'incomplete') return run;
-    if (Date.now() > deadline) throw new Error(`run ${runId} not finished after ${timeoutMs} ms (${progress})`);
-    await new Promise((resolve) => setTimeout(resolve, 250));
-  }
 }
 
 function parseLimit(value: string): number {
@@ -267,60 +219,7 @@ export function makeProgram(): Command {
   program.command('scheduler').description('run the scheduler in the foreground').action(() => runService('scheduler'));
   program.command('worker').description('run a worker in the foreground').action(() => runService('worker'));
 
-  program
-    .command('trigger <policy>')
-    .description('start a run of <policy> now, with the database clock as cutoff')
-    .option('--wait', 'wait until the run completes and print its summary')
-    .option('--timeout <seconds>', 'with --wait: give up after this long', '600')
-    .addOption(json())
-    .action(async (policyName: string, options: { wait?: boolean; timeout: string; json?: boolean }) => {
-      const { env, policies } = context();
-      requirePolicy(policies, policyName);
-      const timeoutSeconds = Number(options.timeout);
-      if (!Number.isFinite(timeoutSeconds) || timeoutSeconds <= 0) throw new UsageError(`--timeout: must be a positive number of seconds (got "${options.timeout}")`);
-      await withPool(env, async (pool) => {
-        const run = await runsInsertIfAbsent(pool, { policy: policyName, trigger: 'manual', scheduledFor: null, cutoff: null });
-        if (!run) throw new Error('a run for this instant already exists; try again');
-        const result = options.wait ? await waitForRun(pool, run.runId, timeoutSeconds * 1000, !!options.json) : await runsGetSummary(pool, run.runId);
-        printResult(!!options.json, result, () => (options.wait ? describeRun(result!) : `run ${run.runId} created (cutoff ${run.cutoff}); a scheduler will execute it`));
-        if (result?.state === 'failed' || result?.state === 'incomplete') process.exitCode = 1;
-      });
-    });
-
-  program
-    .command('replay')
-    .description('run a policy again with a fixed cutoff: the cutoff of --run, or --policy with --cutoff')
-    .option('--run <runId>', 'replay this run (same policy, same cutoff)')
-    .option('--policy <policy>', 'policy to run')
-    .option('--cutoff <iso>', 'cutoff, ISO 8601 with a time zone (e.g. 2026-11-29T20:00:00.000000Z)')
-    .option('--wait', 'wait until the run completes')
-    .addOption(json())
-    .action(async (options: { run?: string; policy?: string; cutoff?: string; wait?: boolean; json?: boolean }) => {
-      const { env, policies } = context();
-      if (options.run && (options.policy || options.cutoff)) throw new UsageError('give either --run, or --policy with --cutoff, not both');
-      if (!options.run && !(options.policy && options.cutoff)) throw new UsageError('give --run <runId>, or --policy <policy> with --cutoff <iso>');
-      if (options.cutoff && !ISO_INPUT.test(options.cutoff)) {
-        throw new UsageError(`--cutoff: "${options.cutoff}" is not an ISO 8601 timestamp with a time zone`);
-      }
-      if (options.run && !/^[0-9a-f-]{36}$/i.test(options.run)) throw new UsageError(`--run: "${options.run}" is not a run id (uuid)`);
-      await withPool(env, async (pool) => {
-        let policy = options.policy;
-        let cutoff = options.cutoff;
-        if (options.run) {
-          const original = await runsGetSummary(pool, options.run);
-          if (!original) throw new NotFoundError(`--run: no run ${options.run}`);
-          policy = original.policy;
-          cutoff = original.cutoff;
-        }
-        requirePolicy(policies, policy!);
-        // A cutoff can only narrow what is eligible (DESIGN invariant 2): a future one is refused.
-        if (options.cutoff) await pastCutoff(pool, options.cutoff);
-        const run = await runsInsertIfAbsent(pool, { policy: policy!, trigger: 'replay', scheduledFor: null, cutoff: cutoff!, replayOf: options.run ?? null });
-        if (!run) throw new Error('a run for this instant already exists; try again');
-        const result = options.wait ? await waitForRun(pool, run.runId, 600_000, !!options.json) : await runsGetSummary(pool, run.runId);
-        printResult(!!options.json, result, () => (options.wait ? describeRun(result!) : `replay run ${run.runId} created (policy ${run.policy}, cutoff ${run.cutoff})`));
-      });
-    });
+  registerRunCommands(program);
 
   program
     .command('runs')

@@ -1,7 +1,7 @@
 import type { Logger } from 'pino';
 import { policyVersion, type Policy } from '../../shared/config/policies';
 import { planCount } from '../../shared/db/queries/plan';
-import { encodeBatch, makeBatchId, MAX_ID_LENGTH, MAX_MESSAGE_BYTES, type BatchItem, type BatchV1 } from '../../shared/contracts/batch';
+import { encodeBatch, makeBatchId, MAX_ID_LENGTH, MAX_MESSAGE_BYTES, type Batch, type BatchItem, type BatchV1, type BatchV2, type BatchVersion } from '../../shared/contracts/batch';
 import type { ConfirmingPublisher } from '../../shared/amqp/publisher';
 import type { BrokerNames } from '../../shared/amqp/topology';
 import type { Pool } from '../../shared/db/pool';
@@ -39,12 +39,17 @@ export interface RunExecutorDeps {
   metrics: Metrics;
   /** Set when the process is shutting down: stop at the next checkpoint. */
   stopping: () => boolean;
+  /**
+   * The batch version to publish the next window of `policy` in: REAPER_BATCH_VERSION, held at an
+   * older one while a consumer that does not accept it is connected (batch-version-gate.ts).
+   */
+  batchVersion: (policy: string) => Promise<BatchVersion>;
 }
 
 export type RunOutcome = 'published' | 'failed' | 'lost-lease' | 'stopped' | 'awaiting-approval';
 
 interface Window {
-  batches: Array<{ batch: BatchV1; content: Buffer; confirmed: boolean }>;
+  batches: Array<{ batch: Batch; content: Buffer; confirmed: boolean }>;
   candidates: number;
   /** Rows read but not publishable (over-long keys): counted, and the cursor moves past them. */
   skipped: number;
@@ -286,6 +291,8 @@ async function scanWindow(
     unrecordedFor: policy.kind === 'remote-delete' ? policy.name : undefined,
   });
   const window: Window = { batches: [], candidates: 0, skipped: 0, rowsRead: rows.length, cursor: from.cursor, reachedEnd: rows.length < limit };
+  // One version per window, chosen when it is built: a retried window publishes the same bytes.
+  const version = rows.length > 0 ? await deps.batchVersion(run.policy) : 1;
   for (let start = 0; start < rows.length; start += policy.batchSize) {
     const page = rows.slice(start, start + policy.batchSize);
     const last = page[page.length - 1]!;
@@ -296,8 +303,8 @@ async function scanWindow(
       deps.log.error({ runId: run.runId, skipped: page.length - items.length, maxIdLength: MAX_ID_LENGTH }, 'rows with over-long keys skipped');
       window.skipped += page.length - items.length;
     }
-    for (const content of encodeWithinLimit(run, items)) {
-      const batch: BatchV1 = { ...content, batchId: makeBatchId(run.runId, from.sequence + window.batches.length + 1, run.claimCount) };
+    for (const content of encodeWithinLimit(run, items, version, policyVersion(policy))) {
+      const batch: Batch = { ...content, batchId: makeBatchId(run.runId, from.sequence + window.batches.length + 1, run.claimCount) };
       window.batches.push({ batch, content: encodeBatch(batch), confirmed: false });
       window.candidates += batch.items.length;
     }
@@ -310,14 +317,19 @@ async function scanWindow(
  * dead-letter a larger one as too-large): a page of long multi-byte or escaped keys can pass
  * 1 MiB below the item limit. Halves until each part fits; the batch id is set by the caller.
  */
-function encodeWithinLimit(run: Run, items: readonly BatchItem[]): Array<Omit<BatchV1, 'batchId'>> {
+/** A batch of either version before its id is given. */
+type UnnumberedBatch = Omit<BatchV1, 'batchId'> | Omit<BatchV2, 'batchId'>;
+
+function encodeWithinLimit(run: Run, items: readonly BatchItem[], version: BatchVersion, rule: string): UnnumberedBatch[] {
   if (items.length === 0) return [];
-  const batch = { version: 1 as const, runId: run.runId, policy: run.policy, cutoff: run.cutoff, items: [...items] };
+  const body = { runId: run.runId, policy: run.policy, cutoff: run.cutoff, items: [...items] };
+  // Version 1 is written exactly as before version 2 existed; 2 adds the scan's policy version.
+  const batch: UnnumberedBatch = version === 2 ? { version: 2, ...body, policyVersion: rule } : { version: 1, ...body };
   // The id is at most 200 characters (contract); measure with the longest one it can get.
   const size = encodeBatch({ ...batch, batchId: makeBatchId(run.runId, 999_999, run.claimCount) }).length;
   if (size <= MAX_MESSAGE_BYTES || items.length === 1) return [batch];
   const half = Math.ceil(items.length / 2);
-  return [...encodeWithinLimit(run, items.slice(0, half)), ...encodeWithinLimit(run, items.slice(half))];
+  return [...encodeWithinLimit(run, items.slice(0, half), version, rule), ...encodeWithinLimit(run, items.slice(half), version, rule)];
 }
 
 /** Publishes every batch of the window not confirmed yet, and waits for all confirms; throws if any failed. */

@@ -22,7 +22,10 @@ import {
 import { reply, startHealthServer, type RouteHandler } from '../../shared/observability/http';
 import { makeMetrics, type Metrics } from '../../shared/observability/metrics';
 import { startAuditRetention } from './audit-retention';
+import { loadBatchVersionConfig } from '../../shared/config/batch-version';
+import { startHeartbeat } from '../../shared/observability/heartbeat';
 import { startBacklogGauges } from './backlog-gauges';
+import { makeBatchVersionGate } from './batch-version-gate';
 import { executeRun, type RunExecutorDeps } from './run-executor';
 import { CRON_TIMEZONE, latestMissedTick, truncateToSecond } from './ticks';
 import { loadSchedulerTuning } from './tuning';
@@ -91,6 +94,7 @@ function listenForNewRuns(databaseUrl: string, log: Logger, wake: (policy: strin
 
 export async function startScheduler(env: Env, policies: PolicySet, log: Logger): Promise<SchedulerHandle> {
   const tuning = loadSchedulerTuning();
+  const batchVersions = loadBatchVersionConfig();
   const metrics = makeMetrics([...policies.values()]);
   const pool = makePool(env.databaseUrl, env.dbPoolSize, 'reaper-scheduler', env.sessionTimeouts);
   const names = brokerNames(env.amqpPrefix);
@@ -180,6 +184,9 @@ export async function startScheduler(env: Env, policies: PolicySet, log: Logger)
   connection.on('lost', () => metrics.amqpConnected.set(0));
   const publisher = new ConfirmingPublisher(connection);
   await connection.start();
+  // `reaper trigger`/`replay` tell the operator when no scheduler has been seen for a while.
+  const heartbeat = await startHeartbeat(pool, { service: 'scheduler', workerId: env.workerId, amqpPrefix: env.amqpPrefix, policies: policyNames, maxBatchVersion: null }, log).catch(abandonStart);
+  const gate = makeBatchVersionGate({ wanted: batchVersions.publish, pool, connection, names, amqpPrefix: env.amqpPrefix, log });
 
   const deps: RunExecutorDeps = {
     pool,
@@ -191,6 +198,7 @@ export async function startScheduler(env: Env, policies: PolicySet, log: Logger)
     log,
     metrics,
     stopping: () => stopping,
+    batchVersion: gate.versionFor,
   };
 
   /**
@@ -314,6 +322,7 @@ export async function startScheduler(env: Env, policies: PolicySet, log: Logger)
       // Every loop stops at its next checkpoint and hands an unfinished run over.
       await Promise.all([...loops.values()].map((loop) => loop.idle()));
       server?.close();
+      await heartbeat.stop();
       await connection.close();
       await pool.end();
     },

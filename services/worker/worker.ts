@@ -23,6 +23,9 @@ import type { BatchV1 } from '../../shared/contracts/batch';
 import type { BatchHandler, HandlerContext } from './handlers/types';
 import type { BatchResult } from './results';
 import { requeueIfUnsettled, settle, type SettleDeps } from './settle';
+import { loadBatchVersionConfig } from '../../shared/config/batch-version';
+import { startHeartbeat, type HeartbeatHandle } from '../../shared/observability/heartbeat';
+import { consumerTagFor, makeBatchVersionCounter } from './batch-versions';
 
 export interface WorkerHandle {
   metrics: Metrics;
@@ -123,6 +126,10 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
   const remotePolicies = [...policies.values()].filter((policy): policy is RemoteDeletePolicy => policy.kind === 'remote-delete');
   const sweeper = remotePolicies.length > 0 ? startLedgerSweeper({ pool, publisher, names, policies: remotePolicies, log, registry: metrics.registry }) : null;
   const settleDeps: SettleDeps = { publisher, names, metrics, deliveryLimit: env.deliveryLimit };
+  // Accepts every batch version it knows (REAPER_TEST_MAX_BATCH_VERSION caps it, tests only) and announces it.
+  const { highestAccepted } = loadBatchVersionConfig();
+  const countVersion = makeBatchVersionCounter({ policies, registry: metrics.registry, log });
+  let heartbeat: HeartbeatHandle | undefined;
 
   let channel: Channel | null = null;
   /** Consumer tag per policy on `channel`; a policy missing here is not being consumed right now. */
@@ -140,7 +147,7 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
     const { consumerTag } = await target.consume(names.workQueue(policy), (message) => {
       if (message) deliver(target, message);
       else onCancelledByBroker(target, policy);
-    });
+    }, { consumerTag: consumerTagFor(env.workerId, policy, highestAccepted) });
     consumers.set(policy, consumerTag);
   }
 
@@ -228,7 +235,8 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
   async function onMessage(from: Channel, message: ConsumeMessage): Promise<void> {
     const started = process.hrtime.bigint();
     const deliveryCount = Number(message.properties.headers?.['x-delivery-count'] ?? 0) + 1;
-    const decoded = decodeBatch(message.content);
+    const decoded = decodeBatch(message.content, { highestVersion: highestAccepted });
+    if (decoded.ok) countVersion({ policy: decoded.batch.policy, version: decoded.version, policyVersion: decoded.policyVersion });
     const policy = decoded.ok ? decoded.batch.policy : message.fields.routingKey;
     // Metric labels come from configuration, never from a message: an unconfigured name is counted
     // under one fixed value (bounded label values; the log line keeps the name).
@@ -298,11 +306,14 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
             log,
             ready: () => connection.connected && channel !== null && consumers.size === policies.size && !databasePaused && !stopping,
           });
+    // Announced before the first consume: a scheduler never counts this consumer as unknown.
+    heartbeat = await startHeartbeat(pool, { service: 'worker', workerId: env.workerId, amqpPrefix: env.amqpPrefix, policies: [...policies.keys()], maxBatchVersion: highestAccepted }, log);
     // Retries while the broker is unreachable; rejects on what retrying cannot fix (a queue
     // declared with other arguments: TopologyConflictError names the queue and the argument).
     await connection.start();
   } catch (error) {
     stopping = true;
+    await heartbeat?.stop();
     if (reclaimer) clearInterval(reclaimer);
     server?.close();
     await connection.close();
@@ -329,6 +340,7 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
       const last = channel as Channel | null;
       if (last) await last.checkQueue(names.deadLetterQueue).catch(() => undefined); // channel already gone: nothing to flush
       server?.close();
+      await heartbeat?.stop();
       await connection.close();
       await pool.end();
     },

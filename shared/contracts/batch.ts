@@ -1,10 +1,23 @@
 import { z } from 'zod';
 
 /**
- * The batch message, version 1 (docs/design.md). A consumer of version N accepts every version up to N.
- * Decoding runs the checks in a fixed order so every rejection has exactly one reason.
+ * The batch message, versions 1 and 2 (docs/design.md). A consumer of version N accepts every
+ * version up to N. Decoding runs the checks in a fixed order so every rejection has exactly one reason.
+ *
+ * Version 2 adds `policyVersion`: the hash of the policy definition the scan used
+ * (shared/config/policies.ts policyVersion), so a worker can tell, and count, batches scanned under
+ * a rule other than the one it runs. Nothing else changed: both decode to the same body.
  */
-export const CURRENT_BATCH_VERSION = 1;
+export type BatchVersion = 1 | 2;
+/** Every version this code can decode (and encode). */
+export const KNOWN_BATCH_VERSIONS: readonly BatchVersion[] = [1, 2];
+export const NEWEST_BATCH_VERSION: BatchVersion = 2;
+/**
+ * What a scheduler publishes when REAPER_BATCH_VERSION is not set: the newest version the whole
+ * fleet accepts. The previous release's workers accept only 1, so 1 until every worker runs a
+ * release that knows 2 (README "Operating": the upgrade runbook); then the next release raises it.
+ */
+export const FLEET_BATCH_VERSION: BatchVersion = 1;
 export const MAX_BATCH_ITEMS = 1000;
 export const MAX_MESSAGE_BYTES = 1024 * 1024;
 /** Longest id a message may carry: 1000 items of this size still fit in MAX_MESSAGE_BYTES. */
@@ -39,16 +52,26 @@ export const batchItemSchema = z.strictObject({
   observedExpiry: isoMicros,
 });
 
-export const batchV1Schema = z.strictObject({
-  version: z.literal(1),
+const batchBody = {
   runId: z.uuid(),
   batchId: z.string().min(1).max(200),
   policy: z.string().regex(/^[a-z0-9-]+$/),
   cutoff: isoMicros,
   items: z.array(batchItemSchema).min(1).max(MAX_BATCH_ITEMS),
+};
+
+export const batchV1Schema = z.strictObject({ version: z.literal(1), ...batchBody });
+/** Version 2: version 1 plus the hash of the policy definition the scan used (16 hex digits). */
+export const batchV2Schema = z.strictObject({
+  version: z.literal(2),
+  ...batchBody,
+  policyVersion: z.string().regex(/^[0-9a-f]{16}$/, 'must be 16 lower-case hex digits (the policy definition hash)'),
 });
 
 export type BatchV1 = z.infer<typeof batchV1Schema>;
+export type BatchV2 = z.infer<typeof batchV2Schema>;
+/** A batch as it travels, in any known version. */
+export type Batch = BatchV1 | BatchV2;
 export type BatchItem = z.infer<typeof batchItemSchema>;
 
 /** Why a message was dead-lettered; the exact strings of the `x-reaper-reason` header. */
@@ -61,14 +84,23 @@ export type DeadLetterReason =
   | 'delivery-limit'
   | 'rejected';
 
-export type DecodeResult = { ok: true; batch: BatchV1 } | { ok: false; reason: DeadLetterReason; detail: string };
+/**
+ * A decoded batch: `batch` is the version-1 body every handler takes, whatever version arrived
+ * (a handler that keeps and re-publishes a batch, like the remote ledger's carriers, so always
+ * re-publishes version 1, which every worker accepts); what a newer version adds travels beside it.
+ */
+export type DecodeResult =
+  | { ok: true; batch: BatchV1; version: BatchVersion; policyVersion: string | null }
+  | { ok: false; reason: DeadLetterReason; detail: string };
 
 /**
  * Checks, in order: size, JSON, envelope (an object with an integer version), version, schema,
- * each id at most once.
+ * each id at most once. `highestVersion` is the newest version this consumer accepts (default:
+ * every version this code knows); a newer one is `unsupported-version`, whatever else is wrong.
  * The policy is checked by the caller, which knows the configured policies.
  */
-export function decodeBatch(content: Buffer): DecodeResult {
+export function decodeBatch(content: Buffer, options: { highestVersion?: BatchVersion } = {}): DecodeResult {
+  const highest = options.highestVersion ?? NEWEST_BATCH_VERSION;
   if (content.length > MAX_MESSAGE_BYTES) {
     return { ok: false, reason: 'too-large', detail: `message is ${content.length} bytes; the limit is ${MAX_MESSAGE_BYTES}` };
   }
@@ -85,14 +117,14 @@ export function decodeBatch(content: Buffer): DecodeResult {
   if (typeof version !== 'number' || !Number.isInteger(version) || version < 1) {
     return { ok: false, reason: 'invalid-message', detail: `version: must be a positive integer (got ${JSON.stringify(version)})` };
   }
-  if (version > CURRENT_BATCH_VERSION) {
+  if (version > highest) {
     return {
       ok: false,
       reason: 'unsupported-version',
-      detail: `version ${version} is newer than this worker understands (${CURRENT_BATCH_VERSION})`,
+      detail: `version ${version} is newer than this worker understands (${highest})`,
     };
   }
-  const parsed = batchV1Schema.safeParse(document);
+  const parsed = (version === 2 ? batchV2Schema : batchV1Schema).safeParse(document);
   if (!parsed.success) {
     const detail = parsed.error.issues
       .slice(0, 5)
@@ -108,7 +140,11 @@ export function decodeBatch(content: Buffer): DecodeResult {
       detail: `items.${duplicate.second}.id: ${JSON.stringify(duplicate.id)} appears more than once (also items.${duplicate.first}); one batch names each row once`,
     };
   }
-  return { ok: true, batch: parsed.data };
+  if (parsed.data.version === 2) {
+    const { policyVersion, ...body } = parsed.data;
+    return { ok: true, batch: { ...body, version: 1 }, version: 2, policyVersion };
+  }
+  return { ok: true, batch: parsed.data, version: 1, policyVersion: null };
 }
 
 /**
@@ -126,7 +162,8 @@ function firstDuplicateId(items: readonly BatchItem[]): { id: string; first: num
   return null;
 }
 
-export function encodeBatch(batch: BatchV1): Buffer {
+/** Encodes a batch in its own version: a v1 batch is written exactly as before version 2 existed. */
+export function encodeBatch(batch: Batch): Buffer {
   return Buffer.from(JSON.stringify(batch), 'utf8');
 }
 

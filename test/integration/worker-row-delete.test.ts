@@ -98,7 +98,7 @@ describe('row-delete worker', () => {
 
   describe('bad input lands in the dead-letter queue with its reason, and the worker keeps consuming', () => {
     const cases: Array<{ name: string; reason: string; make: (valid: BatchV1) => Buffer | string }> = [
-      { name: 'unsupported version', reason: 'unsupported-version', make: (valid) => JSON.stringify({ ...valid, version: 2 }) },
+      { name: 'unsupported version', reason: 'unsupported-version', make: (valid) => JSON.stringify({ ...valid, version: 3 }) },
       { name: 'invalid JSON', reason: 'invalid-json', make: () => '{"version": 1, "items": [' },
       { name: 'unknown field', reason: 'invalid-message', make: (valid) => JSON.stringify({ ...valid, deleteEverything: true }) },
       { name: 'unknown policy', reason: 'unknown-policy', make: (valid) => JSON.stringify({ ...valid, policy: 'no-such-policy' }) },

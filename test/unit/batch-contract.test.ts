@@ -5,7 +5,8 @@
 import { test } from 'node:test';
 import assert from 'node:assert/strict';
 import {
-  CURRENT_BATCH_VERSION,
+  FLEET_BATCH_VERSION,
+  NEWEST_BATCH_VERSION,
   MAX_BATCH_ITEMS,
   MAX_MESSAGE_BYTES,
   decodeBatch,
@@ -223,10 +224,30 @@ test('invalid-message: other field errors (runId not a uuid, empty id, numeric i
   assertRejected(decodeJson(validBatch({ policy: 'Seat Holds' })), 'invalid-message', /policy/);
 });
 
-test('unsupported-version: version 2, even with fields v1 does not know', () => {
-  assert.equal(CURRENT_BATCH_VERSION, 1);
-  assertRejected(decodeJson(validBatch({ version: 2 })), 'unsupported-version', /2/);
-  assertRejected(decodeJson({ ...validBatch({ version: 2 }), priority: 'high', items: [] }), 'unsupported-version');
+test('unsupported-version: a version newer than the consumer accepts, even with fields it does not know', () => {
+  assert.equal(NEWEST_BATCH_VERSION, 2);
+  assertRejected(decodeJson(validBatch({ version: 3 })), 'unsupported-version', /3/);
+  assertRejected(decodeJson({ ...validBatch({ version: 3 }), priority: 'high', items: [] }), 'unsupported-version');
+  // A worker capped at 1 (the previous release) refuses a valid version-2 batch, and says which it accepts.
+  const v2 = encodeBatch({ ...validBatch(), version: 2, policyVersion: '0123456789abcdef' });
+  assertRejected(decodeBatch(v2, { highestVersion: 1 }), 'unsupported-version', /version 2 is newer than this worker understands \(1\)/);
+});
+
+test('version 2 decodes to the version-1 body with its policyVersion beside it; version 1 is unchanged', () => {
+  const body = validBatch();
+  const v2 = decodeBatch(encodeBatch({ ...body, version: 2, policyVersion: '0123456789abcdef' }));
+  assert.deepEqual(v2, { ok: true, batch: body, version: 2, policyVersion: '0123456789abcdef' });
+  const v1 = decodeBatch(encodeBatch(body));
+  assert.deepEqual(v1, { ok: true, batch: body, version: 1, policyVersion: null });
+  // Version 1 is encoded exactly as before version 2 existed: no new field, same key order.
+  assert.equal(encodeBatch(body).toString('utf8'), JSON.stringify(body));
+  assert.equal(FLEET_BATCH_VERSION, 1, 'schedulers publish version 1 unless told otherwise: the previous release accepts only 1');
+});
+
+test('version 2: policyVersion is required, has the hash form, and v1 refuses it as an unknown field', () => {
+  assertRejected(decodeJson({ ...validBatch(), version: 2 }), 'invalid-message', /policyVersion/);
+  assertRejected(decodeJson({ ...validBatch(), version: 2, policyVersion: 'not-a-hash' }), 'invalid-message', /policyVersion/);
+  assertRejected(decodeJson({ ...validBatch(), policyVersion: '0123456789abcdef' }), 'invalid-message', /policyVersion/);
 });
 
 test('the order of checks: each message gets exactly the first failing reason', () => {
@@ -234,8 +255,8 @@ test('the order of checks: each message gets exactly the first failing reason', 
   assertRejected(decodeBatch(Buffer.from('[1,', 'utf8')), 'invalid-json');
   // Envelope before version: a non-object is invalid-message whatever it contains.
   assertRejected(decodeBatch(Buffer.from('[{"version":2}]', 'utf8')), 'invalid-message');
-  // Version before schema: v2 with a schema error is unsupported-version.
-  assertRejected(decodeJson({ version: 2, items: [] }), 'unsupported-version');
+  // Version before schema: v3 with a schema error is unsupported-version.
+  assertRejected(decodeJson({ version: 3, items: [] }), 'unsupported-version');
   // Version check before schema: v1 with the same schema error is invalid-message.
   assertRejected(decodeJson({ version: 1, items: [] }), 'invalid-message');
 });

@@ -52,6 +52,8 @@ export const REAPER_TABLE_GRANTS: Readonly<Record<string, { scheduler: readonly 
   cleanup_audit: { scheduler: ['SELECT', 'DELETE'], worker: ['INSERT'] },
   // `reaper admission set`: live overrides every worker reads (set by operators)
   cleanup_admission_overrides: { scheduler: ['SELECT'], worker: ['SELECT'] },
+  // each process records a heartbeat (and forgets old ones); the scheduler reads the workers' versions
+  service_heartbeats: { scheduler: ['SELECT', 'INSERT', 'UPDATE', 'DELETE'], worker: ['SELECT', 'INSERT', 'UPDATE', 'DELETE'] },
 };
 
 /** reaper's functions, owned by the migrator with its tables. */

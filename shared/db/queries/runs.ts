@@ -427,3 +427,21 @@ export async function runsReject(db: Db, runId: string, by: string): Promise<Run
   );
   return result.rows[0] ? toRun(result.rows[0]) : null;
 }
+
+/**
+ * `--execute`: claims ONE given run for `owner`, under exactly the conditions runsClaimNext uses
+ * (waiting, or abandoned mid-scan with its lease expired), so a scheduler and the CLI never hold
+ * it at once. Null when someone else holds it or it is no longer claimable (finished, awaiting
+ * approval); the caller reads the run to say which.
+ */
+export async function runsClaimById(db: Db, runId: string, owner: string, leaseMs: number): Promise<Run | null> {
+  const result = await db.query<RunRow>(
+    `UPDATE cleanup_runs SET owner = $2, lease_expires_at = clock_timestamp() + $3 * interval '1 millisecond',
+       state = 'scanning', started_at = coalesce(started_at, clock_timestamp()), claim_count = claim_count + 1
+     WHERE run_id = $1 AND state IN ('pending', 'scanning')
+       AND (lease_expires_at IS NULL OR lease_expires_at < clock_timestamp())
+     RETURNING ${RUN_COLUMNS}`,
+    [runId, owner, leaseMs],
+  );
+  return result.rows[0] ? toRun(result.rows[0]) : null;
+}
