@@ -26,7 +26,7 @@ import { makeMetrics } from '../../shared/observability/metrics';
 import { makeBatchVersionGate } from '../scheduler/batch-version-gate';
 import { executeRun, type RunOutcome } from '../scheduler/run-executor';
 import { loadSchedulerTuning } from '../scheduler/tuning';
-import { context, ISO_INPUT, pastCutoff, UsageError, withPool } from './common';
+import { context, ISO_INPUT, NotFoundError, pastCutoff, UsageError, withPool } from './common';
 import { printResult } from './output';
 import { formatDuration, makeProgressLine, renderProgress } from './progress';
 
@@ -163,7 +163,7 @@ export function registerRunCommands(program: Command): void {
         let cutoff = options.cutoff;
         if (options.run) {
           const original = await runsGetSummary(pool, options.run);
-          if (!original) throw new UsageError(`--run: no run ${options.run}`);
+          if (!original) throw new NotFoundError(`--run: no run ${options.run}`);
           policy = original.policy;
           cutoff = original.cutoff;
         }
@@ -186,7 +186,7 @@ export function registerRunCommands(program: Command): void {
       const timeoutMs = timeoutMsOf(options);
       await withPool(env, async (pool) => {
         const found = await runsGetSummary(pool, runId);
-        if (!found) throw new UsageError(`no run ${runId}`);
+        if (!found) throw new NotFoundError(`no run ${runId}`);
         const policy = requirePolicy(policies, found.policy);
         const tuning = loadSchedulerTuning();
         const claimed = await runsClaimById(pool, runId, cliOwner(env), tuning.runLeaseMs);

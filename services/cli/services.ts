@@ -1,0 +1,83 @@
+import { Command, Option } from 'commander';
+import { loadEnv } from '../../shared/config/env';
+import { makeTopology, topologyAsDefinitions } from '../../shared/amqp/topology';
+import { migrate } from '../../shared/db/migrate';
+import { demoTablesCreate } from '../../shared/db/queries/demo-tables';
+import { makeLogger } from '../../shared/observability/logger';
+import { startScheduler } from '../scheduler/scheduler';
+import { startWorker } from '../worker/worker';
+import { context, withPool } from './common';
+import { printResult } from './output';
+
+/** `reaper migrate`, `scheduler`, `worker`, `topology` and `demo`: running and setting up reaper itself. */
+
+/** Runs a service in the foreground until SIGTERM/SIGINT, then drains and exits 0. */
+async function runService(kind: 'scheduler' | 'worker'): Promise<void> {
+  const { env, policies } = context();
+  const log = makeLogger({ level: env.logLevel, service: kind, workerId: env.workerId });
+  const handle = kind === 'scheduler' ? await startScheduler(env, policies, log) : await startWorker(env, policies, log);
+  log.info({ httpPort: handle.httpPort, policies: [...policies.keys()] }, `${kind} started`);
+  await new Promise<void>((resolve) => {
+    const shutdown = (signal: string) => {
+      log.info({ signal }, `${kind} draining`);
+      resolve();
+    };
+    process.once('SIGTERM', () => shutdown('SIGTERM'));
+    process.once('SIGINT', () => shutdown('SIGINT'));
+  });
+  await handle.stop();
+  log.info(`${kind} stopped`);
+}
+
+/** Registers the commands that run or set up the services. */
+export function registerServiceCommands(program: Command): void {
+  const json = () => new Option('--json', 'print machine-readable JSON');
+
+  program
+    .command('migrate')
+    .description('apply database migrations (safe to run from several processes at once)')
+    .option('--with-demo-tables', "also create the demo's own tables seat_reservations and media_assets if missing (local stack, demo)")
+    .addOption(json())
+    .action(async (options: { json?: boolean; withDemoTables?: boolean }) => {
+      const env = loadEnv();
+      // Progress on stderr as each file starts (not with --json, whose reader wants one document):
+      // a long migration is visibly running, and the last line names the file that failed.
+      const announce = options.json ? undefined : (name: string) => process.stderr.write(`applying ${name} ...\n`);
+      const result = await migrate(env.databaseUrl, { onApplying: announce });
+      // Production databases never get them: they are the demo policies' targets, not reaper's.
+      if (options.withDemoTables) await withPool(env, (pool) => demoTablesCreate(pool));
+      printResult(!!options.json, result, () =>
+        result.applied.length ? `applied ${result.applied.join(', ')}; schema version ${result.current}` : `up to date (version ${result.current})`,
+      );
+    });
+
+  program.command('scheduler').description('run the scheduler in the foreground').action(() => runService('scheduler'));
+  program.command('worker').description('run a worker in the foreground').action(() => runService('worker'));
+
+  program
+    .command('topology')
+    .description('print the broker topology (exchanges, queues, bindings) the services assert')
+    .option('--definitions', 'print it as a RabbitMQ definitions file (JSON) to pre-declare it')
+    .addOption(json())
+    .action((options: { json?: boolean; definitions?: boolean }) => {
+      const { env, policies } = context();
+      const topology = makeTopology({ prefix: env.amqpPrefix, policies: [...policies.keys()], deliveryLimit: env.deliveryLimit });
+      if (options.definitions) return printResult(true, topologyAsDefinitions(topology), () => '');
+      printResult(!!options.json, topology, () =>
+        [
+          ...topology.exchanges.map((e) => `exchange ${e.name} (${e.type})`),
+          ...topology.queues.map((q) => `queue    ${q.name} ${JSON.stringify(q.options.arguments ?? {})}`),
+          ...topology.bindings.map((b) => `binding  ${b.exchange} -> ${b.queue}${b.routingKey ? ` key ${b.routingKey}` : ''}${b.args ? ` ${JSON.stringify(b.args)}` : ''}`),
+        ].join('\n'),
+      );
+    });
+
+  program
+    .command('demo')
+    .description('run the demo end to end in the reaper_demo database (npm run demo)')
+    .action(async () => {
+      // Loaded on demand: the demo brings the stand-in media API, which the runtime image need not carry.
+      const { runDemo } = require('./demo') as typeof import('./demo');
+      process.exitCode = await runDemo();
+    });
+}

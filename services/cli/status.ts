@@ -1,0 +1,170 @@
+import amqp from 'amqplib';
+import { Command, Option } from 'commander';
+import type { Env } from '../../shared/config/env';
+import type { PolicySet } from '../../shared/config/policies';
+import { brokerNames, DELAY_TIERS_MS } from '../../shared/amqp/topology';
+import { admissionList, replicationLagRead } from '../../shared/db/queries/admission';
+import { admissionViews } from '../../shared/admission/overrides';
+import { ledgerCountsByPolicy } from '../../shared/db/queries/ledger';
+import { ELIGIBLE_ROWS_CAP } from '../../shared/db/queries/backlog';
+import { targetResolve, type ResolvedTarget } from '../../shared/db/queries/expiring-rows';
+import { runsListSummaries } from '../../shared/db/queries/runs';
+import { readBacklog } from '../scheduler/backlog-gauges';
+import { describe as describeAdmission } from './admission';
+import { context, withPool } from './common';
+import { printResult, table } from './output';
+
+/** `reaper status`: per policy what the database and the broker say now. */
+
+async function collectStatus(env: Env, policies: PolicySet) {
+  return withPool(env, async (pool) => {
+    // The same reads as the scheduler's backlog gauges; a policy whose table cannot be resolved shows nulls.
+    const targets = new Map<string, ResolvedTarget>();
+    for (const policy of policies.values()) {
+      const target = await targetResolve(pool, policy).catch(() => null); // reported as unknown (null) below
+      if (target) targets.set(policy.name, target);
+    }
+    const backlog = new Map((await readBacklog(pool, [...policies.values()], targets)).map((entry) => [entry.policy, entry]));
+    const ledger = new Map((await ledgerCountsByPolicy(pool)).map((row) => [row.policy, row]));
+    const admission = new Map((await admissionList(pool)).map((row) => [row.policy, row]));
+    const inForce = new Map((await admissionViews(pool, [...policies.values()])).map((view) => [view.policy, view]));
+    const replication = await replicationLagRead(pool);
+    const recent = await runsListSummaries(pool, { limit: 500 });
+    const depths = await queueDepths(env, [...policies.keys()]);
+    const brokerError = depths.error;
+    return {
+      policies: [...policies.values()].map((policy) => {
+        const last = recent.find((run) => run.policy === policy.name);
+        const counts = ledger.get(policy.name);
+        const waiting = backlog.get(policy.name);
+        return {
+          policy: policy.name,
+          kind: policy.kind,
+          oldestEligibleAgeSeconds: waiting ? roundSeconds(waiting.target.oldestEligibleAgeSeconds) : null,
+          oldestLeasedAgeSeconds: waiting ? roundSeconds(waiting.ledger?.oldestLeasedAgeSeconds ?? 0) : null,
+          waitingRows: waiting?.target.eligibleRows ?? null,
+          waitingRowsCapped: waiting ? waiting.target.eligibleRows >= ELIGIBLE_ROWS_CAP : null,
+          lastCompletedRun: waiting?.lastCompleted?.runId ?? null,
+          lastCompletedAt: waiting?.lastCompleted?.finishedAt ?? null,
+          lastCompletedLagSeconds: waiting?.lastCompleted ? roundSeconds(waiting.lastCompleted.lagSeconds) : null,
+          paused: admission.get(policy.name)?.paused ?? false,
+          // Live admission (file values, `reaper admission set` override with who and when, in force).
+          admission: inForce.get(policy.name)!,
+          // row-delete replica-lag brake: engaged while a standby's replay lag is over the maximum.
+          brake:
+            policy.kind === 'row-delete' && policy.brake
+              ? { maxReplicationLagSeconds: policy.brake.maxReplicationLagSeconds, lagSeconds: roundSeconds(replication.lagSeconds), standbys: replication.standbys, engaged: replication.lagSeconds > policy.brake.maxReplicationLagSeconds }
+              : null,
+          lastRun: last?.createdAt ?? null,
+          lastRunState: last?.state ?? null,
+          // Why the last run failed or is incomplete (null when it did not).
+          lastRunError: last?.error ?? null,
+          queued: depths.work.get(policy.name) ?? null,
+          pending: counts?.pending ?? 0,
+          inFlight: counts?.inFlight ?? 0,
+          confirmed: counts?.confirmed ?? 0,
+          rejected: counts?.rejected ?? 0,
+          gaveUp: counts?.gaveUp ?? 0,
+        };
+      }),
+      deadLetters: depths.deadLetters,
+      delayed: depths.delayed,
+      brokerError,
+    };
+  });
+}
+
+/** Ages to the millisecond: enough for an operator, and stable in JSON. */
+function roundSeconds(seconds: number): number {
+  return Math.round(seconds * 1000) / 1000;
+}
+
+/**
+ * Message counts of the work queues, the delay tiers (retries waiting out their delay) and the
+ * dead-letter queue; null where the broker does not answer, with the reason in `error`.
+ */
+async function queueDepths(
+  env: Env,
+  policyNames: string[],
+): Promise<{ work: Map<string, number>; deadLetters: number | null; delayed: number | null; error: string | null }> {
+  const names = brokerNames(env.amqpPrefix);
+  const work = new Map<string, number>();
+  let deadLetters: number | null = null;
+  let delayed: number | null = null;
+  let error: string | null = null;
+  try {
+    const connection = await amqp.connect(env.amqpUrl, { timeout: 5000 });
+    try {
+      for (const policy of policyNames) {
+        const channel = await connection.createChannel();
+        channel.on('error', () => undefined); // a missing queue closes the channel; reported as null
+        const found = await channel.checkQueue(names.workQueue(policy)).catch(() => null);
+        if (found) work.set(policy, found.messageCount);
+        await channel.close().catch(() => undefined);
+      }
+      const channel = await connection.createChannel();
+      channel.on('error', () => undefined);
+      deadLetters = (await channel.checkQueue(names.deadLetterQueue).catch(() => null))?.messageCount ?? null;
+      // Each tier on its own channel: a missing tier queue closes the channel it was checked on.
+      for (const tier of DELAY_TIERS_MS) {
+        const tierChannel = await connection.createChannel();
+        tierChannel.on('error', () => undefined);
+        const found = await tierChannel.checkQueue(names.delayQueue(tier)).catch(() => null);
+        if (found) delayed = (delayed ?? 0) + found.messageCount;
+        await tierChannel.close().catch(() => undefined);
+      }
+    } finally {
+      await connection.close().catch(() => undefined);
+    }
+  } catch (failure) {
+    // Broker unreachable: the status still shows what the database knows, and says why not more.
+    const { code, message } = failure as NodeJS.ErrnoException;
+    error = `${redactUrl(env.amqpUrl)}: ${message || code || String(failure)}`;
+  }
+  return { work, deadLetters, delayed, error };
+}
+
+/** An AMQP/PostgreSQL URL without its password, for messages. */
+function redactUrl(url: string): string {
+  try {
+    const parsed = new URL(url);
+    if (parsed.password) parsed.password = '***';
+    return parsed.toString();
+  } catch {
+    return '(unparseable URL)';
+  }
+}
+
+/** Registers `reaper status`. */
+export function registerStatusCommand(program: Command): void {
+  const json = () => new Option('--json', 'print machine-readable JSON');
+
+  program
+    .command('status')
+    .description('per policy: backlog age and size, oldest lease, last completed run and its lag, queue depths, ledger states, admission')
+    .addOption(json())
+    .action(async (options: { json?: boolean }) => {
+      const { env, policies } = context();
+      const status = await collectStatus(env, policies);
+      printResult(!!options.json, status, () =>
+        [
+          table(
+            status.policies.map((row) => ({
+              ...row,
+              oldestEligible: row.oldestEligibleAgeSeconds === null ? null : `${row.oldestEligibleAgeSeconds}s`,
+              oldestLeased: row.oldestLeasedAgeSeconds === null ? null : `${row.oldestLeasedAgeSeconds}s`,
+              waiting: row.waitingRows === null ? null : `${row.waitingRows}${row.waitingRowsCapped ? '+' : ''}`,
+              lastCompleted: row.lastCompletedAt,
+              lag: row.lastCompletedLagSeconds === null ? null : `${row.lastCompletedLagSeconds}s`,
+              admission: `${describeAdmission(row.admission.inForce, row.admission.rateUnit)}${row.admission.override ? ` (override by ${row.admission.override.setBy})` : ''}`,
+              brake: row.brake === null ? null : `${row.brake.engaged ? 'ENGAGED' : 'off'} (lag ${row.brake.lagSeconds}s, max ${row.brake.maxReplicationLagSeconds}s)`,
+            })),
+            ['policy', 'kind', 'paused', 'admission', 'brake', 'oldestEligible', 'oldestLeased', 'waiting', 'lastCompleted', 'lag', 'lastRun', 'lastRunState', 'lastRunError', 'queued', 'pending', 'inFlight', 'confirmed', 'rejected', 'gaveUp'],
+          ),
+          `delay tiers (retries waiting): ${status.delayed ?? 'unknown'} message(s)`,
+          `dead-letter queue: ${status.deadLetters ?? 'unknown'} message(s)`,
+          ...(status.brokerError ? [`broker not reachable, queue counts unknown: ${status.brokerError}`] : []),
+        ].join('\n'),
+      );
+    });
+}
