@@ -222,7 +222,9 @@ async function startRun(
     printResult(!!options.json, result, () =>
       options.wait ? describeRun(result) : `${label} ${run.runId} created (policy ${run.policy}, cutoff ${run.cutoff}); a scheduler will execute it`,
     );
-    if (UNSUCCESSFUL_STATES.has(result.state)) process.exitCode = 1;
+    // Without --wait the command's job was to record the run: a state it reached meanwhile (a
+    // scheduler may already have failed it) is shown, not turned into the exit code.
+    if (options.wait && UNSUCCESSFUL_STATES.has(result.state)) process.exitCode = 1;
     return;
   }
   const policy = requirePolicy(policies, spec.policy);

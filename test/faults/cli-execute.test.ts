@@ -98,6 +98,15 @@ describe('reaper trigger/replay --execute', () => {
       assert.equal(await countReservations(bed.pool, seeded.futureHeld), seeded.futureHeld.length);
       assert.equal(await countReservations(bed.pool, seeded.expiredConfirmed), seeded.expiredConfirmed.length);
       assert.equal((await broker.drain(names.deadLetterQueue)).length, 0, 'nothing dead-lettered');
+      // The original, executed now (it would otherwise wait for the next test's scheduler), finds
+      // nothing left of its rows: the replay did exactly its work.
+      const originalRun = await runReaperCli(['execute', original, '--wait', '--json'], bed.processEnv(), 90_000);
+      assert.equal(originalRun.code, 0, originalRun.stdout);
+      assert.deepEqual(
+        { state: jsonOf(originalRun.stdout).state, deleted: jsonOf(originalRun.stdout).deleted },
+        { state: 'completed', deleted: 0 },
+      );
+      assert.equal(await countReservations(bed.pool, later), later.length, 'still kept: same cutoff');
       await stopAllCleanly(group.services);
       passed = true;
     } finally {
