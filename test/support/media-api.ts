@@ -49,6 +49,8 @@ export interface MediaApiCall {
   status: number | 'reset';
   /** True when this call actually deleted the asset (a 200 execution, or an executeThenFail one). */
   executed: boolean;
+  /** The Retry-After header sent with a 429, exactly as sent (seconds); null otherwise. */
+  retryAfterSeconds: number | null;
 }
 
 export interface MediaApi {
@@ -77,6 +79,14 @@ export interface MediaApiBehaviour {
   slowMs: number;
   /** Epoch ms: until then EVERY call gets 429 + Retry-After (forced rate limiting). */
   throttleUntil: number;
+  /**
+   * Next N calls get 429 with exactly `throttleRetryAfterSeconds` as Retry-After, not executed: a
+   * throttle counted in calls, not in wall-clock time, so a test does not depend on how fast the
+   * machine gets its calls out (and no rounding of a remaining time is involved).
+   */
+  throttleNext: number;
+  /** Retry-After (seconds) sent by throttleNext (default 1). */
+  throttleRetryAfterSeconds: number;
   /** Next N calls answer failStatus WITHOUT executing. */
   failNext: number;
   /** Status used by failNext (default 503). */
@@ -230,6 +240,8 @@ export async function startMediaApi(options: MediaApiOptions = {}): Promise<Medi
   const behaviour: MediaApiBehaviour = {
     slowMs: 0,
     throttleUntil: 0,
+    throttleNext: 0,
+    throttleRetryAfterSeconds: 1,
     failNext: 0,
     failStatus: 503,
     executeThenFailNext: 0,
@@ -267,6 +279,18 @@ export async function startMediaApi(options: MediaApiOptions = {}): Promise<Medi
     if (behaviour.throttleUntil > now) {
       const retryAfter = Math.ceil((behaviour.throttleUntil - now) / 1000);
       return { kind: 'reply', status: 429, body: { error: 'throttled' }, headers: { 'Retry-After': String(retryAfter) }, executed: false };
+    }
+
+    // 1b. Forced throttle by count: the explicit Retry-After.
+    if (behaviour.throttleNext > 0) {
+      behaviour.throttleNext--;
+      return {
+        kind: 'reply',
+        status: 429,
+        body: { error: 'throttled' },
+        headers: { 'Retry-After': String(behaviour.throttleRetryAfterSeconds) },
+        executed: false,
+      };
     }
 
     // 2. Token bucket.
@@ -341,6 +365,7 @@ export async function startMediaApi(options: MediaApiOptions = {}): Promise<Medi
       finishedAt: 0,
       status: outcome.kind === 'reset' ? 'reset' : outcome.status,
       executed: outcome.kind === 'reply' && outcome.executed,
+      retryAfterSeconds: outcome.kind === 'reply' && outcome.headers?.['Retry-After'] !== undefined ? Number(outcome.headers['Retry-After']) : null,
     };
     calls.push(call);
 
@@ -436,6 +461,8 @@ export async function startMediaApi(options: MediaApiOptions = {}): Promise<Medi
     configure(patch: Partial<MediaApiBehaviour>): void {
       if (patch.slowMs !== undefined) behaviour.slowMs = patch.slowMs;
       if (patch.throttleUntil !== undefined) behaviour.throttleUntil = patch.throttleUntil;
+      if (patch.throttleNext !== undefined) behaviour.throttleNext = patch.throttleNext;
+      if (patch.throttleRetryAfterSeconds !== undefined) behaviour.throttleRetryAfterSeconds = patch.throttleRetryAfterSeconds;
       if (patch.failNext !== undefined) behaviour.failNext = patch.failNext;
       if (patch.failStatus !== undefined) behaviour.failStatus = patch.failStatus;
       if (patch.executeThenFailNext !== undefined) behaviour.executeThenFailNext = patch.executeThenFailNext;
