@@ -104,8 +104,10 @@ describe('remote-delete: a worker frozen past its lease cannot overwrite the new
     assert.equal((await runReaperCli(['trigger', MEDIA_POLICY], bed.processEnv())).code, 0, 'a later run re-finds the still-active asset');
 
     // B's claim: a new lease with B as owner, visible while B's (slow) call is in progress.
+    // B gets the operation through the lease reclaimer (every 5 s) and the ledger sweeper: on a
+    // loaded machine that takes a while, so the deadline is generous (nothing here is a window).
     const callB = await eventually('B to call with the same key', () => api.calls.find((call) => call.seq > callA.seq && call.finishedAt === 0), {
-      timeoutMs: 20_000,
+      timeoutMs: 60_000,
       intervalMs: 20,
     });
     assert.equal(callB.key, key, 'B retries the same operation: same Idempotency-Key');

@@ -42,7 +42,7 @@ describe('remote-delete: pause and resume', () => {
   let api: MediaApi;
 
   before(async () => {
-    ({ bed, api } = await openRemoteWorld('remote_pause', { ratePerSecond: R, burst: BURST, concurrency: C, batchSize: 10, timeoutMs: 2000, leaseMs: 12_000 }, { slowMs: SLOW_MS }));
+    ({ bed, api } = await openRemoteWorld('remote_pause', { ratePerSecond: R, burst: BURST, concurrency: C, batchSize: 10, timeoutMs: 15_000, leaseMs: 25_000 }, { slowMs: SLOW_MS }));
   });
 
   after(() => closeRemoteWorld({ bed, api }));
@@ -64,7 +64,8 @@ describe('remote-delete: pause and resume', () => {
     );
 
     // Hold the answers while the pause is made: the calls in flight stay in progress (their slots
-    // busy), so the backlog left does not depend on how long the CLI takes to start here.
+    // busy), so the backlog left does not depend on how long the CLI takes to start here. (The
+    // client's timeout, 15 s, is far longer than the CLI takes even on a loaded machine.)
     api.configure({ hold: true });
     const paused = await runReaperCli(['pause', MEDIA_POLICY, '--json'], bed.processEnv());
     assert.equal(paused.code, 0, paused.stdout);
