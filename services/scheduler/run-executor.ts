@@ -19,6 +19,7 @@ import {
   type RunClaim,
 } from '../../shared/db/queries/runs';
 import type { Metrics } from '../../shared/observability/metrics';
+import { failpoint } from '../../shared/testing/failpoints';
 import { classifyRunError } from './run-errors';
 
 /** Batches built per window (one scan query); all are confirmed before progress is stored. */
@@ -114,6 +115,7 @@ export async function executeRun(deps: RunExecutorDeps, run: Run, policy: Policy
     if (window.batches.length > 0) {
       const confirmed = await attempt('publish', () => publishUnconfirmed(deps, run, window));
       if (!confirmed.ok) return confirmed.outcome;
+      failpoint('scheduler-after-confirm');
     }
     // Checkpoint every window that read rows, also one whose rows were all skipped: the cursor
     // must move past them, or the same window would be read again and again.
@@ -136,6 +138,7 @@ export async function executeRun(deps: RunExecutorDeps, run: Run, policy: Policy
       );
       if (!recorded.ok) return recorded.outcome;
       if (!recorded.value) return lostLease(log);
+      failpoint('scheduler-after-checkpoint');
       deps.metrics.batchesPublishedTotal.inc({ policy: run.policy }, window.batches.length);
       deps.metrics.candidatesTotal.inc({ policy: run.policy }, window.candidates);
       if (window.skipped > 0) deps.metrics.rowsSkippedTotal.inc({ policy: run.policy }, window.skipped);
@@ -343,6 +346,7 @@ async function publishUnconfirmed(deps: RunExecutorDeps, run: Run, window: Windo
         headers: { 'x-run-id': run.runId },
       });
       entry.confirmed = true;
+      failpoint('scheduler-after-publish');
     }),
   );
   const failed = results.find((result): result is PromiseRejectedResult => result.status === 'rejected');

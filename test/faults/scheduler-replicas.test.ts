@@ -1,19 +1,26 @@
 import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
+import { brokerNames } from '../../shared/amqp/topology';
+import { openTestBroker } from '../support/broker';
 import { eventually } from '../support/eventually';
+import { readyAtRest, startServices, stopAllCleanly } from '../support/fixtures';
 import { assertNoLeakedProcesses, startReaper, type ReaperProcess } from '../support/processes';
+import { countReservations, seedHolds } from '../support/seed';
 import { makeTestBed, type TestBed } from '../support/testbed';
 
 /**
  * Scheduler replicas and restarts, with real processes on a two-second schedule:
  *  - three replicas on one schedule make exactly one run per tick, and no tick is skipped;
  *  - a scheduler that was down across at least two ticks makes, on restart, ONE catch-up run for
- *    the latest missed tick (recorded as 'catch-up'), not one run per missed tick.
+ *    the latest missed tick (recorded as 'catch-up'), not one run per missed tick;
+ *  - three replicas and two workers over seeded rows, some of them expiring while the test runs:
+ *    every run is claimed and scanned by exactly one replica, and every row that expired is
+ *    deleted exactly once (receipts add up), nothing else.
  * Each test uses its own policy name, so runs of one never count as history for the other.
  */
 const TICK_MS = 2_000;
 
-function policiesYaml(name: string): string {
+function policiesYaml(name: string, batchSize = 100): string {
   return `policies:
   - name: ${name}
     kind: row-delete
@@ -22,7 +29,7 @@ function policiesYaml(name: string): string {
     key: reservation_id
     expiresAt: expires_at
     guard: { status: held }
-    batchSize: 100
+    batchSize: ${batchSize}
 `;
 }
 
@@ -183,5 +190,86 @@ describe('scheduler replicas and catch-up', () => {
     assert.ok(later.every((run) => run.trigger === 'cron'));
 
     assert.deepEqual(errorsLogged([firstLife, secondLife]), [], 'no error logged');
+  });
+
+  test('three replicas compete over real scans: each run scanned by one replica, each expired row deleted once', async () => {
+    const policy = 'ticks-scanned';
+    bed.writePolicies(policiesYaml(policy, 50));
+    await bed.pool.query('DELETE FROM seat_reservations');
+    const seeded = await seedHolds(bed.pool, { expiredHeld: 3_000, futureHeld: 100, expiredConfirmed: 100 });
+    // Rows that expire one by one during the next 6 s: later ticks' runs find new work.
+    const expiring = (
+      await bed.pool.query<{ reservation_id: string }>(
+        `INSERT INTO seat_reservations (reservation_id, status, expires_at, seat)
+         SELECT gen_random_uuid(), 'held', clock_timestamp() + i * interval '20 milliseconds' + random() * interval '1 millisecond', 'late-' || i
+         FROM generate_series(1, 300) i RETURNING reservation_id`,
+      )
+    ).rows.map((row) => row.reservation_id);
+    const lastExpiryMs = (await bed.pool.query<{ ms: number }>(`SELECT (extract(epoch FROM max(expires_at)) * 1000)::float8 AS ms FROM seat_reservations WHERE seat LIKE 'late-%'`)).rows[0]!.ms;
+    const broker = await openTestBroker(bed.amqpUrl);
+    const group = startServices(bed, [
+      { label: 'scan-worker-1', kind: 'worker' },
+      { label: 'scan-worker-2', kind: 'worker' },
+      { label: 'scan-replica-a', kind: 'scheduler' },
+      { label: 'scan-replica-b', kind: 'scheduler' },
+      { label: 'scan-replica-c', kind: 'scheduler' },
+    ]);
+    const replicas = group.services.slice(2);
+    try {
+      // Until a run whose cutoff is after the last expiry has completed: then every seeded row that expires has been scanned.
+      await group.eventuallyAlive(
+        'a completed run with a cutoff after the last expiry',
+        async () =>
+          (
+            await bed.pool.query(`SELECT 1 FROM cleanup_runs WHERE policy = $1 AND state = 'completed' AND extract(epoch FROM cutoff) * 1000 > $2`, [policy, lastExpiryMs])
+          ).rowCount! > 0,
+        { timeoutMs: 90_000, intervalMs: 250 },
+      );
+      await stopAllCleanly(group.services);
+
+      const runs = (
+        await bed.pool.query<{ run_id: string; state: string; claim_count: number; candidates: number; batches_confirmed: number }>(
+          `SELECT run_id, state, claim_count, candidates::int AS candidates, batches_confirmed FROM cleanup_runs WHERE policy = $1 AND state <> 'pending' ORDER BY scheduled_for`,
+          [policy],
+        )
+      ).rows;
+      const scans = replicas.flatMap((replica) => replica.lines.filter((line) => line.msg === 'run scanning').map((line) => ({ replica: replica.label, runId: String(line.runId), claim: line.claim })));
+      const withWork = runs.filter((run) => run.candidates > 0);
+      console.log(
+        `[scheduler-replicas] runs=${runs.length} with rows=${withWork.length} scans per replica=${JSON.stringify(Object.fromEntries(replicas.map((r) => [r.label, scans.filter((s) => s.replica === r.label).length])))}`,
+      );
+      assert.ok(withWork.length >= 2, `several runs found rows to publish (${withWork.length})`);
+      for (const run of runs) {
+        assert.equal(run.claim_count, 1, `run ${run.run_id} was claimed once (no replica took it from another)`);
+        assert.deepEqual(
+          scans.filter((scan) => scan.runId === run.run_id).map((scan) => scan.claim),
+          [1],
+          `run ${run.run_id} was scanned by exactly one replica`,
+        );
+      }
+      // Stopped replicas may leave their last tick's run pending or scanning; every run that published completed.
+      assert.deepEqual(runs.filter((run) => run.batches_confirmed > 0 && run.state !== 'completed'), [], 'every run that published batches completed');
+
+      const perRun = (
+        await bed.pool.query<{ run_id: string; batches: number; items: number; deleted: number }>(
+          `SELECT run_id, count(*)::int AS batches, sum(deleted + noop)::int AS items, sum(deleted)::int AS deleted FROM cleanup_batches WHERE policy = $1 GROUP BY run_id`,
+          [policy],
+        )
+      ).rows;
+      for (const run of withWork) {
+        const receipts = perRun.find((row) => row.run_id === run.run_id);
+        assert.equal(receipts?.batches, run.batches_confirmed, `run ${run.run_id}: one receipt per published batch`);
+        assert.equal(receipts?.items, run.candidates, `run ${run.run_id}: every candidate reached a worker once`);
+      }
+      const deleted = perRun.reduce((sum, row) => sum + row.deleted, 0);
+      assert.equal(await countReservations(bed.pool, [...seeded.expiredHeld, ...expiring]), 0, 'every held row that expired is gone');
+      assert.equal(deleted, seeded.expiredHeld.length + expiring.length, 'and each was deleted exactly once (the receipts add up)');
+      assert.equal(await countReservations(bed.pool, seeded.futureHeld), seeded.futureHeld.length, 'no row that had not expired is gone');
+      assert.equal(await countReservations(bed.pool, seeded.expiredConfirmed), seeded.expiredConfirmed.length, 'no confirmed row is gone');
+      assert.equal(await readyAtRest(broker, brokerNames(bed.prefix).workQueue(policy)), 0, 'no batch left in the work queue');
+    } finally {
+      await group.stopLeftovers();
+      await broker.close();
+    }
   });
 });

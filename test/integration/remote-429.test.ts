@@ -22,8 +22,8 @@ import type { TestBed } from '../support/testbed';
 
 /**
  * 429 + Retry-After (docs/design.md "Remote API calls", invariants 7, 10 and 11), two worker processes:
- * the stand-in first throttles every call for a few seconds (Retry-After counting down to the end
- * of the throttle), then enforces its own token bucket that is tighter than the policy's (so 429s
+ * the stand-in first throttles every call for a few seconds from the first call on (Retry-After
+ * counting down to the end of the throttle), then enforces its own token bucket that is tighter than the policy's (so 429s
  * with Retry-After: 1 keep coming while there is backlog). For every key, no call starts before
  * the previous 429's Retry-After elapsed; every operation ends confirmed; each key executed once;
  * each call is one cleanup attempt.
@@ -52,8 +52,11 @@ describe('remote-delete: 429 with Retry-After', () => {
     const all: ReaperProcess[] = [scheduler, ...workers];
     await Promise.all([started(scheduler, 'scheduler'), ...workers.map((w) => started(w, 'worker'))]);
 
-    const throttleUntil = Date.now() + THROTTLE_MS;
-    api.configure({ throttleUntil });
+    // The throttle window starts at the first call that arrives (however long the trigger, the
+    // scan and the first grant take on this machine), and the Retry-After of every 429 is read
+    // from what the stand-in actually sent: no wall-clock window, no recomputed rounding.
+    const callsBefore = api.calls.length;
+    api.configure({ throttleForMs: THROTTLE_MS });
     const trigger = await runReaperCli(['trigger', MEDIA_POLICY], bed.processEnv());
     assert.equal(trigger.code, 0, trigger.stdout);
 
@@ -62,16 +65,8 @@ describe('remote-delete: 429 with Retry-After', () => {
       async () => (await ledgerSummary(bed.pool))['done/confirmed'] === ASSETS,
       { timeoutMs: 45_000, intervalMs: 250, describe: async () => ({ ...(await ledgerDiagnosis(bed.pool)), calls: api.calls.length }) },
     );
-
-    /**
-     * The Retry-After the stand-in sent with a 429 (it is not recorded, so it is recomputed). The
-     * throttle answers ceil((throttleUntil - now) / 1000) where now is taken right after startedAt
-     * (same or next millisecond): the smaller candidate is used, which only ever favours the product.
-     */
-    const retryAfterMsOf = (call: MediaApiCall): number => {
-      const throttle = (at: number) => (throttleUntil > at ? Math.ceil((throttleUntil - at) / 1000) : API_RETRY_AFTER_S);
-      return Math.min(throttle(call.startedAt), throttle(call.startedAt + 1)) * 1000;
-    };
+    const throttleUntil = api.calls[callsBefore]!.startedAt + THROTTLE_MS;
+    const retryAfterMsOf = (call: MediaApiCall): number => call.retryAfterSeconds! * 1000;
 
     const byKey = callsByKey(api);
     const throttled = api.calls.filter((call) => call.status === 429 && call.startedAt < throttleUntil).length;

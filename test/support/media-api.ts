@@ -32,6 +32,11 @@ export interface MediaApiOptions {
   burst?: number;
   /** Value of Retry-After on a token-bucket 429 (default 1). */
   retryAfterSeconds?: number;
+  /**
+   * The clock the forced throttle reads (epoch ms; default Date.now): a test that checks the
+   * Retry-After arithmetic fixes it, so the answer does not depend on how long the call took.
+   */
+  clock?: () => number;
 }
 
 export interface MediaApiCall {
@@ -49,6 +54,8 @@ export interface MediaApiCall {
   status: number | 'reset';
   /** True when this call actually deleted the asset (a 200 execution, or an executeThenFail one). */
   executed: boolean;
+  /** The Retry-After header sent with a 429, exactly as sent (seconds); null otherwise. */
+  retryAfterSeconds: number | null;
 }
 
 export interface MediaApi {
@@ -66,6 +73,13 @@ export interface MediaApi {
   maxConcurrent(): number;
   /** Most calls (any status) whose startedAt falls in any sliding window [t, t + windowMs) (default 1000). */
   maxCallsInWindow(windowMs?: number): number;
+  /**
+   * Answers the calls held by `hold` (those `which` accepts; default all), in arrival order, and
+   * returns how many were answered. Calls whose client already gave up are not answered.
+   */
+  release(which?: (call: MediaApiCall) => boolean): number;
+  /** Calls decided and waiting for release() (hold). */
+  heldCalls(): MediaApiCall[];
   /** Change behaviour at run time. Passing `ratePerSecond: undefined` explicitly removes the rate limit. */
   configure(patch: Partial<MediaApiBehaviour>): void;
   /** Stops the server, dropping any request still in progress. */
@@ -77,6 +91,26 @@ export interface MediaApiBehaviour {
   slowMs: number;
   /** Epoch ms: until then EVERY call gets 429 + Retry-After (forced rate limiting). */
   throttleUntil: number;
+  /**
+   * A throttle window of this many ms that starts at the NEXT call to arrive (then throttleUntil
+   * is set from it and this goes back to 0): the window covers the first calls however long the
+   * client takes to send them.
+   */
+  throttleForMs: number;
+  /**
+   * Decide each call when it arrives (as always: executed, key remembered) but do not answer it
+   * until release(): the call stays "in progress" for exactly as long as the test wants, instead
+   * of for a slowMs that a slow machine may overrun.
+   */
+  hold: boolean;
+  /**
+   * Next N calls get 429 with exactly `throttleRetryAfterSeconds` as Retry-After, not executed: a
+   * throttle counted in calls, not in wall-clock time, so a test does not depend on how fast the
+   * machine gets its calls out (and no rounding of a remaining time is involved).
+   */
+  throttleNext: number;
+  /** Retry-After (seconds) sent by throttleNext (default 1). */
+  throttleRetryAfterSeconds: number;
   /** Next N calls answer failStatus WITHOUT executing. */
   failNext: number;
   /** Status used by failNext (default 503). */
@@ -226,10 +260,17 @@ function sendJson(res: ServerResponse, status: number, body: Json, headers: Outg
 export async function startMediaApi(options: MediaApiOptions = {}): Promise<MediaApi> {
   checkRate(options.ratePerSecond, options.burst);
   const retryAfterSeconds = options.retryAfterSeconds ?? 1;
+  const clock = options.clock ?? Date.now;
+  /** Answers waiting for release() (hold), with their calls. */
+  const held: Array<{ call: MediaApiCall; answer: () => void }> = [];
 
   const behaviour: MediaApiBehaviour = {
     slowMs: 0,
     throttleUntil: 0,
+    throttleForMs: 0,
+    hold: false,
+    throttleNext: 0,
+    throttleRetryAfterSeconds: 1,
     failNext: 0,
     failStatus: 503,
     executeThenFailNext: 0,
@@ -263,10 +304,26 @@ export async function startMediaApi(options: MediaApiOptions = {}): Promise<Medi
     }
 
     // 1. Forced throttle: Retry-After = whole seconds until it ends.
-    const now = Date.now();
+    const now = clock();
+    if (behaviour.throttleForMs > 0) {
+      behaviour.throttleUntil = now + behaviour.throttleForMs;
+      behaviour.throttleForMs = 0;
+    }
     if (behaviour.throttleUntil > now) {
       const retryAfter = Math.ceil((behaviour.throttleUntil - now) / 1000);
       return { kind: 'reply', status: 429, body: { error: 'throttled' }, headers: { 'Retry-After': String(retryAfter) }, executed: false };
+    }
+
+    // 1b. Forced throttle by count: the explicit Retry-After.
+    if (behaviour.throttleNext > 0) {
+      behaviour.throttleNext--;
+      return {
+        kind: 'reply',
+        status: 429,
+        body: { error: 'throttled' },
+        headers: { 'Retry-After': String(behaviour.throttleRetryAfterSeconds) },
+        executed: false,
+      };
     }
 
     // 2. Token bucket.
@@ -341,6 +398,7 @@ export async function startMediaApi(options: MediaApiOptions = {}): Promise<Medi
       finishedAt: 0,
       status: outcome.kind === 'reset' ? 'reset' : outcome.status,
       executed: outcome.kind === 'reply' && outcome.executed,
+      retryAfterSeconds: outcome.kind === 'reply' && outcome.headers?.['Retry-After'] !== undefined ? Number(outcome.headers['Retry-After']) : null,
     };
     calls.push(call);
 
@@ -373,7 +431,9 @@ export async function startMediaApi(options: MediaApiOptions = {}): Promise<Medi
     };
 
     const delay = behaviour.slowMs;
-    if (delay > 0 && !(outcome.kind === 'reply' && outcome.immediate === true)) {
+    if (behaviour.hold && !(outcome.kind === 'reply' && outcome.immediate === true)) {
+      held.push({ call, answer });
+    } else if (delay > 0 && !(outcome.kind === 'reply' && outcome.immediate === true)) {
       timer = setTimeout(answer, delay);
       pendingTimers.add(timer);
     } else {
@@ -426,6 +486,17 @@ export async function startMediaApi(options: MediaApiOptions = {}): Promise<Medi
     restore(id: string): void {
       deleted.delete(id);
     },
+    release(which = () => true): number {
+      let answered = 0;
+      for (const entry of [...held]) {
+        if (!which(entry.call)) continue;
+        held.splice(held.indexOf(entry), 1);
+        if (entry.call.finishedAt === 0) answered++;
+        entry.answer();
+      }
+      return answered;
+    },
+    heldCalls: () => held.filter((entry) => entry.call.finishedAt === 0).map((entry) => entry.call),
     maxConcurrent: () => peakInFlight,
     maxCallsInWindow(windowMs = 1000): number {
       return maxInSlidingWindow(
@@ -436,6 +507,10 @@ export async function startMediaApi(options: MediaApiOptions = {}): Promise<Medi
     configure(patch: Partial<MediaApiBehaviour>): void {
       if (patch.slowMs !== undefined) behaviour.slowMs = patch.slowMs;
       if (patch.throttleUntil !== undefined) behaviour.throttleUntil = patch.throttleUntil;
+      if (patch.throttleNext !== undefined) behaviour.throttleNext = patch.throttleNext;
+      if (patch.throttleForMs !== undefined) behaviour.throttleForMs = patch.throttleForMs;
+      if (patch.hold !== undefined) behaviour.hold = patch.hold;
+      if (patch.throttleRetryAfterSeconds !== undefined) behaviour.throttleRetryAfterSeconds = patch.throttleRetryAfterSeconds;
       if (patch.failNext !== undefined) behaviour.failNext = patch.failNext;
       if (patch.failStatus !== undefined) behaviour.failStatus = patch.failStatus;
       if (patch.executeThenFailNext !== undefined) behaviour.executeThenFailNext = patch.executeThenFailNext;
@@ -462,6 +537,7 @@ export async function startMediaApi(options: MediaApiOptions = {}): Promise<Medi
       closing ??= (async () => {
         for (const t of pendingTimers) clearTimeout(t);
         pendingTimers.clear();
+        held.splice(0); // dropped with their connections below
         const closed = once(server, 'close');
         server.close();
         server.closeAllConnections(); // drop keep-alive and in-progress connections

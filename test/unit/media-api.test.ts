@@ -95,8 +95,10 @@ test('token bucket: 429 with Retry-After once the burst is spent', async () => {
 });
 
 test('forced throttle: every call gets 429 with Retry-After = seconds left', async () => {
-  await withApi({}, async (api) => {
-    api.configure({ throttleUntil: Date.now() + 2500 });
+  // The stand-in's clock is fixed: Retry-After is ceil(2.5 s) = 3 however long the call took.
+  const now = 1_800_000_000_000;
+  await withApi({ clock: () => now }, async (api) => {
+    api.configure({ throttleUntil: now + 2500 });
     const res = await del(api, 'a', 'k');
     assert.equal(res.status, 429);
     assert.equal(res.headers.get('retry-after'), '3');
@@ -104,6 +106,41 @@ test('forced throttle: every call gets 429 with Retry-After = seconds left', asy
 
     api.configure({ throttleUntil: 0 });
     assert.equal((await del(api, 'a', 'k')).status, 200);
+  });
+});
+
+test('throttleNext: the next N calls get 429 with exactly the Retry-After asked for; throttleForMs starts its window at the next call', async () => {
+  let now = 1_800_000_000_000;
+  await withApi({ clock: () => now }, async (api) => {
+    api.configure({ throttleNext: 2, throttleRetryAfterSeconds: 7 });
+    assert.equal((await del(api, 'a', 'k1')).headers.get('retry-after'), '7');
+    assert.equal((await del(api, 'a', 'k2')).status, 429);
+    assert.equal((await del(api, 'a', 'k3')).status, 200);
+    assert.deepEqual(api.calls.map((call) => call.retryAfterSeconds), [7, 7, null], 'the Retry-After sent is recorded per call');
+
+    api.configure({ throttleForMs: 2_500 });
+    now += 60_000; // however late the next call comes, the window starts with it
+    assert.equal((await del(api, 'b', 'k4')).headers.get('retry-after'), '3');
+    now += 2_000;
+    assert.equal((await del(api, 'b', 'k5')).headers.get('retry-after'), '1');
+    now += 500;
+    assert.equal((await del(api, 'b', 'k6')).status, 200, 'the window ended');
+  });
+});
+
+test('hold: calls are decided on arrival and answered only on release', async () => {
+  await withApi({}, async (api) => {
+    api.configure({ hold: true });
+    const answer = del(api, 'h', 'kh');
+    await new Promise<void>((resolve) => {
+      const poll = () => (api.heldCalls().length === 1 ? resolve() : setTimeout(poll, 5));
+      poll();
+    });
+    assert.equal(api.calls[0]!.executed, true, 'executed on arrival');
+    assert.equal(api.calls[0]!.finishedAt, 0, 'still in progress');
+    assert.equal(api.release(), 1);
+    assert.equal((await answer).status, 200);
+    assert.ok(api.calls[0]!.finishedAt > 0);
   });
 });
 

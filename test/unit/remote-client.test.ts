@@ -125,16 +125,21 @@ test('a remote.path with characters that cannot go on the request line is refuse
 test('the HTTP client sends Idempotency-Key, and timeouts and resets are uncertain', async () => {
   const api = await startMediaApi();
   try {
-    const client = makeHttpRemoteClient({ baseUrl: api.url, path: '/assets/{id}', timeoutMs: 200, headers: {} });
+    // Calls that must succeed get a timeout no loaded machine reaches; the timeout case gets a
+    // short timeout and an answer that never comes in time (held by the stand-in, not slowed by a
+    // fixed delay a slow machine could overrun either way).
+    const client = makeHttpRemoteClient({ baseUrl: api.url, path: '/assets/{id}', timeoutMs: 30_000, headers: {} });
     assert.deepEqual(await client.delete('a/1', 'key-1'), { kind: 'confirmed', status: 200 });
     assert.equal(api.calls[0]!.key, 'key-1');
     assert.equal(api.calls[0]!.id, 'a/1', 'the id is URL-encoded into the path and arrives intact');
     api.configure({ resetNext: 1 });
     assert.equal((await client.delete('a-2', 'key-2')).kind, 'uncertain');
-    api.configure({ slowMs: 500 });
-    const slow = await client.delete('a-3', 'key-3');
+    const impatient = makeHttpRemoteClient({ baseUrl: api.url, path: '/assets/{id}', timeoutMs: 200, headers: {} });
+    api.configure({ hold: true });
+    const slow = await impatient.delete('a-3', 'key-3');
     assert.equal(slow.kind, 'uncertain');
     assert.match((slow as { reason: string }).reason, /timeout after 200 ms/);
+    api.release(); // answers nobody waits for any more
   } finally {
     await api.close();
   }
