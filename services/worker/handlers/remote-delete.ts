@@ -42,9 +42,8 @@ export const HOLD_BATCH_MAX_MS = 8_000;
 export const WAIT_IN_WORKER_MAX_MS = 4_000;
 /**
  * A waiting batch asks the admission row (a lock every worker shares) only when its turn is this
- * close, or within one batch's time at the rate when that is longer (small batches hand over
- * often); until then it re-reads its place in line, which takes no lock. So about two batches ask
- * at once: the next one is already asking when the head one runs out, and no rate is lost.
+ * close; until then it re-reads its place in line, which takes no lock. The bucket holds more than
+ * this much rate, so the hand-over from one batch to the next loses none.
  */
 export const POLL_ADMISSION_WITHIN_MS = 300;
 /** Longest sleep of a waiting batch between two reads of its place in line. */
@@ -86,7 +85,6 @@ const sleep = (ms: number) => new Promise<void>((resolve) => setTimeout(resolve,
  */
 export function makeRemoteDeleteHandler(policy: RemoteDeletePolicy, target: ResolvedTarget, remote: RemoteCleanupClient): BatchHandler {
   const rate = bucketShape(policy.admission.ratePerSecond, policy.admission.burst).ratePerSecond;
-  const pollWithinMs = Math.max(POLL_ADMISSION_WITHIN_MS, (policy.batchSize / rate) * 1000);
   return async (batch, context) => {
     const recorded = await withTransaction(context.pool, async (client) => {
       const candidates = await ledgerRecordCandidates(client, target, {
@@ -128,16 +126,16 @@ export function makeRemoteDeleteHandler(policy: RemoteDeletePolicy, target: Reso
     let line = recorded.known.length > 0 ? await readLine() : null;
     const parkAtOnce = line !== null && line.due > 0 && line.turnMs > WAIT_IN_WORKER_MAX_MS;
     while (!parkAtOnce && recorded.known.length > 0 && Date.now() < holdUntil) {
-      if (line && inProgress.size === 0 && line.due > 0 && line.turnMs > pollWithinMs) {
+      if (line && inProgress.size === 0 && line.due > 0 && line.turnMs > POLL_ADMISSION_WITHIN_MS) {
         // Not at the head of the line yet: wait without the lock until the operations ahead are nearly taken.
-        const napMs = Math.min(line.turnMs - pollWithinMs, LINE_CHECK_MAX_MS, holdUntil - Date.now());
+        const napMs = Math.min(line.turnMs - POLL_ADMISSION_WITHIN_MS, LINE_CHECK_MAX_MS, holdUntil - Date.now());
         if (napMs > 0) {
           waitedInWorker += 1;
           await sleep(napMs);
         }
         line = await readLine();
         if (line.turnMs > WAIT_IN_WORKER_MAX_MS) break;
-        if (line.turnMs > pollWithinMs && Date.now() < holdUntil) continue;
+        if (line.turnMs > POLL_ADMISSION_WITHIN_MS && Date.now() < holdUntil) continue;
       }
       line = null;
       grant = await admitAndClaim(context.pool, policy, target, { keys: recorded.known, owner: context.workerId, cutoff: batch.cutoff, batchId: batch.batchId });
