@@ -6,6 +6,7 @@
  *   npm run bench -- --full       the sizes the README reports (500k and 2M candidates)
  *   npm run bench -- --smoke      CI: small sizes; exits 1 if any count is wrong (never on speed)
  *   add --profile                 one extra end-to-end run under --cpu-prof (scheduler, worker 1), summarised
+ *   add --only remote-backlog     figure 5b alone (with --full: its sizes), e.g. while tuning the ledger
  *
  * It needs PostgreSQL and RabbitMQ (DATABASE_URL / AMQP_URL, defaults 127.0.0.1). It creates and
  * drops its own databases (reaper_bench, reaper_bench_seed) and broker objects under a random
@@ -37,15 +38,20 @@ const RESULTS_DIR = path.resolve(__dirname, '..', '..', 'bench', 'results');
 const PGBOSS_BATCH: Omit<PgBossOptions, 'batchSize'> = { mode: 'batch', workers: 2, loopsPerWorker: 2, fetchSize: 4 };
 const PGBOSS_ROW: Omit<PgBossOptions, 'batchSize'> = { mode: 'row', workers: 2, loopsPerWorker: 4, fetchSize: 100 };
 
-function parseMode(): { config: ModeConfig; profile: boolean } {
+/** Figures that can be measured alone (--only). */
+const ONLY = ['remote-backlog'] as const;
+type Only = (typeof ONLY)[number];
+
+function parseMode(): { config: ModeConfig; profile: boolean; only: Only | null } {
   const { values } = parseArgs({
-    options: { quick: { type: 'boolean' }, full: { type: 'boolean' }, smoke: { type: 'boolean' }, profile: { type: 'boolean' } },
+    options: { quick: { type: 'boolean' }, full: { type: 'boolean' }, smoke: { type: 'boolean' }, profile: { type: 'boolean' }, only: { type: 'string' } },
     strict: true,
   });
+  if (values.only !== undefined && !(ONLY as readonly string[]).includes(values.only)) throw new Error(`--only takes one of: ${ONLY.join(', ')}`);
   const chosen = (['quick', 'full', 'smoke'] as const).filter((mode) => values[mode]);
   if (chosen.length > 1) throw new Error('give one of --quick, --full, --smoke');
   const mode: Mode = chosen[0] ?? 'quick';
-  return { config: MODES[mode], profile: !!values.profile };
+  return { config: MODES[mode], profile: !!values.profile, only: (values.only as Only | undefined) ?? null };
 }
 
 async function serverVersions(adminUrl: string): Promise<{ postgres: string; rabbitmq: string }> {
@@ -156,6 +162,13 @@ async function measureFirstSizeExtras(context: BenchContext, config: ModeConfig,
   }
 }
 
+async function measureRemoteBacklog(context: BenchContext, config: ModeConfig, report: BenchReport): Promise<void> {
+  if (!config.remoteBacklog) throw new Error(`figure 5b (remote backlog) is measured in --full mode only`);
+  const b = config.remoteBacklog;
+  context.progress(`remote backlog: ${b.assets} assets, R=${b.ratePerSecond}, a run every ${b.runEverySeconds} s while it drains`);
+  report.remoteBacklog = await runRemoteBacklog(context, b);
+}
+
 async function measureAll(context: BenchContext, config: ModeConfig, report: BenchReport, profile: boolean): Promise<void> {
   for (const [index, candidates] of config.sizes.entries()) {
     // Every figure copies the bench database from this size's seed afresh: the seed never changes.
@@ -171,15 +184,11 @@ async function measureAll(context: BenchContext, config: ModeConfig, report: Ben
   const backlog = remote.ratePerSecond * remote.backlogSeconds;
   context.progress(`remote-delete: R=${remote.ratePerSecond}, backlog ${backlog}`);
   report.remote = await runRemoteDelete(context, { ...remote, backlog });
-  if (config.remoteBacklog) {
-    const b = config.remoteBacklog;
-    context.progress(`remote backlog: ${b.assets} assets, R=${b.ratePerSecond}, a run every ${b.runEverySeconds} s while it drains`);
-    report.remoteBacklog = await runRemoteBacklog(context, b);
-  }
+  if (config.remoteBacklog) await measureRemoteBacklog(context, config, report);
 }
 
 async function main(): Promise<number> {
-  const { config, profile } = parseMode();
+  const { config, profile, only } = parseMode();
   const started = Date.now();
   const env = loadEnv();
   const workDir = mkdtempSync(path.join(tmpdir(), 'reaper-bench-'));
@@ -234,7 +243,11 @@ async function main(): Promise<number> {
   };
   context.progress(`${config.mode} mode; broker prefix ${context.broker.prefix}`);
   try {
-    await measureAll(context, config, report, profile);
+    if (only === 'remote-backlog') {
+      // Every figure copies the bench database from a seed: a tiny one is enough for this figure.
+      await context.databases.seed(2);
+      await measureRemoteBacklog(context, config, report);
+    } else await measureAll(context, config, report, profile);
   } finally {
     await cleanUp();
   }
@@ -242,7 +255,7 @@ async function main(): Promise<number> {
   report.seconds = (Date.now() - started) / 1000;
   report.countsOk = context.checks.every((entry) => entry.ok);
   mkdirSync(RESULTS_DIR, { recursive: true });
-  const base = path.join(RESULTS_DIR, `${report.date}-${config.mode}`);
+  const base = path.join(RESULTS_DIR, `${report.date}-${config.mode}${only ? `-${only}` : ''}`);
   writeFileSync(`${base}.json`, `${JSON.stringify(report, null, 2)}\n`);
   writeFileSync(`${base}.md`, renderMarkdown(report));
   process.stdout.write(`\n${renderText(report)}\n\nwrote ${path.relative(process.cwd(), base)}.json and .md (${report.seconds.toFixed(0)} s)\n`);

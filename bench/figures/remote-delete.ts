@@ -174,6 +174,10 @@ export interface RemoteBacklogFigure {
   maxQueueDepth: number;
   achievedPerSecond: number;
   achievedRatio: number;
+  /** The same between the 10th and the 90th percentile of executions (start and tail left out). */
+  steadyRatio: number;
+  /** Executed deletions in each second from the first call: where the rate was lost. */
+  executedPerSecond: number[];
   duplicates: number;
   rateLimited: number;
   maxCallsInOneSecond: number;
@@ -268,6 +272,15 @@ export async function runRemoteBacklog(
     const executed = api.calls.filter((call) => call.executed).map((call) => call.startedAt).sort((a, b) => a - b);
     const spanSeconds = executed.length > 1 ? (executed[executed.length - 1]! - executed[0]!) / 1000 : 0;
     const achievedPerSecond = spanSeconds > 0 ? (executed.length - 1) / spanSeconds : 0;
+    const [p10, p90] = [Math.floor(executed.length * 0.1), Math.floor(executed.length * 0.9)];
+    const steadySeconds = executed.length > 10 ? (executed[p90]! - executed[p10]!) / 1000 : 0;
+    const steadyRatio = steadySeconds > 0 ? (p90 - p10) / steadySeconds / options.ratePerSecond : 0;
+    const executedPerSecond: number[] = [];
+    for (const at of executed) {
+      const second = Math.floor((at - executed[0]!) / 1000);
+      while (executedPerSecond.length <= second) executedPerSecond.push(0);
+      executedPerSecond[second]! += 1;
+    }
     const duplicates = [...api.executionsByKey().values()].filter((count) => count > 1).length;
     const figure = `remote backlog, ${options.assets} assets, R=${options.ratePerSecond}, a run every ${options.runEverySeconds} s`;
     check(context, figure, 'duplicate executions at the remote', 0, duplicates);
@@ -289,6 +302,8 @@ export async function runRemoteBacklog(
       maxQueueDepth,
       achievedPerSecond,
       achievedRatio: achievedPerSecond / options.ratePerSecond,
+      steadyRatio,
+      executedPerSecond,
       duplicates,
       rateLimited: api.calls.filter((call) => call.status === 429).length,
       maxCallsInOneSecond: api.maxCallsInWindow(1000),

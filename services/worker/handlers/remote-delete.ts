@@ -28,10 +28,26 @@ import type { BatchHandler, HandlerContext } from './types';
 
 /** Upper bound of the random extra wait added to a Retry-After (bounded jitter, never negative). */
 export const RETRY_AFTER_JITTER_MS = 500;
-/** Longest a worker keeps one batch in the admit-call loop before handing it back to the broker. */
-export const HOLD_BATCH_MAX_MS = 5_000;
-/** A batch whose turn (open operations ahead of it ÷ rate) is at most this far waits in the worker. */
-export const WAIT_IN_WORKER_MAX_MS = 1_000;
+/**
+ * Longest a worker keeps one batch in the admit-call loop before handing it back to the broker:
+ * long enough for a batch the ledger sweeper sent for its turn (at most SWEEP_AHEAD_MS away) to
+ * wait for it and then be drained in this one delivery.
+ */
+export const HOLD_BATCH_MAX_MS = 8_000;
+/**
+ * A batch whose turn (open operations ahead of it ÷ rate) is at most this far waits in the worker
+ * (no lease held); a later one is parked in the ledger at once, before any admission is asked for.
+ * Above the sweeper's SWEEP_AHEAD_MS: a batch sent for its turn is not sent back.
+ */
+export const WAIT_IN_WORKER_MAX_MS = 4_000;
+/**
+ * A waiting batch asks the admission row (a lock every worker shares) only when its turn is this
+ * close; until then it re-reads its place in line, which takes no lock. The bucket holds more than
+ * this much rate, so the hand-over from one batch to the next loses none.
+ */
+export const POLL_ADMISSION_WITHIN_MS = 300;
+/** Longest sleep of a waiting batch between two reads of its place in line. */
+const LINE_CHECK_MAX_MS = 250;
 /**
  * A batch whose operations can be admitted within this time goes to a delay tier; a longer wait
  * (its turn is far, the policy is paused or blocked for long, a backoff) is kept in the ledger
@@ -85,6 +101,12 @@ export function makeRemoteDeleteHandler(policy: RemoteDeletePolicy, target: Reso
     const lockWait = admissionLockWaitHistogram(context.metrics.registry);
     const results: CallResult[] = [];
     const holdUntil = Date.now() + HOLD_BATCH_MAX_MS;
+    // Its place in line only matters within what a worker would wait for: counting further is waste.
+    const aheadLimit = Math.ceil((rate * (WAIT_IN_BROKER_MAX_MS + WAIT_IN_WORKER_MAX_MS)) / 1000);
+    const readLine = async () => {
+      const line = await ledgerDueSummary(context.pool, { policy: policy.name, keys: recorded.known, batchId: batch.batchId, aheadLimit });
+      return { ...line, turnMs: (line.ahead / rate) * 1000 };
+    };
     let grant: AdmissionGrant | null = null;
     let admitted = 0;
     let superseded = 0;
@@ -99,7 +121,23 @@ export function makeRemoteDeleteHandler(policy: RemoteDeletePolicy, target: Reso
       inProgress.add(call);
     };
     const callEnds = () => Promise.race(inProgress);
-    while (recorded.known.length > 0 && Date.now() < holdUntil) {
+    // Far from its turn (a scan of a large backlog): parked at once, without taking the admission
+    // lock, so a whole scan is recorded quickly and the next run's scan finds it in the ledger.
+    let line = recorded.known.length > 0 ? await readLine() : null;
+    const parkAtOnce = line !== null && line.due > 0 && line.turnMs > WAIT_IN_WORKER_MAX_MS;
+    while (!parkAtOnce && recorded.known.length > 0 && Date.now() < holdUntil) {
+      if (line && inProgress.size === 0 && line.due > 0 && line.turnMs > POLL_ADMISSION_WITHIN_MS) {
+        // Not at the head of the line yet: wait without the lock until the operations ahead are nearly taken.
+        const napMs = Math.min(line.turnMs - POLL_ADMISSION_WITHIN_MS, LINE_CHECK_MAX_MS, holdUntil - Date.now());
+        if (napMs > 0) {
+          waitedInWorker += 1;
+          await sleep(napMs);
+        }
+        line = await readLine();
+        if (line.turnMs > WAIT_IN_WORKER_MAX_MS) break;
+        if (line.turnMs > POLL_ADMISSION_WITHIN_MS && Date.now() < holdUntil) continue;
+      }
+      line = null;
       grant = await admitAndClaim(context.pool, policy, target, { keys: recorded.known, owner: context.workerId, cutoff: batch.cutoff, batchId: batch.batchId });
       lockWait.observe({ policy: policy.name }, grant.lockWaitMs / 1000);
       superseded += grant.superseded;
@@ -117,22 +155,22 @@ export function makeRemoteDeleteHandler(policy: RemoteDeletePolicy, target: Reso
         continue;
       }
       if (grant.claimed.length === 0 && inProgress.size === 0) {
-        // No token or no slot, and nothing of ours running: wait here only when our turn is near.
-        const line = await ledgerDueSummary(context.pool, { policy: policy.name, keys: recorded.known, batchId: batch.batchId });
-        const turnMs = (line.ahead / rate) * 1000;
-        if (line.due === 0 || turnMs > WAIT_IN_WORKER_MAX_MS || Date.now() + Math.max(grant.waitMs, turnMs) >= holdUntil) break;
+        // No token or no slot, and nothing of ours running: wait here only while our turn is near.
+        line = await readLine();
+        if (line.due === 0 || line.turnMs > WAIT_IN_WORKER_MAX_MS || Date.now() + grant.waitMs >= holdUntil) break;
         waitedInWorker += 1;
-        await sleep(Math.max(grant.waitMs, turnMs));
+        await sleep(grant.waitMs);
         continue;
       }
-      // Ask again when the next token is due, or as soon as one of our calls frees its slot.
-      await Promise.race([sleep(grant.waitMs), ...(inProgress.size > 0 ? [callEnds()] : [])]);
+      // Ask again when the next token is due; when the cap was the limit, as soon as a call of ours
+      // frees a slot (an ended call does not bring a token: asking then would only take the lock).
+      await Promise.race([sleep(grant.waitMs), ...(grant.verdict === 'concurrency' && inProgress.size > 0 ? [callEnds()] : [])]);
     }
     await Promise.all(inProgress);
     const tally = countResults(results);
     for (const [result, count] of Object.entries(tally)) context.metrics.operationsTotal.inc({ policy: policy.name, result }, count);
 
-    const remaining = await ledgerDueSummary(context.pool, { policy: policy.name, keys: recorded.known, batchId: batch.batchId });
+    const remaining = await readLine();
     const detail = {
       ...tally,
       recorded: recorded.inserted,

@@ -111,11 +111,12 @@ export async function ledgerRecordCandidates(
  * Of `keys`: how many are due now, open, and when the earliest not-yet-due or leased one will be;
  * `confirmedByBatch`: confirmations made by claims of `batchId` itself (item 17: a receipt never
  * counts what another batch confirmed); `ahead`: open operations of the policy before this batch's
- * first due one in line (not_before, key) — its turn at the admitted rate.
+ * first due one in line (not_before, key) — its turn at the admitted rate — counted up to
+ * `aheadLimit` at most (a batch deep in a large backlog needs to know only that it is far).
  */
 export async function ledgerDueSummary(
   db: Db,
-  summary: { policy: string; keys: readonly string[]; batchId: string },
+  summary: { policy: string; keys: readonly string[]; batchId: string; aheadLimit?: number },
 ): Promise<{ due: number; open: number; confirmedByBatch: number; nextInMs: number | null; ahead: number }> {
   const result = await db.query<{ due: number; open: number; confirmed: number; next_in_ms: number | null; ahead: number }>(
     `WITH mine AS (
@@ -130,10 +131,11 @@ export async function ledgerDueSummary(
             count(*) FILTER (WHERE state <> 'done')::int AS open,
             greatest(0, ceil(extract(epoch FROM min(CASE WHEN state = 'pending' THEN not_before
                                                      WHEN state = 'in_flight' THEN lease_expires_at END) - clock_timestamp()) * 1000))::float8 AS next_in_ms,
-            coalesce((SELECT count(*)::int FROM cleanup_ledger l, first_due f
-                      WHERE l.policy = $3 AND l.state = 'pending' AND (l.not_before, l.operation_key) < (f.not_before, f.operation_key)), 0) AS ahead
+            coalesce((SELECT count(*)::int FROM (SELECT 1 FROM cleanup_ledger l, first_due f
+                      WHERE l.policy = $3 AND l.state = 'pending' AND (l.not_before, l.operation_key) < (f.not_before, f.operation_key)
+                      LIMIT $4) ahead), 0) AS ahead
      FROM mine`,
-    [summary.keys, summary.batchId, summary.policy],
+    [summary.keys, summary.batchId, summary.policy, summary.aheadLimit ?? null],
   );
   const row = result.rows[0]!;
   return { due: row.due, open: row.open, confirmedByBatch: row.confirmed, nextInMs: row.next_in_ms, ahead: row.ahead };
