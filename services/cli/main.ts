@@ -1,7 +1,7 @@
 import { Command, CommanderError, Option } from 'commander';
 import { loadEnv, type Env } from '../../shared/config/env';
 import { ConfigError } from '../../shared/config/errors';
-import amqp from 'amqplib';
+import { connectAny } from '../../shared/amqp/connection';
 import { requirePolicy, type PolicySet, type RemoteDeletePolicy } from '../../shared/config/policies';
 import { brokerNames, makeTopology, topologyAsDefinitions } from '../../shared/amqp/topology';
 import { admissionList, admissionSetPaused } from '../../shared/db/queries/admission';
@@ -172,7 +172,7 @@ async function queueDepths(env: Env, policyNames: string[]): Promise<{ work: Map
   const work = new Map<string, number>();
   let deadLetters: number | null = null;
   try {
-    const connection = await amqp.connect(env.amqpUrl, { timeout: 5000 });
+    const connection = await connectAny(env.amqpUrl, { timeout: 5000 });
     try {
       for (const policy of policyNames) {
         const channel = await connection.createChannel();
@@ -344,7 +344,7 @@ export function makeProgram(): Command {
     .addOption(json())
     .action((options: { json?: boolean; definitions?: boolean }) => {
       const { env, policies } = context();
-      const topology = makeTopology({ prefix: env.amqpPrefix, policies: [...policies.keys()], deliveryLimit: env.deliveryLimit });
+      const topology = makeTopology({ prefix: env.amqpPrefix, policies: [...policies.keys()], deliveryLimit: env.deliveryLimit, quorumGroupSize: env.quorumGroupSize });
       if (options.definitions) return printResult(true, topologyAsDefinitions(topology), () => '');
       printResult(!!options.json, topology, () =>
         [

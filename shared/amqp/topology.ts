@@ -55,8 +55,11 @@ export function brokerNames(prefix: string): BrokerNames {
  */
 export const DELAY_HEADER = 'reaper-delay-ms';
 
-export function makeTopology(options: { prefix: string; policies: readonly string[]; deliveryLimit: number }): Topology {
+export function makeTopology(options: { prefix: string; policies: readonly string[]; deliveryLimit: number; quorumGroupSize?: number | undefined }): Topology {
   const names = brokerNames(options.prefix);
+  // Replicas per quorum queue (REAPER_QUORUM_GROUP_SIZE). Declared only when set: the broker
+  // compares it at every declare, so adding it to queues that exist without it is a conflict.
+  const replicas = options.quorumGroupSize === undefined ? {} : { 'x-quorum-initial-group-size': options.quorumGroupSize };
   const exchanges: ExchangeSpec[] = [
     { name: names.workExchange, type: 'direct', options: { durable: true } },
     // A headers exchange picks the tier from DELAY_HEADER while the routing key stays the policy
@@ -64,13 +67,14 @@ export function makeTopology(options: { prefix: string; policies: readonly strin
     { name: names.delayExchange, type: 'headers', options: { durable: true } },
   ];
   const queues: QueueSpec[] = [
-    { name: names.deadLetterQueue, options: { durable: true, arguments: { 'x-queue-type': 'quorum' } } },
+    { name: names.deadLetterQueue, options: { durable: true, arguments: { 'x-queue-type': 'quorum', ...replicas } } },
     ...options.policies.map((policy) => ({
       name: names.workQueue(policy),
       options: {
         durable: true,
         arguments: {
           'x-queue-type': 'quorum',
+          ...replicas,
           // A batch that fails on every delivery ends in the dead-letter queue instead of looping.
           'x-delivery-limit': options.deliveryLimit,
           'x-dead-letter-exchange': '',
