@@ -141,8 +141,17 @@ export async function runChecker(input: CheckerInput): Promise<CheckerReport> {
       `SELECT coalesce(sum(c - 1), 0)::int AS n FROM (SELECT count(*) AS c FROM cleanup_audit WHERE policy = $1 AND operation_key IS NULL GROUP BY key HAVING count(*) > 1) twice`,
       [rows.policy],
     );
+    // A window published again under new batch ids would put the same rows in two batches: the
+    // receipts of a run then hold more items than the run published candidates.
+    const publishedTwice = await one<{ n: number }>(
+      `SELECT coalesce(sum(greatest(0, b.items - r.candidates)), 0)::int AS n FROM cleanup_runs r
+       JOIN (SELECT run_id, sum(items) AS items FROM cleanup_batches GROUP BY run_id) b ON b.run_id = r.run_id
+       WHERE r.policy = $1 AND r.state = 'completed'`,
+      [rows.policy],
+    );
     lost += lostRows.n;
     wrongful += goneProtected.length + heldDeletes.n;
+    doubled += publishedTwice.n;
     // Receipts counting more rows than are gone count some twice; fewer means a deletion went uncounted.
     doubled += Math.abs(receipts.deleted - gone) + auditTwice.n;
     details.rows = {
@@ -155,6 +164,7 @@ export async function runChecker(input: CheckerInput): Promise<CheckerReport> {
       gone,
       receiptsDeleted: receipts.deleted,
       auditedTwice: auditTwice.n,
+      publishedInTwoBatches: publishedTwice.n,
     };
   }
 
