@@ -102,6 +102,8 @@ export interface CheckerInput {
   recoveries?: Recovery[];
   /** Runs still unfinished that are allowed (e.g. a run the test left waiting for approval on purpose). */
   ignoreRuns?: readonly string[];
+  /** Only runs created before this instant (ISO) count as stuck: a schedule may start one while the services stop. */
+  runsCreatedBefore?: string;
 }
 
 export async function runChecker(input: CheckerInput): Promise<CheckerReport> {
@@ -202,8 +204,9 @@ export async function runChecker(input: CheckerInput): Promise<CheckerReport> {
 
   const unfinished = (
     await pool.query<{ run_id: string; policy: string; state: string }>(
-      `SELECT run_id::text, policy, state FROM cleanup_runs WHERE state IN ('pending', 'scanning', 'published') AND NOT (run_id::text = ANY($1::text[]))`,
-      [input.ignoreRuns ?? []],
+      `SELECT run_id::text, policy, state FROM cleanup_runs WHERE state IN ('pending', 'scanning', 'published') AND NOT (run_id::text = ANY($1::text[]))
+         AND ($2::timestamptz IS NULL OR created_at < $2::timestamptz)`,
+      [input.ignoreRuns ?? [], input.runsCreatedBefore ?? null],
     )
   ).rows;
   stuck += unfinished.length;
