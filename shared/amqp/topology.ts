@@ -86,7 +86,18 @@ export function makeTopology(options: { prefix: string; policies: readonly strin
       name: names.delayQueue(ms),
       options: {
         durable: true,
-        arguments: { 'x-message-ttl': ms, 'x-dead-letter-exchange': names.workExchange },
+        arguments: {
+          'x-message-ttl': ms,
+          'x-dead-letter-exchange': names.workExchange,
+          // On a cluster (group size set) the tiers are replicated too: a classic queue lives on
+          // one node, and while that node is down every declare of the topology fails ("home node
+          // is down"), so no service could reconnect anywhere. Quorum queues support per-queue TTL
+          // from RabbitMQ 3.10; at-least-once dead-lettering (which needs reject-publish) keeps a
+          // delayed batch from being dropped on its way back to the work exchange.
+          ...(options.quorumGroupSize === undefined
+            ? {}
+            : { 'x-queue-type': 'quorum', ...replicas, 'x-dead-letter-strategy': 'at-least-once', 'x-overflow': 'reject-publish' }),
+        },
       },
     })),
   ];

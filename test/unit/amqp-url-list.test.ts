@@ -1,7 +1,7 @@
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
 import { splitAmqpUrls } from '../../shared/amqp/connection';
-import { makeTopology } from '../../shared/amqp/topology';
+import { DELAY_TIERS_MS, makeTopology } from '../../shared/amqp/topology';
 import { loadEnv, withHeartbeat } from '../../shared/config/env';
 import { ConfigError } from '../../shared/config/errors';
 import { clientQueryTimeoutMs, CLIENT_TIMEOUT_MARGIN_MS } from '../../shared/db/pool';
@@ -27,8 +27,9 @@ test('REAPER_QUORUM_GROUP_SIZE declares x-quorum-initial-group-size on every quo
     makeTopology({ prefix: 'p', policies: ['a', 'b'], deliveryLimit: 20, quorumGroupSize: size })
       .queues.filter((q) => q.options.arguments?.['x-queue-type'] === 'quorum')
       .map((q) => [q.name, q.options.arguments?.['x-quorum-initial-group-size']]);
-  assert.deepEqual(quorumArgs(3), [['p.dead-letter', 3], ['p.cleanup.a', 3], ['p.cleanup.b', 3]]);
-  assert.deepEqual(quorumArgs(undefined), [['p.dead-letter', undefined], ['p.cleanup.a', undefined], ['p.cleanup.b', undefined]]);
+  const tiers = (size: number) => DELAY_TIERS_MS.map((ms) => [`p.delay.${ms}`, size] as const);
+  assert.deepEqual(quorumArgs(3), [['p.dead-letter', 3], ['p.cleanup.a', 3], ['p.cleanup.b', 3], ...tiers(3)], 'on a cluster the delay tiers are replicated too');
+  assert.deepEqual(quorumArgs(undefined), [['p.dead-letter', undefined], ['p.cleanup.a', undefined], ['p.cleanup.b', undefined]], 'unset: the topology as before (tiers classic)');
   assert.equal(loadEnv({ REAPER_QUORUM_GROUP_SIZE: '3' }).quorumGroupSize, 3);
   assert.equal(loadEnv({}).quorumGroupSize, undefined);
   assert.throws(() => loadEnv({ REAPER_QUORUM_GROUP_SIZE: '0' }), /REAPER_QUORUM_GROUP_SIZE/);
