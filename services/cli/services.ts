@@ -61,7 +61,7 @@ export function registerServiceCommands(program: Command): void {
     .addOption(json())
     .action((options: { json?: boolean; definitions?: boolean }) => {
       const { env, policies } = context();
-      const topology = makeTopology({ prefix: env.amqpPrefix, policies: [...policies.keys()], deliveryLimit: env.deliveryLimit });
+      const topology = makeTopology({ prefix: env.amqpPrefix, policies: [...policies.keys()], deliveryLimit: env.deliveryLimit, quorumGroupSize: env.quorumGroupSize });
       if (options.definitions) return printResult(true, topologyAsDefinitions(topology), () => '');
       printResult(!!options.json, topology, () =>
         [

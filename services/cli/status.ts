@@ -1,7 +1,7 @@
-import amqp from 'amqplib';
 import { Command, Option } from 'commander';
 import type { Env } from '../../shared/config/env';
 import type { PolicySet } from '../../shared/config/policies';
+import { connectAny } from '../../shared/amqp/connection';
 import { brokerNames, DELAY_TIERS_MS } from '../../shared/amqp/topology';
 import { admissionList, replicationLagRead } from '../../shared/db/queries/admission';
 import { admissionViews } from '../../shared/admission/overrides';
@@ -93,7 +93,7 @@ async function queueDepths(
   let delayed: number | null = null;
   let error: string | null = null;
   try {
-    const connection = await amqp.connect(env.amqpUrl, { timeout: 5000 });
+    const connection = await connectAny(env.amqpUrl, { timeout: 5000 });
     try {
       for (const policy of policyNames) {
         const channel = await connection.createChannel();

@@ -176,7 +176,7 @@ export async function startScheduler(env: Env, policies: PolicySet, log: Logger)
   const connection = new ReconnectingConnection({
     url: env.amqpUrl,
     connectionName: `reaper-scheduler ${env.amqpPrefix} ${env.workerId}`,
-    topology: makeTopology({ prefix: env.amqpPrefix, policies: policyNames, deliveryLimit: env.deliveryLimit }),
+    topology: makeTopology({ prefix: env.amqpPrefix, policies: policyNames, deliveryLimit: env.deliveryLimit, quorumGroupSize: env.quorumGroupSize }),
     log,
   });
   connectionRef.current = connection;

@@ -116,7 +116,7 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
   const connection = new ReconnectingConnection({
     url: env.amqpUrl,
     connectionName: `reaper-worker ${env.amqpPrefix} ${env.workerId}`,
-    topology: makeTopology({ prefix: env.amqpPrefix, policies: [...policies.keys()], deliveryLimit: env.deliveryLimit }),
+    topology: makeTopology({ prefix: env.amqpPrefix, policies: [...policies.keys()], deliveryLimit: env.deliveryLimit, quorumGroupSize: env.quorumGroupSize }),
     log,
   });
   connection.on('ready', () => metrics.amqpConnected.set(1));

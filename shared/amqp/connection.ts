@@ -31,9 +31,39 @@ function asTopologyError(error: unknown): unknown {
 }
 
 /**
+ * AMQP_URL may name several brokers, comma-separated (the nodes of a RabbitMQ cluster). Each entry
+ * is a full URL; surrounding spaces are ignored and empty entries refused.
+ */
+export function splitAmqpUrls(value: string): string[] {
+  const urls = value.split(',').map((url) => url.trim());
+  if (urls.some((url) => url === '')) throw new Error('AMQP_URL has an empty entry in its comma-separated list');
+  return urls;
+}
+
+/**
+ * A one-off connection (CLI commands) to the first broker of AMQP_URL's list that answers; the
+ * last failure is thrown when none does.
+ */
+export async function connectAny(value: string, options: Record<string, unknown> = {}): Promise<ChannelModel> {
+  let lastError: unknown;
+  for (const url of splitAmqpUrls(value)) {
+    try {
+      return await amqp.connect(url, options);
+    } catch (error) {
+      lastError = error;
+    }
+  }
+  throw lastError;
+}
+
+/**
  * One AMQP connection that comes back by itself. After every (re)connect it asserts the topology
  * and calls each `onReady` hook (which opens channels and consumers again). Backoff doubles from
  * 200 ms to 10 s with jitter.
+ *
+ * With several URLs (AMQP_URL="amqp://a,amqp://b,amqp://c") each connect attempt takes the next
+ * URL in turn, starting after the one that last worked, so a lost node is left for the next one
+ * at once; the backoff only grows once every URL has failed in a row.
  *
  * What retrying cannot fix is not retried: a topology conflict (TopologyConflictError) rejects
  * `start()` before the first connect, and later (at a reconnect or a re-assert) is emitted as
@@ -47,11 +77,17 @@ export class ReconnectingConnection extends EventEmitter {
   private attempt = 0;
   private readonly readyHooks: Array<(connection: ChannelModel) => Promise<void>> = [];
   private retryTimer: NodeJS.Timeout | null = null;
+  private readonly urls: string[];
+  /** Index of the URL the next attempt uses. */
+  private next = 0;
+  /** Attempts failed in a row since the last success (across URLs). */
+  private failuresInRow = 0;
 
   constructor(
     private readonly options: { url: string; connectionName: string; topology: Topology; log: Logger },
   ) {
     super();
+    this.urls = splitAmqpUrls(options.url);
   }
 
   get connected(): boolean {
@@ -88,8 +124,9 @@ export class ReconnectingConnection extends EventEmitter {
     if (this.closing) return;
     const log = this.options.log;
     let model: ChannelModel | null = null;
+    const url = this.urls[this.next % this.urls.length]!;
     try {
-      model = await amqp.connect(this.options.url, {
+      model = await amqp.connect(url, {
         // Batches are several KB: without noDelay, Nagle's algorithm holds each confirm ~40 ms.
         noDelay: true,
         clientProperties: { connection_name: this.options.connectionName },
@@ -101,7 +138,9 @@ export class ReconnectingConnection extends EventEmitter {
       if (model) await model.close().catch(() => undefined); // already broken; nothing more to release
       const classified = asTopologyError(error);
       if (classified instanceof TopologyConflictError && this.reportFatal(classified)) return;
-      log.warn({ err: (error as Error).message, url: redactUrl(this.options.url), attempt: this.attempt }, 'amqp connect failed');
+      log.warn({ err: (error as Error).message, url: redactUrl(url), attempt: this.attempt }, 'amqp connect failed');
+      this.next = (this.next + 1) % this.urls.length;
+      this.failuresInRow += 1;
       this.scheduleReconnect();
       return;
     }
@@ -111,16 +150,19 @@ export class ReconnectingConnection extends EventEmitter {
     }
     this.model = model;
     this.attempt = 0;
+    this.failuresInRow = 0;
     model.once('close', () => {
       if (this.model !== model) return;
       this.model = null;
       this.emit('lost');
       if (!this.closing) {
         log.warn('amqp connection closed; reconnecting');
+        // The node that just went away is the least likely to answer: try the next one first.
+        if (this.urls.length > 1) this.next = (this.next + 1) % this.urls.length;
         this.scheduleReconnect();
       }
     });
-    log.info({ connection: this.options.connectionName }, 'amqp connected');
+    log.info({ connection: this.options.connectionName, ...(this.urls.length > 1 ? { url: redactUrl(url) } : {}) }, 'amqp connected');
     this.emit('ready', model);
   }
 
@@ -167,6 +209,11 @@ export class ReconnectingConnection extends EventEmitter {
 
   private scheduleReconnect(): void {
     if (this.closing || this.retryTimer) return;
+    // Another URL of the list is still untried in this round: go to it after the shortest wait.
+    if (this.urls.length > 1 && this.failuresInRow > 0 && this.failuresInRow % this.urls.length !== 0) {
+      this.retryTimer = setTimeout(() => void this.connect(), 50);
+      return;
+    }
     const base = Math.min(10_000, 200 * 2 ** this.attempt);
     this.attempt += 1;
     const delay = base / 2 + Math.random() * (base / 2);

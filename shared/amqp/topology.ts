@@ -55,8 +55,11 @@ export function brokerNames(prefix: string): BrokerNames {
  */
 export const DELAY_HEADER = 'reaper-delay-ms';
 
-export function makeTopology(options: { prefix: string; policies: readonly string[]; deliveryLimit: number }): Topology {
+export function makeTopology(options: { prefix: string; policies: readonly string[]; deliveryLimit: number; quorumGroupSize?: number | undefined }): Topology {
   const names = brokerNames(options.prefix);
+  // Replicas per quorum queue (REAPER_QUORUM_GROUP_SIZE). Declared only when set: the broker
+  // compares it at every declare, so adding it to queues that exist without it is a conflict.
+  const replicas = options.quorumGroupSize === undefined ? {} : { 'x-quorum-initial-group-size': options.quorumGroupSize };
   const exchanges: ExchangeSpec[] = [
     { name: names.workExchange, type: 'direct', options: { durable: true } },
     // A headers exchange picks the tier from DELAY_HEADER while the routing key stays the policy
@@ -64,13 +67,14 @@ export function makeTopology(options: { prefix: string; policies: readonly strin
     { name: names.delayExchange, type: 'headers', options: { durable: true } },
   ];
   const queues: QueueSpec[] = [
-    { name: names.deadLetterQueue, options: { durable: true, arguments: { 'x-queue-type': 'quorum' } } },
+    { name: names.deadLetterQueue, options: { durable: true, arguments: { 'x-queue-type': 'quorum', ...replicas } } },
     ...options.policies.map((policy) => ({
       name: names.workQueue(policy),
       options: {
         durable: true,
         arguments: {
           'x-queue-type': 'quorum',
+          ...replicas,
           // A batch that fails on every delivery ends in the dead-letter queue instead of looping.
           'x-delivery-limit': options.deliveryLimit,
           'x-dead-letter-exchange': '',
@@ -82,7 +86,18 @@ export function makeTopology(options: { prefix: string; policies: readonly strin
       name: names.delayQueue(ms),
       options: {
         durable: true,
-        arguments: { 'x-message-ttl': ms, 'x-dead-letter-exchange': names.workExchange },
+        arguments: {
+          'x-message-ttl': ms,
+          'x-dead-letter-exchange': names.workExchange,
+          // On a cluster (group size set) the tiers are replicated too: a classic queue lives on
+          // one node, and while that node is down every declare of the topology fails ("home node
+          // is down"), so no service could reconnect anywhere. Quorum queues support per-queue TTL
+          // from RabbitMQ 3.10; at-least-once dead-lettering (which needs reject-publish) keeps a
+          // delayed batch from being dropped on its way back to the work exchange.
+          ...(options.quorumGroupSize === undefined
+            ? {}
+            : { 'x-queue-type': 'quorum', ...replicas, 'x-dead-letter-strategy': 'at-least-once', 'x-overflow': 'reject-publish' }),
+        },
       },
     })),
   ];

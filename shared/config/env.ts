@@ -10,7 +10,12 @@ export const DEMO_POLICIES_PATH = path.resolve(__dirname, '..', '..', '..', 'inf
 
 const envSchema = z.object({
   DATABASE_URL: z.string().min(1).default('postgres://postgres@127.0.0.1:5432/postgres'),
-  AMQP_URL: z.string().min(1).default('amqp://guest:guest@127.0.0.1:5672'),
+  /** One broker URL, or several comma-separated (cluster nodes), tried in turn at every (re)connect. */
+  AMQP_URL: z
+    .string()
+    .min(1)
+    .refine((value) => value.split(',').every((url) => url.trim() !== ''), 'a comma-separated list of URLs without empty entries')
+    .default('amqp://guest:guest@127.0.0.1:5672'),
   REAPER_AMQP_PREFIX: z
     .string()
     .regex(/^[a-zA-Z0-9_-]+$/, 'letters, digits, "-" and "_" only')
@@ -33,12 +38,30 @@ const envSchema = z.object({
   REAPER_LOCK_TIMEOUT_MS: z.coerce.number().int().min(0).max(86_400_000).default(5_000),
   /** How often the scheduler reads the backlog gauges from PostgreSQL (one bounded query per policy per pass). */
   REAPER_BACKLOG_REFRESH_MS: z.coerce.number().int().min(100).max(300_000).default(10_000),
+  /**
+   * AMQP heartbeat in seconds requested for every URL of AMQP_URL that has no `heartbeat=` of its
+   * own. A stalled link (bytes stop, socket open) is noticed within about two heartbeats. Unset:
+   * the broker's proposal (60 s on RabbitMQ), so about two minutes.
+   */
+  REAPER_AMQP_HEARTBEAT_S: z.coerce.number().int().min(1).max(3600).optional(),
+  /**
+   * Replicas of each quorum queue reaper declares (x-quorum-initial-group-size), e.g. 3 on a
+   * three-node cluster. Unset: the argument is not declared (the broker's default, every node up
+   * to its own limit). Changing it for an existing queue is a topology conflict (RabbitMQ checks
+   * the argument at every declare); RabbitMQ 3.10 accepts a size larger than the cluster and uses
+   * the nodes it has.
+   */
+  REAPER_QUORUM_GROUP_SIZE: z.coerce.number().int().min(1).max(99).optional(),
+  /** TCP keepalive idle time of PostgreSQL connections (0 turns keepalive off). */
+  REAPER_DB_KEEPALIVE_MS: z.coerce.number().int().min(0).max(3_600_000).default(10_000),
 });
 
 export type Env = {
   databaseUrl: string;
+  /** AMQP_URL as given (one URL or a comma-separated list), with REAPER_AMQP_HEARTBEAT_S folded in. */
   amqpUrl: string;
   amqpPrefix: string;
+  quorumGroupSize: number | undefined;
   policiesPath: string;
   workerId: string;
   logLevel: z.infer<typeof envSchema>['LOG_LEVEL'];
@@ -92,7 +115,8 @@ export function loadEnv(source: NodeJS.ProcessEnv = process.env): Env {
   const env = parsed.data;
   return {
     databaseUrl: env.DATABASE_URL,
-    amqpUrl: env.AMQP_URL,
+    amqpUrl: withHeartbeat(env.AMQP_URL, env.REAPER_AMQP_HEARTBEAT_S),
+    quorumGroupSize: env.REAPER_QUORUM_GROUP_SIZE,
     amqpPrefix: env.REAPER_AMQP_PREFIX,
     policiesPath: env.REAPER_POLICIES,
     workerId: env.REAPER_WORKER_ID,
@@ -102,9 +126,29 @@ export function loadEnv(source: NodeJS.ProcessEnv = process.env): Env {
     dbPoolSize: env.REAPER_DB_POOL_SIZE,
     deliveryLimit: env.REAPER_DELIVERY_LIMIT,
     webhookSecret: env.REAPER_WEBHOOK_SECRET,
-    sessionTimeouts: { statementTimeoutMs: env.REAPER_STATEMENT_TIMEOUT_MS, lockTimeoutMs: env.REAPER_LOCK_TIMEOUT_MS },
+    sessionTimeouts: {
+      statementTimeoutMs: env.REAPER_STATEMENT_TIMEOUT_MS,
+      lockTimeoutMs: env.REAPER_LOCK_TIMEOUT_MS,
+      keepAliveMs: env.REAPER_DB_KEEPALIVE_MS,
+    },
     backlogRefreshMs: env.REAPER_BACKLOG_REFRESH_MS,
   };
+}
+
+/**
+ * Adds `heartbeat=<seconds>` (amqplib's own URL parameter) to each URL of the list that has none:
+ * the services pass AMQP_URL straight to the connection, so the setting travels inside it.
+ */
+export function withHeartbeat(urls: string, seconds: number | undefined): string {
+  if (seconds === undefined) return urls;
+  return urls
+    .split(',')
+    .map((raw) => {
+      const url = raw.trim();
+      if (/[?&]heartbeat=/.test(url)) return url;
+      return `${url}${url.includes('?') ? '&' : '?'}heartbeat=${seconds}`;
+    })
+    .join(',');
 }
 
 function emptyAsUnset(value: string | undefined): string | undefined {

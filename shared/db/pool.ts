@@ -12,8 +12,24 @@ export type Client = pg.PoolClient;
 export interface SessionTimeouts {
   statementTimeoutMs: number;
   lockTimeoutMs: number;
+  /** TCP keepalive idle time (0: off). Detects a peer host or route that died without a FIN. */
+  keepAliveMs?: number;
 }
-export const DEFAULT_SESSION_TIMEOUTS: SessionTimeouts = { statementTimeoutMs: 60_000, lockTimeoutMs: 5_000 };
+export const DEFAULT_SESSION_TIMEOUTS: SessionTimeouts = { statementTimeoutMs: 60_000, lockTimeoutMs: 5_000, keepAliveMs: 10_000 };
+
+/**
+ * How much longer than statement_timeout the client waits for an answer before it gives the
+ * connection up. The server's statement_timeout cannot help when the link itself stalls (bytes
+ * stop, the socket stays open: a hung middlebox, a frozen NAT entry): its error never arrives. TCP
+ * keepalive cannot help either when something in between still acknowledges. So the client
+ * bounds every query itself: a stalled link is detected within statement_timeout + this margin.
+ */
+export const CLIENT_TIMEOUT_MARGIN_MS = 5_000;
+
+/** The client-side bound of one query (0: none, when statement_timeout is off). */
+export function clientQueryTimeoutMs(timeouts: SessionTimeouts): number {
+  return timeouts.statementTimeoutMs > 0 ? timeouts.statementTimeoutMs + CLIENT_TIMEOUT_MARGIN_MS : 0;
+}
 
 export function makePool(
   connectionString: string,
@@ -32,6 +48,12 @@ export function makePool(
     lock_timeout: timeouts.lockTimeoutMs,
     // A transaction left open by a bug or a frozen process must not hold locks forever either.
     idle_in_transaction_session_timeout: Math.max(timeouts.statementTimeoutMs, 60_000),
+    // A stalled link: see CLIENT_TIMEOUT_MARGIN_MS. A query that times out here leaves its client
+    // unusable; withTransaction's ROLLBACK then fails and the client is discarded, and pool.query
+    // releases a failed client as broken, so the next query opens a fresh connection.
+    ...(clientQueryTimeoutMs(timeouts) > 0 ? { query_timeout: clientQueryTimeoutMs(timeouts) } : {}),
+    keepAlive: (timeouts.keepAliveMs ?? 10_000) > 0,
+    ...((timeouts.keepAliveMs ?? 10_000) > 0 ? { keepAliveInitialDelayMillis: timeouts.keepAliveMs ?? 10_000 } : {}),
   });
   // An idle client losing its connection (server restart) must not crash the process: the pool
   // drops the client and the next query opens a fresh one.

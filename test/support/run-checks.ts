@@ -52,3 +52,213 @@ export async function assertRunDeletedExactlyOnce(check: {
   // Nothing comes back once the workers are gone: every batch was acked, not merely in a worker's hands.
   assert.equal(await readyAtRest(check.broker, check.workQueue), 0, 'no batch returned to the work queue after the services stopped');
 }
+
+/**
+ * The checker of the fault tests and of the chaos run (issue 10): after the system settled, four
+ * counts that must all be zero, plus the recovery time after each fault.
+ *
+ * - lost: an expired, unrenewed, unheld row (status still 'held', expiry at or before the settling
+ *   run's cutoff, no active legal hold) still in the table; an expired, unheld asset still
+ *   'active'; an operation of the remote ledger still not done.
+ * - wrongful: a protected row gone (renewed, confirmed, held in cleanup_holds or unexpired when
+ *   the test made it so: `protectedRows`), a row deleted while an active legal hold on it existed
+ *   (read from the audit trail, when the policy writes one), a protected asset's remote object
+ *   deleted by the stand-in API.
+ * - doubled: a remote key executed more than once by the stand-in API; a row counted deleted twice
+ *   (the receipts' `deleted` sum above the rows that are really gone); a key audited twice.
+ * - stuck: a message still in a work queue or the dead-letter queue once no consumer holds it; a
+ *   run not finished (pending, scanning, published) after settling; an operation in flight with an
+ *   expired lease.
+ */
+export interface CheckerCounts {
+  lost: number;
+  wrongful: number;
+  doubled: number;
+  stuck: number;
+}
+
+export interface CheckerReport extends CheckerCounts {
+  /** What each count is made of, for the failure message. */
+  details: Record<string, unknown>;
+  recoveries: Recovery[];
+}
+
+export interface Recovery {
+  fault: string;
+  /** Time from the end of the fault to the next committed batch or confirmed operation; null when nothing was due. */
+  ms: number | null;
+}
+
+export interface CheckerInput {
+  pool: pg.Pool;
+  broker: TestBroker;
+  /** Work queues to find empty, and the dead-letter queue. */
+  workQueues: readonly string[];
+  deadLetterQueue: string;
+  /** row-delete: every row id the test created in seat_reservations, and those that must survive (id -> why). */
+  rows?: { policy: string; created: number; protected: ReadonlyMap<string, string>; cutoff: string };
+  /** remote-delete: assets that must never be deleted (id -> why), the cutoff of the settling run, the stand-in's record. */
+  assets?: { policy: string; protected: ReadonlyMap<string, string>; cutoff: string; executionsByKey: ReadonlyMap<string, number>; executedIds: ReadonlySet<string> };
+  recoveries?: Recovery[];
+  /** Runs still unfinished that are allowed (e.g. a run the test left waiting for approval on purpose). */
+  ignoreRuns?: readonly string[];
+  /** Only runs created before this instant (ISO) count as stuck: a schedule may start one while the services stop. */
+  runsCreatedBefore?: string;
+}
+
+export async function runChecker(input: CheckerInput): Promise<CheckerReport> {
+  const { pool } = input;
+  const details: Record<string, unknown> = {};
+  let lost = 0;
+  let wrongful = 0;
+  let doubled = 0;
+  let stuck = 0;
+  const one = async <T extends pg.QueryResultRow>(sql: string, params: unknown[] = []): Promise<T> => (await pool.query<T>(sql, params)).rows[0]!;
+
+  if (input.rows) {
+    const rows = input.rows;
+    const lostRows = await one<{ n: number; sample: string[] | null }>(
+      `SELECT count(*)::int AS n, (array_agg(reservation_id::text ORDER BY expires_at))[1:5] AS sample FROM seat_reservations r
+       WHERE r.status = 'held' AND r.expires_at <= $1::timestamptz
+         AND NOT EXISTS (SELECT 1 FROM cleanup_holds h WHERE h.policy = $2 AND h.key = r.reservation_id::text
+                         AND (h.held_until IS NULL OR h.held_until > statement_timestamp()))`,
+      [rows.cutoff, rows.policy],
+    );
+    const protectedIds = [...rows.protected.keys()];
+    const present = new Set(
+      (await pool.query<{ id: string }>('SELECT reservation_id::text AS id FROM seat_reservations WHERE reservation_id = ANY($1::uuid[])', [protectedIds])).rows.map((r) => r.id),
+    );
+    const goneProtected = protectedIds.filter((id) => !present.has(id));
+    // A deletion while an active hold existed (placed before the deleting statement): from the audit trail.
+    const heldDeletes = await one<{ n: number }>(
+      `SELECT count(*)::int AS n FROM cleanup_audit a JOIN cleanup_holds h ON h.policy = a.policy AND h.key = a.key
+       WHERE a.policy = $1 AND a.operation_key IS NULL AND h.created_at < a.deleted_at AND (h.held_until IS NULL OR h.held_until > a.deleted_at)
+         AND NOT (a.key = ANY($2::text[]))`,
+      [rows.policy, goneProtected],
+    );
+    const tableNow = await one<{ n: number }>('SELECT count(*)::int AS n FROM seat_reservations');
+    const receipts = await one<{ deleted: number }>('SELECT coalesce(sum(deleted), 0)::int AS deleted FROM cleanup_batches WHERE policy = $1', [rows.policy]);
+    const gone = rows.created - tableNow.n;
+    const auditTwice = await one<{ n: number }>(
+      `SELECT coalesce(sum(c - 1), 0)::int AS n FROM (SELECT count(*) AS c FROM cleanup_audit WHERE policy = $1 AND operation_key IS NULL GROUP BY key HAVING count(*) > 1) twice`,
+      [rows.policy],
+    );
+    // A window published again under new batch ids would put the same rows in two batches: the
+    // receipts of a run then hold more items than the run published candidates.
+    const publishedTwice = await one<{ n: number }>(
+      `SELECT coalesce(sum(greatest(0, b.items - r.candidates)), 0)::int AS n FROM cleanup_runs r
+       JOIN (SELECT run_id, sum(items) AS items FROM cleanup_batches GROUP BY run_id) b ON b.run_id = r.run_id
+       WHERE r.policy = $1 AND r.state = 'completed'`,
+      [rows.policy],
+    );
+    lost += lostRows.n;
+    wrongful += goneProtected.length + heldDeletes.n;
+    doubled += publishedTwice.n;
+    // Receipts counting more rows than are gone count some twice; fewer means a deletion went uncounted.
+    doubled += Math.abs(receipts.deleted - gone) + auditTwice.n;
+    details.rows = {
+      lost: lostRows.n,
+      lostSample: lostRows.sample,
+      protected: protectedIds.length,
+      protectedGone: goneProtected.slice(0, 10).map((id) => `${id} (${rows.protected.get(id)})`),
+      deletedUnderHold: heldDeletes.n,
+      created: rows.created,
+      gone,
+      receiptsDeleted: receipts.deleted,
+      auditedTwice: auditTwice.n,
+      publishedInTwoBatches: publishedTwice.n,
+    };
+  }
+
+  if (input.assets) {
+    const assets = input.assets;
+    const lostAssets = await one<{ n: number; sample: string[] | null }>(
+      `SELECT count(*)::int AS n, (array_agg(asset_id ORDER BY asset_id))[1:5] AS sample FROM media_assets m
+       WHERE m.status = 'active' AND m.retention_expires_at <= $1::timestamptz
+         AND NOT EXISTS (SELECT 1 FROM cleanup_holds h WHERE h.policy = $2 AND h.key = m.asset_id
+                         AND (h.held_until IS NULL OR h.held_until > statement_timestamp()))`,
+      [assets.cutoff, assets.policy],
+    );
+    const openOps = await one<{ pending: number; expired: number }>(
+      `SELECT count(*) FILTER (WHERE state = 'pending')::int AS pending,
+              count(*) FILTER (WHERE state = 'in_flight' AND lease_expires_at < clock_timestamp())::int AS expired
+       FROM cleanup_ledger WHERE policy = $1`,
+      [assets.policy],
+    );
+    const wrongfulAssets = [...assets.protected.keys()].filter((id) => assets.executedIds.has(id));
+    const executedTwice = [...assets.executionsByKey.entries()].filter(([, n]) => n > 1);
+    lost += lostAssets.n + openOps.pending;
+    wrongful += wrongfulAssets.length;
+    doubled += executedTwice.reduce((sum, [, n]) => sum + n - 1, 0);
+    stuck += openOps.expired;
+    details.assets = {
+      lost: lostAssets.n,
+      lostSample: lostAssets.sample,
+      pendingOperations: openOps.pending,
+      inFlightPastLease: openOps.expired,
+      protected: assets.protected.size,
+      protectedCalled: wrongfulAssets.slice(0, 10).map((id) => `${id} (${assets.protected.get(id)})`),
+      keysExecutedTwice: executedTwice.slice(0, 10),
+    };
+  }
+
+  const unfinished = (
+    await pool.query<{ run_id: string; policy: string; state: string }>(
+      `SELECT run_id::text, policy, state FROM cleanup_runs WHERE state IN ('pending', 'scanning', 'published') AND NOT (run_id::text = ANY($1::text[]))
+         AND ($2::timestamptz IS NULL OR created_at < $2::timestamptz)`,
+      [input.ignoreRuns ?? [], input.runsCreatedBefore ?? null],
+    )
+  ).rows;
+  stuck += unfinished.length;
+  const queued: Record<string, number> = {};
+  for (const queue of [...input.workQueues, input.deadLetterQueue]) {
+    const count = await readyAtRest(input.broker, queue);
+    if (count > 0) queued[queue] = count;
+    stuck += count;
+  }
+  details.stuck = { unfinishedRuns: unfinished, queued };
+  return { lost, wrongful, doubled, stuck, details, recoveries: input.recoveries ?? [] };
+}
+
+/** The checker table as printed by the fault tests and the chaos run. */
+export function formatChecker(report: CheckerReport): string {
+  const recovered = report.recoveries.filter((r) => r.ms !== null).map((r) => r.ms!);
+  const lines = [
+    '| lost | wrongful | doubled | stuck | faults | longest recovery |',
+    '|-----:|---------:|--------:|------:|-------:|-----------------:|',
+    `| ${report.lost} | ${report.wrongful} | ${report.doubled} | ${report.stuck} | ${report.recoveries.length} | ${recovered.length ? `${(Math.max(...recovered) / 1000).toFixed(1)} s` : '-'} |`,
+  ];
+  return lines.join('\n');
+}
+
+/** Fails with the table and what each count is made of unless all four are zero. */
+export function assertCheckerZero(report: CheckerReport): void {
+  assert.deepEqual(
+    { lost: report.lost, wrongful: report.wrongful, doubled: report.doubled, stuck: report.stuck },
+    { lost: 0, wrongful: 0, doubled: 0, stuck: 0 },
+    `checker:\n${formatChecker(report)}\n${JSON.stringify(report.details)}`,
+  );
+}
+
+/**
+ * Recovery after a fault: the time from `since` (the fault's end, epoch ms) to the first batch
+ * receipt or confirmed operation committed after it. Polls until `timeoutMs`; null if nothing
+ * committed by then (no work was due).
+ */
+export async function measureRecovery(pool: pg.Pool, fault: string, since: number, timeoutMs = 60_000): Promise<Recovery> {
+  const deadline = Date.now() + timeoutMs;
+  while (Date.now() < deadline) {
+    const found = await pool
+      .query<{ at: number | null }>(
+        `SELECT (extract(epoch FROM least(
+            (SELECT min(completed_at) FROM cleanup_batches WHERE completed_at > to_timestamp($1 / 1000.0)),
+            (SELECT min(completed_at) FROM cleanup_ledger WHERE completed_at > to_timestamp($1 / 1000.0)))) * 1000)::float8 AS at`,
+        [since],
+      )
+      .then((result) => result.rows[0]!.at)
+      .catch(() => null); // the database itself may still be coming back
+    if (found !== null) return { fault, ms: Math.max(0, Math.round(found - since)) };
+    await new Promise((resolve) => setTimeout(resolve, 100));
+  }
+  return { fault, ms: null };
+}
