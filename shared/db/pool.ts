@@ -58,6 +58,14 @@ export function makePool(
   // An idle client losing its connection (server restart) must not crash the process: the pool
   // drops the client and the next query opens a fresh one.
   pool.on('error', () => undefined);
+  // A checked-out client whose socket fails BETWEEN two statements (in a transaction, while the
+  // worker runs JS or waits for a lock it asked for) emits 'error' with no pool listener attached:
+  // unhandled, that ends the process. The failure is not lost: the client's next query rejects
+  // ("not queryable"), the caller classifies it (database unavailable) and releases the client as
+  // broken. So every client gets a listener for its whole life.
+  pool.on('connect', (client) => {
+    client.on('error', () => undefined);
+  });
   return pool;
 }
 
