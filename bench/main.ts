@@ -8,8 +8,8 @@
  *   add --profile                 one extra end-to-end run under --cpu-prof (scheduler, worker 1), summarised
  *
  * It needs PostgreSQL and RabbitMQ (DATABASE_URL / AMQP_URL, defaults 127.0.0.1). It creates and
- * drops its own databases (reaper_bench, reaper_bench_seed) and broker objects under a random
- * prefix, and writes bench/results/<date>-<mode>.json and .md.
+ * drops its own databases (reaper_bench_<random>, reaper_bench_<random>_seed: two runs at once never
+ * touch each other's) and broker objects under a random prefix, and writes bench/results/<date>-<mode>.json and .md.
  */
 import { mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { execFileSync } from 'node:child_process';
@@ -232,7 +232,7 @@ async function main(): Promise<number> {
     checks: context.checks,
     countsOk: false,
   };
-  context.progress(`${config.mode} mode; broker prefix ${context.broker.prefix}`);
+  context.progress(`${config.mode} mode; databases ${context.databases.name}(_seed); broker prefix ${context.broker.prefix}`);
   try {
     await measureAll(context, config, report, profile);
   } finally {
