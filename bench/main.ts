@@ -20,6 +20,7 @@ import pg from 'pg';
 import { loadEnv } from '../shared/config/env';
 import { runPgBoss, type PgBossOptions, type PgBossResult } from './contenders/pgboss';
 import { runRawDelete } from './contenders/raw';
+import { runForeground } from './figures/foreground';
 import { runLatency } from './figures/latency';
 import { runRemoteBacklog, runRemoteDelete } from './figures/remote-delete';
 import { runReaperEndToEnd, runStageSplit, type ReaperRun } from './figures/row-delete';
@@ -82,11 +83,15 @@ async function measureSize(context: BenchContext, config: ModeConfig, candidates
   const raw2Runs: Measured[] = [];
   const statementRuns: Measured[] = [];
   const pgbossRuns: PgBossResult[] = [];
+  const auditRuns: ReaperRun[] = [];
   const show = (label: string, t: Throughput): void => context.progress(`    ${label}: ${Math.round(t.rowsPerSecond)} rows/s${t.bounded ? ' (bounded)' : ''}`);
   for (let round = 1; round <= config.repeats; round++) {
     context.progress(`  round ${round} of ${config.repeats}`);
     reaperRuns.push(await runReaperEndToEnd(context, seed, { batchSize }));
     show('reaper end to end', reaperRuns.at(-1)!.endToEnd);
+    // Issue 9: the same run with the audit trail on, right after it (same data, same moment of the machine).
+    auditRuns.push(await runReaperEndToEnd(context, seed, { batchSize, audit: true }));
+    show('reaper end to end, audit on', auditRuns.at(-1)!.endToEnd);
     raw2Runs.push(await runRawDelete(context, seed, { clients: 2, batchSize }));
     show('raw DELETE, 2 clients', raw2Runs.at(-1)!);
     statementRuns.push(await runRawDelete(context, seed, { clients: 2, batchSize, statement: 'reaper' }));
@@ -116,6 +121,7 @@ async function measureSize(context: BenchContext, config: ModeConfig, candidates
     reaperStatement: fastest(statementRuns, (run) => run.rowsPerSecond),
     pgbossBatch: fastest(pgbossRuns, (run) => run.rowsPerSecond),
     pgbossRow,
+    reaperAudited: fastest(auditRuns, (run) => run.endToEnd.rowsPerSecond),
     stages,
     rounds: {
       reaperEndToEnd: reaperRuns.map((run) => run.endToEnd.rowsPerSecond),
@@ -123,6 +129,7 @@ async function measureSize(context: BenchContext, config: ModeConfig, candidates
       raw2: raw2Runs.map((run) => run.rowsPerSecond),
       reaperStatement: statementRuns.map((run) => run.rowsPerSecond),
       pgbossBatch: pgbossRuns.map((run) => run.rowsPerSecond),
+      reaperAudited: auditRuns.map((run) => run.endToEnd.rowsPerSecond),
     },
   };
   return { size, seed };
@@ -163,6 +170,11 @@ async function measureAll(context: BenchContext, config: ModeConfig, report: Ben
     report.sizes.push(size);
     report.schedulerMemory.push({ candidates, peakRssMb: size.stages.schedulerPeakRssMb, restRssMb: size.stages.schedulerRestRssMb });
     if (index === 0) await measureFirstSizeExtras(context, config, seed, size, report, profile);
+    if (index === 0) {
+      const f = config.foreground;
+      context.progress(`foreground impact: ${f.foreground ? `pgbench at ${f.ratePerSecond}/s on ${f.clients} connections, ` : 'counts only, '}throttle ${f.throttle.rowsPerSecond} rows/s`);
+      report.foreground = await runForeground(context, seed, f);
+    }
   }
   const latency = config.latency;
   context.progress(`latency: ${latency.rows} rows expiring over ${latency.spreadSeconds} s, schedule "${latency.schedule}"`);
@@ -228,6 +240,7 @@ async function main(): Promise<number> {
     latency: null,
     remote: null,
     remoteBacklog: null,
+    foreground: null,
     profiles: [],
     checks: context.checks,
     countsOk: false,

@@ -1,4 +1,5 @@
 import type { PgBossResult } from '../contenders/pgboss';
+import type { ForegroundFigure, ForegroundPhase } from '../figures/foreground';
 import type { LatencyFigure } from '../figures/latency';
 import type { RemoteBacklogFigure, RemoteFigure } from '../figures/remote-delete';
 import type { ReaperRun, StageSplit } from '../figures/row-delete';
@@ -21,6 +22,8 @@ export interface BenchReport {
   latency: LatencyFigure | null;
   remote: RemoteFigure | null;
   remoteBacklog?: RemoteBacklogFigure | null;
+  /** Figure 7 (issue 12): foreground impact of each cleanup. */
+  foreground?: ForegroundFigure | null;
   profiles: ProfileSummary[];
   checks: CountCheck[];
   countsOk: boolean;
@@ -36,6 +39,8 @@ export interface SizeResult {
   reaperStatement: Measured;
   pgbossBatch: PgBossResult;
   pgbossRow: PgBossResult | null;
+  /** Issue 9: reaper end to end with `audit: { enabled: true, retainDays: 30 }`, same data, same rounds. */
+  reaperAudited?: ReaperRun;
   stages: StageSplit;
   /** rows/s of every round of figure 1 (the figures above are the fastest round). */
   rounds: Record<string, number[]>;
@@ -79,6 +84,10 @@ function rows(report: BenchReport): Row[] {
     if (size.pgbossRow) {
       const perRow = size.pgbossRow.rowsPerSecond;
       add(`1 (${n})`, `  / pg-boss, one job per row (${rate(size.pgbossRow)} on ${count(size.pgbossRow.rows)} rows)`, '', ratio(e2e / perRow), '>= 50', verdict(e2e / perRow >= 50));
+    }
+    if (size.reaperAudited) {
+      const audited = size.reaperAudited.endToEnd.rowsPerSecond;
+      add(`1 (${n})`, 'reaper end to end, audit on (retainDays 30) / audit off', rate(size.reaperAudited.endToEnd), ratio(audited / e2e), '>= 0.70', verdict(audited / e2e >= 0.7));
     }
     const claimed = size.reaper.claimedToCompleted.rowsPerSecond;
     add(`1 (${n})`, `reaper claimed to completed (claim poll wait ${number(size.reaper.claimWaitSeconds, 2)} s left out)`, rate(size.reaper.claimedToCompleted), ratio(claimed / raw), '(vs raw)');
@@ -140,6 +149,7 @@ function rows(report: BenchReport): Row[] {
     add('5b', 'backlog: duplicate executions; 429 answers; most calls in one second', `${b.duplicates}; ${b.rateLimited}; ${b.maxCallsInOneSecond}`, '', '0', verdict(b.duplicates === 0));
     add('5b', 'backlog: admission lock wait p50 / p99 (bucket bounds)', `${number(b.lockWait.p50Ms, 1)} ms / ${number(b.lockWait.p99Ms, 1)} ms over ${count(b.lockWait.grants)} grants`);
   }
+  if (report.foreground) foregroundRows(report.foreground, add);
   // The ratio compares claimed-to-completed: the claim poll's random wait (up to 1 s) is noise here.
   const base = report.sweep.find((entry) => entry.batchSize === 100);
   for (const entry of report.sweep) {
@@ -154,6 +164,54 @@ function rows(report: BenchReport): Row[] {
   const failed = report.checks.filter((entry) => !entry.ok);
   add('counts', `${report.checks.length} count checks`, failed.length === 0 ? 'all correct' : `${failed.length} WRONG`, '', 'all correct', verdict(failed.length === 0));
   return out;
+}
+
+/** Figure 7: per cleanup, foreground p50/p99 / baseline, longest lock wait, WAL per row, rows/s. */
+function foregroundRows(f: ForegroundFigure, add: (figure: string, measure: string, value: string, r?: string, target?: string, met?: string) => void): void {
+  const baseline = f.phases.find((phase) => phase.name === 'baseline');
+  const single = f.phases.find((phase) => phase.name === 'single DELETE');
+  const head = baseline?.foreground
+    ? `pgbench ${f.ratePerSecond}/s on ${f.clients} conns: p50 ${number(baseline.foreground.p50Ms, 2)} ms, p99 ${number(baseline.foreground.p99Ms, 2)} ms, max ${number(baseline.foreground.maxMs, 1)} ms over ${baseline.foreground.transactions} tx; lock wait max ${number(baseline.lockWaitMaxMs)} ms`
+    : 'counts only (no foreground in this mode)';
+  add('7', `foreground alone (baseline): ${head}`, baseline ? `WAL ${number(f.baselineWalBytesPerSecond / 1024)} KiB/s` : '');
+  const describe = (phase: ForegroundPhase): string => {
+    switch (phase.name) {
+      case 'reaper unthrottled':
+        return `reaper, batch ${f.reaperBatchSize}, unthrottled`;
+      case 'reaper throttled':
+        return `reaper, batch ${f.reaperBatchSize}, admission ${number(f.throttle.rowsPerSecond)} rows/s, concurrency ${f.throttle.concurrency}`;
+      case 'single DELETE':
+        return "one DELETE ... WHERE expires_at <= cutoff AND status = 'held' (a pg_cron job)";
+      case 'batched DELETE loop':
+        return `batched DELETE loop, ${f.loopBatchSize} per statement, 1 connection`;
+      default:
+        return phase.name;
+    }
+  };
+  for (const phase of f.phases) {
+    if (!phase.cleanup) continue;
+    const label = describe(phase);
+    add('7', `${label}: cleanup rate (${count(phase.cleanup.rows)} rows in ${number(phase.cleanup.seconds, 1)} s)`, rate({ ...phase.cleanup, bounded: false }));
+    if (phase.foreground && baseline?.foreground) {
+      const p50 = phase.foreground.p50Ms / baseline.foreground.p50Ms;
+      const p99 = phase.foreground.p99Ms / baseline.foreground.p99Ms;
+      const throttled = phase.name === 'reaper throttled';
+      add('7', `  foreground p50 / baseline (${number(phase.foreground.p50Ms, 2)} ms, ${phase.foreground.transactions} tx)`, '', ratio(p50));
+      add('7', `  foreground p99 / baseline (${number(phase.foreground.p99Ms, 2)} ms)`, '', ratio(p99), throttled ? '<= 1.25' : '(reported)', throttled ? verdict(p99 <= 1.25) : '');
+      const waits = Object.entries(phase.waitSamples).map(([type, n]) => `${type} ${n}`).join(', ') || 'none';
+      add('7', `  longest lock wait of the foreground: pg_locks sampled / longest renewal (waiting samples of ${phase.samples}: ${waits})`, `${number(phase.lockWaitMaxMs)} ms / ${number(phase.foreground.renewalMaxMs, 1)} ms`);
+    }
+    const reaper = phase.name === 'reaper unthrottled' || phase.name === 'reaper throttled';
+    const walRatio = single && single.walBytesPerRow > 0 ? phase.walBytesPerRow / single.walBytesPerRow : NaN;
+    add(
+      '7',
+      `  WAL bytes per deleted row (net of the baseline's WAL rate; / the single DELETE's)`,
+      `${number(phase.walBytesPerRow)} B`,
+      ratio(walRatio),
+      reaper ? '<= 1.3' : '',
+      reaper && Number.isFinite(walRatio) ? verdict(walRatio <= 1.3) : '',
+    );
+  }
 }
 
 const HEADERS: Row = { figure: 'fig', measure: 'measure', value: 'value', ratio: 'ratio', target: 'target', met: 'met' };
