@@ -1,4 +1,5 @@
 import { spawn, type ChildProcess } from 'node:child_process';
+import { randomBytes } from 'node:crypto';
 import { readdirSync, readFileSync, writeFileSync } from 'node:fs';
 import path from 'node:path';
 import pg from 'pg';
@@ -67,11 +68,10 @@ export interface ForegroundPhase {
   /** Samples in which some foreground backend waited, by wait_event_type (Lock, LWLock, IO, ...). */
   waitSamples: Record<string, number>;
   samples: number;
-  /** WAL written from the cleanup's start to its end, the whole cluster (pg_current_wal_lsn). */
-  walBytes: number;
-  /** walBytes minus the baseline's WAL rate over the same seconds (the foreground's own WAL and other users'). */
-  walNetBytes: number;
+  wal: WalRead;
+  /** The cleanup's WAL (cluster-wide without pg_walinspect) per deleted row, full-page images included. */
   walBytesPerRow: number;
+  walBytesPerRowWithoutFpi: number;
 }
 
 export interface ForegroundFigure {
@@ -81,8 +81,6 @@ export interface ForegroundFigure {
   reaperBatchSize: number;
   throttle: { rowsPerSecond: number; concurrency: number };
   loopBatchSize: number;
-  /** Baseline WAL rate (bytes/s): the foreground's own and any other user of the server. */
-  baselineWalBytesPerSecond: number;
   phases: ForegroundPhase[];
 }
 
@@ -246,12 +244,70 @@ class WaitSampler {
   }
 }
 
-async function walLsn(pool: pg.Pool): Promise<string> {
-  return (await pool.query<{ lsn: string }>('SELECT pg_current_wal_lsn()::text AS lsn')).rows[0]!.lsn;
+/**
+ * WAL a cleanup wrote. The server is shared (other engineers' tests write WAL) and the foreground
+ * writes the same table, so the cluster-wide pg_wal_lsn_diff is only reported; the figure counts,
+ * with pg_walinspect (PostgreSQL 15 contrib), the records of the bench database's blocks that the
+ * cleanup can have written: every record on another relation (reaper's receipts, runs, admission
+ * state) and, on seat_reservations and its indexes, the heap DELETE records only (the foreground
+ * only updates there). Full-page images are counted and also shown apart: a CHECKPOINT just before
+ * each cleanup makes every phase start equal, but during it the foreground may be first to touch a
+ * page, saving the cleanup that page's image. Commit records carry no block and are left out (a few
+ * dozen bytes per transaction).
+ */
+export interface WalRead {
+  /** The whole cluster (pg_current_wal_flush_lsn), other users of the server included. */
+  clusterBytes: number;
+  /** Records attributable to the cleanup (see above), full-page images included; null without pg_walinspect. */
+  cleanupBytes: number | null;
+  /** Of those, full-page images. */
+  cleanupFpiBytes: number | null;
 }
 
-async function walSince(pool: pg.Pool, from: string): Promise<number> {
-  return Number((await pool.query<{ bytes: string }>('SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), $1::pg_lsn)::bigint AS bytes', [from])).rows[0]!.bytes);
+class WalMeter {
+  private from = '';
+  private inspect = false;
+
+  /** `slotHolder`: a connection of its own for the phase, holding a temporary slot (gone with the session). */
+  constructor(
+    private readonly pool: pg.Pool,
+    private readonly slotHolder: pg.Client,
+  ) {}
+
+  async start(): Promise<void> {
+    this.inspect = await this.pool.query('CREATE EXTENSION IF NOT EXISTS pg_walinspect').then(
+      () => true,
+      () => false, // contrib not installed: the cluster-wide figure is all there is
+    );
+    await this.pool.query('CHECKPOINT');
+    if (this.inspect) {
+      // A busy shared server recycles WAL segments within seconds: a temporary physical slot keeps
+      // them from here until this phase's session ends (also if the benchmark dies: no slot is left behind).
+      const name = `reaper_bench_wal_${randomBytes(4).toString('hex')}`;
+      await this.slotHolder.query('SELECT pg_create_physical_replication_slot($1, true, true)', [name]);
+    }
+    this.from = (await this.pool.query<{ lsn: string }>('SELECT pg_current_wal_flush_lsn()::text AS lsn')).rows[0]!.lsn;
+  }
+
+  async finish(): Promise<WalRead> {
+    const to = (await this.pool.query<{ lsn: string }>('SELECT pg_current_wal_flush_lsn()::text AS lsn')).rows[0]!.lsn;
+    const clusterBytes = Number((await this.pool.query<{ bytes: string }>('SELECT pg_wal_lsn_diff($2::pg_lsn, $1::pg_lsn)::bigint AS bytes', [this.from, to])).rows[0]!.bytes);
+    if (!this.inspect) return { clusterBytes, cleanupBytes: null, cleanupFpiBytes: null };
+    const row = (
+      await this.pool.query<{ bytes: string; fpi: string }>(
+        `WITH db AS (SELECT oid::text AS oid FROM pg_database WHERE datname = current_database()),
+              seat AS (SELECT string_agg(pg_relation_filenode(c)::text, '|') AS nodes
+                       FROM unnest(array_append((SELECT array_agg(indexrelid::regclass) FROM pg_index WHERE indrelid = 'seat_reservations'::regclass),
+                                                'seat_reservations'::regclass)) AS c)
+         SELECT coalesce(sum(r.record_length), 0)::bigint AS bytes, coalesce(sum(r.fpi_length), 0)::bigint AS fpi
+         FROM pg_get_wal_records_info($1::pg_lsn, $2::pg_lsn) r, db, seat
+         WHERE r.block_ref ~ (' rel [0-9]+/' || db.oid || '/')
+           AND (r.block_ref !~ (' rel [0-9]+/' || db.oid || '/(' || seat.nodes || ') ') OR (r.resource_manager = 'Heap' AND r.record_type = 'DELETE'))`,
+        [this.from, to],
+      )
+    ).rows[0]!;
+    return { clusterBytes, cleanupBytes: Number(row.bytes), cleanupFpiBytes: Number(row.fpi) };
+  }
 }
 
 type Cleanup = (pool: pg.Pool) => Promise<{ rows: number; finished: boolean }>;
@@ -337,7 +393,6 @@ async function runPhase(
   name: ForegroundPhase['name'],
   cleanup: Cleanup | null,
   reaperPolicy: Parameters<typeof seatHoldsPolicy>[3] | null,
-  baselineWalRate: number,
 ): Promise<ForegroundPhase> {
   await context.databases.fresh();
   if (reaperPolicy) await context.broker.preparePhase([FOREGROUND_POLICY]);
@@ -364,15 +419,17 @@ async function runPhase(
       await sleep(WARM_UP_MS);
       pgbench.assertRunning();
     }
+    const wal = new WalMeter(pool, samplerClient);
+    await wal.start();
     sampler.measure(true);
-    const lsn = await walLsn(pool);
     const startedMs = Date.now();
     let result: { rows: number; finished: boolean } | null = null;
     if (cleanup) result = await cleanup(pool);
     else await sleep(options.baselineSeconds * 1000);
     const endedMs = Date.now();
-    const walBytes = await walSince(pool, lsn);
     sampler.measure(false);
+    const walRead = await wal.finish();
+    const walBytes = walRead.cleanupBytes ?? walRead.clusterBytes;
     for (const service of services) service.assertRunning();
     let foreground: ForegroundLatency | null = null;
     if (pgbench) {
@@ -383,7 +440,6 @@ async function runPhase(
     }
     await stopServices(services);
     const seconds = (endedMs - startedMs) / 1000;
-    const walNetBytes = Math.max(0, walBytes - baselineWalRate * seconds);
     if (result) {
       const figure = `foreground: ${name}, ${seed.candidates} candidates`;
       if (checkFinished(context, figure, result.finished)) await checkCounts(context, figure, seed, pool, result.rows);
@@ -395,9 +451,9 @@ async function runPhase(
       lockWaitMaxMs: sampler.lockWaitMaxMs,
       waitSamples: sampler.waitSamples,
       samples: sampler.samples,
-      walBytes,
-      walNetBytes,
-      walBytesPerRow: result && result.rows > 0 ? walNetBytes / result.rows : 0,
+      wal: walRead,
+      walBytesPerRow: result && result.rows > 0 ? walBytes / result.rows : 0,
+      walBytesPerRowWithoutFpi: result && result.rows > 0 ? (walBytes - (walRead.cleanupFpiBytes ?? 0)) / result.rows : 0,
     };
   } finally {
     await pgbench?.stop();
@@ -411,15 +467,13 @@ async function runPhase(
 export async function runForeground(context: BenchContext, seed: Seed, options: ForegroundOptions): Promise<ForegroundFigure> {
   const scripts = writeScripts(context.workDir, seed);
   const phases: ForegroundPhase[] = [];
-  let baselineWalRate = 0;
   const show = (phase: ForegroundPhase): void => {
     const fg = phase.foreground ? `foreground p50 ${phase.foreground.p50Ms.toFixed(1)} ms, p99 ${phase.foreground.p99Ms.toFixed(1)} ms (${phase.foreground.transactions} tx); ` : '';
     const cleanup = phase.cleanup ? `${Math.round(phase.cleanup.rowsPerSecond)} rows/s, ${phase.walBytesPerRow.toFixed(0)} WAL B/row; ` : '';
     context.progress(`    ${phase.name}: ${cleanup}${fg}lock wait max ${phase.lockWaitMaxMs.toFixed(0)} ms`);
   };
   if (options.foreground) {
-    const baseline = await runPhase(context, seed, options, scripts, 'baseline', null, null, 0);
-    baselineWalRate = baseline.walBytes / options.baselineSeconds;
+    const baseline = await runPhase(context, seed, options, scripts, 'baseline', null, null);
     phases.push(baseline);
     show(baseline);
   }
@@ -430,7 +484,7 @@ export async function runForeground(context: BenchContext, seed: Seed, options: 
     ['batched DELETE loop', batchedLoop(context, options.loopBatchSize), null],
   ];
   for (const [name, cleanup, policy] of plans) {
-    const phase = await runPhase(context, seed, options, scripts, name, cleanup, policy, baselineWalRate);
+    const phase = await runPhase(context, seed, options, scripts, name, cleanup, policy);
     phases.push(phase);
     show(phase);
   }
@@ -441,7 +495,6 @@ export async function runForeground(context: BenchContext, seed: Seed, options: 
     reaperBatchSize: options.reaperBatchSize,
     throttle: options.throttle,
     loopBatchSize: options.loopBatchSize,
-    baselineWalBytesPerSecond: baselineWalRate,
     phases,
   };
 }

@@ -173,7 +173,7 @@ function foregroundRows(f: ForegroundFigure, add: (figure: string, measure: stri
   const head = baseline?.foreground
     ? `pgbench ${f.ratePerSecond}/s on ${f.clients} conns: p50 ${number(baseline.foreground.p50Ms, 2)} ms, p99 ${number(baseline.foreground.p99Ms, 2)} ms, max ${number(baseline.foreground.maxMs, 1)} ms over ${baseline.foreground.transactions} tx; lock wait max ${number(baseline.lockWaitMaxMs)} ms`
     : 'counts only (no foreground in this mode)';
-  add('7', `foreground alone (baseline): ${head}`, baseline ? `WAL ${number(f.baselineWalBytesPerSecond / 1024)} KiB/s` : '');
+  add('7', `foreground alone (baseline): ${head}`, '');
   const describe = (phase: ForegroundPhase): string => {
     switch (phase.name) {
       case 'reaper unthrottled':
@@ -205,7 +205,7 @@ function foregroundRows(f: ForegroundFigure, add: (figure: string, measure: stri
     const walRatio = single && single.walBytesPerRow > 0 ? phase.walBytesPerRow / single.walBytesPerRow : NaN;
     add(
       '7',
-      `  WAL bytes per deleted row (net of the baseline's WAL rate; / the single DELETE's)`,
+      `  WAL bytes per deleted row, full-page images included (${number(phase.walBytesPerRowWithoutFpi)} B without; ratio / the single DELETE's)`,
       `${number(phase.walBytesPerRow)} B`,
       ratio(walRatio),
       reaper ? '<= 1.3' : '',
