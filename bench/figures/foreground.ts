@@ -5,7 +5,7 @@ import path from 'node:path';
 import pg from 'pg';
 import { runsInsertIfAbsent, type RunState } from '../../shared/db/queries/runs';
 import { check, checkFinished, reaperEnvironment, type BenchContext } from '../lib/context';
-import { databaseNowIso, type Seed } from '../lib/database';
+import { cutoffAfterCandidates, type Seed } from '../lib/database';
 import { seatHoldsPolicy, writePolicies } from '../lib/policies';
 import { startServices, stopServices, type ReaperService } from '../lib/services';
 import { pollUntil, sleep } from '../lib/wait';
@@ -13,8 +13,9 @@ import { pollUntil, sleep } from '../lib/wait';
 /**
  * Figure 7 (issue 12): what a cleanup does to the application's own queries. A fixed foreground
  * workload on seat_reservations (renewals, confirmations and point reads at a fixed rate, driven by
- * pgbench with custom scripts and -R) runs alone (baseline), then during each cleanup of the same
- * seed: reaper unthrottled, reaper throttled, one `DELETE ... WHERE expires_at <= cutoff AND status =
+ * pgbench with custom scripts and -R) runs alone (baseline: the seconds just before each cleanup,
+ * with everything that cleanup needs already started, so a baseline and its cleanup see the same
+ * moment of a shared machine), then during each cleanup of the same rows: reaper unthrottled, reaper throttled, one `DELETE ... WHERE expires_at <= cutoff AND status =
  * 'held'` (what a pg_cron job runs; pg_cron itself is not installed: it needs
  * shared_preload_libraries and a restart of a shared server), and a plain batched-delete loop.
  *
@@ -47,6 +48,11 @@ export interface ForegroundOptions {
   reaperBatchSize: number;
   throttle: { rowsPerSecond: number; concurrency: number };
   loopBatchSize: number;
+  /**
+   * Every cleanup deletes the first this-many candidates of the seed (a cutoff at the n-th expiry):
+   * the same rows for each, and a throttled run short enough for CI.
+   */
+  rows: number;
 }
 
 export interface ForegroundLatency {
@@ -59,9 +65,11 @@ export interface ForegroundLatency {
 }
 
 export interface ForegroundPhase {
-  name: 'baseline' | 'reaper unthrottled' | 'reaper throttled' | 'single DELETE' | 'batched DELETE loop';
-  /** null for the baseline. */
-  cleanup: { rows: number; seconds: number; rowsPerSecond: number } | null;
+  name: 'reaper unthrottled' | 'reaper throttled' | 'single DELETE' | 'batched DELETE loop';
+  cleanup: { rows: number; seconds: number; rowsPerSecond: number };
+  /** The foreground alone during the `baselineSeconds` just before this cleanup (null in smoke). */
+  baseline: ForegroundLatency | null;
+  /** The foreground while the cleanup ran. */
   foreground: ForegroundLatency | null;
   /** Longest heavyweight-lock wait of a foreground backend seen by sampling pg_locks.waitstart every 50 ms. */
   lockWaitMaxMs: number;
@@ -310,10 +318,11 @@ class WalMeter {
   }
 }
 
-type Cleanup = (pool: pg.Pool) => Promise<{ rows: number; finished: boolean }>;
+/** Deletes every candidate expiring at or before `cutoff` (ISO, microseconds). */
+type Cleanup = (pool: pg.Pool, cutoff: string) => Promise<{ rows: number; finished: boolean }>;
 
-/** Every candidate gone once, nothing else: candidates = rows deleted, non-candidates all kept (some confirmed by the foreground). */
-async function checkCounts(context: BenchContext, figure: string, seed: Seed, pool: pg.Pool, deleted: number): Promise<void> {
+/** The first `expected` candidates gone once, nothing else: the rest of the candidates and every non-candidate kept (some confirmed by the foreground). */
+async function checkCounts(context: BenchContext, figure: string, seed: Seed, pool: pg.Pool, expected: number, deleted: number): Promise<void> {
   const row = (
     await pool.query<{ expired_held: number; others: number }>(
       `SELECT count(*) FILTER (WHERE status = 'held' AND expires_at < timestamptz '2100-01-01')::int AS expired_held,
@@ -321,8 +330,8 @@ async function checkCounts(context: BenchContext, figure: string, seed: Seed, po
        FROM seat_reservations`,
     )
   ).rows[0]!;
-  check(context, figure, 'rows the cleanup deleted', seed.candidates, deleted);
-  check(context, figure, 'expired held rows left', 0, row.expired_held);
+  check(context, figure, 'rows the cleanup deleted', expected, deleted);
+  check(context, figure, 'expired held rows left', seed.candidates - expected, row.expired_held);
   check(context, figure, 'rows that must survive (held until 2999, confirmed)', seed.futureHeld + seed.expiredConfirmed, row.others);
 }
 
@@ -338,8 +347,8 @@ async function waitForRun(pool: pg.Pool, runId: string, deadline: number): Promi
 }
 
 function reaperCleanup(context: BenchContext): Cleanup {
-  return async (pool) => {
-    const run = (await runsInsertIfAbsent(pool, { policy: FOREGROUND_POLICY, trigger: 'manual', scheduledFor: null, cutoff: null }))!;
+  return async (pool, cutoff) => {
+    const run = (await runsInsertIfAbsent(pool, { policy: FOREGROUND_POLICY, trigger: 'manual', scheduledFor: null, cutoff }))!;
     const finished = (await waitForRun(pool, run.runId, Date.now() + context.boundMs)) !== undefined;
     const receipts = (
       await pool.query<{ deleted: number; noop: number }>(
@@ -352,15 +361,13 @@ function reaperCleanup(context: BenchContext): Cleanup {
   };
 }
 
-const singleDelete: Cleanup = async (pool) => {
-  const cutoff = await databaseNowIso(pool);
+const singleDelete: Cleanup = async (pool, cutoff) => {
   const result = await pool.query(`DELETE FROM seat_reservations WHERE expires_at <= $1::timestamptz AND status = 'held'`, [cutoff]);
   return { rows: result.rowCount ?? 0, finished: true };
 };
 
 function batchedLoop(context: BenchContext, batchSize: number): Cleanup {
-  return async (pool) => {
-    const cutoff = await databaseNowIso(pool);
+  return async (pool, cutoff) => {
     const deadline = Date.now() + context.boundMs;
     let rows = 0;
     for (;;) {
@@ -391,7 +398,7 @@ async function runPhase(
   options: ForegroundOptions,
   scripts: readonly string[],
   name: ForegroundPhase['name'],
-  cleanup: Cleanup | null,
+  cleanup: Cleanup,
   reaperPolicy: Parameters<typeof seatHoldsPolicy>[3] | null,
 ): Promise<ForegroundPhase> {
   await context.databases.fresh();
@@ -419,41 +426,45 @@ async function runPhase(
       await sleep(WARM_UP_MS);
       pgbench.assertRunning();
     }
+    const baselineFromMs = Date.now();
+    if (pgbench) await sleep(options.baselineSeconds * 1000);
+    const baselineToMs = Date.now();
+    // Read before the window: the n-th candidate's exact expiry (the seed's expiries are unique).
+    const cutoff = await cutoffAfterCandidates(pool, options.rows);
     const wal = new WalMeter(pool, samplerClient);
     await wal.start();
     sampler.measure(true);
     const startedMs = Date.now();
-    let result: { rows: number; finished: boolean } | null = null;
-    if (cleanup) result = await cleanup(pool);
-    else await sleep(options.baselineSeconds * 1000);
+    const result = await cleanup(pool, cutoff);
     const endedMs = Date.now();
     sampler.measure(false);
     const walRead = await wal.finish();
     const walBytes = walRead.cleanupBytes ?? walRead.clusterBytes;
     for (const service of services) service.assertRunning();
     let foreground: ForegroundLatency | null = null;
+    let baseline: ForegroundLatency | null = null;
     if (pgbench) {
       pgbench.assertRunning();
       await sleep(TAIL_MS);
       await pgbench.stop();
+      baseline = latencyOf(pgbench.transactions(baselineFromMs, baselineToMs));
       foreground = latencyOf(pgbench.transactions(startedMs, endedMs));
     }
     await stopServices(services);
     const seconds = (endedMs - startedMs) / 1000;
-    if (result) {
-      const figure = `foreground: ${name}, ${seed.candidates} candidates`;
-      if (checkFinished(context, figure, result.finished)) await checkCounts(context, figure, seed, pool, result.rows);
-    }
+    const figure = `foreground: ${name}, ${options.rows} of ${seed.candidates} candidates`;
+    if (checkFinished(context, figure, result.finished)) await checkCounts(context, figure, seed, pool, options.rows, result.rows);
     return {
       name,
-      cleanup: result ? { rows: result.rows, seconds, rowsPerSecond: seconds > 0 ? result.rows / seconds : 0 } : null,
+      cleanup: { rows: result.rows, seconds, rowsPerSecond: seconds > 0 ? result.rows / seconds : 0 },
+      baseline,
       foreground,
       lockWaitMaxMs: sampler.lockWaitMaxMs,
       waitSamples: sampler.waitSamples,
       samples: sampler.samples,
       wal: walRead,
-      walBytesPerRow: result && result.rows > 0 ? walBytes / result.rows : 0,
-      walBytesPerRowWithoutFpi: result && result.rows > 0 ? (walBytes - (walRead.cleanupFpiBytes ?? 0)) / result.rows : 0,
+      walBytesPerRow: result.rows > 0 ? walBytes / result.rows : 0,
+      walBytesPerRowWithoutFpi: result.rows > 0 ? (walBytes - (walRead.cleanupFpiBytes ?? 0)) / result.rows : 0,
     };
   } finally {
     await pgbench?.stop();
@@ -468,15 +479,13 @@ export async function runForeground(context: BenchContext, seed: Seed, options: 
   const scripts = writeScripts(context.workDir, seed);
   const phases: ForegroundPhase[] = [];
   const show = (phase: ForegroundPhase): void => {
-    const fg = phase.foreground ? `foreground p50 ${phase.foreground.p50Ms.toFixed(1)} ms, p99 ${phase.foreground.p99Ms.toFixed(1)} ms (${phase.foreground.transactions} tx); ` : '';
-    const cleanup = phase.cleanup ? `${Math.round(phase.cleanup.rowsPerSecond)} rows/s, ${phase.walBytesPerRow.toFixed(0)} WAL B/row; ` : '';
+    const fg =
+      phase.foreground && phase.baseline
+        ? `foreground p50 ${phase.foreground.p50Ms.toFixed(1)} ms, p99 ${phase.foreground.p99Ms.toFixed(1)} ms (${phase.foreground.transactions} tx; alone just before: ${phase.baseline.p50Ms.toFixed(1)} / ${phase.baseline.p99Ms.toFixed(1)} ms); `
+        : '';
+    const cleanup = `${Math.round(phase.cleanup.rowsPerSecond)} rows/s, ${phase.walBytesPerRow.toFixed(0)} WAL B/row; `;
     context.progress(`    ${phase.name}: ${cleanup}${fg}lock wait max ${phase.lockWaitMaxMs.toFixed(0)} ms`);
   };
-  if (options.foreground) {
-    const baseline = await runPhase(context, seed, options, scripts, 'baseline', null, null);
-    phases.push(baseline);
-    show(baseline);
-  }
   const plans: Array<[ForegroundPhase['name'], Cleanup, Parameters<typeof seatHoldsPolicy>[3] | null]> = [
     ['reaper unthrottled', reaperCleanup(context), {}],
     ['reaper throttled', reaperCleanup(context), { admission: options.throttle }],
@@ -491,7 +500,7 @@ export async function runForeground(context: BenchContext, seed: Seed, options: 
   return {
     ratePerSecond: options.ratePerSecond,
     clients: options.clients,
-    candidates: seed.candidates,
+    candidates: options.rows,
     reaperBatchSize: options.reaperBatchSize,
     throttle: options.throttle,
     loopBatchSize: options.loopBatchSize,

@@ -34,15 +34,16 @@ export interface ModeConfig {
 }
 
 const LATENCY_TICK = { schedule: '*/2 * * * * *', tickSeconds: 2 };
-/** 300 statements/s on 4 connections; reaper at its default batch size; the throttle at a stated 20,000 rows/s. */
+/** 300 statements/s on 4 connections; reaper at its default batch size; the throttle at a stated 5,000 rows/s, one statement at a time. */
 const FOREGROUND: ForegroundOptions = {
   foreground: true,
   ratePerSecond: 300,
   clients: 4,
-  baselineSeconds: 6,
+  baselineSeconds: 4,
   reaperBatchSize: 500,
-  throttle: { rowsPerSecond: 20_000, concurrency: 2 },
+  throttle: { rowsPerSecond: 5_000, concurrency: 1 },
   loopBatchSize: 1000,
+  rows: 50_000,
 };
 const REMOTE = { ratePerSecond: 200, burst: 20, concurrency: 16, slowMs: 20, workers: 3 };
 
@@ -59,7 +60,7 @@ export const MODES: Record<Mode, ModeConfig> = {
     latency: { rows: 200, spreadSeconds: 3, ...LATENCY_TICK },
     remote: { ...REMOTE, backlogSeconds: 2 },
     remoteBacklog: null,
-    foreground: { ...FOREGROUND, foreground: false },
+    foreground: { ...FOREGROUND, foreground: false, rows: 10_000, throttle: { rowsPerSecond: 20_000, concurrency: 1 } },
     boundMs: 45_000,
   },
   quick: {
@@ -89,7 +90,7 @@ export const MODES: Record<Mode, ModeConfig> = {
     latency: { rows: 2_000, spreadSeconds: 10, ...LATENCY_TICK },
     remote: { ...REMOTE, backlogSeconds: 10 },
     remoteBacklog: { assets: 20_000, ratePerSecond: 100, burst: 20, concurrency: 16, workers: 3, runEverySeconds: 10, slowMs: 20 },
-    foreground: { ...FOREGROUND, baselineSeconds: 10 },
+    foreground: { ...FOREGROUND, baselineSeconds: 8, rows: 100_000 },
     boundMs: 300_000,
   },
 };
