@@ -134,6 +134,7 @@ class Pgbench {
   private readonly child: ChildProcess;
   private readonly exited: Promise<number | null>;
   private stderr = '';
+  private spawnError: Error | null = null;
 
   constructor(
     private readonly logPrefix: string,
@@ -150,17 +151,21 @@ class Pgbench {
       this.stderr = (this.stderr + chunk.toString()).slice(-2000);
     });
     this.exited = new Promise((resolve, reject) => {
-      this.child.once('error', reject); // pgbench not installed
+      this.child.once('error', (error) => {
+        this.spawnError = error; // pgbench not installed: say so instead of reporting empty percentiles
+        reject(error);
+      });
       this.child.once('exit', (code) => resolve(code));
     });
     this.exited.catch(() => undefined);
   }
 
   get running(): boolean {
-    return this.child.exitCode === null && this.child.signalCode === null;
+    return this.spawnError === null && this.child.exitCode === null && this.child.signalCode === null;
   }
 
   assertRunning(): void {
+    if (this.spawnError) throw new Error(`pgbench could not start (${this.spawnError.message}): the foreground figure needs PostgreSQL's pgbench on PATH`);
     if (!this.running) throw new Error(`pgbench exited early (${this.child.exitCode}):\n${this.stderr}`);
   }
 
