@@ -9,8 +9,8 @@
  *   add --only remote-backlog     figure 5b alone (with --full: its sizes), e.g. while tuning the ledger
  *
  * It needs PostgreSQL and RabbitMQ (DATABASE_URL / AMQP_URL, defaults 127.0.0.1). It creates and
- * drops its own databases (reaper_bench, reaper_bench_seed) and broker objects under a random
- * prefix, and writes bench/results/<date>-<mode>.json and .md.
+ * drops its own databases (reaper_bench_<random>, reaper_bench_<random>_seed: two runs at once never
+ * touch each other's) and broker objects under a random prefix, and writes bench/results/<date>-<mode>.json and .md.
  */
 import { mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { execFileSync } from 'node:child_process';
@@ -21,6 +21,7 @@ import pg from 'pg';
 import { loadEnv } from '../shared/config/env';
 import { runPgBoss, type PgBossOptions, type PgBossResult } from './contenders/pgboss';
 import { runRawDelete } from './contenders/raw';
+import { runForeground } from './figures/foreground';
 import { runLatency } from './figures/latency';
 import { runRemoteBacklog, runRemoteDelete } from './figures/remote-delete';
 import { runReaperEndToEnd, runStageSplit, type ReaperRun } from './figures/row-delete';
@@ -88,11 +89,15 @@ async function measureSize(context: BenchContext, config: ModeConfig, candidates
   const raw2Runs: Measured[] = [];
   const statementRuns: Measured[] = [];
   const pgbossRuns: PgBossResult[] = [];
+  const auditRuns: ReaperRun[] = [];
   const show = (label: string, t: Throughput): void => context.progress(`    ${label}: ${Math.round(t.rowsPerSecond)} rows/s${t.bounded ? ' (bounded)' : ''}`);
   for (let round = 1; round <= config.repeats; round++) {
     context.progress(`  round ${round} of ${config.repeats}`);
     reaperRuns.push(await runReaperEndToEnd(context, seed, { batchSize }));
     show('reaper end to end', reaperRuns.at(-1)!.endToEnd);
+    // Issue 9: the same run with the audit trail on, right after it (same data, same moment of the machine).
+    auditRuns.push(await runReaperEndToEnd(context, seed, { batchSize, audit: true }));
+    show('reaper end to end, audit on', auditRuns.at(-1)!.endToEnd);
     raw2Runs.push(await runRawDelete(context, seed, { clients: 2, batchSize }));
     show('raw DELETE, 2 clients', raw2Runs.at(-1)!);
     statementRuns.push(await runRawDelete(context, seed, { clients: 2, batchSize, statement: 'reaper' }));
@@ -122,6 +127,7 @@ async function measureSize(context: BenchContext, config: ModeConfig, candidates
     reaperStatement: fastest(statementRuns, (run) => run.rowsPerSecond),
     pgbossBatch: fastest(pgbossRuns, (run) => run.rowsPerSecond),
     pgbossRow,
+    reaperAudited: fastest(auditRuns, (run) => run.endToEnd.rowsPerSecond),
     stages,
     rounds: {
       reaperEndToEnd: reaperRuns.map((run) => run.endToEnd.rowsPerSecond),
@@ -129,6 +135,7 @@ async function measureSize(context: BenchContext, config: ModeConfig, candidates
       raw2: raw2Runs.map((run) => run.rowsPerSecond),
       reaperStatement: statementRuns.map((run) => run.rowsPerSecond),
       pgbossBatch: pgbossRuns.map((run) => run.rowsPerSecond),
+      reaperAudited: auditRuns.map((run) => run.endToEnd.rowsPerSecond),
     },
   };
   return { size, seed };
@@ -176,6 +183,11 @@ async function measureAll(context: BenchContext, config: ModeConfig, report: Ben
     report.sizes.push(size);
     report.schedulerMemory.push({ candidates, peakRssMb: size.stages.schedulerPeakRssMb, restRssMb: size.stages.schedulerRestRssMb });
     if (index === 0) await measureFirstSizeExtras(context, config, seed, size, report, profile);
+    if (index === 0) {
+      const f = config.foreground;
+      context.progress(`foreground impact: ${f.foreground ? `pgbench at ${f.ratePerSecond}/s on ${f.clients} connections, ` : 'counts only, '}throttle ${f.throttle.rowsPerSecond} rows/s`);
+      report.foreground = await runForeground(context, seed, f);
+    }
   }
   const latency = config.latency;
   context.progress(`latency: ${latency.rows} rows expiring over ${latency.spreadSeconds} s, schedule "${latency.schedule}"`);
@@ -237,11 +249,12 @@ async function main(): Promise<number> {
     latency: null,
     remote: null,
     remoteBacklog: null,
+    foreground: null,
     profiles: [],
     checks: context.checks,
     countsOk: false,
   };
-  context.progress(`${config.mode} mode; broker prefix ${context.broker.prefix}`);
+  context.progress(`${config.mode} mode; databases ${context.databases.name}(_seed); broker prefix ${context.broker.prefix}`);
   try {
     if (only === 'remote-backlog') {
       // Every figure copies the bench database from a seed: a tiny one is enough for this figure.

@@ -128,8 +128,12 @@ async function waitForState(pool: pg.Pool, runId: string, states: readonly RunSt
   );
 }
 
-function rowEnvironment(context: BenchContext, batchSize: number): ReaperEnvironment {
-  return reaperEnvironment(context, writePolicies(context.workDir, `row-${batchSize}`, [seatHoldsPolicy(ROW_POLICY, batchSize)]));
+/** The audit setting the audit-cost comparison (issue 9) uses: what an operator would set. */
+export const AUDIT_ON = { enabled: true, retainDays: 30 } as const;
+
+function rowEnvironment(context: BenchContext, batchSize: number, audit = false): ReaperEnvironment {
+  const policy = seatHoldsPolicy(ROW_POLICY, batchSize, undefined, audit ? { audit: AUDIT_ON } : {});
+  return reaperEnvironment(context, writePolicies(context.workDir, `row-${batchSize}${audit ? '-audit' : ''}`, [policy]));
 }
 
 const SCHEDULER: ServiceSpec = { kind: 'scheduler', id: 'bench-scheduler' };
@@ -151,7 +155,7 @@ function checkRun(context: BenchContext, figure: string, seed: Seed, expected: n
 export async function runReaperEndToEnd(
   context: BenchContext,
   seed: Seed,
-  options: { batchSize: number; workers?: number; profileDir?: string },
+  options: { batchSize: number; workers?: number; profileDir?: string; audit?: boolean },
 ): Promise<ReaperRun> {
   await context.databases.fresh();
   await context.broker.preparePhase([ROW_POLICY]);
@@ -162,7 +166,7 @@ export async function runReaperEndToEnd(
   specs[1] = { ...specs[1]!, nodeArgs: profile('worker-1') };
   let services: ReaperService[] = [];
   try {
-    services = await startServices(rowEnvironment(context, options.batchSize), specs);
+    services = await startServices(rowEnvironment(context, options.batchSize, options.audit), specs);
     const cpu = new CpuMeter(pool, { services, backends: 'reaper-%', includeRabbitmq: true });
     await cpu.start();
     const run = (await runsInsertIfAbsent(pool, { policy: ROW_POLICY, trigger: 'manual', scheduledFor: null, cutoff: null }))!;
@@ -175,8 +179,13 @@ export async function runReaperEndToEnd(
     const cpuSplit = await cpu.finish();
     await stopServices(services);
     const bounded = finished === undefined;
-    const figure = `reaper end to end, batch ${options.batchSize}, ${seed.candidates} candidates`;
-    if (checkFinished(context, figure, !bounded)) checkRun(context, figure, seed, seed.candidates, times, await countSeatRows(pool));
+    const figure = `reaper end to end${options.audit ? ', audit on' : ''}, batch ${options.batchSize}, ${seed.candidates} candidates`;
+    if (checkFinished(context, figure, !bounded)) {
+      checkRun(context, figure, seed, seed.candidates, times, await countSeatRows(pool));
+      // Audit on: one cleanup_audit row per deleted row of this run, and none for a run without it.
+      const audited = (await pool.query<{ n: number }>('SELECT count(*)::int AS n FROM cleanup_audit WHERE run_id = $1', [run.runId])).rows[0]!.n;
+      check(context, figure, 'audit rows', options.audit ? seed.candidates : 0, audited);
+    }
     return {
       candidates: seed.candidates,
       batchSize: options.batchSize,

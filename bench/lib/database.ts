@@ -1,16 +1,24 @@
+import { randomBytes } from 'node:crypto';
 import pg from 'pg';
 import { migrate } from '../../shared/db/migrate';
 import { demoTablesCreate } from '../../shared/db/queries/demo-tables';
 
 /**
- * The benchmark's own databases. The seed is generated once per size into SEED_DATABASE, then every
- * contender gets BENCH_DATABASE as a file copy of it (CREATE DATABASE ... TEMPLATE): byte-identical
- * rows, indexes, statistics and visibility map for reaper, the raw DELETE and pg-boss alike, and far
- * cheaper than inserting millions of rows again before each contender.
+ * The benchmark's own databases. The seed is generated once per size into the seed database, then
+ * every contender gets the bench database as a file copy of it (CREATE DATABASE ... TEMPLATE):
+ * byte-identical rows, indexes, statistics and visibility map for reaper, the raw DELETE and pg-boss
+ * alike, and far cheaper than inserting millions of rows again before each contender.
+ *
+ * Both names carry a random suffix per run (like the broker prefix): two benchmark runs on one
+ * server (two engineers, two worktrees) would otherwise drop each other's databases mid-figure.
+ * A run creates and drops only its own two names.
  */
 
-export const BENCH_DATABASE = 'reaper_bench';
-const SEED_DATABASE = 'reaper_bench_seed';
+/** reaper_bench_<8 hex> and reaper_bench_<8 hex>_seed: lower case, so no quoting is needed. */
+export function benchDatabaseNames(): { bench: string; seed: string } {
+  const suffix = randomBytes(4).toString('hex');
+  return { bench: `reaper_bench_${suffix}`, seed: `reaper_bench_${suffix}_seed` };
+}
 
 /** What one seed holds. Only `candidates` rows are expired AND held; every other row must survive. */
 export interface Seed {
@@ -40,10 +48,18 @@ async function withAdmin<T>(adminUrl: string, work: (client: pg.Client) => Promi
 export class BenchDatabases {
   readonly url: string;
   private readonly seedUrl: string;
+  /** This run's bench database (every contender's copy of the seed). */
+  readonly name: string;
+  private readonly seedName: string;
 
-  constructor(private readonly adminUrl: string) {
-    this.url = databaseUrl(adminUrl, BENCH_DATABASE);
-    this.seedUrl = databaseUrl(adminUrl, SEED_DATABASE);
+  constructor(
+    private readonly adminUrl: string,
+    names = benchDatabaseNames(),
+  ) {
+    this.name = names.bench;
+    this.seedName = names.seed;
+    this.url = databaseUrl(adminUrl, this.name);
+    this.seedUrl = databaseUrl(adminUrl, this.seedName);
   }
 
   /**
@@ -56,7 +72,7 @@ export class BenchDatabases {
     if (candidates % 2 !== 0) throw new Error(`candidates must be even (got ${candidates})`);
     const started = Date.now();
     await this.dropAll();
-    await withAdmin(this.adminUrl, (admin) => admin.query(`CREATE DATABASE ${SEED_DATABASE}`));
+    await withAdmin(this.adminUrl, (admin) => admin.query(`CREATE DATABASE ${this.seedName}`));
     await migrate(this.seedUrl);
     const client = new pg.Client({ connectionString: this.seedUrl, application_name: 'reaper-bench-seed' });
     await client.connect();
@@ -89,18 +105,19 @@ export class BenchDatabases {
     };
   }
 
-  /** BENCH_DATABASE anew, as a file copy of the seed (FILE_COPY: a checkpoint and a copy, no WAL for the data). */
+  /** The bench database anew, as a file copy of the seed (FILE_COPY: a checkpoint and a copy, no WAL for the data). */
   async fresh(): Promise<void> {
     await withAdmin(this.adminUrl, async (admin) => {
-      await admin.query(`DROP DATABASE IF EXISTS ${BENCH_DATABASE} WITH (FORCE)`);
-      await admin.query(`CREATE DATABASE ${BENCH_DATABASE} TEMPLATE ${SEED_DATABASE} STRATEGY FILE_COPY`);
+      await admin.query(`DROP DATABASE IF EXISTS ${this.name} WITH (FORCE)`);
+      await admin.query(`CREATE DATABASE ${this.name} TEMPLATE ${this.seedName} STRATEGY FILE_COPY`);
     });
   }
 
+  /** Drops this run's two databases, never another run's. */
   async dropAll(): Promise<void> {
     await withAdmin(this.adminUrl, async (admin) => {
-      await admin.query(`DROP DATABASE IF EXISTS ${BENCH_DATABASE} WITH (FORCE)`);
-      await admin.query(`DROP DATABASE IF EXISTS ${SEED_DATABASE} WITH (FORCE)`);
+      await admin.query(`DROP DATABASE IF EXISTS ${this.name} WITH (FORCE)`);
+      await admin.query(`DROP DATABASE IF EXISTS ${this.seedName} WITH (FORCE)`);
     });
   }
 

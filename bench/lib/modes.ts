@@ -2,6 +2,8 @@
  * How big each mode measures. quick: the whole picture in under three minutes. full: the sizes the
  * README reports. smoke: CI, small enough for a minute; it checks counts, and its speeds mean nothing.
  */
+import type { ForegroundOptions } from '../figures/foreground';
+
 export type Mode = 'smoke' | 'quick' | 'full';
 
 export interface ModeConfig {
@@ -22,11 +24,27 @@ export interface ModeConfig {
   remote: { ratePerSecond: number; burst: number; concurrency: number; backlogSeconds: number; slowMs: number; workers: number };
   /** Issue 7 item 10: a backlog drained over many scheduled runs (full mode only: it takes about 200 s). */
   remoteBacklog: { assets: number; ratePerSecond: number; burst: number; concurrency: number; workers: number; runEverySeconds: number; slowMs: number } | null;
+  /**
+   * Figure 7 (issue 12): a fixed pgbench foreground next to each cleanup of the first seed. Smoke
+   * runs the cleanups without pgbench and checks their counts only.
+   */
+  foreground: ForegroundOptions;
   /** Longest any one contender may run before its figure is reported as bounded. */
   boundMs: number;
 }
 
 const LATENCY_TICK = { schedule: '*/2 * * * * *', tickSeconds: 2 };
+/** 300 statements/s on 4 connections; reaper at its default batch size; the throttle at a stated 5,000 rows/s, one statement at a time. */
+const FOREGROUND: ForegroundOptions = {
+  foreground: true,
+  ratePerSecond: 300,
+  clients: 4,
+  baselineSeconds: 4,
+  reaperBatchSize: 500,
+  throttle: { rowsPerSecond: 5_000, concurrency: 1 },
+  loopBatchSize: 1000,
+  rows: 50_000,
+};
 const REMOTE = { ratePerSecond: 200, burst: 20, concurrency: 16, slowMs: 20, workers: 3 };
 
 export const MODES: Record<Mode, ModeConfig> = {
@@ -42,6 +60,7 @@ export const MODES: Record<Mode, ModeConfig> = {
     latency: { rows: 200, spreadSeconds: 3, ...LATENCY_TICK },
     remote: { ...REMOTE, backlogSeconds: 2 },
     remoteBacklog: null,
+    foreground: { ...FOREGROUND, foreground: false, rows: 10_000, throttle: { rowsPerSecond: 20_000, concurrency: 1 } },
     boundMs: 45_000,
   },
   quick: {
@@ -56,6 +75,7 @@ export const MODES: Record<Mode, ModeConfig> = {
     latency: { rows: 1_000, spreadSeconds: 6, ...LATENCY_TICK },
     remote: { ...REMOTE, backlogSeconds: 10 },
     remoteBacklog: null,
+    foreground: FOREGROUND,
     boundMs: 60_000,
   },
   full: {
@@ -70,6 +90,7 @@ export const MODES: Record<Mode, ModeConfig> = {
     latency: { rows: 2_000, spreadSeconds: 10, ...LATENCY_TICK },
     remote: { ...REMOTE, backlogSeconds: 10 },
     remoteBacklog: { assets: 20_000, ratePerSecond: 100, burst: 20, concurrency: 16, workers: 3, runEverySeconds: 10, slowMs: 20 },
+    foreground: { ...FOREGROUND, baselineSeconds: 8, rows: 100_000 },
     boundMs: 300_000,
   },
 };

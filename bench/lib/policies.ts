@@ -24,17 +24,26 @@ export interface RowDeletePolicyInput {
   expiresAt: string;
   guard: Record<string, string>;
   batchSize: number;
+  /** The global row-delete throttle (absent: unthrottled). */
+  admission?: { rowsPerSecond: number; concurrency: number };
+  /** The audit trail (absent: off). */
+  audit?: { enabled: boolean; retainDays: number };
 }
 
-export interface RemoteDeletePolicyInput extends Omit<RowDeletePolicyInput, 'kind'> {
+export interface RemoteDeletePolicyInput extends Omit<RowDeletePolicyInput, 'kind' | 'admission' | 'audit'> {
   kind: 'remote-delete';
   remote: { baseUrl: string; path: string; timeoutMs: number };
   admission: { ratePerSecond: number; burst: number; concurrency: number };
   retry: { maxAttempts: number };
 }
 
-export function seatHoldsPolicy(name: string, batchSize: number, schedule = NEVER): RowDeletePolicyInput {
-  return { name, kind: 'row-delete', schedule, table: 'seat_reservations', key: 'reservation_id', expiresAt: 'expires_at', guard: { status: 'held' }, batchSize };
+export function seatHoldsPolicy(
+  name: string,
+  batchSize: number,
+  schedule = NEVER,
+  extra: Pick<RowDeletePolicyInput, 'admission' | 'audit'> = {},
+): RowDeletePolicyInput {
+  return { name, kind: 'row-delete', schedule, table: 'seat_reservations', key: 'reservation_id', expiresAt: 'expires_at', guard: { status: 'held' }, batchSize, ...extra };
 }
 
 export function writePolicies(directory: string, label: string, policies: ReadonlyArray<RowDeletePolicyInput | RemoteDeletePolicyInput>): string {

@@ -1,4 +1,5 @@
 import type { PgBossResult } from '../contenders/pgboss';
+import type { ForegroundFigure, ForegroundPhase } from '../figures/foreground';
 import type { LatencyFigure } from '../figures/latency';
 import type { RemoteBacklogFigure, RemoteFigure } from '../figures/remote-delete';
 import type { ReaperRun, StageSplit } from '../figures/row-delete';
@@ -21,6 +22,8 @@ export interface BenchReport {
   latency: LatencyFigure | null;
   remote: RemoteFigure | null;
   remoteBacklog?: RemoteBacklogFigure | null;
+  /** Figure 7 (issue 12): foreground impact of each cleanup. */
+  foreground?: ForegroundFigure | null;
   profiles: ProfileSummary[];
   checks: CountCheck[];
   countsOk: boolean;
@@ -36,6 +39,8 @@ export interface SizeResult {
   reaperStatement: Measured;
   pgbossBatch: PgBossResult;
   pgbossRow: PgBossResult | null;
+  /** Issue 9: reaper end to end with `audit: { enabled: true, retainDays: 30 }`, same data, same rounds. */
+  reaperAudited?: ReaperRun;
   stages: StageSplit;
   /** rows/s of every round of figure 1 (the figures above are the fastest round). */
   rounds: Record<string, number[]>;
@@ -79,6 +84,10 @@ function rows(report: BenchReport): Row[] {
     if (size.pgbossRow) {
       const perRow = size.pgbossRow.rowsPerSecond;
       add(`1 (${n})`, `  / pg-boss, one job per row (${rate(size.pgbossRow)} on ${count(size.pgbossRow.rows)} rows)`, '', ratio(e2e / perRow), '>= 50', verdict(e2e / perRow >= 50));
+    }
+    if (size.reaperAudited) {
+      const audited = size.reaperAudited.endToEnd.rowsPerSecond;
+      add(`1 (${n})`, 'reaper end to end, audit on (retainDays 30) / audit off', rate(size.reaperAudited.endToEnd), ratio(audited / e2e), '>= 0.70', verdict(audited / e2e >= 0.7));
     }
     const claimed = size.reaper.claimedToCompleted.rowsPerSecond;
     add(`1 (${n})`, `reaper claimed to completed (claim poll wait ${number(size.reaper.claimWaitSeconds, 2)} s left out)`, rate(size.reaper.claimedToCompleted), ratio(claimed / raw), '(vs raw)');
@@ -140,6 +149,7 @@ function rows(report: BenchReport): Row[] {
     add('5b', 'backlog: duplicate executions; 429 answers; most calls in one second', `${b.duplicates}; ${b.rateLimited}; ${b.maxCallsInOneSecond}`, '', '0', verdict(b.duplicates === 0));
     add('5b', 'backlog: admission lock wait p50 / p99 (bucket bounds)', `${number(b.lockWait.p50Ms, 1)} ms / ${number(b.lockWait.p99Ms, 1)} ms over ${count(b.lockWait.grants)} grants`);
   }
+  if (report.foreground) foregroundRows(report.foreground, add);
   // The ratio compares claimed-to-completed: the claim poll's random wait (up to 1 s) is noise here.
   const base = report.sweep.find((entry) => entry.batchSize === 100);
   for (const entry of report.sweep) {
@@ -154,6 +164,53 @@ function rows(report: BenchReport): Row[] {
   const failed = report.checks.filter((entry) => !entry.ok);
   add('counts', `${report.checks.length} count checks`, failed.length === 0 ? 'all correct' : `${failed.length} WRONG`, '', 'all correct', verdict(failed.length === 0));
   return out;
+}
+
+/** Figure 7: per cleanup, foreground p50/p99 / baseline, longest lock wait, WAL per row, rows/s. */
+function foregroundRows(f: ForegroundFigure, add: (figure: string, measure: string, value: string, r?: string, target?: string, met?: string) => void): void {
+  const single = f.phases.find((phase) => phase.name === 'single DELETE');
+  const withForeground = f.phases.some((phase) => phase.foreground !== null);
+  add(
+    '7',
+    withForeground
+      ? `foreground: pgbench ${f.ratePerSecond} statements/s on ${f.clients} connections (40% renewals, 10% confirmations, 50% point reads); each cleanup deletes the same ${count(f.candidates)} rows`
+      : `each cleanup deletes the same ${count(f.candidates)} rows; counts only (no foreground in this mode)`,
+    '',
+  );
+  const describe = (phase: ForegroundPhase): string => {
+    switch (phase.name) {
+      case 'reaper unthrottled':
+        return `reaper, batch ${f.reaperBatchSize}, unthrottled`;
+      case 'reaper throttled':
+        return `reaper, batch ${f.reaperBatchSize}, admission ${number(f.throttle.rowsPerSecond)} rows/s, concurrency ${f.throttle.concurrency}`;
+      case 'single DELETE':
+        return "one DELETE ... WHERE expires_at <= cutoff AND status = 'held' (a pg_cron job)";
+      case 'batched DELETE loop':
+        return `batched DELETE loop, ${f.loopBatchSize} per statement, 1 connection`;
+    }
+  };
+  for (const phase of f.phases) {
+    add('7', `${describe(phase)}: cleanup rate (${count(phase.cleanup.rows)} rows in ${number(phase.cleanup.seconds, 1)} s)`, rate({ ...phase.cleanup, bounded: false }));
+    if (phase.foreground && phase.baseline) {
+      const p50 = phase.foreground.p50Ms / phase.baseline.p50Ms;
+      const p99 = phase.foreground.p99Ms / phase.baseline.p99Ms;
+      const throttled = phase.name === 'reaper throttled';
+      add('7', `  foreground p50 / alone just before (${number(phase.foreground.p50Ms, 2)} / ${number(phase.baseline.p50Ms, 2)} ms; ${phase.foreground.transactions} / ${phase.baseline.transactions} tx)`, '', ratio(p50));
+      add('7', `  foreground p99 / alone just before (${number(phase.foreground.p99Ms, 2)} / ${number(phase.baseline.p99Ms, 2)} ms)`, '', ratio(p99), throttled ? '<= 1.25' : '(reported)', throttled ? verdict(p99 <= 1.25) : '');
+      const waits = Object.entries(phase.waitSamples).map(([type, n]) => `${type} ${n}`).join(', ') || 'none';
+      add('7', `  longest lock wait of the foreground: pg_locks sampled / longest renewal (samples with a wait, of ${phase.samples}: ${waits})`, `${number(phase.lockWaitMaxMs)} ms / ${number(phase.foreground.renewalMaxMs, 1)} ms`);
+    }
+    const reaper = phase.name === 'reaper unthrottled' || phase.name === 'reaper throttled';
+    const walRatio = single && single.walBytesPerRow > 0 ? phase.walBytesPerRow / single.walBytesPerRow : NaN;
+    add(
+      '7',
+      `  WAL bytes per deleted row, full-page images included (${number(phase.walBytesPerRowWithoutFpi)} B without; ratio / the single DELETE's)`,
+      `${number(phase.walBytesPerRow)} B`,
+      ratio(walRatio),
+      reaper ? '<= 1.3' : '',
+      reaper && Number.isFinite(walRatio) ? verdict(walRatio <= 1.3) : '',
+    );
+  }
 }
 
 const HEADERS: Row = { figure: 'fig', measure: 'measure', value: 'value', ratio: 'ratio', target: 'target', met: 'met' };
@@ -194,6 +251,8 @@ export function renderMarkdown(report: BenchReport): string {
     '- CPU: user + system seconds from /proc of every process of a contender (for raw and pg-boss, the bench process too), of the PostgreSQL backends its connections use, and for reaper of the RabbitMQ server (whole server: other users of the broker add to it). Per 100k rows it is steadier than rows/s on a shared machine; on 2 busy cores, rows/s follows 1 / CPU per row.',
     '- Memory: VmHWM (peak resident set) of each process read from /proc just before it is stopped.',
     '- Latency: rows expiring over the next seconds while the policy runs on the seconds cron shown; an AFTER DELETE statement trigger in the bench database stamps each deletion with clock_timestamp().',
+    '- Audit cost (issue 9): in every round, right after reaper end to end, the same run again on the same data with `audit: { enabled: true, retainDays: 30 }` on the policy (one cleanup_audit row per deleted row, written by the deleting statement; the count is checked); the ratio compares the fastest round of each.',
+    '- Foreground impact (figure 7, issue 12): pgbench (custom scripts, `-R` fixed rate, per-transaction `--log`; with -R each latency runs from the scheduled start, so a stall counts for every transaction it delays) runs 40% renewals of unexpired holds (UPDATE by key), 10% confirmations (UPDATE by key, only of an unexpired hold) and 50% point reads (SELECT by key) of random rows of the same seed, alone for the seconds just before each cleanup (baseline: whatever that cleanup needs, reaper\'s idle processes included, already started, so each ratio compares one moment of the shared machine with the next) and then during each cleanup of the same first n candidates (a cutoff at the n-th expiry, each on a fresh copy): reaper (scheduler + 2 workers, batch 500) unthrottled and with its row-delete admission, one `DELETE ... WHERE expires_at <= cutoff AND status = \'held\'` (what a pg_cron job runs; pg_cron itself is not installed: it needs shared_preload_libraries and a restart of a shared server), and a loop of `DELETE ... WHERE key IN (SELECT ... LIMIT 1000)` on one connection. Percentiles are over the transactions that ended while the cleanup ran. Lock wait: pg_locks.waitstart of the foreground\'s backends sampled every 50 ms (heavyweight locks), next to the longest renewal (an UPDATE by key: any row-lock wait is inside it). WAL: a CHECKPOINT before each cleanup, then pg_walinspect over the cleanup\'s LSN range, counting the bench database\'s records on every relation but seat_reservations, and only heap DELETE records there (the foreground writes only UPDATEs); full-page images included (also shown without). Rows/s: rows deleted ÷ the cleanup\'s wall time (reaper: trigger to completed).',
     '- Remote: the stand-in media API (test/support/media-api.ts) in the bench process, limiting to R with the same burst; 3 workers share the admission budget through PostgreSQL. Achieved rate = executed deletions per second from the first to the last one.',
     '',
   ];

@@ -1,0 +1,514 @@
+import { spawn, type ChildProcess } from 'node:child_process';
+import { randomBytes } from 'node:crypto';
+import { readdirSync, readFileSync, writeFileSync } from 'node:fs';
+import path from 'node:path';
+import pg from 'pg';
+import { runsInsertIfAbsent, type RunState } from '../../shared/db/queries/runs';
+import { check, checkFinished, reaperEnvironment, type BenchContext } from '../lib/context';
+import { cutoffAfterCandidates, type Seed } from '../lib/database';
+import { seatHoldsPolicy, writePolicies } from '../lib/policies';
+import { startServices, stopServices, type ReaperService } from '../lib/services';
+import { pollUntil, sleep } from '../lib/wait';
+
+/**
+ * Figure 7 (issue 12): what a cleanup does to the application's own queries. A fixed foreground
+ * workload on seat_reservations (renewals, confirmations and point reads at a fixed rate, driven by
+ * pgbench with custom scripts and -R) runs alone (baseline: the seconds just before each cleanup,
+ * with everything that cleanup needs already started, so a baseline and its cleanup see the same
+ * moment of a shared machine), then during each cleanup of the same rows: reaper unthrottled, reaper throttled, one `DELETE ... WHERE expires_at <= cutoff AND status =
+ * 'held'` (what a pg_cron job runs; pg_cron itself is not installed: it needs
+ * shared_preload_libraries and a restart of a shared server), and a plain batched-delete loop.
+ *
+ * The foreground never changes which rows are candidates, so every cleanup must delete exactly the
+ * seed's expired held rows: renewals push a future hold further out, confirmations confirm a hold
+ * only while it is unexpired (`expires_at > now()`; on a candidate they match nothing), and reads
+ * read any row. So counts are checked as everywhere else, and the foreground still reaches every
+ * kind of row, candidates included, through the same primary key and heap pages the cleanup writes.
+ *
+ * Latency is pgbench's own per-transaction log: with -R each latency is measured from the
+ * transaction's scheduled start, so a stall is counted for every transaction it delayed
+ * (no coordinated omission). Each script is one autocommitted statement, so a transaction is a
+ * statement.
+ */
+
+export const FOREGROUND_POLICY = 'bench-foreground-holds';
+const APPLICATION_NAME = 'bench-foreground';
+/** Weights of the three scripts: 40% renewals, 10% confirmations, 50% point reads. */
+const SCRIPTS = { renew: 4, confirm: 1, read: 5 } as const;
+/** pgbench numbers the -f scripts in the order given: renew is script 0. */
+const RENEW_SCRIPT = 0;
+
+export interface ForegroundOptions {
+  /** Run the pgbench workload (quick, full); smoke runs the cleanups and checks their counts only. */
+  foreground: boolean;
+  ratePerSecond: number;
+  clients: number;
+  baselineSeconds: number;
+  /** reaper's batch size here: the product default. */
+  reaperBatchSize: number;
+  throttle: { rowsPerSecond: number; concurrency: number };
+  loopBatchSize: number;
+  /**
+   * Every cleanup deletes the first this-many candidates of the seed (a cutoff at the n-th expiry):
+   * the same rows for each, and a throttled run short enough for CI.
+   */
+  rows: number;
+}
+
+export interface ForegroundLatency {
+  transactions: number;
+  p50Ms: number;
+  p99Ms: number;
+  maxMs: number;
+  /** Longest renewal (an UPDATE by primary key): every row-lock wait would show here. */
+  renewalMaxMs: number;
+}
+
+export interface ForegroundPhase {
+  name: 'reaper unthrottled' | 'reaper throttled' | 'single DELETE' | 'batched DELETE loop';
+  cleanup: { rows: number; seconds: number; rowsPerSecond: number };
+  /** The foreground alone during the `baselineSeconds` just before this cleanup (null in smoke). */
+  baseline: ForegroundLatency | null;
+  /** The foreground while the cleanup ran. */
+  foreground: ForegroundLatency | null;
+  /** Longest heavyweight-lock wait of a foreground backend seen by sampling pg_locks.waitstart every 50 ms. */
+  lockWaitMaxMs: number;
+  /** Samples in which some foreground backend waited, by wait_event_type (Lock, LWLock, IO, ...). */
+  waitSamples: Record<string, number>;
+  samples: number;
+  wal: WalRead;
+  /** The cleanup's WAL (cluster-wide without pg_walinspect) per deleted row, full-page images included. */
+  walBytesPerRow: number;
+  walBytesPerRowWithoutFpi: number;
+}
+
+export interface ForegroundFigure {
+  ratePerSecond: number;
+  clients: number;
+  candidates: number;
+  reaperBatchSize: number;
+  throttle: { rowsPerSecond: number; concurrency: number };
+  loopBatchSize: number;
+  phases: ForegroundPhase[];
+}
+
+function percentile(sorted: readonly number[], q: number): number {
+  if (sorted.length === 0) return 0;
+  return sorted[Math.min(sorted.length - 1, Math.max(0, Math.ceil(q * sorted.length) - 1))]!;
+}
+
+/** pgbench's connection options from the bench database's URL. */
+function pgbenchConnection(url: string): { args: string[]; env: Record<string, string> } {
+  const parsed = new URL(url);
+  const args = ['-h', parsed.hostname, '-p', parsed.port || '5432', '-U', decodeURIComponent(parsed.username || 'postgres'), parsed.pathname.slice(1)];
+  const env: Record<string, string> = { PGAPPNAME: APPLICATION_NAME };
+  if (parsed.password) env.PGPASSWORD = decodeURIComponent(parsed.password);
+  return { args, env };
+}
+
+function writeScripts(directory: string, seed: Seed): string[] {
+  const total = seed.totalRows;
+  // Row i of the seed: i % 4 = 2 is held until 2999 (see database.ts); ids are md5('bench-hold-' || i)::uuid.
+  const files = {
+    renew: `\\set i 4 * random(0, ${total / 4 - 1}) + 2
+UPDATE seat_reservations SET expires_at = expires_at + interval '1 second', updated_at = now()
+  WHERE reservation_id = md5('bench-hold-' || :i)::uuid AND status = 'held';
+`,
+    confirm: `\\set i random(1, ${total})
+UPDATE seat_reservations SET status = 'confirmed', updated_at = now()
+  WHERE reservation_id = md5('bench-hold-' || :i)::uuid AND status = 'held' AND expires_at > now();
+`,
+    read: `\\set i random(1, ${total})
+SELECT status, expires_at, seat, holder FROM seat_reservations WHERE reservation_id = md5('bench-hold-' || :i)::uuid;
+`,
+  };
+  return (Object.keys(SCRIPTS) as Array<keyof typeof SCRIPTS>).map((name) => {
+    const file = path.join(directory, `foreground-${name}.sql`);
+    writeFileSync(file, files[name]);
+    return `${file}@${SCRIPTS[name]}`;
+  });
+}
+
+/** A pgbench run at a fixed rate, logging every transaction; stopped with SIGINT once the phase is over. */
+class Pgbench {
+  private readonly child: ChildProcess;
+  private readonly exited: Promise<number | null>;
+  private stderr = '';
+  private spawnError: Error | null = null;
+
+  constructor(
+    private readonly logPrefix: string,
+    url: string,
+    scripts: readonly string[],
+    options: ForegroundOptions,
+    maxSeconds: number,
+  ) {
+    const connection = pgbenchConnection(url);
+    const args = ['-n', ...scripts.flatMap((script) => ['-f', script]), '-R', String(options.ratePerSecond), '-c', String(options.clients), '-j', '1'];
+    args.push('-T', String(Math.ceil(maxSeconds)), '--log', `--log-prefix=${logPrefix}`, ...connection.args);
+    this.child = spawn('pgbench', args, { env: { PATH: process.env.PATH, HOME: process.env.HOME, ...connection.env }, stdio: ['ignore', 'ignore', 'pipe'] });
+    this.child.stderr!.on('data', (chunk: Buffer) => {
+      this.stderr = (this.stderr + chunk.toString()).slice(-2000);
+    });
+    this.exited = new Promise((resolve, reject) => {
+      this.child.once('error', (error) => {
+        this.spawnError = error; // pgbench not installed: say so instead of reporting empty percentiles
+        reject(error);
+      });
+      this.child.once('exit', (code) => resolve(code));
+    });
+    this.exited.catch(() => undefined);
+  }
+
+  get running(): boolean {
+    return this.spawnError === null && this.child.exitCode === null && this.child.signalCode === null;
+  }
+
+  assertRunning(): void {
+    if (this.spawnError) throw new Error(`pgbench could not start (${this.spawnError.message}): the foreground figure needs PostgreSQL's pgbench on PATH`);
+    if (!this.running) throw new Error(`pgbench exited early (${this.child.exitCode}):\n${this.stderr}`);
+  }
+
+  /**
+   * SIGINT ends pgbench at once; its log is written through stdio buffers, so the last partial
+   * line is dropped when read. The phases keep a tail after the window they measure for that.
+   */
+  async stop(): Promise<void> {
+    if (this.running) this.child.kill('SIGINT');
+    await this.exited.catch(() => undefined);
+  }
+
+  /** Transactions ending in [fromMs, toMs] (epoch ms): latency (ms) and script number. */
+  transactions(fromMs: number, toMs: number): Array<{ ms: number; script: number }> {
+    const directory = path.dirname(this.logPrefix);
+    const base = path.basename(this.logPrefix);
+    const out: Array<{ ms: number; script: number }> = [];
+    for (const file of readdirSync(directory).filter((name) => name.startsWith(`${base}.`))) {
+      for (const line of readFileSync(path.join(directory, file), 'utf8').split('\n')) {
+        // client_id transaction_no time script_no time_epoch time_us schedule_lag (with -R)
+        const fields = line.trim().split(' ');
+        if (fields.length !== 7) continue; // the cut last line
+        const endMs = Number(fields[4]) * 1000 + Number(fields[5]) / 1000;
+        if (endMs < fromMs || endMs > toMs) continue;
+        out.push({ ms: Number(fields[2]) / 1000, script: Number(fields[3]) });
+      }
+    }
+    return out;
+  }
+}
+
+function latencyOf(transactions: ReadonlyArray<{ ms: number; script: number }>): ForegroundLatency {
+  const sorted = transactions.map((t) => t.ms).sort((a, b) => a - b);
+  const renewals = transactions.filter((t) => t.script === RENEW_SCRIPT).map((t) => t.ms);
+  return {
+    transactions: sorted.length,
+    p50Ms: percentile(sorted, 0.5),
+    p99Ms: percentile(sorted, 0.99),
+    maxMs: sorted.at(-1) ?? 0,
+    renewalMaxMs: renewals.length > 0 ? Math.max(...renewals) : 0,
+  };
+}
+
+/**
+ * Samples the foreground's backends every 50 ms: the longest heavyweight-lock wait (pg_locks.waitstart
+ * is when the wait began, so only its end is uncertain, by one interval) and which wait events show.
+ */
+class WaitSampler {
+  lockWaitMaxMs = 0;
+  samples = 0;
+  readonly waitSamples: Record<string, number> = {};
+  private stopped = false;
+  private loop: Promise<void> | null = null;
+  private active = false;
+
+  constructor(private readonly client: pg.Client) {}
+
+  start(): void {
+    this.loop = (async () => {
+      while (!this.stopped) {
+        if (this.active) {
+          const rows = (
+            await this.client.query<{ wait_event_type: string | null; lock_ms: number | null }>(
+              `SELECT a.wait_event_type, (extract(epoch FROM clock_timestamp() - l.waitstart) * 1000)::float8 AS lock_ms
+               FROM pg_stat_activity a LEFT JOIN pg_locks l ON l.pid = a.pid AND NOT l.granted
+               WHERE a.application_name = $1 AND a.state = 'active'`,
+              [APPLICATION_NAME],
+            )
+          ).rows;
+          this.samples++;
+          for (const type of new Set(rows.map((row) => row.wait_event_type).filter((type): type is string => type !== null))) {
+            this.waitSamples[type] = (this.waitSamples[type] ?? 0) + 1;
+          }
+          for (const row of rows) this.lockWaitMaxMs = Math.max(this.lockWaitMaxMs, row.lock_ms ?? 0);
+        }
+        await sleep(50);
+      }
+    })();
+  }
+
+  /** Samples count only inside the measured window. */
+  measure(on: boolean): void {
+    this.active = on;
+  }
+
+  async stop(): Promise<void> {
+    this.stopped = true;
+    await this.loop;
+  }
+}
+
+/**
+ * WAL a cleanup wrote. The server is shared (other engineers' tests write WAL) and the foreground
+ * writes the same table, so the cluster-wide pg_wal_lsn_diff is only reported; the figure counts,
+ * with pg_walinspect (PostgreSQL 15 contrib), the records of the bench database's blocks that the
+ * cleanup can have written: every record on another relation (reaper's receipts, runs, admission
+ * state) and, on seat_reservations and its indexes, the heap DELETE records only (the foreground
+ * only updates there). Full-page images are counted and also shown apart: a CHECKPOINT just before
+ * each cleanup makes every phase start equal, but during it the foreground may be first to touch a
+ * page, saving the cleanup that page's image. Commit records carry no block and are left out (a few
+ * dozen bytes per transaction).
+ */
+export interface WalRead {
+  /** The whole cluster (pg_current_wal_flush_lsn), other users of the server included. */
+  clusterBytes: number;
+  /** Records attributable to the cleanup (see above), full-page images included; null without pg_walinspect. */
+  cleanupBytes: number | null;
+  /** Of those, full-page images. */
+  cleanupFpiBytes: number | null;
+}
+
+class WalMeter {
+  private from = '';
+  private inspect = false;
+
+  /** `slotHolder`: a connection of its own for the phase, holding a temporary slot (gone with the session). */
+  constructor(
+    private readonly pool: pg.Pool,
+    private readonly slotHolder: pg.Client,
+  ) {}
+
+  async start(): Promise<void> {
+    this.inspect = await this.pool.query('CREATE EXTENSION IF NOT EXISTS pg_walinspect').then(
+      () => true,
+      () => false, // contrib not installed: the cluster-wide figure is all there is
+    );
+    await this.pool.query('CHECKPOINT');
+    if (this.inspect) {
+      // A busy shared server recycles WAL segments within seconds: a temporary physical slot keeps
+      // them from here until this phase's session ends (also if the benchmark dies: no slot is left behind).
+      const name = `reaper_bench_wal_${randomBytes(4).toString('hex')}`;
+      await this.slotHolder.query('SELECT pg_create_physical_replication_slot($1, true, true)', [name]);
+    }
+    this.from = (await this.pool.query<{ lsn: string }>('SELECT pg_current_wal_flush_lsn()::text AS lsn')).rows[0]!.lsn;
+  }
+
+  async finish(): Promise<WalRead> {
+    const to = (await this.pool.query<{ lsn: string }>('SELECT pg_current_wal_flush_lsn()::text AS lsn')).rows[0]!.lsn;
+    const clusterBytes = Number((await this.pool.query<{ bytes: string }>('SELECT pg_wal_lsn_diff($2::pg_lsn, $1::pg_lsn)::bigint AS bytes', [this.from, to])).rows[0]!.bytes);
+    if (!this.inspect) return { clusterBytes, cleanupBytes: null, cleanupFpiBytes: null };
+    const row = (
+      await this.pool.query<{ bytes: string; fpi: string }>(
+        `WITH db AS (SELECT oid::text AS oid FROM pg_database WHERE datname = current_database()),
+              seat AS (SELECT string_agg(pg_relation_filenode(c)::text, '|') AS nodes
+                       FROM unnest(array_append((SELECT array_agg(indexrelid::regclass) FROM pg_index WHERE indrelid = 'seat_reservations'::regclass),
+                                                'seat_reservations'::regclass)) AS c)
+         SELECT coalesce(sum(r.record_length), 0)::bigint AS bytes, coalesce(sum(r.fpi_length), 0)::bigint AS fpi
+         FROM pg_get_wal_records_info($1::pg_lsn, $2::pg_lsn) r, db, seat
+         WHERE r.block_ref ~ (' rel [0-9]+/' || db.oid || '/')
+           AND (r.block_ref !~ (' rel [0-9]+/' || db.oid || '/(' || seat.nodes || ') ') OR (r.resource_manager = 'Heap' AND r.record_type = 'DELETE'))`,
+        [this.from, to],
+      )
+    ).rows[0]!;
+    return { clusterBytes, cleanupBytes: Number(row.bytes), cleanupFpiBytes: Number(row.fpi) };
+  }
+}
+
+/** Deletes every candidate expiring at or before `cutoff` (ISO, microseconds). */
+type Cleanup = (pool: pg.Pool, cutoff: string) => Promise<{ rows: number; finished: boolean }>;
+
+/** The first `expected` candidates gone once, nothing else: the rest of the candidates and every non-candidate kept (some confirmed by the foreground). */
+async function checkCounts(context: BenchContext, figure: string, seed: Seed, pool: pg.Pool, expected: number, deleted: number): Promise<void> {
+  const row = (
+    await pool.query<{ expired_held: number; others: number }>(
+      `SELECT count(*) FILTER (WHERE status = 'held' AND expires_at < timestamptz '2100-01-01')::int AS expired_held,
+              count(*) FILTER (WHERE NOT (status = 'held' AND expires_at < timestamptz '2100-01-01'))::int AS others
+       FROM seat_reservations`,
+    )
+  ).rows[0]!;
+  check(context, figure, 'rows the cleanup deleted', expected, deleted);
+  check(context, figure, 'expired held rows left', seed.candidates - expected, row.expired_held);
+  check(context, figure, 'rows that must survive (held until 2999, confirmed)', seed.futureHeld + seed.expiredConfirmed, row.others);
+}
+
+async function waitForRun(pool: pg.Pool, runId: string, deadline: number): Promise<RunState | undefined> {
+  return pollUntil(
+    async () => {
+      const state = (await pool.query<{ state: RunState }>('SELECT state FROM cleanup_runs WHERE run_id = $1', [runId])).rows[0]!.state;
+      if (state === 'failed') throw new Error(`run ${runId} failed`);
+      return state === 'completed' ? state : undefined;
+    },
+    { deadline, everyMs: 50 },
+  );
+}
+
+function reaperCleanup(context: BenchContext): Cleanup {
+  return async (pool, cutoff) => {
+    const run = (await runsInsertIfAbsent(pool, { policy: FOREGROUND_POLICY, trigger: 'manual', scheduledFor: null, cutoff }))!;
+    const finished = (await waitForRun(pool, run.runId, Date.now() + context.boundMs)) !== undefined;
+    const receipts = (
+      await pool.query<{ deleted: number; noop: number }>(
+        'SELECT coalesce(sum(deleted), 0)::int AS deleted, coalesce(sum(noop), 0)::int AS noop FROM cleanup_batches WHERE run_id = $1',
+        [run.runId],
+      )
+    ).rows[0]!;
+    if (finished) check(context, 'foreground: reaper', 'no-ops', 0, receipts.noop);
+    return { rows: receipts.deleted, finished };
+  };
+}
+
+const singleDelete: Cleanup = async (pool, cutoff) => {
+  const result = await pool.query(`DELETE FROM seat_reservations WHERE expires_at <= $1::timestamptz AND status = 'held'`, [cutoff]);
+  return { rows: result.rowCount ?? 0, finished: true };
+};
+
+function batchedLoop(context: BenchContext, batchSize: number): Cleanup {
+  return async (pool, cutoff) => {
+    const deadline = Date.now() + context.boundMs;
+    let rows = 0;
+    for (;;) {
+      if (Date.now() > deadline) return { rows, finished: false };
+      const result = await pool.query(
+        `DELETE FROM seat_reservations WHERE reservation_id IN (
+           SELECT reservation_id FROM seat_reservations WHERE expires_at <= $1::timestamptz AND status = 'held' LIMIT $2)`,
+        [cutoff, batchSize],
+      );
+      if (!result.rowCount) return { rows, finished: true };
+      rows += result.rowCount;
+    }
+  };
+}
+
+/** Seconds pgbench may run at most in one phase (it is stopped when the phase is over). */
+function pgbenchMaxSeconds(context: BenchContext, options: ForegroundOptions): number {
+  return options.baselineSeconds + context.boundMs / 1000 + 60;
+}
+
+/** Warm-up before a measured window, and a tail after it (longer than pgbench's unflushed log buffer). */
+const WARM_UP_MS = 1000;
+const TAIL_MS = 1500;
+
+async function runPhase(
+  context: BenchContext,
+  seed: Seed,
+  options: ForegroundOptions,
+  scripts: readonly string[],
+  name: ForegroundPhase['name'],
+  cleanup: Cleanup,
+  reaperPolicy: Parameters<typeof seatHoldsPolicy>[3] | null,
+): Promise<ForegroundPhase> {
+  await context.databases.fresh();
+  if (reaperPolicy) await context.broker.preparePhase([FOREGROUND_POLICY]);
+  const pool = context.databases.pool(2, 'bench-observer');
+  const samplerClient = new pg.Client({ connectionString: context.databases.url, application_name: 'bench-sampler' });
+  await samplerClient.connect();
+  const sampler = new WaitSampler(samplerClient);
+  let services: ReaperService[] = [];
+  let pgbench: Pgbench | null = null;
+  try {
+    if (reaperPolicy) {
+      const label = `foreground-${name.replace(/\W+/g, '-')}`;
+      const policiesPath = writePolicies(context.workDir, label, [seatHoldsPolicy(FOREGROUND_POLICY, options.reaperBatchSize, undefined, reaperPolicy)]);
+      services = await startServices(reaperEnvironment(context, policiesPath), [
+        { kind: 'scheduler', id: 'bench-scheduler' },
+        { kind: 'worker', id: 'bench-worker-1' },
+        { kind: 'worker', id: 'bench-worker-2' },
+      ]);
+    }
+    const logPrefix = path.join(context.workDir, `pgbench-${name.replace(/\W+/g, '-')}`);
+    if (options.foreground) {
+      pgbench = new Pgbench(logPrefix, context.databases.url, scripts, options, pgbenchMaxSeconds(context, options));
+      sampler.start();
+      await sleep(WARM_UP_MS);
+      pgbench.assertRunning();
+    }
+    const baselineFromMs = Date.now();
+    if (pgbench) await sleep(options.baselineSeconds * 1000);
+    const baselineToMs = Date.now();
+    // Read before the window: the n-th candidate's exact expiry (the seed's expiries are unique).
+    const cutoff = await cutoffAfterCandidates(pool, options.rows);
+    const wal = new WalMeter(pool, samplerClient);
+    await wal.start();
+    sampler.measure(true);
+    const startedMs = Date.now();
+    const result = await cleanup(pool, cutoff);
+    const endedMs = Date.now();
+    sampler.measure(false);
+    const walRead = await wal.finish();
+    const walBytes = walRead.cleanupBytes ?? walRead.clusterBytes;
+    for (const service of services) service.assertRunning();
+    let foreground: ForegroundLatency | null = null;
+    let baseline: ForegroundLatency | null = null;
+    if (pgbench) {
+      pgbench.assertRunning();
+      await sleep(TAIL_MS);
+      await pgbench.stop();
+      baseline = latencyOf(pgbench.transactions(baselineFromMs, baselineToMs));
+      foreground = latencyOf(pgbench.transactions(startedMs, endedMs));
+    }
+    await stopServices(services);
+    const seconds = (endedMs - startedMs) / 1000;
+    const figure = `foreground: ${name}, ${options.rows} of ${seed.candidates} candidates`;
+    if (checkFinished(context, figure, result.finished)) await checkCounts(context, figure, seed, pool, options.rows, result.rows);
+    return {
+      name,
+      cleanup: { rows: result.rows, seconds, rowsPerSecond: seconds > 0 ? result.rows / seconds : 0 },
+      baseline,
+      foreground,
+      lockWaitMaxMs: sampler.lockWaitMaxMs,
+      waitSamples: sampler.waitSamples,
+      samples: sampler.samples,
+      wal: walRead,
+      walBytesPerRow: result.rows > 0 ? walBytes / result.rows : 0,
+      walBytesPerRowWithoutFpi: result.rows > 0 ? (walBytes - (walRead.cleanupFpiBytes ?? 0)) / result.rows : 0,
+    };
+  } finally {
+    await pgbench?.stop();
+    await sampler.stop();
+    await samplerClient.end();
+    await stopServices(services);
+    await pool.end();
+  }
+}
+
+export async function runForeground(context: BenchContext, seed: Seed, options: ForegroundOptions): Promise<ForegroundFigure> {
+  const scripts = writeScripts(context.workDir, seed);
+  const phases: ForegroundPhase[] = [];
+  const show = (phase: ForegroundPhase): void => {
+    const fg =
+      phase.foreground && phase.baseline
+        ? `foreground p50 ${phase.foreground.p50Ms.toFixed(1)} ms, p99 ${phase.foreground.p99Ms.toFixed(1)} ms (${phase.foreground.transactions} tx; alone just before: ${phase.baseline.p50Ms.toFixed(1)} / ${phase.baseline.p99Ms.toFixed(1)} ms); `
+        : '';
+    const cleanup = `${Math.round(phase.cleanup.rowsPerSecond)} rows/s, ${phase.walBytesPerRow.toFixed(0)} WAL B/row; `;
+    context.progress(`    ${phase.name}: ${cleanup}${fg}lock wait max ${phase.lockWaitMaxMs.toFixed(0)} ms`);
+  };
+  const plans: Array<[ForegroundPhase['name'], Cleanup, Parameters<typeof seatHoldsPolicy>[3] | null]> = [
+    ['reaper unthrottled', reaperCleanup(context), {}],
+    ['reaper throttled', reaperCleanup(context), { admission: options.throttle }],
+    ['single DELETE', singleDelete, null],
+    ['batched DELETE loop', batchedLoop(context, options.loopBatchSize), null],
+  ];
+  for (const [name, cleanup, policy] of plans) {
+    const phase = await runPhase(context, seed, options, scripts, name, cleanup, policy);
+    phases.push(phase);
+    show(phase);
+  }
+  return {
+    ratePerSecond: options.ratePerSecond,
+    clients: options.clients,
+    candidates: options.rows,
+    reaperBatchSize: options.reaperBatchSize,
+    throttle: options.throttle,
+    loopBatchSize: options.loopBatchSize,
+    phases,
+  };
+}
