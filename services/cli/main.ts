@@ -42,8 +42,11 @@ export function makeProgram(): Command {
   // Operator commands stop on SIGINT/SIGTERM at once (the services drain instead: runService).
   // Explicit handlers matter when the command is PID 1 (a container, a Kubernetes Job): the kernel
   // delivers no signal to PID 1 that it has not installed a handler for.
+  // Commands that publish a run themselves (`execute`, `trigger`/`replay --execute`) handle Ctrl-C
+  // on their own: they stop at the next window boundary and hand the run back (services/cli/runs.ts).
   program.hook('preAction', (_program, action) => {
-    if (action.name() !== 'scheduler' && action.name() !== 'worker') stopOnSignals();
+    const drainsItself = ['scheduler', 'worker', 'execute'].includes(action.name()) || action.opts().execute === true;
+    if (!drainsItself) stopOnSignals();
   });
 
   return program;

@@ -191,7 +191,13 @@ describe('ack discipline: the failure side', () => {
             `SELECT count(*)::int AS n FROM pg_stat_activity WHERE datname = current_database() AND application_name = 'reaper-worker' AND wait_event_type = 'Lock'`,
           )
         ).rows[0]!.n;
-      await group.eventuallyAlive('four DELETEs waiting on the row locks', async () => (await waitingDeletes()) === 4, { timeoutMs: 20_000, intervalMs: 50 });
+      // The worker coalesces the batches it holds into one statement per group (at most two groups
+      // per policy at once): four batches in flight wait in one or two DELETEs.
+      await group.eventuallyAlive(
+        'four batches delivered, their DELETEs waiting on the row locks',
+        async () => batches.filter((batch) => deliveries(batch.batchId).length === 1).length === 4 && (await waitingDeletes()) >= 1,
+        { timeoutMs: 20_000, intervalMs: 50 },
+      );
       const inFlight = batches.filter((batch) => deliveries(batch.batchId).length === 1);
       assert.equal(inFlight.length, 4, 'four batches in flight');
 
@@ -202,7 +208,7 @@ describe('ack discipline: the failure side', () => {
         `SELECT pg_terminate_backend(pid) AS ended FROM pg_stat_activity WHERE datname = $1 AND application_name = 'reaper-worker'`,
         [database],
       );
-      assert.ok(ended.rowCount! >= 4, `the worker's connections were ended (${ended.rowCount})`);
+      assert.ok(ended.rowCount! >= 1, `the worker's connections were ended (${ended.rowCount})`);
       await holder.query('ROLLBACK');
       holding = false;
 

@@ -53,7 +53,9 @@ describe('PostgreSQL backend terminated between the DELETE and the commit answer
       ],
       async inject({ afterBatches, recovery, workers }) {
         await afterBatches(10);
-        const link = await proxy.holdRepliesAfter(/DELETE FROM/);
+        // Row-delete groups run BEGIN / DELETE / COMMIT: holding the answers after the COMMIT leaves
+        // the deletion committed and the worker without its answer.
+        const link = await proxy.holdRepliesAfter(/\bCOMMIT\b/);
         const pid = link.backendPid;
         assert.ok(pid, 'the proxy read the backend pid of the link');
         // The statement ran and committed once its backend is idle again; only its answer is missing.
