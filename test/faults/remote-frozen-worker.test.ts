@@ -66,6 +66,33 @@ describe('remote-delete: a worker frozen past its lease cannot overwrite the new
     callB: MediaApiCall;
   }
 
+  /**
+   * SIGSTOPs the worker at a moment it holds no open transaction. Frozen inside one (its admission
+   * transaction holds the policy's admission row; the ledger sweeper's holds the per-policy sweep
+   * lock) it would stop every other worker's admission or sweep, which is a different test (a
+   * frozen lock holder), and B could never take over. Only A's worker runs at this point, and its
+   * call is held by the stand-in, so it soon has nothing to do but wait; a stop that catches it in
+   * a transaction is undone and tried again.
+   */
+  async function freezeOutsideTransactions(worker: ReaperProcess): Promise<void> {
+    const openTransactions = async (states: string[]) =>
+      (
+        await bed.pool.query<{ n: number }>(
+          `SELECT count(*)::int AS n FROM pg_stat_activity WHERE datname = current_database() AND application_name = 'reaper-worker' AND state = ANY($1::text[])`,
+          [states],
+        )
+      ).rows[0]!.n;
+    for (let attempt = 1; ; attempt++) {
+      worker.signal('SIGSTOP');
+      // A statement it had sent runs to its end without it; what is left open then needs the process.
+      await eventually(`${worker.label}'s statements in progress to end`, async () => (await openTransactions(['active'])) === 0, { timeoutMs: 10_000, intervalMs: 10 });
+      if ((await openTransactions(['idle in transaction', 'idle in transaction (aborted)'])) === 0) return;
+      worker.signal('SIGCONT');
+      assert.ok(attempt < 50, `${worker.label} could not be frozen outside a transaction`);
+      await new Promise((resolve) => setTimeout(resolve, 7 * attempt)); // a different moment next time
+    }
+  }
+
   /** A calls and is frozen mid-call past its lease; B claims the operation and its call is in progress. */
   async function freezeAAndLetBTakeOver(prefix: string): Promise<TakenOver> {
     const [assetId] = await seedAssets(bed.pool, prefix, 1);
@@ -81,7 +108,7 @@ describe('remote-delete: a worker frozen past its lease cannot overwrite the new
       timeoutMs: 20_000,
       intervalMs: 20,
     });
-    workerA.signal('SIGSTOP');
+    await freezeOutsideTransactions(workerA);
     assert.equal(callA.id, assetId);
     const key = callA.key!;
     const [claimA] = await ledgerRows(bed.pool, [assetId!]);
