@@ -32,7 +32,7 @@ import path from 'node:path';
 import { parseArgs } from 'node:util';
 import { brokerNames } from '../../shared/amqp/topology';
 import { openTestBroker } from '../../test/support/broker';
-import { startMediaApi, type MediaApi } from '../../test/support/media-api';
+import { startMediaApi, type MediaApi } from '../../tools/media-api/server';
 import { runReaperCli, startReaper, type ReaperProcess } from '../../test/support/processes';
 import { rabbitmqctl } from '../../test/support/rabbitmqctl';
 import { formatChecker, measureRecovery, runChecker, type Recovery } from '../../test/support/run-checks';

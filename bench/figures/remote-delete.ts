@@ -1,6 +1,6 @@
 import { brokerNames, DELAY_TIERS_MS } from '../../shared/amqp/topology';
 import { runsInsertIfAbsent } from '../../shared/db/queries/runs';
-import { startMediaApi, type MediaApi } from '../../test/support/media-api';
+import { startMediaApi, type MediaApi } from '../../tools/media-api/server';
 import { check, checkFinished, reaperEnvironment, type BenchContext } from '../lib/context';
 import { REMOTE_POLICY, NEVER, writePolicies } from '../lib/policies';
 import { startServices, stopServices, type ReaperService } from '../lib/services';

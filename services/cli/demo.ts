@@ -8,7 +8,7 @@ import { demoTablesCreate } from '../../shared/db/queries/demo-tables';
 import { migrate } from '../../shared/db/migrate';
 import { makeTopology } from '../../shared/amqp/topology';
 import { runsGetSummary, runsInsertIfAbsent, type Run, type RunSummary } from '../../shared/db/queries/runs';
-import { startMediaApi, type MediaApi } from '../../test/support/media-api';
+import { startMediaApi, type MediaApi } from '../../tools/media-api/server';
 
 /**
  * `npm run demo`: both demo policies end to end on the real servers, in a database of their own.

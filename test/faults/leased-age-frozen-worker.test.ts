@@ -1,7 +1,7 @@
 import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
 import { eventually } from '../support/eventually';
-import { startMediaApi, type MediaApi } from '../support/media-api';
+import { startMediaApi, type MediaApi } from '../../tools/media-api/server';
 import { assertNoLeakedProcesses, runReaperCli } from '../support/processes';
 import { MEDIA_POLICY, mediaPolicyYaml, seedAssets, startSchedulerProcess, started, startWorkerProcess, stopStarted } from '../support/remote-helpers';
 import { makeTestBed, type TestBed } from '../support/testbed';

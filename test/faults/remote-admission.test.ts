@@ -1,6 +1,6 @@
 import assert from 'node:assert/strict';
 import { describe, test } from 'node:test';
-import type { MediaApiCall } from '../support/media-api';
+import type { MediaApiCall } from '../../tools/media-api/server';
 import { callsByKey, MEDIA_POLICY, seedAssets } from '../support/remote-helpers';
 import { transitionsWorld } from '../support/remote-transitions-world';
 

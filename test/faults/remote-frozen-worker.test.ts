@@ -1,7 +1,7 @@
 import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
 import { eventually } from '../support/eventually';
-import { startMediaApi, type MediaApi, type MediaApiCall } from '../support/media-api';
+import { startMediaApi, type MediaApi, type MediaApiCall } from '../../tools/media-api/server';
 import { assertNoLeakedProcesses, runReaperCli, type ReaperProcess } from '../support/processes';
 import {
   assertRetention,

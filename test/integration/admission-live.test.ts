@@ -1,7 +1,7 @@
 import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
 import { eventually } from '../support/eventually';
-import type { MediaApi, MediaApiCall } from '../support/media-api';
+import type { MediaApi, MediaApiCall } from '../../tools/media-api/server';
 import { runReaperCli } from '../support/processes';
 import { closeRemoteWorld, errorsLogged, ledgerSummary, MEDIA_POLICY, openRemoteWorld, seedAssets, startSchedulerProcess, started, startWorkerProcess } from '../support/remote-helpers';
 import type { TestBed } from '../support/testbed';

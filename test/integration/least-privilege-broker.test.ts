@@ -15,7 +15,7 @@ import { promisify } from 'node:util';
 import amqp from 'amqplib';
 import { brokerPermissions, brokerUserName, type BrokerRole } from '../../shared/amqp/permissions';
 import { eventually } from '../support/eventually';
-import { startMediaApi, type MediaApi } from '../support/media-api';
+import { startMediaApi, type MediaApi } from '../../tools/media-api/server';
 import { assertNoLeakedProcesses, runReaperCli } from '../support/processes';
 import { assetStatuses, errorsLogged, seedAssets, started, startSchedulerProcess, startWorkerProcess, stopStarted } from '../support/remote-helpers';
 import { countReservations, seedHolds } from '../support/seed';

@@ -14,7 +14,7 @@ import { randomBytes } from 'node:crypto';
 import pg from 'pg';
 import { REAPER_TABLE_GRANTS, type DbRoleNames } from '../../shared/db/queries/roles';
 import { eventually } from '../support/eventually';
-import { startMediaApi, type MediaApi } from '../support/media-api';
+import { startMediaApi, type MediaApi } from '../../tools/media-api/server';
 import { runReaperCli } from '../support/processes';
 import { assetStatuses, errorsLogged, seedAssets, started, startSchedulerProcess, startWorkerProcess, stopStarted } from '../support/remote-helpers';
 import { countReservations, seedHolds } from '../support/seed';

@@ -7,7 +7,7 @@ import path from 'node:path';
 import { after, before, describe, test } from 'node:test';
 import { parse as parseYaml } from 'yaml';
 import { eventually } from '../support/eventually';
-import { startMediaApi, type MediaApi } from '../support/media-api';
+import { startMediaApi, type MediaApi } from '../../tools/media-api/server';
 import { assertNoLeakedProcesses, runReaperCli, type ReaperProcess } from '../support/processes';
 import { seedAssets, startSchedulerProcess, started, startWorkerProcess, stopStarted } from '../support/remote-helpers';
 import { seedHolds } from '../support/seed';

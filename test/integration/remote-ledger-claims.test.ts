@@ -12,7 +12,7 @@ import { makeMetrics } from '../../shared/observability/metrics';
 import { makeRemoteDeleteHandler } from '../../services/worker/handlers/remote-delete';
 import type { BatchHandler, HandlerContext } from '../../services/worker/handlers/types';
 import type { BatchResult } from '../../services/worker/results';
-import { startMediaApi, type MediaApi } from '../support/media-api';
+import { startMediaApi, type MediaApi } from '../../tools/media-api/server';
 import { callsByKey, currentKeyOf, ledgerRows, MEDIA_POLICY, mediaPolicyYaml, seedAssets } from '../support/remote-helpers';
 import { makeTestBed, type TestBed } from '../support/testbed';
 

@@ -1,7 +1,7 @@
 import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
 import { eventually } from '../support/eventually';
-import { type MediaApi } from '../support/media-api';
+import { type MediaApi } from '../../tools/media-api/server';
 import { runReaperCli, type ReaperProcess } from '../support/processes';
 import {
   assertRetention,

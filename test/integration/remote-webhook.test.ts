@@ -3,7 +3,7 @@ import { createHmac } from 'node:crypto';
 import { after, before, describe, test } from 'node:test';
 import { signWebhook } from '../../services/scheduler/webhooks';
 import { eventually } from '../support/eventually';
-import { startMediaApi, type MediaApi } from '../support/media-api';
+import { startMediaApi, type MediaApi } from '../../tools/media-api/server';
 import { assertNoLeakedProcesses, runReaperCli, type ReaperProcess } from '../support/processes';
 import {
   assertRetention,

@@ -1,6 +1,6 @@
 import assert from 'node:assert/strict';
 import type pg from 'pg';
-import { startMediaApi, type MediaApi, type MediaApiCall, type MediaApiOptions } from './media-api';
+import { startMediaApi, type MediaApi, type MediaApiCall, type MediaApiOptions } from '../../tools/media-api/server';
 import { assertNoLeakedProcesses, startReaper, stopLeftovers, type ReaperProcess } from './processes';
 import { makeTestBed, type TestBed } from './testbed';
 

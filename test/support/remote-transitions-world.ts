@@ -1,7 +1,7 @@
 import assert from 'node:assert/strict';
 import { after, afterEach, before } from 'node:test';
 import { eventually } from './eventually';
-import { startMediaApi, type MediaApi } from './media-api';
+import { startMediaApi, type MediaApi } from '../../tools/media-api/server';
 import { runReaperCli, stopLeftovers, type ReaperProcess } from './processes';
 import {
   callsByKey,

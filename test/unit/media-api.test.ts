@@ -1,5 +1,5 @@
 /**
- * Unit tests for the stand-in media API (test/support/media-api.ts).
+ * Unit tests for the stand-in media API (tools/media-api/server.ts).
  */
 import { test } from 'node:test';
 import assert from 'node:assert/strict';
@@ -8,7 +8,7 @@ import { once } from 'node:events';
 import { request as httpRequest } from 'node:http';
 import { join } from 'node:path';
 import { createInterface } from 'node:readline';
-import { maxInSlidingWindow, startMediaApi, type MediaApi, type MediaApiOptions } from '../support/media-api';
+import { maxInSlidingWindow, startMediaApi, type MediaApi, type MediaApiOptions } from '../../tools/media-api/server';
 
 /** Starts a server, runs `fn`, and always closes the server. */
 async function withApi(options: MediaApiOptions, fn: (api: MediaApi) => Promise<void>): Promise<void> {

@@ -12,7 +12,7 @@ import {
   retryAfterWasCapped,
   withCircuitBreaker,
 } from '../../shared/remote/client';
-import { startMediaApi } from '../support/media-api';
+import { startMediaApi } from '../../tools/media-api/server';
 import { ODD_IDS } from '../support/odd-ids';
 
 /** docs/design.md "Remote API calls": the classification is exact, and an open circuit makes no call. */

@@ -7,7 +7,7 @@
  * listening, and closes cleanly on SIGTERM / SIGINT.
  */
 import { parseArgs } from 'node:util';
-import { startMediaApi, type MediaApiOptions } from './media-api';
+import { startMediaApi, type MediaApiOptions } from './server';
 
 function numberFlag(name: string, raw: string | undefined): number | undefined {
   if (raw === undefined) return undefined;
