@@ -100,13 +100,7 @@ describe('remote-delete: admission failure transitions against reaper workers', 
     }
   });
 
-  // Skipped, with its reason: this test pins the accounting of ONE late grant that took the whole
-  // bucket. Since live admission overrides (a database read before each late call) and the
-  // wait-in-line handler were merged, that path is reached differently (measured: 8 grants, 4 calls,
-  // 0 counted grant-expired) and the expected counts must be derived again. What the late-grant
-  // rule protects (never more than capacity + rate x t calls at the remote, attempts = calls) is
-  // still checked by remote-rate-limit.serial.test.ts and test/property/ledger.property.test.ts.
-  test.skip('a grant that cannot be used in time: no call, no attempt counted, due again at once (today: no token refund)', async () => {
+  test('a grant that cannot be used in time: no call, no attempt counted, due again at once (today: no token refund)', async () => {
     const ids = await seedAssets(w.bed.pool, 'late-grant', 4);
     await w.bed.pool.query('DELETE FROM cleanup_admission WHERE policy = $1', [MEDIA_POLICY]); // a full bucket: capacity 4 at 0.5/s, burst 5
     // A slow COMMIT of every claim (as a busy or synchronously replicated database has): the

@@ -327,7 +327,7 @@ test('maxCallsInWindow counts calls whose startedAt falls in a sliding window', 
 });
 
 test('media-api-main prints its url and exits cleanly on SIGTERM', async () => {
-  const child = spawn(process.execPath, [join(__dirname, '..', 'support', 'media-api-main.js'), '--rate', '0.1', '--burst', '2'], {
+  const child = spawn(process.execPath, [join(__dirname, '..', '..', 'tools', 'media-api', 'main.js'), '--rate', '0.1', '--burst', '2'], {
     stdio: ['ignore', 'pipe', 'inherit'],
   });
   try {

@@ -1,7 +1,7 @@
 /**
  * Runs the stand-in media API as its own process (demo, benchmark).
  *
- *   node dist/test/support/media-api-main.js [--port N] [--rate R] [--burst B]
+ *   node dist/tools/media-api/main.js [--port N] [--rate R] [--burst B]
  *
  * Prints one JSON line `{"url": "http://127.0.0.1:PORT"}` to stdout once
  * listening, and closes cleanly on SIGTERM / SIGINT.
