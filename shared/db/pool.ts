@@ -58,14 +58,12 @@ export function makePool(
   // An idle client losing its connection (server restart) must not crash the process: the pool
   // drops the client and the next query opens a fresh one.
   pool.on('error', () => undefined);
-  // A checked-out client whose socket fails BETWEEN two statements (in a transaction, while the
-  // worker runs JS or waits for a lock it asked for) emits 'error' with no pool listener attached:
-  // unhandled, that ends the process. The failure is not lost: the client's next query rejects
-  // ("not queryable"), the caller classifies it (database unavailable) and releases the client as
-  // broken. So every client gets a listener for its whole life.
-  pool.on('connect', (client) => {
-    client.on('error', () => undefined);
-  });
+  // A checked-out client whose connection dies between two queries (server restarted, backend
+  // terminated, link reset while a transaction is open) emits 'error' with nobody listening, and
+  // Node ends the process (the chaos run found workers exiting 1 this way). Its next query fails
+  // instead ("Client has encountered a connection error", classified as the database being
+  // unavailable) and the client is released as broken.
+  pool.on('connect', (client) => client.on('error', () => undefined));
   return pool;
 }
 
