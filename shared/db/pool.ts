@@ -85,6 +85,12 @@ export async function withTransaction<T>(
     await client.query('COMMIT');
     return result;
   } catch (error) {
+    if (connectionLost(error)) {
+      // The link itself is gone or stalled: a ROLLBACK on it would wait out the client's query
+      // bound a second time. The server rolls back when the connection closes; discard the client.
+      broken = true;
+      throw error;
+    }
     try {
       await client.query('ROLLBACK');
     } catch {
@@ -95,6 +101,12 @@ export async function withTransaction<T>(
   } finally {
     client.release(broken);
   }
+}
+
+/** Errors after which this client's connection cannot be used again (pg's own messages). */
+function connectionLost(error: unknown): boolean {
+  const message = error instanceof Error ? error.message : '';
+  return /Query read timeout|Connection terminated|connection error|not queryable/i.test(message);
 }
 
 /**

@@ -90,10 +90,16 @@ describe('remote-delete: webhooks', () => {
     return { 'x-reaper-timestamp': timestamp, 'x-reaper-signature': signWebhook(secret, { timestamp, method, path: pathOf(url), body }) };
   }
 
-  /** A correctly signed webhook for `id`. */
+  /**
+   * A correctly signed webhook for `id`: a new event each time. Two events for the same id within
+   * one second would carry the same timestamp and so the same signature, which the scheduler
+   * rightly refuses as a replay; a sender's next event is signed with a later timestamp.
+   */
+  let lastTimestamp = 0;
   function signedWebhook(id: string): Promise<{ status: number; json: Record<string, unknown> }> {
     const body = JSON.stringify({ id });
-    return post(body, signedHeaders(body));
+    lastTimestamp = Math.max(nowSeconds(), lastTimestamp + 1);
+    return post(body, signedHeaders(body, webhookUrl, String(lastTimestamp)));
   }
 
   const signaturesSeen = async () => (await bed.pool.query<{ n: number }>('SELECT count(*)::int AS n FROM cleanup_webhook_signatures')).rows[0]!.n;
