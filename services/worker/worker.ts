@@ -18,7 +18,7 @@ import { makeMetrics, type Metrics } from '../../shared/observability/metrics';
 import { classifyHandlerError } from './errors';
 import { makeRowDeleteGroupHandler, type BatchGroupHandler } from './handlers/row-delete';
 import { makeCoalescer, type Coalescer } from './coalescer';
-import { makeFailpoint, readFailpoint } from './failpoint';
+import { failpoint } from '../../shared/testing/failpoints';
 import type { BatchV1 } from '../../shared/contracts/batch';
 import type { BatchHandler, HandlerContext } from './handlers/types';
 import type { BatchResult } from './results';
@@ -79,7 +79,6 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
   const handlers = new Map<string, BatchHandler>();
   /** row-delete: one coalescer per policy in front of its group handler. */
   const coalescers = new Map<string, Coalescer<BatchV1, BatchResult>>();
-  const failpoint = makeFailpoint(readFailpoint(), (name) => log.warn({ failpoint: name }, 'failpoint reached: killing this process'));
   let stopping = false;
   try {
     await assertSchemaCurrent(pool);

@@ -12,6 +12,16 @@
  */
 export const TEST_FAILPOINT_VARIABLE = 'REAPER_TEST_FAILPOINT';
 
+/** The worker's points (services/worker/handlers). */
+export const WORKER_FAILPOINTS = [
+  /** row-delete: the group's statement ran inside its transaction; COMMIT is not sent yet. */
+  'before-commit',
+  /** row-delete: COMMIT answered; the messages are not acked yet. */
+  'after-commit',
+  /** remote-delete: the remote answered; the outcome is not recorded yet. */
+  'after-remote-call',
+] as const;
+
 /** The scheduler's points, in the order a window reaches them (services/scheduler/run-executor.ts). */
 export const SCHEDULER_FAILPOINTS = [
   /** The window's batches are handed to the broker and the first confirm came back; the window is not confirmed as a whole. */
@@ -22,9 +32,9 @@ export const SCHEDULER_FAILPOINTS = [
   'scheduler-after-checkpoint',
 ] as const;
 
-export type FailpointName = (typeof SCHEDULER_FAILPOINTS)[number];
+export type FailpointName = (typeof WORKER_FAILPOINTS)[number] | (typeof SCHEDULER_FAILPOINTS)[number];
 
-const KNOWN: ReadonlySet<string> = new Set<string>(SCHEDULER_FAILPOINTS);
+const KNOWN: ReadonlySet<string> = new Set<string>([...WORKER_FAILPOINTS, ...SCHEDULER_FAILPOINTS]);
 
 let armed: string | null | undefined;
 

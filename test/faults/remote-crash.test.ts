@@ -47,7 +47,7 @@ describe('remote-delete: worker killed between the remote call and recording its
   test('the operation is retried with the same key after the lease expires; deleted once; ledger done', async () => {
     const ids = await seedAssets(bed.pool, 'crash', ASSETS);
     const scheduler = startSchedulerProcess(bed, 'crash-scheduler');
-    const doomed = startWorkerProcess(bed, 'crash-doomed', { REAPER_FAILPOINT: 'after-remote-call' });
+    const doomed = startWorkerProcess(bed, 'crash-doomed', { REAPER_TEST_FAILPOINT: 'after-remote-call' });
     await Promise.all([started(scheduler, 'scheduler'), started(doomed, 'worker')]);
 
     const trigger = await runReaperCli(['trigger', MEDIA_POLICY], bed.processEnv());

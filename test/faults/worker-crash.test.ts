@@ -95,7 +95,7 @@ describe('worker crash around the commit', () => {
     const seeded = await seedHolds(bed.pool, { expiredHeld: 40 });
     const batch = await batchFor(seeded.expiredHeld);
 
-    const doomed = startWorker('crash-before-commit', { REAPER_FAILPOINT: 'before-commit' });
+    const doomed = startWorker('crash-before-commit', { REAPER_TEST_FAILPOINT: 'before-commit' });
     await doomed.waitForLine('worker consuming', (line) => line.msg === 'worker consuming', 30_000);
     await publishBatch(batch);
 
@@ -138,7 +138,7 @@ describe('worker crash around the commit', () => {
     const seeded = await seedHolds(bed.pool, { expiredHeld: 25, futureHeld: 5 });
     const batch = await batchFor(seeded.expiredHeld);
 
-    const doomed = startWorker('crash-after-commit', { REAPER_FAILPOINT: 'after-commit' });
+    const doomed = startWorker('crash-after-commit', { REAPER_TEST_FAILPOINT: 'after-commit' });
     await doomed.waitForLine('worker consuming', (line) => line.msg === 'worker consuming', 30_000);
     await publishBatch(batch);
 

@@ -73,7 +73,7 @@ export const ENV_NAMES = namesReadBy((source) => loadEnv(source), () => undefine
 /** Variables that may hold a secret: those also read as `<NAME>_FILE`. */
 export const SECRET_NAMES = new Set([...ENV_NAMES].filter((name) => name.endsWith('_FILE') && ENV_NAMES.has(name.slice(0, -5))).map((name) => name.slice(0, -5)));
 /** Test-only switches that must never be deployed. */
-export const TEST_ONLY_NAMES = new Set(['REAPER_FAILPOINT']);
+export const TEST_ONLY_NAMES = new Set(['REAPER_TEST_FAILPOINT']);
 
 /** What a policies file reads: variables through `${NAME}`, files through `${file:/path}`. */
 export function policyInputs(text: string, origin: string): { variables: Set<string>; files: Set<string> } {

@@ -53,9 +53,9 @@ test('an empty environment gives the documented defaults', () => {
   assert.equal(env.logLevel, 'info');
   assert.equal(env.httpPort, undefined);
   assert.equal(env.webhookSecret, undefined);
-  // Test-only crash points are not production configuration (services/worker/failpoint.ts reads them).
+  // Test-only crash points are not production configuration (shared/testing/failpoints.ts reads them).
   assert.equal('failpoint' in env, false);
-  assert.equal('failpoint' in loadEnv({ REAPER_FAILPOINT: 'before-commit' }), false);
+  assert.equal('failpoint' in loadEnv({ REAPER_TEST_FAILPOINT: 'before-commit' }), false);
   assert.ok(env.databaseUrl.startsWith('postgres://'), env.databaseUrl);
   assert.ok(env.amqpUrl.startsWith('amqp://'), env.amqpUrl);
   assert.ok(Number.isInteger(env.prefetch) && env.prefetch >= 1);
