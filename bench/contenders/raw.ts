@@ -1,7 +1,7 @@
 import { randomUUID } from 'node:crypto';
 import { performance } from 'node:perf_hooks';
 import pg from 'pg';
-import { expiringRowsDeleteIfStillExpired, targetResolve } from '../../shared/db/queries/expiring-rows';
+import { expiringRowsDeleteGroupIfStillExpired, targetResolve } from '../../shared/db/queries/expiring-rows';
 import { checkFinished, checkSeatRows, throughput, type BenchContext, type Measured } from '../lib/context';
 import { CpuMeter } from '../lib/cpu';
 import { countSeatRows, databaseNowIso, type Seed } from '../lib/database';
@@ -46,15 +46,13 @@ export async function runRawDelete(
     const deleteBatch = async (client: pg.PoolClient, batch: { ids: string[]; expiries: string[] }, index: number): Promise<number> => {
       if (options.statement !== 'reaper') return (await client.query(DELETE_BATCH_SQL, [batch.ids, batch.expiries, cutoff])).rowCount ?? 0;
       const items = batch.ids.map((id, i) => ({ id, observedExpiry: batch.expiries[i]! }));
-      const outcome = await expiringRowsDeleteIfStillExpired(client, target, {
-        batchId: `${runId}:${index}`,
-        runId,
+      // The worker's own statement, for one batch (it coalesces several when it holds them).
+      const outcome = await expiringRowsDeleteGroupIfStillExpired(client, target, {
         policy: 'raw',
-        cutoff,
-        items,
+        batches: [{ batchId: `${runId}:${index}`, runId, cutoff, items }],
         workerId: 'bench-raw',
       });
-      return outcome.deleted;
+      return outcome.batches[0]!.deleted;
     };
     for (let i = 0; i < options.clients; i++) {
       clients.push(await deleters.connect());

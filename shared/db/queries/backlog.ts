@@ -1,5 +1,5 @@
 import type { Db } from '../pool';
-import type { ResolvedTarget } from './expiring-rows';
+import { guardSql, type ResolvedTarget } from './expiring-rows';
 
 /**
  * What is waiting, read from PostgreSQL (the source of truth) for the backlog gauges and for
@@ -26,7 +26,7 @@ export interface TargetBacklog {
  */
 export async function targetBacklogRead(db: Db, target: ResolvedTarget, cap: number = ELIGIBLE_ROWS_CAP): Promise<TargetBacklog> {
   const { table, expiresAt } = target;
-  const guard = target.guardColumns.map((column, index) => ` AND t.${column} = $${2 + index}`).join('');
+  const guard = guardSql(target, 2);
   const eligible = `t.${expiresAt} <= clock_timestamp() AND t.${expiresAt} > '-infinity'::timestamptz${guard}`;
   const result = await db.query<{ oldest_age: number | null; waiting: number }>(
     `SELECT greatest(0, extract(epoch FROM clock_timestamp() - (SELECT t.${expiresAt} FROM ${table} t WHERE ${eligible} ORDER BY t.${expiresAt} LIMIT 1)))::float8 AS oldest_age,

@@ -116,7 +116,8 @@ async function requireCastableValues(db: Db, spec: TargetSpec, types: ReadonlyMa
   }
 }
 
-function guardSql(target: ResolvedTarget, firstParameter: number): string {
+/** ` AND t.<guard column> = $n ...` for the target's guard, its values bound from `$firstParameter` on. */
+export function guardSql(target: ResolvedTarget, firstParameter: number): string {
   return target.guardColumns.map((column, index) => ` AND t.${column} = $${firstParameter + index}`).join('');
 }
 
@@ -175,78 +176,6 @@ export async function expiringRowsCountNonFinite(db: Db, target: ResolvedTarget)
   return result.rows[0]!.n;
 }
 
-/**
- * The row-delete step, one statement: deletes the listed rows that are STILL expired and unchanged
- * (same key, the exact observed expiry to the microsecond, expiry <= cutoff, guard still true) and
- * writes the batch receipt. A receipt that already exists means this batch was committed before:
- * the caller reports it as a duplicate delivery. Rows renewed or confirmed since the scan do not
- * match and are counted as no-ops. Returns, per deleted row, its deletion lag (now minus expiry).
- */
-export async function expiringRowsDeleteIfStillExpired(
-  db: Db,
-  target: ResolvedTarget,
-  batch: {
-    batchId: string;
-    runId: string;
-    policy: string;
-    cutoff: string;
-    items: readonly ExpiringItem[];
-    workerId: string;
-    /** Audit on: one cleanup_audit row per deleted row, written by this same statement. */
-    audit?: { policyVersion: string } | null;
-  },
-): Promise<{ receiptWritten: boolean; deleted: number; lagSeconds: number[] }> {
-  const { table, key, expiresAt, keyType } = target;
-  // The audit rows are part of the deleting statement: they exist exactly when the deletion commits.
-  const audited = batch.audit
-    ? `, audited AS (
-       INSERT INTO cleanup_audit (policy, key, observed_expiry, run_id, batch_id, policy_version)
-       SELECT $6, r.key, r.expiry, $5, $4, $9 FROM removed r
-     )`
-    : '';
-  const result = await db.query<{ receipt_written: boolean; deleted: number; lag_seconds: number[] }>(
-    `WITH removed AS (
-       DELETE FROM ${table} t
-       USING unnest($1::${keyType}[], $2::timestamptz[]) AS item(id, observed_expiry)
-       WHERE t.${key} = item.id AND t.${expiresAt} = item.observed_expiry
-         -- A cutoff can only narrow what is eligible: a batch carrying a future cutoff (a replay
-         -- typo, a buggy or forged publisher) never makes an unexpired row eligible.
-         AND t.${expiresAt} <= least($3::timestamptz, statement_timestamp())${guardSql(target, 10)}
-         -- A legal hold placed after the scan, while the batch waited, still wins.
-         AND ${noActiveHold('$6', `t.${key}`)}
-         -- A batch whose receipt exists was committed before: it deletes nothing now, so every
-         -- deletion is counted by exactly one receipt (a row re-inserted with the same key and
-         -- expiry after the first delivery is left for the next run to find).
-         AND NOT EXISTS (SELECT 1 FROM cleanup_batches done WHERE done.batch_id = $4)
-       RETURNING t.${key}::text AS key, t.${expiresAt} AS expiry
-     ), receipt AS (
-       INSERT INTO cleanup_batches (batch_id, run_id, policy, items, deleted, noop, worker_id)
-       SELECT $4, $5, $6, $7, n.deleted, $7 - n.deleted, $8 FROM (SELECT count(*)::int AS deleted FROM removed) n
-       ON CONFLICT (batch_id) DO NOTHING
-       RETURNING 1
-     )${audited}
-     SELECT EXISTS (SELECT 1 FROM receipt) AS receipt_written, (SELECT count(*)::int FROM removed) AS deleted,
-       -- reaper_deletion_lag_seconds: the statement commits on its own, so its end is the commit time.
-       (SELECT coalesce(array_agg(extract(epoch FROM clock_timestamp() - expiry)::float8), '{}') FROM removed) AS lag_seconds,
-       -- $9 is named here too so its type is known when the audit CTE is left out
-       $9::text AS policy_version`,
-    [
-      batch.items.map((item) => item.id),
-      batch.items.map((item) => item.observedExpiry),
-      batch.cutoff,
-      batch.batchId,
-      batch.runId,
-      batch.policy,
-      batch.items.length,
-      batch.workerId,
-      batch.audit?.policyVersion ?? null,
-      ...target.guardValues,
-    ],
-  );
-  const row = result.rows[0]!;
-  return { receiptWritten: row.receipt_written, deleted: row.deleted, lagSeconds: row.lag_seconds };
-}
-
 /** One batch of a coalesced group (expiringRowsDeleteGroupIfStillExpired). */
 export interface GroupBatch {
   batchId: string;
@@ -263,9 +192,8 @@ export interface GroupBatchOutcome {
 }
 
 /**
- * The coalesced row-delete step, ONE statement for several batches of one policy (a worker's
- * deliveries in hand): the same conditional DELETE as expiringRowsDeleteIfStillExpired over all
- * their items (each item checked against ITS batch's cutoff: key, exact observed expiry, expiry <=
+ * The row-delete step, ONE statement for one batch or several batches of one policy (a worker's
+ * deliveries in hand): a conditional DELETE over all their items (each item checked against ITS batch's cutoff: key, exact observed expiry, expiry <=
  * least(cutoff, now), guard, no active hold, no receipt for its batch yet), one receipt per batch
  * counting the rows deleted for it, and the audit rows (with each row's own run and batch id).
  * Batch ids must be distinct (the caller counts a repeated one as a duplicate no-op). A row named
@@ -303,7 +231,9 @@ export async function expiringRowsDeleteGroupIfStillExpired(
     `WITH b AS (
        SELECT * FROM unnest($1::text[], $2::uuid[], $3::timestamptz[], $4::int[]) WITH ORDINALITY AS b(batch_id, run_id, cutoff, items, ord)
      ), fresh AS (
-       -- A batch whose receipt exists was committed before: it deletes nothing now (see the one-batch statement).
+       -- A batch whose receipt exists was committed before: it deletes nothing now, so every
+       -- deletion is counted by exactly one receipt (a row re-inserted with the same key and
+       -- expiry after the first delivery is left for the next run to find).
        SELECT b.* FROM b WHERE NOT EXISTS (SELECT 1 FROM cleanup_batches done WHERE done.batch_id = b.batch_id)
      ), removed AS (
        DELETE FROM ${table} t

@@ -1,5 +1,5 @@
 import { quoteIdentifier, type Db } from '../pool';
-import type { ExpiringItem, ResolvedTarget } from './expiring-rows';
+import { guardSql, type ExpiringItem, type ResolvedTarget } from './expiring-rows';
 
 /**
  * The remote-delete ledger (cleanup_ledger): the record of remote work. Every transition is
@@ -33,7 +33,7 @@ export function operationKey(policy: string, item: ExpiringItem): string {
  */
 export function stillEligibleSql(target: ResolvedTarget, at: { id: string; observed: string; cutoff: string; guardFrom: number }): string {
   const { table, key, expiresAt, keyType } = target;
-  const guard = target.guardColumns.map((column, index) => ` AND t.${column} = $${at.guardFrom + index}`).join('');
+  const guard = guardSql(target, at.guardFrom);
   return `SELECT 1 FROM ${table} t WHERE t.${key} = (${at.id})::${keyType} AND t.${expiresAt} = ${at.observed}
             AND t.${expiresAt} <= least(${at.cutoff}::timestamptz, statement_timestamp())${guard}`;
 }
@@ -59,7 +59,7 @@ export async function ledgerRecordCandidates(
   },
 ): Promise<{ inserted: number; known: string[] }> {
   const { table, key, expiresAt, keyType } = target;
-  const guard = target.guardColumns.map((column, index) => ` AND t.${column} = $${8 + index}`).join('');
+  const guard = guardSql(target, 8);
   const result = await db.query<{ operation_key: string; inserted: boolean }>(
     `WITH item AS (
        SELECT $1 || ':' || i.id || ':' || i.observed AS operation_key, i.id, i.observed::timestamptz AS observed_expiry
@@ -324,7 +324,7 @@ export async function targetSettleConfirmed(
   settle: { assetId: string; observedExpiry: string; markConfirmed: Readonly<Record<string, string | number | boolean>> | undefined },
 ): Promise<number> {
   const { table, key, expiresAt, keyType } = target;
-  const guard = target.guardColumns.map((column, index) => ` AND t.${column} = $${3 + index}`).join('');
+  const guard = guardSql(target, 3);
   const params: unknown[] = [settle.assetId, settle.observedExpiry, ...target.guardValues];
   let statement: string;
   if (settle.markConfirmed && Object.keys(settle.markConfirmed).length > 0) {

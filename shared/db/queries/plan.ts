@@ -1,5 +1,5 @@
 import type { Db } from '../pool';
-import type { ResolvedTarget } from './expiring-rows';
+import { guardSql, type ResolvedTarget } from './expiring-rows';
 import { noActiveHold } from './holds';
 
 /**
@@ -19,7 +19,7 @@ export interface PlanCounts {
 }
 
 export async function planCount(db: Db, target: ResolvedTarget, cutoff: string, options: { unrecordedFor?: string } = {}): Promise<PlanCounts> {
-  const guard = target.guardColumns.map((column, index) => ` AND t.${column} = $${4 + index}`).join('');
+  const guard = guardSql(target, 4);
   // remote-delete: what the scan publishes leaves out decisions the ledger already carries.
   const recorded = options.unrecordedFor
     ? `EXISTS (SELECT 1 FROM cleanup_ledger l WHERE l.operation_key = $3 || ':' || t.${target.key}::text || ':' || reaper_iso(t.${target.expiresAt})
@@ -57,7 +57,7 @@ export async function planCount(db: Db, target: ResolvedTarget, cutoff: string, 
 
 /** The first `limit` candidate keys in scan order. */
 export async function planSample(db: Db, target: ResolvedTarget, cutoff: string, limit: number): Promise<string[]> {
-  const guard = target.guardColumns.map((column, index) => ` AND t.${column} = $${4 + index}`).join('');
+  const guard = guardSql(target, 4);
   const result = await db.query<{ id: string }>(
     `SELECT t.${target.key}::text AS id FROM ${target.table} t
      WHERE t.${target.expiresAt} <= $1::timestamptz AND t.${target.expiresAt} > '-infinity'::timestamptz${guard}
