@@ -259,10 +259,13 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
         result = classifyHandlerError(error);
       }
     }
+    const outage = result.kind === 'unknown' && result.databaseUnavailable;
+    // Stop consuming BEFORE the batch is given back: a reject first would let the broker hand it
+    // (or the next one) straight back into the freed prefetch slot, and that delivery would fail
+    // too. An outage must cost each in-flight batch exactly one delivery.
+    if (outage) await stopConsumingForOutage();
     await settle(settleDeps, { channel: from, message, policy: label, deliveryCount, log: batchLog }, result);
-    if (result.kind === 'unknown' && result.databaseUnavailable) {
-      pauseUntilDatabaseAnswers().catch((error: Error) => log.error({ err: error.message }, 'database pause failed (a bug)'));
-    }
+    if (outage) resumeWhenDatabaseAnswers().catch((error: Error) => log.error({ err: error.message }, 'database pause failed (a bug)'));
     try {
       metrics.batchSeconds.observe({ policy: label }, Number(process.hrtime.bigint() - started) / 1e9);
     } catch (error) {
@@ -270,15 +273,26 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
     }
   }
 
-  /** Stops consuming until `SELECT 1` works again; redelivered batches then find the database. */
-  async function pauseUntilDatabaseAnswers(): Promise<void> {
-    if (databasePaused) return;
+  /** The database is unreachable: cancel every consumer (once, whichever batch noticed first). */
+  let outagePause: Promise<void> | null = null;
+  function stopConsumingForOutage(): Promise<void> {
+    if (outagePause) return outagePause;
     databasePaused = true;
-    const paused = channel;
     log.warn('database unavailable: consumption paused');
+    const paused = channel;
     const tags = [...consumers.values()];
     consumers.clear();
-    if (paused) for (const tag of tags) await paused.cancel(tag).catch(() => undefined); // channel gone: nothing to cancel
+    outagePause = (async () => {
+      if (paused) for (const tag of tags) await paused.cancel(tag).catch(() => undefined); // channel gone: nothing to cancel
+    })();
+    return outagePause;
+  }
+
+  /** Probes until `SELECT 1` works again, then consumes again; redelivered batches then find the database. */
+  let probing = false;
+  async function resumeWhenDatabaseAnswers(): Promise<void> {
+    if (probing) return;
+    probing = true;
     for (let attempt = 0; !stopping; attempt++) {
       try {
         await pool.query('SELECT 1');
@@ -288,6 +302,8 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
       }
     }
     databasePaused = false;
+    outagePause = null;
+    probing = false;
     log.info('database answers again: consumption resumed');
     if (!stopping && channel) await consumeAll(channel).catch((error: Error) => log.warn({ err: error.message }, 'resume failed; reconnect will resume'));
   }

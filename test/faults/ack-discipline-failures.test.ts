@@ -233,28 +233,21 @@ describe('ack discipline: the failure side', () => {
       await worker.waitForLine('consumption resumed', (line) => line.msg === 'database answers again: consumption resumed', 30_000);
       for (const batch of batches) await settledLine(worker, batch.batchId);
 
-      // What the outage cost, per batch, as the broker saw it. The promise (worker.ts, README) is
-      // one delivery per batch in flight and none for the batches waiting. KNOWN DEFECT, measured
-      // in about half of the runs here: the worker rejects (requeue) a failed batch BEFORE it
-      // cancels its consumer, so the broker can hand a batch straight back into the freed prefetch
-      // slot before the cancel lands, and that delivery fails too: one extra delivery for at most
-      // the batches delivered in that window. Until services/worker/ cancels before it rejects,
-      // the bound below allows that one extra; without the pause a batch would be redelivered
-      // until its delivery limit and dead-lettered, which the checks below refuse.
+      // What the outage cost, per batch, as the broker saw it: exactly one delivery per batch in
+      // flight and none for the batches waiting. (The worker cancels its consumers BEFORE it gives
+      // a failed batch back, so the broker cannot hand it straight back into the freed slot.)
       const cost = batches.map((batch) => ({
         batch: batch.batchId,
         inFlight: inFlight.includes(batch),
         settlements: settlements(batch.batchId),
         redelivered: deliveries(batch.batchId).map((event) => event.redelivered),
       }));
-      const extra = cost.filter((c) => c.settlements.length - 1 > (c.inFlight ? 1 : 0));
-      console.log(`[ack-discipline] outage: deliveries beyond the promise: ${extra.length} (${JSON.stringify(extra.map((c) => c.settlements))})`);
       for (const c of cost) {
         const promised = c.inFlight ? 1 : 0;
         const rejects = c.settlements.length - 1;
         assert.equal(c.settlements[c.settlements.length - 1], 'ack', `${c.batch}: acked once the database is back`);
         assert.ok(c.settlements.slice(0, -1).every((s) => s === 'reject+requeue'), `${c.batch}: every failed delivery was a reject with requeue (${c.settlements.join(', ')})`);
-        assert.ok(rejects >= promised && rejects <= promised + 1, `${c.batch}: the outage cost ${rejects} deliveries (promised ${promised}, at most one more: the known defect) ${JSON.stringify(cost)}`);
+        assert.equal(rejects, promised, `${c.batch}: the outage cost ${rejects} deliveries (promised ${promised}) ${JSON.stringify(cost)}`);
         assert.deepEqual(c.redelivered, c.settlements.map((_, index) => index > 0), `${c.batch}: redelivered after the first delivery`);
       }
       assert.deepEqual(
