@@ -1,6 +1,7 @@
 import { randomUUID } from 'node:crypto';
 import type { Logger } from 'pino';
 import { Counter, type Registry } from 'prom-client';
+import { overrideFor, remoteAdmissionWith } from '../../shared/admission/overrides';
 import type { ConfirmingPublisher } from '../../shared/amqp/publisher';
 import type { BrokerNames } from '../../shared/amqp/topology';
 import type { RemoteDeletePolicy } from '../../shared/config/policies';
@@ -79,10 +80,12 @@ export function startLedgerSweeper(deps: LedgerSweeperDeps): { stop(): Promise<v
  * the next pass picks the same operations again.
  */
 export async function sweepPolicy(deps: Omit<LedgerSweeperDeps, 'policies' | 'log'>, policy: RemoteDeletePolicy): Promise<number> {
+  // The rate in force: the file's, or what `reaper admission set` put over it (as the claim reads it).
+  const { ratePerSecond } = remoteAdmissionWith(policy, await overrideFor(deps.pool, policy.name));
   return withTransaction(deps.pool, async (client) => {
     const pick = await ledgerSweepPick(client, {
       policy: policy.name,
-      ratePerSecond: policy.admission.ratePerSecond,
+      ratePerSecond,
       aheadMs: SWEEP_AHEAD_MS,
       staleMs: CARRY_STALE_MS,
       limit: policy.batchSize * 8,

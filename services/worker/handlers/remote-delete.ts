@@ -256,9 +256,10 @@ async function callAndRecord(
       result = 'confirmed';
       applied = await withTransaction(context.pool, async (client) => {
         const finished = await ledgerFinish(client, { ...claim, outcome: 'confirmed', lastResult: `HTTP ${outcome.status}` });
+        // The remote deleted the object even when this claim is stale: audited either way (once per operation).
+        if (policy.audit?.enabled) await auditRecordConfirmed(client, key, policyVersion(policy));
         if (finished) {
-          if (policy.audit?.enabled) await auditRecordConfirmed(client, key, policyVersion(policy));
-          // The row itself now says so (or is gone), if it still holds the same retention decision.
+          // The row itself now says so (or is gone), if it still holds the same retention decision and is not held.
           await targetSettleConfirmed(client, target, {
             assetId: operation.assetId,
             observedExpiry: observedExpiryOf(key, policy.name, operation.assetId),

@@ -1,7 +1,6 @@
 import type { Db } from '../pool';
 import type { ResolvedTarget } from './expiring-rows';
-import { noActiveHold } from './holds';
-import { stillEligibleSql, type ClaimedOperation } from './ledger';
+import { rowHeldSql, stillEligibleSql, type ClaimedOperation } from './ledger';
 
 /**
  * Global admission per policy (cleanup_admission): one row, locked for the few milliseconds of a
@@ -92,7 +91,7 @@ export async function admissionGrantAndClaim(
      ), due AS (
        -- the batch's due operations, each with the re-check of its row as of this statement
        SELECT l.operation_key, l.not_before, EXISTS (${stillEligible}) AS still_eligible,
-              NOT ${noActiveHold('$1', 'l.asset_id')} AS held
+              ${rowHeldSql(target, { id: 'l.asset_id', policy: '$1' })} AS held
        FROM cleanup_ledger l
        WHERE l.operation_key = ANY($5::text[])
          AND ((l.state = 'pending' AND l.not_before <= clock_timestamp()) OR (l.state = 'in_flight' AND l.lease_expires_at < clock_timestamp()))

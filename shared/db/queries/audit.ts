@@ -73,14 +73,23 @@ export async function auditPrune(db: Db, policy: string, retainDays: number, lim
 }
 
 /**
- * remote-delete: the audit row of a confirmed operation, written in the transaction that records
- * the confirmation (so it exists exactly when that outcome committed).
+ * remote-delete: the audit row of a remote deletion, written in the transaction that records the
+ * confirmed call. Every call the remote confirmed deleted the object, also one made under a claim
+ * that is no longer current (its lease expired; the operation may since be superseded, held or
+ * claimed again): so this is written whether or not the caller's outcome was recorded, and once
+ * per operation key. The ledger row's lock serialises the two writers a stale and a current
+ * confirmation can be; the existence check is a statement of its own, so it sees what the other
+ * committed while this one waited. Keys are the ledger's asset id (the row's canonical key text).
+ * Returns whether a row was written.
  */
-export async function auditRecordConfirmed(db: Db, operationKey: string, policyVersion: string): Promise<void> {
-  await db.query(
+export async function auditRecordConfirmed(db: Db, operationKey: string, policyVersion: string): Promise<boolean> {
+  await db.query(`SELECT 1 FROM cleanup_ledger WHERE operation_key = $1 FOR UPDATE`, [operationKey]);
+  const result = await db.query(
     `INSERT INTO cleanup_audit (policy, key, observed_expiry, run_id, batch_id, policy_version, operation_key, outcome)
-     SELECT policy, asset_id, observed_expiry, run_id, claim_batch_id, $2, operation_key, 'confirmed'
-     FROM cleanup_ledger WHERE operation_key = $1 AND outcome = 'confirmed'`,
+     SELECT l.policy, l.asset_id, l.observed_expiry, l.run_id, l.claim_batch_id, $2, l.operation_key, 'confirmed'
+     FROM cleanup_ledger l WHERE l.operation_key = $1
+       AND NOT EXISTS (SELECT 1 FROM cleanup_audit a WHERE a.policy = l.policy AND a.key = l.asset_id AND a.operation_key = l.operation_key)`,
     [operationKey, policyVersion],
   );
+  return (result.rowCount ?? 0) > 0;
 }

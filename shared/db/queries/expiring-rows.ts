@@ -144,12 +144,13 @@ export async function expiringRowsScanPage(
   if (page.after) params.push(page.after.expiry, page.after.key);
   params.push(target.policy, ...target.guardValues);
   // The ledger is the record of remote work: an item whose operation exists is not published again
-  // (the ledger sweeper carries it while it is open; once done it stays done).
+  // (the ledger sweeper carries it while it is open; once done it stays done), except one that
+  // ended 'held' or 'superseded': its row is eligible again here, and the worker re-opens it.
   let unrecordedClause = '';
   if (page.unrecordedFor !== undefined) {
     params.push(page.unrecordedFor);
     unrecordedClause = ` AND NOT EXISTS (SELECT 1 FROM cleanup_ledger l WHERE l.operation_key = $${params.length} || ':' || t.${key}::text || ':' || reaper_iso(t.${expiresAt})
-      AND l.outcome IS DISTINCT FROM 'held')`;
+      AND (l.outcome IS NULL OR l.outcome NOT IN ('held', 'superseded')))`;
   }
   const result = await db.query<{ id: string; observed_expiry: string }>(
     `SELECT t.${key}::text AS id, reaper_iso(t.${expiresAt}) AS observed_expiry

@@ -1,5 +1,6 @@
 import { quoteIdentifier, type Db } from '../pool';
 import { guardSql, type ExpiringItem, type ResolvedTarget } from './expiring-rows';
+import { noActiveHold } from './holds';
 
 /**
  * The remote-delete ledger (cleanup_ledger): the record of remote work. Every transition is
@@ -39,11 +40,24 @@ export function stillEligibleSql(target: ResolvedTarget, at: { id: string; obser
 }
 
 /**
+ * SQL condition: the row an operation names (`id`, its asset id as text) is under an active legal
+ * hold. Compared with the ROW's canonical key text (t.key::text), never with how a message or an
+ * operation spelled the id: for a bigint key, a batch naming `007` is held by the hold on `7`.
+ */
+export function rowHeldSql(target: ResolvedTarget, at: { id: string; policy: string }): string {
+  const { table, key, keyType } = target;
+  return `EXISTS (SELECT 1 FROM ${table} t WHERE t.${key} = (${at.id})::${keyType} AND NOT ${noActiveHold(at.policy, `t.${key}`)})`;
+}
+
+/**
  * Records one pending operation per item whose row is STILL eligible (same expiry to the
  * microsecond, expiry <= least(cutoff, now), guard true), remembering the batch that recorded it.
  * Open operations of the batch are marked as carried (last_delivered_at) and their delivery
- * counted; finished ones are not touched. A webhook is not a delivery: what it records is carried
- * by the ledger sweeper. Returns the keys of the batch that have an operation (new or old).
+ * counted; finished ones are not touched, except those that ended 'held' or 'superseded' while
+ * their row holds the same decision again: they are re-opened (pending, due now). Keys are the
+ * row's canonical text (t.key::text), whatever spelling the message used. A webhook is not a
+ * delivery: what it records is carried by the ledger sweeper. Returns the keys of the batch that
+ * have an operation (new or old).
  */
 export async function ledgerRecordCandidates(
   db: Db,
@@ -62,12 +76,19 @@ export async function ledgerRecordCandidates(
   const guard = guardSql(target, 8);
   const result = await db.query<{ operation_key: string; inserted: boolean }>(
     `WITH item AS (
-       SELECT $1 || ':' || i.id || ':' || i.observed AS operation_key, i.id, i.observed::timestamptz AS observed_expiry
+       -- the key's canonical spelling (cast through its type; the expiry through reaper_iso), so
+       -- '007' and '7' of a bigint key, or two spellings of one instant, name one operation
+       SELECT $1 || ':' || (i.id::${keyType})::text || ':' || reaper_iso(i.observed::timestamptz) AS operation_key,
+              i.id, i.observed::timestamptz AS observed_expiry
        FROM unnest($2::text[], $3::text[]) AS i(id, observed)
      ), eligible AS (
-       SELECT item.operation_key, item.id, item.observed_expiry, to_jsonb(t) AS payload
+       -- the operation key, the asset id (holds, the remote call, audit) are the ROW's canonical
+       -- key text from this join, never the message's spelling; one per row however often named
+       SELECT DISTINCT ON (t.${key}) $1 || ':' || t.${key}::text || ':' || reaper_iso(t.${expiresAt}) AS operation_key,
+              t.${key}::text AS id, t.${expiresAt} AS observed_expiry, to_jsonb(t) AS payload
        FROM item JOIN ${table} t ON t.${key} = item.id::${keyType} AND t.${expiresAt} = item.observed_expiry
                                AND t.${expiresAt} <= least($4::timestamptz, statement_timestamp())${guard}
+       ORDER BY t.${key}
      ), recorded AS (
        INSERT INTO cleanup_ledger AS l (operation_key, policy, asset_id, observed_expiry, run_id, source, payload, delivery_count, batch_id, last_delivered_at)
        -- a webhook is not a broker delivery (transport and cleanup attempts are counted apart)
@@ -79,12 +100,15 @@ export async function ledgerRecordCandidates(
          SET delivery_count = l.delivery_count + CASE WHEN $6 = 'webhook' THEN 0 ELSE 1 END,
              last_delivered_at = CASE WHEN $6 = 'webhook' THEN l.last_delivered_at ELSE clock_timestamp() END,
              updated_at = clock_timestamp(),
-             -- an operation stopped by a legal hold is re-opened when the asset comes back after the hold
-             state = CASE WHEN l.outcome = 'held' THEN 'pending' ELSE l.state END,
-             outcome = CASE WHEN l.outcome = 'held' THEN NULL ELSE l.outcome END,
-             completed_at = CASE WHEN l.outcome = 'held' THEN NULL ELSE l.completed_at END,
-             not_before = CASE WHEN l.outcome = 'held' THEN clock_timestamp() ELSE l.not_before END
-         WHERE l.state <> 'done' OR l.outcome = 'held'
+             -- An operation stopped by a legal hold, or superseded because its row changed (guard,
+             -- or a cutoff it did not pass) is re-opened when its row holds the same decision
+             -- again (this join just said so): otherwise that retention decision is lost for good.
+             state = CASE WHEN l.outcome IN ('held', 'superseded') THEN 'pending' ELSE l.state END,
+             outcome = CASE WHEN l.outcome IN ('held', 'superseded') THEN NULL ELSE l.outcome END,
+             completed_at = CASE WHEN l.outcome IN ('held', 'superseded') THEN NULL ELSE l.completed_at END,
+             not_before = CASE WHEN l.outcome IN ('held', 'superseded') THEN clock_timestamp() ELSE l.not_before END,
+             batch_id = CASE WHEN l.outcome IN ('held', 'superseded') THEN coalesce($7, l.batch_id) ELSE l.batch_id END
+         WHERE l.state <> 'done' OR l.outcome IN ('held', 'superseded')
        RETURNING l.operation_key, (xmax = 0) AS inserted
      ), known AS (
        -- operations of this batch recorded earlier and not touched above (finished, or their row changed since)
@@ -317,26 +341,45 @@ export async function ledgerDatabaseNow(db: Db): Promise<string> {
   return (await db.query<{ now: string }>(`SELECT reaper_iso(clock_timestamp()) AS now`)).rows[0]!.now;
 }
 
-/** After a confirmed call: the policy's own row is marked (markConfirmed) or deleted, if it still holds the same decision. */
+/**
+ * After a confirmed call, in the confirming transaction: the policy's own row is marked
+ * (markConfirmed) or deleted if it still holds the same retention decision AND no legal hold is on
+ * it now (re-checked here: a hold placed while the call was in flight still keeps the row).
+ * 'held': the row holds the decision but is held; the remote object is gone (the ledger finished
+ * 'confirmed' and the audit row says so), and the operation is turned to outcome 'held' so that,
+ * once the hold is removed, the next scan re-opens it: the retry with the same Idempotency-Key is
+ * confirmed again by the remote and this step then settles the row. 'changed': the row no longer
+ * holds the decision (renewed, guard changed, gone), nothing to settle.
+ */
 export async function targetSettleConfirmed(
   db: Db,
   target: ResolvedTarget,
   settle: { assetId: string; observedExpiry: string; markConfirmed: Readonly<Record<string, string | number | boolean>> | undefined },
-): Promise<number> {
+): Promise<'settled' | 'held' | 'changed'> {
   const { table, key, expiresAt, keyType } = target;
-  const guard = guardSql(target, 3);
-  const params: unknown[] = [settle.assetId, settle.observedExpiry, ...target.guardValues];
+  const guard = guardSql(target, 4);
+  const decision = `t.${key} = $1::${keyType} AND t.${expiresAt} = $2::timestamptz${guard}`;
+  const params: unknown[] = [settle.assetId, settle.observedExpiry, target.policy, ...target.guardValues];
+  const notHeld = noActiveHold('$3', `t.${key}`);
   let statement: string;
   if (settle.markConfirmed && Object.keys(settle.markConfirmed).length > 0) {
     const first = params.length + 1;
     const assignments = Object.keys(settle.markConfirmed).map((column, index) => `${quoteIdentifier(column)} = $${first + index}`);
     params.push(...Object.values(settle.markConfirmed).map(String));
-    statement = `UPDATE ${table} t SET ${assignments.join(', ')} WHERE t.${key} = $1::${keyType} AND t.${expiresAt} = $2::timestamptz${guard}`;
+    statement = `UPDATE ${table} t SET ${assignments.join(', ')} WHERE ${decision} AND ${notHeld}`;
   } else {
-    statement = `DELETE FROM ${table} t WHERE t.${key} = $1::${keyType} AND t.${expiresAt} = $2::timestamptz${guard}`;
+    statement = `DELETE FROM ${table} t WHERE ${decision} AND ${notHeld}`;
   }
-  const result = await db.query(statement, params);
-  return result.rowCount ?? 0;
+  if (((await db.query(statement, params)).rowCount ?? 0) > 0) return 'settled';
+  // Not settled: held, or the row changed. The operation is found by the row's canonical key.
+  const held = await db.query(
+    `UPDATE cleanup_ledger l SET outcome = 'held', last_result = coalesce(l.last_result, '') || '; row kept: legal hold', updated_at = clock_timestamp()
+     FROM ${table} t
+     WHERE ${decision} AND NOT ${notHeld}
+       AND l.operation_key = $3 || ':' || t.${key}::text || ':' || reaper_iso(t.${expiresAt}) AND l.state = 'done' AND l.outcome = 'confirmed'`,
+    params.slice(0, 3 + target.guardValues.length),
+  );
+  return (held.rowCount ?? 0) > 0 ? 'held' : 'changed';
 }
 
 export interface LedgerCounts {
