@@ -33,8 +33,9 @@ import { makeTestBed, type TestBed } from '../support/testbed';
  * clock_timestamp()) is checked:
  *  - one operation key never had two live leases at once;
  *  - no claim (hence no call) for a row renewed, changed or held before the claim;
- *  - every operation ends `done`, finished exactly once (a `held` end may be re-opened by a later
- *    scan once the hold is gone, and then finishes once more);
+ *  - every operation ends `done`, finished exactly once (a `held` or `superseded` end may be
+ *    re-opened by a later scan once its row holds the decision again without a hold, and then
+ *    finishes once more; a confirmation whose row was held meanwhile ends `held`, row kept);
  *  - the grants in any one-second window never exceed rate + burst.
  *
  * REAPER_PROPERTY_RUNS (default 250) sets the number of runs; REAPER_PROPERTY_SEED replays one
@@ -108,7 +109,7 @@ interface Real {
 }
 
 /** What the runs exercised (printed with the result, so a change that makes the commands toothless shows). */
-const stats = { runs: 0, claims: 0, calls: 0, superseded: 0, held: 0, reopened: 0, staleCompletions: 0, refusedForRate: 0, pausedGrants: 0, mostInOneSecond: 0 };
+const stats = { runs: 0, claims: 0, calls: 0, superseded: 0, held: 0, reopened: 0, reopenedSuperseded: 0, settleHeld: 0, staleCompletions: 0, refusedForRate: 0, pausedGrants: 0, mostInOneSecond: 0 };
 
 const keyOf = (policy: string, id: string, observed: string) => `${policy}:${id}:${observed}`;
 
@@ -183,8 +184,10 @@ async function deliver(model: Model, real: Real, batch: BatchModel, source: 'sca
     if (!op && eligible) {
       inserted += 1;
       model.ops.set(key, { key, assetId: item.id, observed: item.observedExpiry, state: 'pending', outcome: null, due: true, attempt: 0, owner: null, leaseExpired: false });
-    } else if (op && eligible && op.outcome === 'held') {
-      // A later scan re-opens an operation a legal hold stopped (the hold is re-checked at the claim).
+    } else if (op && eligible && (op.outcome === 'held' || op.outcome === 'superseded')) {
+      // A later scan re-opens an operation a legal hold stopped, or one superseded while its row
+      // had changed, once the row holds the decision again (the hold is re-checked at the claim).
+      if (op.outcome === 'superseded') stats.reopenedSuperseded += 1;
       Object.assign(op, { state: 'pending', outcome: null, due: true });
       stats.reopened += 1;
     }
@@ -237,7 +240,14 @@ async function answerCall(model: Model, real: Real, inHand: ClaimInHand, answer:
   let applied: boolean;
   if (answer === 'confirmed') {
     const asset = model.assets.find((a) => a.id === inHand.assetId)!;
-    if (current && asset.status === 'active' && asset.expiry === inHand.observed) asset.status = 'deleted';
+    if (current && asset.status === 'active' && asset.expiry === inHand.observed) {
+      // The settle step re-checks holds: a held row is kept and the operation ends 'held'.
+      if (asset.held) {
+        Object.assign(op, { outcome: 'held' });
+        stats.settleHeld += 1;
+      }
+      else asset.status = 'deleted';
+    }
     applied = await withTransaction(pool, async (client) => {
       const finished = await ledgerFinish(client, { ...inHand.token, outcome: 'confirmed', lastResult: 'HTTP 204' });
       if (finished) await targetSettleConfirmed(client, real.target, { assetId: inHand.assetId, observedExpiry: inHand.observed, markConfirmed: real.policy.markConfirmed });
@@ -517,15 +527,22 @@ function checkHistory(history: readonly HistoryRow[]): number[] {
       } else if (wasInFlight && lease) {
         lease.liveUntil = Math.min(lease.liveUntil, row.at_ms);
       }
-      if (row.state === 'done' && previous?.state !== 'done' && row.outcome !== 'held') finishes += 1;
+      if (row.state === 'done' && (previous?.state !== 'done' || previous.outcome !== row.outcome)) {
+        // A re-openable end ('held', 'superseded', or a confirmation whose row was held) starts over.
+        if (row.outcome === 'held' || row.outcome === 'superseded') finishes = 0;
+        else finishes += 1;
+      }
       if (previous?.state === 'done' && row.state !== 'done') {
-        assert.equal(previous.outcome, 'held', `${key}: only an operation stopped by a legal hold is ever re-opened (was ${previous.outcome})`);
+        assert.ok(
+          previous.outcome === 'held' || previous.outcome === 'superseded',
+          `${key}: only an operation stopped by a legal hold or superseded is ever re-opened (was ${previous.outcome})`,
+        );
       }
       previous = row;
     }
     assert.equal(previous?.state, 'done', `${key} ends done (is ${previous?.state})`);
-    if (previous?.outcome !== 'held') assert.equal(finishes, 1, `${key}: finished exactly once`);
-    else assert.equal(finishes, 0, `${key}: ended held, never finished otherwise`);
+    const reopenable = previous?.outcome === 'held' || previous?.outcome === 'superseded';
+    assert.equal(finishes, reopenable ? 0 : 1, reopenable ? `${key}: ended ${previous?.outcome}, not finished since` : `${key}: finished exactly once`);
   }
   return claims;
 }
