@@ -10,7 +10,7 @@ import { parsePolicies, type RemoteDeletePolicy } from '../../shared/config/poli
 import { decodeBatch, type BatchV1 } from '../../shared/contracts/batch';
 import { admissionOverrideSet, admissionSetPaused } from '../../shared/db/queries/admission';
 import { targetBacklogRead } from '../../shared/db/queries/backlog';
-import { expiringRowsScanPage, targetResolve, type ResolvedTarget } from '../../shared/db/queries/expiring-rows';
+import { expiringRowsDeleteGroupIfStillExpired, expiringRowsScanPage, targetResolve, type ResolvedTarget } from '../../shared/db/queries/expiring-rows';
 import { holdsAdd, holdsRemove } from '../../shared/db/queries/holds';
 import { makeHttpRemoteClient } from '../../shared/remote/client';
 import { makeMetrics } from '../../shared/observability/metrics';
@@ -154,6 +154,27 @@ describe('remote-delete ledger: canonical keys, re-opened decisions, complete au
     assert.deepEqual((await ledgerOf(NUMBERED)).map((row) => [row.operation_key, row.outcome]), [[canonicalKey, 'confirmed']]);
     assert.equal(await rowExists('media_numbered', '7'), false, 'row 7 deleted');
     assert.deepEqual(await auditOf(NUMBERED, '7'), [{ key: '7', operation_key: canonicalKey, outcome: 'confirmed' }]);
+  });
+
+  test('item 2, row-delete: the DELETE and its audit use the row\'s key text too (007 is row 7, held by the hold on 7)', async () => {
+    await bed.pool.query(`CREATE TABLE rows_numbered (id bigint PRIMARY KEY, status text NOT NULL, expires_at timestamptz NOT NULL)`);
+    const target = await targetResolve(bed.pool, { name: 'rows-numbered', table: 'rows_numbered', key: 'id', expiresAt: 'expires_at', guard: { status: 'held' } });
+    const expiry = (
+      await bed.pool.query<{ e: string }>(`INSERT INTO rows_numbered VALUES (7, 'held', now() - interval '1 hour') RETURNING reaper_iso(expires_at) AS e`)
+    ).rows[0]!.e;
+    await holdsAdd(bed.pool, target, { ids: ['7'], reason: 'legal hold', until: null, createdBy: 'test' });
+    const deleteNamed = async (id: string, batchId: string) =>
+      expiringRowsDeleteGroupIfStillExpired(bed.pool, target, {
+        policy: 'rows-numbered',
+        workerId: 'test',
+        audit: { policyVersion: 'v-test' },
+        batches: [{ batchId, runId: '00000000-0000-4000-8000-00000000aaaa', cutoff: await databaseNow(), items: [{ id, observedExpiry: expiry }] }],
+      });
+    assert.equal((await deleteNamed('007', 'rows:1')).batches[0]!.deleted, 0, 'held under any spelling');
+    assert.equal((await bed.pool.query('SELECT 1 FROM rows_numbered WHERE id = 7')).rowCount, 1, 'row 7 kept');
+    await holdsRemove(bed.pool, target, ['007']);
+    assert.equal((await deleteNamed('007', 'rows:2')).batches[0]!.deleted, 1);
+    assert.deepEqual(await auditOf('rows-numbered', '7'), [{ key: '7', operation_key: null, outcome: 'deleted' }], 'audited under the canonical key');
   });
 
   test('item 2: a hold placed while the call is in flight keeps the row: the settle step leaves it, the operation ends held, and the next run after the hold settles it', async () => {
