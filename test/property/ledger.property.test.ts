@@ -60,7 +60,8 @@ interface AssetModel {
   original: string;
   /** Expiry in the future (renewed): not eligible. */
   future: boolean;
-  status: 'active' | 'deleted';
+  /** 'archived': the guard (status = active) no longer holds; a restore brings it back. */
+  status: 'active' | 'deleted' | 'archived';
   held: boolean;
 }
 
@@ -396,12 +397,18 @@ class ReturnExpiredLeases implements Cmd {
 }
 
 class ChangeRow implements Cmd {
-  constructor(readonly asset: number, readonly change: 'renew' | 'restore' | 're-expire') {}
+  constructor(readonly asset: number, readonly change: 'renew' | 'restore' | 're-expire' | 'archive') {}
   check = () => true;
   async run(model: Model, real: Real) {
     const asset = pick(model.assets, this.asset);
     // renew: a client extends retention; restore: the original decision (and an undeleted row) is
-    // back; re-expire: a new, different expiry in the past (a new decision, a new key).
+    // back; re-expire: a new, different expiry in the past (a new decision, a new key); archive:
+    // the guard stops holding, same expiry (a restore makes it hold again: the same decision).
+    if (this.change === 'archive') {
+      await real.bed.pool.query(`UPDATE media_assets SET status = 'archived' WHERE asset_id = $1 AND status = 'active'`, [asset.id]);
+      if (asset.status === 'active') asset.status = 'archived';
+      return;
+    }
     const expression = {
       renew: `clock_timestamp() + interval '30 days'`,
       restore: `$2::timestamptz`,
@@ -484,7 +491,7 @@ const commands: Array<fc.Arbitrary<Cmd>> = [
   fc.nat(20).map((which): Cmd => new ExpireLease(which)),
   fc.nat(20).map((which): Cmd => new SameIdReclaim(which)),
   fc.constant<Cmd>(new ReturnExpiredLeases()),
-  fc.tuple(fc.nat(20), fc.constantFrom<'renew' | 'restore' | 're-expire'>('renew', 'restore', 're-expire')).map(([asset, change]): Cmd => new ChangeRow(asset, change)),
+  fc.tuple(fc.nat(20), fc.constantFrom<'renew' | 'restore' | 're-expire' | 'archive'>('renew', 'restore', 're-expire', 'archive')).map(([asset, change]): Cmd => new ChangeRow(asset, change)),
   fc.tuple(fc.nat(20), fc.boolean()).map(([asset, on]): Cmd => new Hold(asset, on)),
   fc.constantFrom(true, false, false).map((on): Cmd => new Pause(on)),
   fc.constant<Cmd>(new TimePasses()),

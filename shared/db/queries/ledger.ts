@@ -17,10 +17,6 @@ export interface ClaimedOperation {
   attemptCount: number;
 }
 
-export function operationKey(policy: string, item: ExpiringItem): string {
-  return `${policy}:${item.id}:${item.observedExpiry}`;
-}
-
 /**
  * THE eligibility re-check of remote-delete, in one place: the policy's row `t` still holds the
  * retention decision an operation `l` carries (same key, the exact observed expiry, expired at or
