@@ -6,14 +6,16 @@
  * its prefetch) go out together, and with nothing else in hand a single item goes out at once.
  *
  * `run` answers one result per item, in order; if it throws, every item of its group gets that
- * error (the caller's safe path). The coalescer knows nothing of SQL or AMQP.
+ * error (the caller's safe path). It is also told when the group's oldest item was submitted
+ * (performance.now()): the time spent queued here counts toward that item's bounded hold
+ * (docs/design.md invariant 18). The coalescer knows nothing of SQL or AMQP.
  */
 export interface Coalescer<T, R> {
   submit(item: T): Promise<R>;
 }
 
-export function makeCoalescer<T, R>(options: { maxGroups: number; maxItems: number; run: (items: T[]) => Promise<R[]> }): Coalescer<T, R> {
-  const pending: Array<{ item: T; resolve: (result: R) => void; reject: (error: unknown) => void }> = [];
+export function makeCoalescer<T, R>(options: { maxGroups: number; maxItems: number; run: (items: T[], oldestSubmittedAt: number) => Promise<R[]> }): Coalescer<T, R> {
+  const pending: Array<{ item: T; submittedAt: number; resolve: (result: R) => void; reject: (error: unknown) => void }> = [];
   let running = 0;
   let scheduled = false;
 
@@ -29,7 +31,7 @@ export function makeCoalescer<T, R>(options: { maxGroups: number; maxItems: numb
       const group = pending.splice(0, options.maxItems);
       running += 1;
       options
-        .run(group.map((entry) => entry.item))
+        .run(group.map((entry) => entry.item), group[0]!.submittedAt)
         .then(
           (results) => {
             if (results.length !== group.length) throw new Error(`group of ${group.length} answered ${results.length} results (a bug)`);
@@ -48,7 +50,7 @@ export function makeCoalescer<T, R>(options: { maxGroups: number; maxItems: numb
   return {
     submit(item) {
       return new Promise<R>((resolve, reject) => {
-        pending.push({ item, resolve, reject });
+        pending.push({ item, submittedAt: performance.now(), resolve, reject });
         schedule();
       });
     },

@@ -89,7 +89,7 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
           const group = made as BatchGroupHandler;
           const groupLog = log.child({ policy: policy.name });
           const context = { pool, workerId: env.workerId, log: groupLog, metrics, deliveryCount: 1, failpoint, stopping: () => stopping };
-          coalescers.set(policy.name, makeCoalescer({ maxGroups: ROW_GROUPS_PER_POLICY, maxItems: env.prefetch, run: (batches) => group(batches, context) }));
+          coalescers.set(policy.name, makeCoalescer({ maxGroups: ROW_GROUPS_PER_POLICY, maxItems: env.prefetch, run: (batches, heldSince) => group(batches, { ...context, heldSince }) }));
           handlers.set(policy.name, (batch) => coalescers.get(policy.name)!.submit(batch));
         } else {
           handlers.set(policy.name, made as BatchHandler);
@@ -267,7 +267,9 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
     await settle(settleDeps, { channel: from, message, policy: label, deliveryCount, log: batchLog }, result);
     if (outage) resumeWhenDatabaseAnswers().catch((error: Error) => log.error({ err: error.message }, 'database pause failed (a bug)'));
     try {
-      metrics.batchSeconds.observe({ policy: label }, Number(process.hrtime.bigint() - started) / 1e9);
+      const heldSeconds = Number(process.hrtime.bigint() - started) / 1e9;
+      metrics.batchSeconds.observe({ policy: label }, heldSeconds);
+      metrics.messageHoldSeconds.observe({ policy: label }, heldSeconds);
     } catch (error) {
       batchLog.error({ err: (error as Error).message }, 'recording the batch duration failed; the batch is settled');
     }

@@ -109,16 +109,28 @@ export async function admitRows(
 }
 
 /**
- * Takes one of the policy's `concurrency` statement slots inside the caller's open transaction,
- * waiting (polling, at most `holdMs`) while all are in use. No cap: nothing to take. The slot is
- * an advisory transaction lock: COMMIT, ROLLBACK or a dead connection frees it.
+ * Takes one of the policy's `concurrency` statement slots inside the caller's open transaction, or
+ * answers false at once: it never waits inside the transaction (docs/design.md invariant 18); the
+ * caller ends the transaction and asks again (untilRowSlot). No cap: nothing to take. The slot is an
+ * advisory transaction lock: COMMIT, ROLLBACK or a dead connection frees it.
  */
-export async function takeRowSlot(client: Db, policy: string, concurrency: number | null, holdMs: number): Promise<boolean> {
+export async function takeRowSlot(client: Db, policy: string, concurrency: number | null): Promise<boolean> {
   if (concurrency === null) return true;
-  const started = performance.now();
-  for (let attempt = 0; ; attempt++) {
-    if ((await admissionRowsSlotTry(client, policy, concurrency)) !== null) return true;
-    if (performance.now() - started > holdMs) return false;
-    await new Promise((resolve) => setTimeout(resolve, Math.min(50, 2 * 2 ** attempt)));
+  return (await admissionRowsSlotTry(client, policy, concurrency)) !== null;
+}
+
+/**
+ * Runs `attempt` (one whole transaction that starts with takeRowSlot and answers 'no-slot' when
+ * every slot is in use) until it gets a slot or `until` (performance.now() clock) has passed. The
+ * waits between attempts happen with no transaction open: a worker waiting for a slot holds no
+ * snapshot, no lock and no "idle in transaction" connection.
+ */
+export async function untilRowSlot<T>(attempt: () => Promise<T | 'no-slot'>, options: { until: number; stopping?: (() => boolean) | undefined }): Promise<T | 'no-slot'> {
+  for (let tries = 0; ; tries++) {
+    const result = await attempt();
+    if (result !== 'no-slot') return result;
+    const pauseMs = Math.min(50, 2 * 2 ** tries);
+    if (performance.now() + pauseMs > options.until || options.stopping?.()) return 'no-slot';
+    await new Promise((resolve) => setTimeout(resolve, pauseMs));
   }
 }

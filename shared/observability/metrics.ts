@@ -92,6 +92,13 @@ export function makeMetrics(policies: readonly MetricPolicy[] = []) {
       buckets: [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10],
       registers: [registry],
     }),
+    messageHoldSeconds: new Histogram({
+      name: 'reaper_message_hold_seconds',
+      help: 'Time a worker kept a delivered message before settling it (ack, delay tier, dead letter or requeue): bounded, docs/design.md invariant 18',
+      labelNames: ['policy'] as const,
+      buckets: [0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 8, 10, 15, 20, 30, 60],
+      registers: [registry],
+    }),
     runsTotal: new Counter({
       name: 'reaper_runs_total',
       help: 'Runs created by this scheduler, by policy and trigger',
@@ -306,6 +313,7 @@ function initialiseKnownSeries(metrics: Omit<Metrics, 'policyLabel'>, policies: 
     metrics.candidatesTotal.inc({ policy }, 0);
     metrics.deletionLagSeconds.zero({ policy });
     metrics.runDurationSeconds.zero({ policy });
+    metrics.messageHoldSeconds.zero({ policy });
     if (kind !== 'remote-delete') continue;
     for (const outcome of KNOWN_LABELS.remoteCallOutcomes) metrics.remoteCallsTotal.inc({ policy, outcome }, 0);
     for (const result of KNOWN_LABELS.operationResults) metrics.operationsTotal.inc({ policy, result }, 0);

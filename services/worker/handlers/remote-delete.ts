@@ -114,61 +114,82 @@ export function makeRemoteDeleteHandler(policy: RemoteDeletePolicy, target: Reso
     // Calls run while the loop asks for the next grant: a batch at the head of the line takes every
     // token as it arrives (within the concurrency cap), not one round of calls at a time.
     const inProgress = new Set<Promise<void>>();
+    // A call whose outcome could not be written (a lock timeout, the database gone): kept here and
+    // thrown once every call of the delivery has ended, so the batch's result says so and no
+    // rejection is ever left unhandled while the loop sleeps or asks for admission.
+    const callErrors: unknown[] = [];
     const startCall = (operation: ClaimedOperation, from: AdmissionGrant): void => {
       const call: Promise<void> = callAndRecord(policy, target, remote, operation, from, context)
-        .then((result) => void results.push(result))
+        .then(
+          (result) => void results.push(result),
+          (error: unknown) => {
+            callErrors.push(error);
+            context.log.warn({ operationKey: operation.operationKey, err: (error as Error)?.message ?? String(error) }, 'call outcome not recorded; the lease expires and the call is retried with the same key');
+          },
+        )
         .finally(() => inProgress.delete(call));
       inProgress.add(call);
     };
+    // The calls' promises never reject (above): racing or awaiting them is safe anywhere.
     const callEnds = () => Promise.race(inProgress);
-    // Far from its turn (a scan of a large backlog): parked at once, without taking the admission
-    // lock, so a whole scan is recorded quickly and the next run's scan finds it in the ledger.
-    let line = recorded.known.length > 0 ? await readLine() : null;
-    const parkAtOnce = line !== null && line.due > 0 && line.turnMs > WAIT_IN_WORKER_MAX_MS;
-    while (!parkAtOnce && recorded.known.length > 0 && Date.now() < holdUntil) {
-      if (line && inProgress.size === 0 && line.due > 0 && line.turnMs > POLL_ADMISSION_WITHIN_MS) {
-        // Not at the head of the line yet: wait without the lock until the operations ahead are nearly taken.
-        const napMs = Math.min(line.turnMs - POLL_ADMISSION_WITHIN_MS, LINE_CHECK_MAX_MS, holdUntil - Date.now());
-        if (napMs > 0) {
-          waitedInWorker += 1;
-          await sleep(napMs);
+    // Every way out of the loop (a break, a throw of admission or of a read) first waits for the
+    // calls in progress: none outlives its delivery, and each one's outcome is recorded or reported.
+    try {
+      // Far from its turn (a scan of a large backlog): parked at once, without taking the admission
+      // lock, so a whole scan is recorded quickly and the next run's scan finds it in the ledger.
+      let line = recorded.known.length > 0 ? await readLine() : null;
+      const parkAtOnce = line !== null && line.due > 0 && line.turnMs > WAIT_IN_WORKER_MAX_MS;
+      // A call whose outcome write failed ends the claiming: the next would most likely fail the same way.
+      while (!parkAtOnce && recorded.known.length > 0 && Date.now() < holdUntil && callErrors.length === 0) {
+        if (line && inProgress.size === 0 && line.due > 0 && line.turnMs > POLL_ADMISSION_WITHIN_MS) {
+          // Not at the head of the line yet: wait without the lock until the operations ahead are nearly taken.
+          const napMs = Math.min(line.turnMs - POLL_ADMISSION_WITHIN_MS, LINE_CHECK_MAX_MS, holdUntil - Date.now());
+          if (napMs > 0) {
+            waitedInWorker += 1;
+            await sleep(napMs);
+          }
+          line = await readLine();
+          if (line.turnMs > WAIT_IN_WORKER_MAX_MS) break;
+          if (line.turnMs > POLL_ADMISSION_WITHIN_MS && Date.now() < holdUntil) continue;
         }
-        line = await readLine();
-        if (line.turnMs > WAIT_IN_WORKER_MAX_MS) break;
-        if (line.turnMs > POLL_ADMISSION_WITHIN_MS && Date.now() < holdUntil) continue;
+        line = null;
+        grant = await admitAndClaim(context.pool, policy, target, { keys: recorded.known, owner: context.workerId, cutoff: batch.cutoff, batchId: batch.batchId });
+        lockWait.observe({ policy: policy.name }, grant.lockWaitMs / 1000);
+        superseded += grant.superseded;
+        context.metrics.remoteGrantsAdmittedTotal.inc({ policy: policy.name }, grant.claimed.length);
+        context.metrics.remoteOperationsClaimedTotal.inc({ policy: policy.name }, grant.claimed.length);
+        if (grant.superseded > 0) context.metrics.remoteOperationsCompletedTotal.inc({ policy: policy.name, outcome: 'superseded' }, grant.superseded);
+        if (grant.held > 0) context.metrics.remoteOperationsCompletedTotal.inc({ policy: policy.name, outcome: 'held' }, grant.held);
+        for (const operation of grant.claimed) startCall(operation, grant);
+        admitted += grant.claimed.length;
+        if (grant.verdict === 'paused' || grant.verdict === 'blocked') break;
+        if (grant.verdict === 'none-due') {
+          // Everything of the batch is claimed or waiting a backoff: wait for a call to end, if any.
+          if (inProgress.size === 0) break;
+          await callEnds();
+          continue;
+        }
+        if (grant.claimed.length === 0 && inProgress.size === 0) {
+          // No token or no slot, and nothing of ours running: wait here only while our turn is near.
+          line = await readLine();
+          if (line.due === 0 || line.turnMs > WAIT_IN_WORKER_MAX_MS || Date.now() + grant.waitMs >= holdUntil) break;
+          waitedInWorker += 1;
+          await sleep(grant.waitMs);
+          continue;
+        }
+        // Ask again when the next token is due; when the cap was the limit, as soon as a call of ours
+        // frees a slot (an ended call does not bring a token: asking then would only take the lock).
+        // Never past the batch's hold: a slow rate's next token may be further away than that.
+        await Promise.race([sleep(Math.min(grant.waitMs, Math.max(0, holdUntil - Date.now()))), ...(grant.verdict === 'concurrency' && inProgress.size > 0 ? [callEnds()] : [])]);
       }
-      line = null;
-      grant = await admitAndClaim(context.pool, policy, target, { keys: recorded.known, owner: context.workerId, cutoff: batch.cutoff, batchId: batch.batchId });
-      lockWait.observe({ policy: policy.name }, grant.lockWaitMs / 1000);
-      superseded += grant.superseded;
-      context.metrics.remoteGrantsAdmittedTotal.inc({ policy: policy.name }, grant.claimed.length);
-      context.metrics.remoteOperationsClaimedTotal.inc({ policy: policy.name }, grant.claimed.length);
-      if (grant.superseded > 0) context.metrics.remoteOperationsCompletedTotal.inc({ policy: policy.name, outcome: 'superseded' }, grant.superseded);
-      if (grant.held > 0) context.metrics.remoteOperationsCompletedTotal.inc({ policy: policy.name, outcome: 'held' }, grant.held);
-      for (const operation of grant.claimed) startCall(operation, grant);
-      admitted += grant.claimed.length;
-      if (grant.verdict === 'paused' || grant.verdict === 'blocked') break;
-      if (grant.verdict === 'none-due') {
-        // Everything of the batch is claimed or waiting a backoff: wait for a call to end, if any.
-        if (inProgress.size === 0) break;
-        await callEnds();
-        continue;
-      }
-      if (grant.claimed.length === 0 && inProgress.size === 0) {
-        // No token or no slot, and nothing of ours running: wait here only while our turn is near.
-        line = await readLine();
-        if (line.due === 0 || line.turnMs > WAIT_IN_WORKER_MAX_MS || Date.now() + grant.waitMs >= holdUntil) break;
-        waitedInWorker += 1;
-        await sleep(grant.waitMs);
-        continue;
-      }
-      // Ask again when the next token is due; when the cap was the limit, as soon as a call of ours
-      // frees a slot (an ended call does not bring a token: asking then would only take the lock).
-      await Promise.race([sleep(grant.waitMs), ...(grant.verdict === 'concurrency' && inProgress.size > 0 ? [callEnds()] : [])]);
+    } finally {
+      await Promise.all(inProgress);
     }
-    await Promise.all(inProgress);
     const tally = countResults(results);
     for (const [result, count] of Object.entries(tally)) context.metrics.operationsTotal.inc({ policy: policy.name, result }, count);
+    // The delivery's result is the failure's (a lock timeout is retried, an outage pauses consumption);
+    // the operation stays in flight under a lease that expires, then it is claimed and called again.
+    if (callErrors.length > 0) throw callErrors[0];
 
     const remaining = await readLine();
     const detail = {

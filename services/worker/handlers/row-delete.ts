@@ -1,5 +1,5 @@
 import { overrideFor, rowAdmissionWith } from '../../../shared/admission/overrides';
-import { admitRows, takeRowSlot } from '../../../shared/admission/rows';
+import { admitRows, takeRowSlot, untilRowSlot } from '../../../shared/admission/rows';
 import { policyVersion, type RowDeletePolicy } from '../../../shared/config/policies';
 import type { BatchV1 } from '../../../shared/contracts/batch';
 import { withTransaction } from '../../../shared/db/pool';
@@ -8,11 +8,21 @@ import { classifyHandlerError } from '../errors';
 import type { BatchResult } from '../results';
 import type { BatchHandler, HandlerContext } from './types';
 
-/** Longest a group waits in the worker for the throttle, the brake or a slot before going to a delay tier. */
+/**
+ * Longest a message waits in the worker, counted from its delivery (time queued in the coalescer
+ * included), for the throttle, the brake or a slot, before its batch goes to a delay tier: one
+ * budget for the whole group, not one per chunk (docs/design.md invariant 18).
+ */
 export const ROW_ADMISSION_HOLD_MS = 5_000;
 
+export interface GroupContext extends HandlerContext {
+  stopping?: () => boolean;
+  /** performance.now() when the group's oldest message was delivered; the hold budget counts from it. */
+  heldSince?: number;
+}
+
 /** Handles several batches of one policy together; one result per batch, in the order given. */
-export type BatchGroupHandler = (batches: readonly BatchV1[], context: HandlerContext & { stopping?: () => boolean }) => Promise<BatchResult[]>;
+export type BatchGroupHandler = (batches: readonly BatchV1[], context: GroupContext) => Promise<BatchResult[]>;
 
 /**
  * row-delete, coalesced: the batches a worker has in hand for one policy (within its prefetch) go
@@ -26,30 +36,36 @@ export type BatchGroupHandler = (batches: readonly BatchV1[], context: HandlerCo
  *  - If the combined statement fails, the batches run again one by one (each its own statement
  *    and transaction), so one bad batch (say, a key that is not a uuid) never poisons the others.
  *  - Throttle: the group takes tokens for its item count from the policy's global bucket and a
- *    statement slot inside its transaction (shared/admission/rows.ts); a group that cannot be
- *    admitted within ROW_ADMISSION_HOLD_MS goes to a delay tier (acked after that publish).
+ *    statement slot as the first step of its transaction (shared/admission/rows.ts); a group that
+ *    cannot be admitted within ROW_ADMISSION_HOLD_MS of its oldest message's delivery goes to a
+ *    delay tier (acked after that publish).
  *
  * Every group runs in an explicit transaction, the same code whether a failpoint is armed or not:
  * BEGIN, the slot, the statement, COMMIT. With coalescing, its two extra round trips are paid once
- * per group, not per batch.
+ * per group, not per batch. No slot free: the transaction ends at once and the wait for the next
+ * try happens outside any transaction (untilRowSlot).
  */
 export function makeRowDeleteGroupHandler(policy: RowDeletePolicy, target: ResolvedTarget): BatchGroupHandler {
   const audit = policy.audit?.enabled ? { policyVersion: policyVersion(policy) } : null;
 
-  async function runInTransaction(batches: readonly BatchV1[], context: HandlerContext, concurrency: number | null): Promise<GroupBatchOutcome[] | 'no-slot'> {
-    const outcome = await withTransaction(
-      context.pool,
-      async (client) => {
-        if (!(await takeRowSlot(client, policy.name, concurrency, ROW_ADMISSION_HOLD_MS))) return 'no-slot' as const;
-        return expiringRowsDeleteGroupIfStillExpired(client, target, {
-          policy: policy.name,
-          batches: batches.map((batch) => ({ batchId: batch.batchId, runId: batch.runId, cutoff: batch.cutoff, items: batch.items })),
-          workerId: context.workerId,
-          audit,
-        });
-      },
-      // Between the statement and COMMIT: a crash here loses the transaction, never half of it.
-      { beforeCommit: () => context.failpoint('before-commit') },
+  async function runInTransaction(batches: readonly BatchV1[], context: GroupContext, concurrency: number | null, holdUntil: number): Promise<GroupBatchOutcome[] | 'no-slot'> {
+    const outcome = await untilRowSlot(
+      () =>
+        withTransaction(
+          context.pool,
+          async (client) => {
+            if (!(await takeRowSlot(client, policy.name, concurrency))) return 'no-slot' as const;
+            return expiringRowsDeleteGroupIfStillExpired(client, target, {
+              policy: policy.name,
+              batches: batches.map((batch) => ({ batchId: batch.batchId, runId: batch.runId, cutoff: batch.cutoff, items: batch.items })),
+              workerId: context.workerId,
+              audit,
+            });
+          },
+          // Between the statement and COMMIT: a crash here loses the transaction, never half of it.
+          { beforeCommit: () => context.failpoint('before-commit') },
+        ),
+      { until: holdUntil, stopping: context.stopping },
     );
     if (outcome === 'no-slot') return outcome;
     context.failpoint('after-commit');
@@ -65,6 +81,7 @@ export function makeRowDeleteGroupHandler(policy: RowDeletePolicy, target: Resol
   });
 
   return async (batches, context) => {
+    const holdUntil = (context.heldSince ?? performance.now()) + ROW_ADMISSION_HOLD_MS;
     const results: Array<BatchResult | undefined> = new Array(batches.length);
     // Distinct batch ids, first occurrence runs; a repeat in the same group is a duplicate no-op.
     const firstIndex = new Map<string, number>();
@@ -89,14 +106,22 @@ export function makeRowDeleteGroupHandler(policy: RowDeletePolicy, target: Resol
         rowsInChunk = batch.items.length;
       }
     }
-    for (const chunk of chunks) await runChunk(chunk, firstIndex, results, context);
+    for (const chunk of chunks) await runChunk(chunk, firstIndex, results, context, holdUntil);
     return results.map((result) => result!);
   };
 
-  async function runChunk(unique: BatchV1[], firstIndex: ReadonlyMap<string, number>, results: Array<BatchResult | undefined>, context: HandlerContext & { stopping?: () => boolean }): Promise<void> {
+  async function runChunk(
+    unique: BatchV1[],
+    firstIndex: ReadonlyMap<string, number>,
+    results: Array<BatchResult | undefined>,
+    context: GroupContext,
+    holdUntil: number,
+  ): Promise<void> {
     const rows = unique.reduce((sum, batch) => sum + batch.items.length, 0);
 
-    const admitted = await admitRows(context.pool, policy, rows, { holdMs: ROW_ADMISSION_HOLD_MS, registry: context.metrics.registry, ...(context.stopping ? { stopping: context.stopping } : {}) });
+    // What is left of the group's budget: a later chunk asks once more, it does not wait afresh.
+    const holdMs = Math.max(0, holdUntil - performance.now());
+    const admitted = await admitRows(context.pool, policy, rows, { holdMs, registry: context.metrics.registry, ...(context.stopping ? { stopping: context.stopping } : {}) });
     const later = (reason: string, delayMs: number): BatchResult => ({ kind: 'retry', delayMs, reason });
     if (!admitted.admitted) {
       context.log.info({ reason: admitted.reason, batches: unique.length, rows, waitedMs: Math.round(admitted.waitedMs) }, 'row-delete not admitted in time; batches go to a delay tier');
@@ -107,7 +132,7 @@ export function makeRowDeleteGroupHandler(policy: RowDeletePolicy, target: Resol
 
     let combined: GroupBatchOutcome[] | 'no-slot' | Error;
     try {
-      combined = await runInTransaction(unique, context, concurrency);
+      combined = await runInTransaction(unique, context, concurrency, holdUntil);
     } catch (error) {
       combined = error instanceof Error ? error : new Error(String(error));
     }
@@ -124,7 +149,7 @@ export function makeRowDeleteGroupHandler(policy: RowDeletePolicy, target: Resol
       for (const batch of unique) {
         const index = firstIndex.get(batch.batchId)!;
         try {
-          const alone = await runInTransaction([batch], context, concurrency);
+          const alone = await runInTransaction([batch], context, concurrency, holdUntil);
           results[index] = alone === 'no-slot' ? later('concurrency', 1_000) : resultOf(batch, alone[0]!);
         } catch (error) {
           results[index] = classifyHandlerError(error);
