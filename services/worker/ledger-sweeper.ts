@@ -7,7 +7,7 @@ import type { BrokerNames } from '../../shared/amqp/topology';
 import type { RemoteDeletePolicy } from '../../shared/config/policies';
 import { encodeBatch, type BatchV1 } from '../../shared/contracts/batch';
 import { withTransaction, type Pool } from '../../shared/db/pool';
-import { ledgerDatabaseNow, ledgerMarkCarried, ledgerSweepPick, remoteBatchesKeep, type SweepCandidate } from '../../shared/db/queries/ledger';
+import { ledgerDatabaseNow, ledgerMarkCarried, ledgerSweepPick, ledgerUnmarkCarried, remoteBatchesKeep, type SweepCandidate } from '../../shared/db/queries/ledger';
 
 /**
  * The ledger sweeper (remote-delete): the ledger, not the broker, is the record of remote work.
@@ -75,14 +75,19 @@ export function startLedgerSweeper(deps: LedgerSweeperDeps): { stop(): Promise<v
 }
 
 /**
- * One pass for one policy, in one transaction: pick (locks the picked rows), publish each batch
- * (confirmed), mark the operations carried, commit. A publish that fails rolls everything back;
- * the next pass picks the same operations again.
+ * One pass for one policy: in one short transaction pick (locks the picked rows), keep the new
+ * batches and mark the operations carried, commit; THEN publish each batch and wait for its confirm
+ * with no transaction open (invariant 18: no wait inside an open transaction, so a slow broker never
+ * holds ledger row locks that claims and outcome writes need). A publish that fails hands the marks
+ * back (ledgerUnmarkCarried) so the next pass picks the same operations again; a crash between the
+ * commit and the publish leaves them marked, and the sweeper re-finds them once the mark is older
+ * than CARRY_STALE_MS. Either way an operation is published again, never lost; a duplicate copy is
+ * a counted no-op for workers (the ledger decides).
  */
 export async function sweepPolicy(deps: Omit<LedgerSweeperDeps, 'policies' | 'log'>, policy: RemoteDeletePolicy): Promise<number> {
   // The rate in force: the file's, or what `reaper admission set` put over it (as the claim reads it).
   const { ratePerSecond } = remoteAdmissionWith(policy, await overrideFor(deps.pool, policy.name));
-  return withTransaction(deps.pool, async (client) => {
+  const messages = await withTransaction(deps.pool, async (client) => {
     const pick = await ledgerSweepPick(client, {
       policy: policy.name,
       ratePerSecond,
@@ -90,9 +95,9 @@ export async function sweepPolicy(deps: Omit<LedgerSweeperDeps, 'policies' | 'lo
       staleMs: CARRY_STALE_MS,
       limit: policy.batchSize * 8,
     });
-    if (!pick || pick.picked.length === 0) return 0;
     const messages = new Map<string, { runId: string; content: Buffer }>();
     const loose: SweepCandidate[] = [];
+    if (!pick || pick.picked.length === 0) return messages;
     for (const candidate of pick.picked) {
       if (candidate.batchId && candidate.content) {
         // The batch's own message, as published: same id, run and cutoff; its receipt counts for its run.
@@ -124,6 +129,11 @@ export async function sweepPolicy(deps: Omit<LedgerSweeperDeps, 'policies' | 'lo
         for (const candidate of chunk) adopted.push({ operationKey: candidate.operationKey, batchId: batch.batchId });
       }
     }
+    await ledgerMarkCarried(client, { batchIds: [...messages.keys()], adopted });
+    return messages;
+  });
+  if (messages.size === 0) return 0;
+  try {
     await Promise.all(
       [...messages].map(([batchId, message]) =>
         deps.publisher.publish(deps.names.workExchange, policy.name, message.content, {
@@ -133,8 +143,11 @@ export async function sweepPolicy(deps: Omit<LedgerSweeperDeps, 'policies' | 'lo
         }),
       ),
     );
-    await ledgerMarkCarried(client, { batchIds: [...messages.keys()], adopted });
-    publishedCounter(deps.registry).inc({ policy: policy.name }, messages.size);
-    return messages.size;
-  });
+  } catch (error) {
+    // Some copies may have been confirmed: handing all marks back only risks a duplicate copy.
+    await ledgerUnmarkCarried(deps.pool, [...messages.keys()]).catch(() => undefined); // else CARRY_STALE_MS re-finds them
+    throw error;
+  }
+  publishedCounter(deps.registry).inc({ policy: policy.name }, messages.size);
+  return messages.size;
 }

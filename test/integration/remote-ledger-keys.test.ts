@@ -296,4 +296,46 @@ describe('remote-delete ledger: canonical keys, re-opened decisions, complete au
       await connection.close();
     }
   });
+  test('invariant 18: the ledger sweeper waits for its confirms with no transaction open; a failed publish hands the operations back', async () => {
+    const connection: ChannelModel = await amqp.connect(bed.amqpUrl);
+    const pool = new pg.Pool({ connectionString: bed.databaseUrl, max: 2 });
+    let release = () => {};
+    let sweeping: Promise<number> = Promise.resolve(0);
+    try {
+      const names = brokerNames(bed.prefix);
+      await bed.pool.query(`UPDATE cleanup_ledger SET last_delivered_at = NULL, batch_id = NULL WHERE policy = $1 AND state = 'pending'`, [SWEPT]);
+      const real = new ConfirmingPublisher(fixedConnection(connection), 5_000);
+      const gate = new Promise<void>((resolve) => (release = resolve));
+      let waiting!: () => void;
+      const atGate = new Promise<void>((resolve) => (waiting = resolve));
+      // The real publisher, with its confirm held back until the checks below are done.
+      const held = { publish: async (...args: Parameters<ConfirmingPublisher['publish']>) => (waiting(), await gate, real.publish(...args)) } as unknown as ConfirmingPublisher;
+      sweeping = sweepPolicy({ pool, publisher: held, names, registry: makeMetrics().registry }, swept);
+      await atGate;
+      // While the sweeper waits for the broker: no ledger row is locked, no transaction of its pool is open.
+      const locked = await bed.pool.query(`SELECT operation_key FROM cleanup_ledger WHERE policy = $1 FOR UPDATE NOWAIT`, [SWEPT]).then(
+        () => 'free',
+        (error: { code?: string }) => `locked (${error.code})`,
+      );
+      assert.equal(locked, 'free', 'the picked ledger rows are not locked while the sweeper waits for its confirms');
+      const open = await bed.pool.query<{ n: number }>(
+        `SELECT count(*)::int AS n FROM pg_stat_activity WHERE datname = current_database() AND state LIKE 'idle in transaction%' AND pid <> pg_backend_pid()`,
+      );
+      assert.equal(open.rows[0]!.n, 0, 'no transaction is open while the sweeper waits');
+      release();
+      assert.ok((await sweeping) > 0);
+
+      // A publish that fails hands the marks back: the next pass may pick the same operations at once.
+      await bed.pool.query(`UPDATE cleanup_ledger SET last_delivered_at = NULL, batch_id = NULL WHERE policy = $1 AND state = 'pending'`, [SWEPT]);
+      const failing = { publish: async () => Promise.reject(new Error('broker refused')) } as unknown as ConfirmingPublisher;
+      await assert.rejects(sweepPolicy({ pool, publisher: failing, names, registry: makeMetrics().registry }, swept), /broker refused/);
+      const carried = await bed.pool.query<{ n: number }>(`SELECT count(*)::int AS n FROM cleanup_ledger WHERE policy = $1 AND state = 'pending' AND last_delivered_at IS NOT NULL`, [SWEPT]);
+      assert.equal(carried.rows[0]!.n, 0, 'nothing is left marked as carried by a copy that was never published');
+    } finally {
+      release(); // a failed check above must not leave the sweeper (and its transaction) waiting
+      await sweeping.catch(() => 0);
+      await pool.end();
+      await connection.close();
+    }
+  });
 });

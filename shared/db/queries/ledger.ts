@@ -332,6 +332,15 @@ export async function ledgerMarkCarried(db: Db, carried: { batchIds: readonly st
   await db.query(`UPDATE cleanup_ledger SET last_delivered_at = clock_timestamp() WHERE batch_id = ANY($1::text[]) AND state <> 'done'`, [carried.batchIds]);
 }
 
+/**
+ * The sweeper's publish failed after ledgerMarkCarried committed: its pending operations are not
+ * carried after all, so the next sweep may pick them at once. Only pending ones: an operation a
+ * worker already claimed is carried by that worker.
+ */
+export async function ledgerUnmarkCarried(db: Db, batchIds: readonly string[]): Promise<void> {
+  await db.query(`UPDATE cleanup_ledger SET last_delivered_at = NULL WHERE batch_id = ANY($1::text[]) AND state = 'pending'`, [batchIds]);
+}
+
 /** The database clock as a batch cutoff (ISO with microseconds). */
 export async function ledgerDatabaseNow(db: Db): Promise<string> {
   return (await db.query<{ now: string }>(`SELECT reaper_iso(clock_timestamp()) AS now`)).rows[0]!.now;
