@@ -4,7 +4,7 @@ import type { Env } from '../../shared/config/env';
 import type { Policy, PolicySet, RemoteDeletePolicy } from '../../shared/config/policies';
 import { ReconnectingConnection, TopologyConflictError } from '../../shared/amqp/connection';
 import { ConfirmingPublisher } from '../../shared/amqp/publisher';
-import { brokerNames, makeTopology } from '../../shared/amqp/topology';
+import { brokerNames, topologyFor } from '../../shared/amqp/topology';
 import { decodeBatch } from '../../shared/contracts/batch';
 import { assertSchemaCurrent } from '../../shared/db/migrate';
 import { makePool, type Pool } from '../../shared/db/pool';
@@ -115,7 +115,7 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
   const connection = new ReconnectingConnection({
     url: env.amqpUrl,
     connectionName: `reaper-worker ${env.amqpPrefix} ${env.workerId}`,
-    topology: makeTopology({ prefix: env.amqpPrefix, policies: [...policies.keys()], deliveryLimit: env.deliveryLimit, quorumGroupSize: env.quorumGroupSize }),
+    topology: topologyFor(env, [...policies.keys()]),
     log,
   });
   connection.on('ready', () => metrics.amqpConnected.set(1));

@@ -113,6 +113,23 @@ export function makeTopology(options: { prefix: string; policies: readonly strin
   return { exchanges, queues, bindings };
 }
 
+/** The settings every declare of the topology takes from the environment (a subset of shared/config/env.ts's Env). */
+export interface TopologySettings {
+  amqpPrefix: string;
+  deliveryLimit: number;
+  quorumGroupSize: number | undefined;
+}
+
+/**
+ * The topology a process of this deployment declares: the ONE place the services and every CLI
+ * command that declares it (`scheduler`, `worker`, `topology`, `trigger/replay/execute --execute`)
+ * take its options from. The broker compares every argument at each declare, so a command that
+ * left one out (a cluster's REAPER_QUORUM_GROUP_SIZE) was refused with PRECONDITION_FAILED.
+ */
+export function topologyFor(settings: TopologySettings, policies: readonly string[]): Topology {
+  return makeTopology({ prefix: settings.amqpPrefix, policies, deliveryLimit: settings.deliveryLimit, quorumGroupSize: settings.quorumGroupSize });
+}
+
 export async function assertTopology(channel: Channel, topology: Topology): Promise<void> {
   for (const exchange of topology.exchanges) await channel.assertExchange(exchange.name, exchange.type, exchange.options);
   for (const queue of topology.queues) await channel.assertQueue(queue.name, queue.options);
