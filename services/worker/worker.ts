@@ -16,6 +16,7 @@ import { targetResolve } from '../../shared/db/queries/expiring-rows';
 import { startHealthServer } from '../../shared/observability/http';
 import { makeMetrics, type Metrics } from '../../shared/observability/metrics';
 import { classifyHandlerError } from './errors';
+import { assertBrakeReadable } from '../../shared/admission/rows';
 import { makeRowDeleteGroupHandler, type BatchGroupHandler } from './handlers/row-delete';
 import { makeCoalescer, type Coalescer } from './coalescer';
 import { failpoint } from '../../shared/testing/failpoints';
@@ -55,6 +56,7 @@ async function makeHandler(policy: Policy, pool: Pool, log: Logger, metrics: Met
   const target = await targetResolve(pool, policy);
   switch (policy.kind) {
     case 'row-delete':
+      await assertBrakeReadable(pool, policy); // a brake that cannot read the lag is a start-up error, not lag 0
       return makeRowDeleteGroupHandler(policy, target);
     case 'remote-delete': {
       const remote = withCircuitBreaker(makeHttpRemoteClient(policy.remote, log.child({ policy: policy.name })));
