@@ -26,7 +26,7 @@ import type { BatchResult } from './results';
 import { requeueIfUnsettled, settle, type SettleDeps } from './settle';
 import { loadBatchVersionConfig } from '../../shared/config/batch-version';
 import { startHeartbeat, type HeartbeatHandle } from '../../shared/observability/heartbeat';
-import { consumerTagFor, makeBatchVersionCounter } from './batch-versions';
+import { announcePresence, consumerTagFor, makeBatchVersionCounter } from './batch-versions';
 
 export interface WorkerHandle {
   metrics: Metrics;
@@ -135,12 +135,15 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
   let channel: Channel | null = null;
   /** Consumer tag per policy on `channel`; a policy missing here is not being consumed right now. */
   const consumers = new Map<string, string>();
+  /** Presence consumer tag per policy on `channel`: this process's proof to the batch-version gate. */
+  const presence = new Map<string, string>();
   let databasePaused = false;
   let inFlight = 0;
   let idle: (() => void) | null = null;
 
   async function consumeAll(target: Channel): Promise<void> {
     consumers.clear();
+    presence.clear();
     for (const policy of policies.keys()) await consumeQueue(target, policy);
   }
 
@@ -150,6 +153,17 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
       else onCancelledByBroker(target, policy);
     }, { consumerTag: consumerTagFor(env.workerId, policy, highestAccepted) });
     consumers.set(policy, consumerTag);
+    // After the work consumer: the proof never stands for a consumer that does not exist yet.
+    presence.set(policy, await announcePresence(target, names.presenceQueue(policy, heartbeat!.instanceId)));
+  }
+
+  /** Cancels the presence proofs of `only` (default: every policy), before their work consumers go. */
+  async function withdrawPresence(target: Channel | null, only?: string): Promise<void> {
+    for (const [policy, tag] of [...presence]) {
+      if (only !== undefined && policy !== only) continue;
+      presence.delete(policy);
+      if (target) await target.cancel(tag).catch(() => undefined); // closed channel: the broker dropped it already
+    }
   }
 
   /**
@@ -164,6 +178,7 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
    */
   function onCancelledByBroker(target: Channel, policy: string): void {
     consumers.delete(policy);
+    void withdrawPresence(target, policy);
     const queue = names.workQueue(policy);
     log.warn({ queue, policy }, 'consumer cancelled by the broker (queue deleted or moved); re-declaring and consuming again');
     void (async () => {
@@ -285,6 +300,7 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
     const tags = [...consumers.values()];
     consumers.clear();
     outagePause = (async () => {
+      await withdrawPresence(paused);
       if (paused) for (const tag of tags) await paused.cancel(tag).catch(() => undefined); // channel gone: nothing to cancel
     })();
     return outagePause;
@@ -349,6 +365,7 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
       const current = channel as Channel | null;
       const tags = [...consumers.values()];
       consumers.clear();
+      await withdrawPresence(current);
       if (current) for (const tag of tags) await current.cancel(tag).catch(() => undefined); // closed channel: nothing to cancel
       // Drain: batches in flight finish and settle; nothing new arrives after the cancel.
       if (inFlight > 0) await new Promise<void>((resolve) => (idle = resolve));

@@ -36,6 +36,12 @@ export interface BrokerNames {
   deadLetterQueue: string;
   workQueue(policy: string): string;
   delayQueue(ms: number): string;
+  /**
+   * A worker process's proof that it consumes `policy` now, for the batch-version gate: an
+   * auto-delete queue it consumes on the channel of its work consumer (services/worker/batch-versions.ts).
+   * Not part of the declared topology: it exists only while that consumer does.
+   */
+  presenceQueue(policy: string, instanceId: string): string;
 }
 
 export function brokerNames(prefix: string): BrokerNames {
@@ -45,6 +51,7 @@ export function brokerNames(prefix: string): BrokerNames {
     deadLetterQueue: `${prefix}.dead-letter`,
     workQueue: (policy) => `${prefix}.cleanup.${policy}`,
     delayQueue: (ms) => `${prefix}.delay.${ms}`,
+    presenceQueue: (policy, instanceId) => `${prefix}.presence.${policy}.${instanceId}`,
   };
 }
 
