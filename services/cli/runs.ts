@@ -257,7 +257,6 @@ async function noRecentScheduler(pool: Pool, run: Run): Promise<string | null> {
 async function executeHere(env: Env, pool: Pool, run: Run, policy: Policy, options: StartOptions, timeoutMs: number): Promise<void> {
   const json = !!options.json;
   const tuning = loadSchedulerTuning();
-  const versions = loadBatchVersionConfig();
   // Logs go to stderr (stdout is the result); warnings and errors only unless LOG_LEVEL says more.
   const log = makeLogger({ level: process.env.LOG_LEVEL ?? 'warn', service: 'cli', workerId: cliOwner(env) }, process.stderr);
   const names = brokerNames(env.amqpPrefix);
@@ -284,6 +283,7 @@ async function executeHere(env: Env, pool: Pool, run: Run, policy: Policy, optio
   try {
     let outcome: RunOutcome;
     try {
+      const versions = loadBatchVersionConfig(); // refused here (REAPER_BATCH_VERSION): the run is handed back too
       let connectTimer: NodeJS.Timeout | undefined;
       const connected = await Promise.race([
         connection.start().then(() => true),
@@ -317,7 +317,8 @@ async function executeHere(env: Env, pool: Pool, run: Run, policy: Policy, optio
       // lease until it expires: a scheduler or `reaper execute` claims it. Conditional on the
       // claim, so a run the executor already ended is left as it is.
       await runsReleaseLease(pool, claim).catch(() => undefined); // database gone too: the lease expires by itself
-      throw new Error(`${(error as Error).message}; run ${run.runId} was handed back (a scheduler or \`reaper execute ${run.runId}\` runs it)`, { cause: error });
+      process.stderr.write(`reaper: run ${run.runId} was handed back (a scheduler or \`reaper execute ${run.runId}\` runs it)\n`);
+      throw error; // as it is: its class sets the exit code and the message
     }
     await progress?.stop();
     if (outcome === 'stopped') await runsReleaseLease(pool, claim);

@@ -69,6 +69,22 @@ describe('reaper trigger --execute with a quorum group size', () => {
     assert.equal(run.claim_count, 2, 'claimed by the failed CLI, then by this one');
   });
 
+  test('a start failure of another kind (a refused REAPER_BATCH_VERSION) hands the run back too', async () => {
+    await bed.pool.query('TRUNCATE seat_reservations');
+    await seedHolds(bed.pool, { expiredHeld: 10 });
+    const refused = await runReaperCli(['trigger', 'seat-holds', '--execute', '--json'], bed.processEnv({ REAPER_QUORUM_GROUP_SIZE: GROUP_SIZE, REAPER_BATCH_VERSION: '9' }));
+    assert.notEqual(refused.code, 0, refused.stdout);
+    assert.match(refused.stdout, /REAPER_BATCH_VERSION/);
+    const runId = (await latestManualRun())!;
+    const left = await bed.pool.query<{ state: string; released: boolean }>(
+      `SELECT state, lease_expires_at <= clock_timestamp() AS released FROM cleanup_runs WHERE run_id = $1`,
+      [runId],
+    );
+    assert.deepEqual(left.rows[0], { state: 'scanning', released: true });
+    assert.equal((await runReaperCli(['execute', runId, '--json'], bed.processEnv({ REAPER_QUORUM_GROUP_SIZE: GROUP_SIZE }), 90_000)).code, 0);
+    assert.equal((await runRow(bed.pool, runId)).state, 'published');
+  });
+
   test('trigger --execute with the deployment group size declares the same topology and publishes', async () => {
     await bed.pool.query('TRUNCATE seat_reservations');
     await seedHolds(bed.pool, { expiredHeld: 80 });
