@@ -95,9 +95,11 @@ describe('replica-lag brake: unknown lag is not lag 0', () => {
   });
 
   /** Starts a worker, publishes one batch of fresh expired holds, returns what became of it. */
-  async function runBrakedBatch(brakeYaml: string, label: string): Promise<{ deleted: number; refusedForLag: boolean; unknownGauge: number | undefined }> {
+  async function runBrakedBatch(brakeYaml: string, label: string, throttled = true): Promise<{ deleted: number; refusedForLag: boolean; unknownGauge: number | undefined }> {
     await bed.pool.query('TRUNCATE seat_reservations');
-    bed.writePolicies(`${rowDeletePolicyYaml({ batchSize: 20 })}    admission: { rowsPerSecond: 5000, concurrency: 2 }\n    brake: ${brakeYaml}\n`);
+    // Throttled, the brake is decided in the token take's statement; unthrottled, from the lag read alone.
+    const admission = throttled ? '    admission: { rowsPerSecond: 5000, concurrency: 2 }\n' : '';
+    bed.writePolicies(`${rowDeletePolicyYaml({ batchSize: 20 })}${admission}    brake: ${brakeYaml}\n`);
     const lines: Array<Record<string, unknown>> = [];
     const env = bed.env({ REAPER_WORKER_ID: label });
     const worker: WorkerHandle = await startWorker(env, loadPolicies(env.policiesPath), pino({ level: 'info' }, { write: (line: string) => void lines.push(JSON.parse(line) as Record<string, unknown>) }));
@@ -137,6 +139,11 @@ describe('replica-lag brake: unknown lag is not lag 0', () => {
   test('a listed standby that is not connected brakes after the grace; within the grace, deletion goes on', async () => {
     const absent = `reaper_absent_standby_${suffix}`;
     assert.deepEqual(await runBrakedBatch(`{ maxReplicationLagSeconds: 5, standbys: [${absent}], unknownLagGraceSeconds: 0 }`, 'listed-worker'), {
+      deleted: 0,
+      refusedForLag: true,
+      unknownGauge: 1,
+    });
+    assert.deepEqual(await runBrakedBatch(`{ maxReplicationLagSeconds: 5, standbys: [${absent}], unknownLagGraceSeconds: 0 }`, 'unthrottled-worker', false), {
       deleted: 0,
       refusedForLag: true,
       unknownGauge: 1,
