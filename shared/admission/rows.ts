@@ -71,10 +71,12 @@ const ensured = new WeakMap<Pool, Set<string>>();
  * read since. A new process starts its grace again.
  */
 const unknownSince = new WeakMap<Pool, Map<string, number>>();
+/** `brake.unknownLagGraceSeconds` when the policy does not say. */
+const DEFAULT_UNKNOWN_LAG_GRACE_SECONDS = 30;
 
 function unknownLagBrakes(pool: Pool, policy: RowDeletePolicy, now: number): boolean {
   const since = unknownSince.get(pool)?.get(policy.name) ?? now;
-  return now - since >= (policy.brake?.unknownLagGraceSeconds ?? 0) * 1000;
+  return now - since >= (policy.brake?.unknownLagGraceSeconds ?? DEFAULT_UNKNOWN_LAG_GRACE_SECONDS) * 1000;
 }
 
 function noteUnknownLag(pool: Pool, policy: string, unknown: readonly string[], now: number): void {

@@ -80,7 +80,8 @@ const rowDeletePolicy = z.strictObject({
     .strictObject({
       maxReplicationLagSeconds: z.number().positive().max(86_400),
       standbys: z.array(z.string().min(1).max(63)).max(64).optional(),
-      unknownLagGraceSeconds: z.number().min(0).max(86_400).default(30),
+      // Optional, not defaulted here: an absent key keeps the policy's version hash what it was.
+      unknownLagGraceSeconds: z.number().min(0).max(86_400).optional(),
     })
     .optional(),
 });
