@@ -4,7 +4,7 @@ import { loadBatchVersionConfig } from '../../shared/config/batch-version';
 import { requirePolicy, type Policy, type PolicySet } from '../../shared/config/policies';
 import { ReconnectingConnection } from '../../shared/amqp/connection';
 import { ConfirmingPublisher } from '../../shared/amqp/publisher';
-import { brokerNames, makeTopology } from '../../shared/amqp/topology';
+import { brokerNames, topologyFor } from '../../shared/amqp/topology';
 import { withTransaction, type Pool } from '../../shared/db/pool';
 import { targetResolve, type ResolvedTarget } from '../../shared/db/queries/expiring-rows';
 import { heartbeatsLatestScheduler } from '../../shared/db/queries/heartbeats';
@@ -257,7 +257,6 @@ async function noRecentScheduler(pool: Pool, run: Run): Promise<string | null> {
 async function executeHere(env: Env, pool: Pool, run: Run, policy: Policy, options: StartOptions, timeoutMs: number): Promise<void> {
   const json = !!options.json;
   const tuning = loadSchedulerTuning();
-  const versions = loadBatchVersionConfig();
   // Logs go to stderr (stdout is the result); warnings and errors only unless LOG_LEVEL says more.
   const log = makeLogger({ level: process.env.LOG_LEVEL ?? 'warn', service: 'cli', workerId: cliOwner(env) }, process.stderr);
   const names = brokerNames(env.amqpPrefix);
@@ -276,43 +275,51 @@ async function executeHere(env: Env, pool: Pool, run: Run, policy: Policy, optio
   const connection = new ReconnectingConnection({
     url: env.amqpUrl,
     connectionName: `reaper-cli ${env.amqpPrefix} ${cliOwner(env)}`,
-    topology: makeTopology({ prefix: env.amqpPrefix, policies: [policy.name], deliveryLimit: env.deliveryLimit }),
+    topology: topologyFor(env, [policy.name]),
     log,
   });
   const progressLine = process.stderr.isTTY && !json ? makeProgressLine(process.stderr) : null;
   let progress: { stop(): Promise<void> } | null = null;
   try {
-    let connectTimer: NodeJS.Timeout | undefined;
-    const connected = await Promise.race([
-      connection.start().then(() => true),
-      new Promise<false>((resolve) => (connectTimer = setTimeout(() => resolve(false), BROKER_CONNECT_TIMEOUT_MS))),
-    ]);
-    clearTimeout(connectTimer);
-    if (!connected) {
-      await runsReleaseLease(pool, claim);
-      throw new Error(`broker not reachable within ${BROKER_CONNECT_TIMEOUT_MS / 1000} s; run ${run.runId} was handed back (a scheduler or \`reaper execute ${run.runId}\` runs it)`);
+    let outcome: RunOutcome;
+    try {
+      const versions = loadBatchVersionConfig(); // refused here (REAPER_BATCH_VERSION): the run is handed back too
+      let connectTimer: NodeJS.Timeout | undefined;
+      const connected = await Promise.race([
+        connection.start().then(() => true),
+        new Promise<false>((resolve) => (connectTimer = setTimeout(() => resolve(false), BROKER_CONNECT_TIMEOUT_MS))),
+      ]).finally(() => clearTimeout(connectTimer));
+      if (!connected) throw new Error(`broker not reachable within ${BROKER_CONNECT_TIMEOUT_MS / 1000} s`);
+      const target = await targetResolve(pool, policy);
+      const publisher = new ConfirmingPublisher(connection);
+      const gate = makeBatchVersionGate({ wanted: versions.publish, pool, connection, names, amqpPrefix: env.amqpPrefix, log });
+      if (progressLine) progress = await startProgress(pool, run, policy, target, progressLine);
+      outcome = await executeRun(
+        {
+          pool,
+          publisher,
+          names,
+          owner: cliOwner(env),
+          leaseMs: tuning.runLeaseMs,
+          unroutableFailAfterMs: tuning.unroutableFailAfterMs,
+          log,
+          metrics: makeMetrics([policy]),
+          stopping: () => stopping,
+          batchVersion: gate.versionFor,
+        },
+        run,
+        policy,
+        target,
+      );
+    } catch (error) {
+      // Whatever failed (the broker refused the topology, the target table is gone, the executor
+      // threw), the run is handed back at once rather than left `scanning` under this process's
+      // lease until it expires: a scheduler or `reaper execute` claims it. Conditional on the
+      // claim, so a run the executor already ended is left as it is.
+      await runsReleaseLease(pool, claim).catch(() => undefined); // database gone too: the lease expires by itself
+      process.stderr.write(`reaper: run ${run.runId} was handed back (a scheduler or \`reaper execute ${run.runId}\` runs it)\n`);
+      throw error; // as it is: its class sets the exit code and the message
     }
-    const target = await targetResolve(pool, policy);
-    const publisher = new ConfirmingPublisher(connection);
-    const gate = makeBatchVersionGate({ wanted: versions.publish, pool, connection, names, amqpPrefix: env.amqpPrefix, log });
-    if (progressLine) progress = await startProgress(pool, run, policy, target, progressLine);
-    const outcome = await executeRun(
-      {
-        pool,
-        publisher,
-        names,
-        owner: cliOwner(env),
-        leaseMs: tuning.runLeaseMs,
-        unroutableFailAfterMs: tuning.unroutableFailAfterMs,
-        log,
-        metrics: makeMetrics([policy]),
-        stopping: () => stopping,
-        batchVersion: gate.versionFor,
-      },
-      run,
-      policy,
-      target,
-    );
     await progress?.stop();
     if (outcome === 'stopped') await runsReleaseLease(pool, claim);
     await report(pool, run, outcome, options, timeoutMs);

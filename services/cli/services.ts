@@ -1,6 +1,6 @@
 import { Command, Option } from 'commander';
 import { loadEnv } from '../../shared/config/env';
-import { makeTopology, topologyAsDefinitions } from '../../shared/amqp/topology';
+import { topologyFor, topologyAsDefinitions } from '../../shared/amqp/topology';
 import { migrate } from '../../shared/db/migrate';
 import { demoTablesCreate } from '../../shared/db/queries/demo-tables';
 import { makeLogger } from '../../shared/observability/logger';
@@ -61,7 +61,7 @@ export function registerServiceCommands(program: Command): void {
     .addOption(json())
     .action((options: { json?: boolean; definitions?: boolean }) => {
       const { env, policies } = context();
-      const topology = makeTopology({ prefix: env.amqpPrefix, policies: [...policies.keys()], deliveryLimit: env.deliveryLimit, quorumGroupSize: env.quorumGroupSize });
+      const topology = topologyFor(env, [...policies.keys()]);
       if (options.definitions) return printResult(true, topologyAsDefinitions(topology), () => '');
       printResult(!!options.json, topology, () =>
         [

@@ -20,11 +20,15 @@ export interface BatchVersionDecision {
 /**
  * Decides the batch version a run publishes, window by window, so a scheduler upgraded BEFORE its
  * workers stays safe: the version REAPER_BATCH_VERSION names is published only while every
- * consumer of the policy's work queue is known to accept it. Two sources, because neither alone
- * is enough:
+ * consumer of the policy's work queue is known to accept it. Consumers are matched to workers by
+ * identity, not by count alone:
  * - heartbeat rows (service_heartbeats): each worker announces the newest version it accepts
  *   (also visible in its consumer tags); one announcing less holds the version at what it accepts;
- * - the broker's consumer count of the work queue: more consumers than announcing workers means a
+ * - each announcing worker must also prove on the broker that it consumes the queue NOW: its
+ *   presence queue (`<prefix>.presence.<policy>.<instance id>`, services/worker/batch-versions.ts)
+ *   has a consumer. A row alone stays fresh for 15 s after the worker was killed, and would stand
+ *   in for another consumer in a count;
+ * - the broker's consumer count of the work queue: more consumers than proven workers means a
  *   consumer that announced nothing (a worker of a release before announcements): held at 1.
  * Any doubt (database or broker not answering) is version 1, which every worker ever made accepts.
  *
@@ -46,12 +50,16 @@ export function makeBatchVersionGate(options: {
   const { wanted, log } = options;
   const logged = new Map<string, string>();
 
-  async function consumerCount(policy: string): Promise<number> {
+  /** Consumers of `queue`; null when it does not exist (a passive declare of a missing queue closes its channel, hence one channel per look). */
+  async function consumerCount(queue: string): Promise<number | null> {
     const model = await options.connection.waitReady(BROKER_TIMEOUT_MS);
     const channel = await model.createChannel();
     channel.on('error', () => undefined); // a missing queue closes the channel; the checkQueue rejects
     try {
-      return (await channel.checkQueue(options.names.workQueue(policy))).consumerCount;
+      return (await channel.checkQueue(queue)).consumerCount;
+    } catch (error) {
+      if ((error as { code?: unknown }).code === 404) return null;
+      throw error;
     } finally {
       await channel.close().catch(() => undefined); // closed by the broker already
     }
@@ -67,9 +75,22 @@ export function makeBatchVersionGate(options: {
         const who = older.map((worker) => `${worker.workerId} (accepts ${worker.maxBatchVersion})`).join(', ');
         return { version: oldest, cause: 'older-worker', reason: `${older.length} connected worker(s) accept at most version ${oldest}: ${who}` };
       }
-      const consumers = await consumerCount(policy);
-      if (consumers > live.length) {
-        return { version: 1, cause: 'unannounced-consumer', reason: `${consumers} consumer(s) on the work queue but only ${live.length} announce version ${wanted}: an older worker is connected` };
+      const consumers = await consumerCount(options.names.workQueue(policy));
+      if (consumers === null) throw new Error(`queue ${options.names.workQueue(policy)} does not exist`);
+      const proven: string[] = [];
+      const unproven: string[] = [];
+      for (const worker of live) {
+        if (proven.length >= consumers) break; // every consumer is accounted for: no more looks needed
+        const present = await consumerCount(options.names.presenceQueue(policy, worker.instanceId));
+        (present !== null && present > 0 ? proven : unproven).push(worker.workerId);
+      }
+      if (consumers > proven.length) {
+        const stale = unproven.length > 0 ? ` (${unproven.join(', ')} announce it but consume nothing now: stopped or killed)` : '';
+        return {
+          version: 1,
+          cause: 'unannounced-consumer',
+          reason: `${consumers} consumer(s) on the work queue but only ${proven.length} announce version ${wanted}${stale}: an older worker is connected`,
+        };
       }
       return { version: wanted, cause: 'all-accept', reason: `every connected consumer (${consumers}) accepts version ${wanted}` };
     } catch (error) {

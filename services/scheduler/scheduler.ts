@@ -5,7 +5,7 @@ import type { Env } from '../../shared/config/env';
 import type { Policy, PolicySet } from '../../shared/config/policies';
 import { ReconnectingConnection } from '../../shared/amqp/connection';
 import { ConfirmingPublisher } from '../../shared/amqp/publisher';
-import { brokerNames, makeTopology } from '../../shared/amqp/topology';
+import { brokerNames, topologyFor } from '../../shared/amqp/topology';
 import { assertSchemaCurrent } from '../../shared/db/migrate';
 import { makePool } from '../../shared/db/pool';
 import { targetResolve, type ResolvedTarget } from '../../shared/db/queries/expiring-rows';
@@ -176,7 +176,7 @@ export async function startScheduler(env: Env, policies: PolicySet, log: Logger)
   const connection = new ReconnectingConnection({
     url: env.amqpUrl,
     connectionName: `reaper-scheduler ${env.amqpPrefix} ${env.workerId}`,
-    topology: makeTopology({ prefix: env.amqpPrefix, policies: policyNames, deliveryLimit: env.deliveryLimit, quorumGroupSize: env.quorumGroupSize }),
+    topology: topologyFor(env, policyNames),
     log,
   });
   connectionRef.current = connection;

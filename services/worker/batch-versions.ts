@@ -1,4 +1,5 @@
 import { randomBytes } from 'node:crypto';
+import type { Channel } from 'amqplib';
 import { Counter, type Registry } from 'prom-client';
 import type { Logger } from 'pino';
 import { policyVersion, type PolicySet } from '../../shared/config/policies';
@@ -18,6 +19,21 @@ import type { BatchVersion } from '../../shared/contracts/batch';
 export function consumerTagFor(workerId: string, policy: string, highestAccepted: BatchVersion): string {
   const tag = `reaper-worker v${highestAccepted} ${workerId} ${policy}`;
   return `${Buffer.from(tag).subarray(0, 230).toString('utf8')} ${randomBytes(4).toString('hex')}`;
+}
+
+/**
+ * Proves to the batch-version gate that this process consumes a policy's work queue NOW, under
+ * the identity its heartbeat row announces (the row's instance id is in the queue's name). A
+ * heartbeat row alone stays fresh for 15 s after a SIGKILL and would hide another, older consumer
+ * from a count; this proof goes with the consumer: the queue is auto-delete, consumed on the
+ * channel of the work consumer, so the broker deletes it when that channel or connection dies,
+ * and the worker cancels it BEFORE its work consumer (and takes it AFTER): at every moment a
+ * proof stands for a work consumer that exists. No message is ever published to it.
+ */
+export async function announcePresence(channel: Channel, queue: string): Promise<string> {
+  await channel.assertQueue(queue, { durable: false, autoDelete: true, arguments: { 'x-queue-type': 'classic' } });
+  const { consumerTag } = await channel.consume(queue, () => undefined, { noAck: true }); // nothing arrives; a cancel is the gate's business
+  return consumerTag;
 }
 
 /**

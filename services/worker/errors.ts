@@ -3,7 +3,11 @@ import type { BatchResult } from './results';
 /**
  * Maps an error thrown while handling a batch to a result. Unknown errors take the safe path:
  * the outcome is unknown, nothing is acked, the broker redelivers (and its delivery limit ends a
- * batch that fails every time in the dead-letter queue).
+ * batch that fails every time in the dead-letter queue). Waiting for another transaction (a row
+ * lock an application holds, a deadlock, a serialization conflict) is not such a failure: the
+ * transaction rolled back, so the outcome is KNOWN (nothing happened), and the batch will succeed
+ * once the other transaction ends. It goes to a delay tier (a new message: its delivery count
+ * starts again), so no amount of waiting for a lock ever dead-letters a batch as `delivery-limit`.
  */
 
 /** SQLSTATE classes and codes meaning "the database is not reachable right now". */
@@ -13,8 +17,21 @@ const UNAVAILABLE_CLASSES = ['08'];
 const UNAVAILABLE_ERRNOS = new Set(['ECONNREFUSED', 'ECONNRESET', 'ETIMEDOUT', 'EPIPE', 'ENOTFOUND', 'EHOSTUNREACH']);
 /** pg-pool's error when no pooled client became free in time (not a failed connect). */
 const POOL_CHECKOUT_TIMEOUT = /timeout exceeded when trying to connect/i;
-/** Errors worth retrying as they are (the batch is fine; another attempt can succeed). */
-const TRANSIENT_CODES = new Set(['40001', '40P01', '55P03', '57014']);
+/**
+ * Contention with other transactions, rolled back: retried from a delay tier, never counted toward
+ * the delivery limit. lock_not_available (55P03, REAPER_LOCK_TIMEOUT_MS ran out) waits longer than
+ * a deadlock or a serialization failure, whose other party has already been told to go on.
+ */
+const CONTENTION_DELAY_MS: ReadonlyMap<string, number> = new Map([
+  ['55P03', 1_000],
+  ['40P01', 250],
+  ['40001', 250],
+]);
+/**
+ * Errors worth retrying as they are, counted toward the delivery limit: a statement timeout
+ * (57014) can repeat on every delivery (a batch the table cannot delete in time), so it must end.
+ */
+const TRANSIENT_CODES = new Set(['57014']);
 
 export function classifyHandlerError(error: unknown): BatchResult {
   const err = (typeof error === 'object' && error !== null ? error : {}) as { code?: unknown; message?: unknown };
@@ -36,6 +53,8 @@ export function classifyHandlerError(error: unknown): BatchResult {
     // database is fine. Retry the batch; do not stop consuming as for an outage.
     return { kind: 'unknown', reason: `no free database connection in this process: ${message}`, databaseUnavailable: false };
   }
+  const contentionDelayMs = CONTENTION_DELAY_MS.get(code);
+  if (contentionDelayMs !== undefined) return { kind: 'retry', delayMs: contentionDelayMs, reason: `waited for another transaction (${code}): ${message}` };
   if (TRANSIENT_CODES.has(code)) return { kind: 'unknown', reason: `transient database error ${code}: ${message}`, databaseUnavailable: false };
   return { kind: 'unknown', reason: `unexpected error${code ? ` ${code}` : ''}: ${message}`, databaseUnavailable: false };
 }

@@ -4,7 +4,7 @@ import type { Env } from '../../shared/config/env';
 import type { Policy, PolicySet, RemoteDeletePolicy } from '../../shared/config/policies';
 import { ReconnectingConnection, TopologyConflictError } from '../../shared/amqp/connection';
 import { ConfirmingPublisher } from '../../shared/amqp/publisher';
-import { brokerNames, makeTopology } from '../../shared/amqp/topology';
+import { brokerNames, topologyFor } from '../../shared/amqp/topology';
 import { decodeBatch } from '../../shared/contracts/batch';
 import { assertSchemaCurrent } from '../../shared/db/migrate';
 import { makePool, type Pool } from '../../shared/db/pool';
@@ -16,6 +16,7 @@ import { targetResolve } from '../../shared/db/queries/expiring-rows';
 import { startHealthServer } from '../../shared/observability/http';
 import { makeMetrics, type Metrics } from '../../shared/observability/metrics';
 import { classifyHandlerError } from './errors';
+import { assertBrakeReadable } from '../../shared/admission/rows';
 import { makeRowDeleteGroupHandler, type BatchGroupHandler } from './handlers/row-delete';
 import { makeCoalescer, type Coalescer } from './coalescer';
 import { failpoint } from '../../shared/testing/failpoints';
@@ -25,7 +26,7 @@ import type { BatchResult } from './results';
 import { requeueIfUnsettled, settle, type SettleDeps } from './settle';
 import { loadBatchVersionConfig } from '../../shared/config/batch-version';
 import { startHeartbeat, type HeartbeatHandle } from '../../shared/observability/heartbeat';
-import { consumerTagFor, makeBatchVersionCounter } from './batch-versions';
+import { announcePresence, consumerTagFor, makeBatchVersionCounter } from './batch-versions';
 
 export interface WorkerHandle {
   metrics: Metrics;
@@ -55,6 +56,7 @@ async function makeHandler(policy: Policy, pool: Pool, log: Logger, metrics: Met
   const target = await targetResolve(pool, policy);
   switch (policy.kind) {
     case 'row-delete':
+      await assertBrakeReadable(pool, policy); // a brake that cannot read the lag is a start-up error, not lag 0
       return makeRowDeleteGroupHandler(policy, target);
     case 'remote-delete': {
       const remote = withCircuitBreaker(makeHttpRemoteClient(policy.remote, log.child({ policy: policy.name })));
@@ -115,7 +117,7 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
   const connection = new ReconnectingConnection({
     url: env.amqpUrl,
     connectionName: `reaper-worker ${env.amqpPrefix} ${env.workerId}`,
-    topology: makeTopology({ prefix: env.amqpPrefix, policies: [...policies.keys()], deliveryLimit: env.deliveryLimit, quorumGroupSize: env.quorumGroupSize }),
+    topology: topologyFor(env, [...policies.keys()]),
     log,
   });
   connection.on('ready', () => metrics.amqpConnected.set(1));
@@ -133,12 +135,15 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
   let channel: Channel | null = null;
   /** Consumer tag per policy on `channel`; a policy missing here is not being consumed right now. */
   const consumers = new Map<string, string>();
+  /** Presence consumer tag per policy on `channel`: this process's proof to the batch-version gate. */
+  const presence = new Map<string, string>();
   let databasePaused = false;
   let inFlight = 0;
   let idle: (() => void) | null = null;
 
   async function consumeAll(target: Channel): Promise<void> {
     consumers.clear();
+    presence.clear();
     for (const policy of policies.keys()) await consumeQueue(target, policy);
   }
 
@@ -148,6 +153,17 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
       else onCancelledByBroker(target, policy);
     }, { consumerTag: consumerTagFor(env.workerId, policy, highestAccepted) });
     consumers.set(policy, consumerTag);
+    // After the work consumer: the proof never stands for a consumer that does not exist yet.
+    presence.set(policy, await announcePresence(target, names.presenceQueue(policy, heartbeat!.instanceId)));
+  }
+
+  /** Cancels the presence proofs of `only` (default: every policy), before their work consumers go. */
+  async function withdrawPresence(target: Channel | null, only?: string): Promise<void> {
+    for (const [policy, tag] of [...presence]) {
+      if (only !== undefined && policy !== only) continue;
+      presence.delete(policy);
+      if (target) await target.cancel(tag).catch(() => undefined); // closed channel: the broker dropped it already
+    }
   }
 
   /**
@@ -162,6 +178,7 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
    */
   function onCancelledByBroker(target: Channel, policy: string): void {
     consumers.delete(policy);
+    void withdrawPresence(target, policy);
     const queue = names.workQueue(policy);
     log.warn({ queue, policy }, 'consumer cancelled by the broker (queue deleted or moved); re-declaring and consuming again');
     void (async () => {
@@ -285,6 +302,7 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
     const tags = [...consumers.values()];
     consumers.clear();
     outagePause = (async () => {
+      await withdrawPresence(paused);
       if (paused) for (const tag of tags) await paused.cancel(tag).catch(() => undefined); // channel gone: nothing to cancel
     })();
     return outagePause;
@@ -349,6 +367,7 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
       const current = channel as Channel | null;
       const tags = [...consumers.values()];
       consumers.clear();
+      await withdrawPresence(current);
       if (current) for (const tag of tags) await current.cancel(tag).catch(() => undefined); // closed channel: nothing to cancel
       // Drain: batches in flight finish and settle; nothing new arrives after the cancel.
       if (inFlight > 0) await new Promise<void>((resolve) => (idle = resolve));

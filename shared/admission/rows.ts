@@ -1,7 +1,8 @@
 import { Gauge, type Registry } from 'prom-client';
 import type { RowDeletePolicy } from '../config/policies';
 import type { Db, Pool } from '../db/pool';
-import { admissionRowsEnsure, admissionRowsSlotTry, admissionRowsTake, replicationLagRead } from '../db/queries/admission';
+import { admissionRowsEnsure, admissionRowsSlotTry, admissionRowsTake } from '../db/queries/admission';
+import { replicationLagRead, replicationLagReadable } from '../db/queries/replication';
 import { overrideFor, rowAdmissionWith, type RowAdmission } from './overrides';
 
 /**
@@ -33,6 +34,7 @@ export interface RowsRefused {
 
 interface Gauges {
   lag: Gauge<never>;
+  unknown: Gauge<never>;
   braked: Gauge<'policy'>;
 }
 const gaugesByRegistry = new WeakMap<Registry, Gauges>();
@@ -42,7 +44,12 @@ export function brakeGauges(registry: Registry): Gauges {
   let gauges = gaugesByRegistry.get(registry);
   if (!gauges) {
     gauges = {
-      lag: new Gauge({ name: 'reaper_replication_lag_seconds', help: "Largest standby replay lag seen by this worker's last row-delete admission (pg_stat_replication)", registers: [registry] }),
+      lag: new Gauge({ name: 'reaper_replication_lag_seconds', help: "Largest known physical standby replay lag seen by this worker's last row-delete admission (pg_stat_replication)", registers: [registry] }),
+      unknown: new Gauge({
+        name: 'reaper_replication_lag_unknown_standbys',
+        help: "Standbys whose replay lag this worker's last row-delete admission could not read (disconnected, not reporting): braked after the policy's grace",
+        registers: [registry],
+      }),
       braked: new Gauge({
         name: 'reaper_replication_brake_engaged',
         help: 'row-delete: 1 while the replica-lag brake stops admission (lag over brake.maxReplicationLagSeconds)',
@@ -58,6 +65,43 @@ export function brakeGauges(registry: Registry): Gauges {
 const ensured = new WeakMap<Pool, Set<string>>();
 
 /**
+ * The brake fails closed: a standby whose lag is unknown brakes once it has been unknown for the
+ * policy's `unknownLagGraceSeconds` (a standby reconnecting, or between its WAL replies, is unknown
+ * for a moment). Per pool and policy: when this process first read an unknown lag with no known
+ * read since. A new process starts its grace again.
+ */
+const unknownSince = new WeakMap<Pool, Map<string, number>>();
+/** `brake.unknownLagGraceSeconds` when the policy does not say. */
+const DEFAULT_UNKNOWN_LAG_GRACE_SECONDS = 30;
+
+function unknownLagBrakes(pool: Pool, policy: RowDeletePolicy, now: number): boolean {
+  const since = unknownSince.get(pool)?.get(policy.name) ?? now;
+  return now - since >= (policy.brake?.unknownLagGraceSeconds ?? DEFAULT_UNKNOWN_LAG_GRACE_SECONDS) * 1000;
+}
+
+function noteUnknownLag(pool: Pool, policy: string, unknown: readonly string[], now: number): void {
+  let byPolicy = unknownSince.get(pool);
+  if (!byPolicy) unknownSince.set(pool, (byPolicy = new Map()));
+  if (unknown.length === 0) byPolicy.delete(policy);
+  else if (!byPolicy.has(policy)) byPolicy.set(policy, now);
+}
+
+/**
+ * Start-up check of a policy with a brake: the worker's role must read the standbys' lag
+ * (pg_read_all_stats), or every standby would read as unknown and the brake would stop every
+ * deletion after its grace. Refusing to start names the missing grant instead.
+ */
+export async function assertBrakeReadable(pool: Pool, policy: RowDeletePolicy): Promise<void> {
+  if (!policy.brake) return;
+  const { role, readable } = await replicationLagReadable(pool);
+  if (!readable) {
+    throw new Error(
+      `brake.maxReplicationLagSeconds needs the standbys' replay lag, which role "${role}" cannot read: GRANT pg_read_all_stats TO "${role}" (reaper roles --print includes it)`,
+    );
+  }
+}
+
+/**
  * Waits (up to `holdMs`) until the policy may delete `rows` rows: the brake is off, the policy is
  * not paused, and the bucket gave the tokens. Unthrottled and without a brake: admitted at once,
  * no query. Refused after `holdMs`: the caller hands the batches back (delay tier).
@@ -66,10 +110,12 @@ export async function admitRows(
   pool: Pool,
   policy: RowDeletePolicy,
   rows: number,
-  options: { holdMs: number; registry?: Registry; stopping?: () => boolean },
+  options: { holdMs: number; registry?: Registry; stopping?: () => boolean; now?: () => number },
 ): Promise<RowsAdmitted | RowsRefused> {
   const started = performance.now();
+  const now = options.now ?? (() => performance.now());
   const maxLag = policy.brake?.maxReplicationLagSeconds ?? null;
+  const standbys = policy.brake?.standbys ?? [];
   const gauges = options.registry ? brakeGauges(options.registry) : null;
   for (;;) {
     const admission = rowAdmissionWith(policy, await overrideFor(pool, policy.name));
@@ -78,9 +124,12 @@ export async function admitRows(
     let retryInMs: number;
     if (admission.rowsPerSecond === null) {
       // A brake without a rate: only the lag is read.
-      const lag = await replicationLagRead(pool);
-      const braked = lag.lagSeconds > maxLag!;
+      const at = now();
+      const lag = await replicationLagRead(pool, { standbys });
+      const braked = lag.lagSeconds > maxLag! || (lag.unknown.length > 0 && unknownLagBrakes(pool, policy, at));
+      noteUnknownLag(pool, policy.name, lag.unknown, at);
       gauges?.lag.set(lag.lagSeconds);
+      gauges?.unknown.set(lag.unknown.length);
       gauges?.braked.set({ policy: policy.name }, braked ? 1 : 0);
       if (!braked) return { admitted: true, admission, waitedMs: performance.now() - started };
       reason = 'replica-lag';
@@ -93,8 +142,12 @@ export async function admitRows(
         await admissionRowsEnsure(pool, policy.name, capacity);
         known.add(policy.name);
       }
-      const take = await admissionRowsTake(pool, { policy: policy.name, rowsPerSecond: admission.rowsPerSecond, capacity, rows, maxLagSeconds: maxLag });
+      const at = now();
+      const unknownBrakes = maxLag !== null && unknownLagBrakes(pool, policy, at);
+      const take = await admissionRowsTake(pool, { policy: policy.name, rowsPerSecond: admission.rowsPerSecond, capacity, rows, maxLagSeconds: maxLag, standbys, unknownBrakes });
+      if (maxLag !== null) noteUnknownLag(pool, policy.name, take.unknownStandbys, at);
       gauges?.lag.set(take.replicationLagSeconds);
+      gauges?.unknown.set(take.unknownStandbys.length);
       gauges?.braked.set({ policy: policy.name }, take.braked ? 1 : 0);
       if (take.admitted) return { admitted: true, admission, waitedMs: performance.now() - started };
       reason = take.braked ? 'replica-lag' : take.paused ? 'paused' : 'throttled';

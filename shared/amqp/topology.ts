@@ -36,6 +36,12 @@ export interface BrokerNames {
   deadLetterQueue: string;
   workQueue(policy: string): string;
   delayQueue(ms: number): string;
+  /**
+   * A worker process's proof that it consumes `policy` now, for the batch-version gate: an
+   * auto-delete queue it consumes on the channel of its work consumer (services/worker/batch-versions.ts).
+   * Not part of the declared topology: it exists only while that consumer does.
+   */
+  presenceQueue(policy: string, instanceId: string): string;
 }
 
 export function brokerNames(prefix: string): BrokerNames {
@@ -45,6 +51,7 @@ export function brokerNames(prefix: string): BrokerNames {
     deadLetterQueue: `${prefix}.dead-letter`,
     workQueue: (policy) => `${prefix}.cleanup.${policy}`,
     delayQueue: (ms) => `${prefix}.delay.${ms}`,
+    presenceQueue: (policy, instanceId) => `${prefix}.presence.${policy}.${instanceId}`,
   };
 }
 
@@ -111,6 +118,23 @@ export function makeTopology(options: { prefix: string; policies: readonly strin
     })),
   ];
   return { exchanges, queues, bindings };
+}
+
+/** The settings every declare of the topology takes from the environment (a subset of shared/config/env.ts's Env). */
+export interface TopologySettings {
+  amqpPrefix: string;
+  deliveryLimit: number;
+  quorumGroupSize: number | undefined;
+}
+
+/**
+ * The topology a process of this deployment declares: the ONE place the services and every CLI
+ * command that declares it (`scheduler`, `worker`, `topology`, `trigger/replay/execute --execute`)
+ * take its options from. The broker compares every argument at each declare, so a command that
+ * left one out (a cluster's REAPER_QUORUM_GROUP_SIZE) was refused with PRECONDITION_FAILED.
+ */
+export function topologyFor(settings: TopologySettings, policies: readonly string[]): Topology {
+  return makeTopology({ prefix: settings.amqpPrefix, policies, deliveryLimit: settings.deliveryLimit, quorumGroupSize: settings.quorumGroupSize });
 }
 
 export async function assertTopology(channel: Channel, topology: Topology): Promise<void> {

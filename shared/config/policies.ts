@@ -69,8 +69,21 @@ const rowDeletePolicy = z.strictObject({
       burst: z.number().int().min(1).max(10_000_000).optional(),
     })
     .optional(),
-  /** Replica-lag brake: no row-delete admission while any standby's replay lag is over this. */
-  brake: z.strictObject({ maxReplicationLagSeconds: z.number().positive().max(86_400) }).optional(),
+  /**
+   * Replica-lag brake: no row-delete admission while a physical standby's replay lag is over
+   * `maxReplicationLagSeconds`, or has been unknown (disconnected, not reporting) for longer than
+   * `unknownLagGraceSeconds` (default 30). `standbys`: the application_names that count (default:
+   * every physical walsender plus every inactive physical slot); a listed one not connected is
+   * unknown. Logical walsenders (CDC) never count. See shared/db/queries/replication.ts.
+   */
+  brake: z
+    .strictObject({
+      maxReplicationLagSeconds: z.number().positive().max(86_400),
+      standbys: z.array(z.string().min(1).max(63)).max(64).optional(),
+      // Optional, not defaulted here: an absent key keeps the policy's version hash what it was.
+      unknownLagGraceSeconds: z.number().min(0).max(86_400).optional(),
+    })
+    .optional(),
 });
 
 const remotePolicy = z.strictObject({

@@ -62,19 +62,19 @@ test('other data exceptions (class 22) -> dead-letter invalid-message', () => {
   }
 });
 
-test('40001 (serialization failure) -> unknown, database NOT unavailable', () => {
-  const result = classifyHandlerError(coded('40001', 'could not serialize access due to concurrent update'));
+test('statement timeout (57014) -> unknown, database NOT unavailable (counted toward the delivery limit)', () => {
+  const result = classifyHandlerError(coded('57014', 'canceling statement due to statement timeout'));
   assert.equal(result.kind, 'unknown', JSON.stringify(result));
-  if (result.kind !== 'unknown') return;
-  assert.equal(result.databaseUnavailable, false);
-  assert.match(result.reason, /40001/);
+  if (result.kind === 'unknown') assert.equal(result.databaseUnavailable, false);
 });
 
-test('deadlock, lock not available, statement timeout -> unknown, database NOT unavailable', () => {
-  for (const code of ['40P01', '55P03', '57014']) {
-    const result = classifyHandlerError(coded(code));
-    assert.equal(result.kind, 'unknown', `${code}: ${JSON.stringify(result)}`);
-    if (result.kind === 'unknown') assert.equal(result.databaseUnavailable, false, code);
+test('lock not available, deadlock, serialization failure -> retry from a delay tier (not counted toward the delivery limit)', () => {
+  for (const code of ['55P03', '40P01', '40001']) {
+    const result = classifyHandlerError(coded(code, `error ${code}`));
+    assert.equal(result.kind, 'retry', `${code}: ${JSON.stringify(result)}`);
+    if (result.kind !== 'retry') continue;
+    assert.ok(result.delayMs > 0, code);
+    assert.match(result.reason, new RegExp(code));
   }
 });
 

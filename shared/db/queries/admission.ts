@@ -1,6 +1,7 @@
 import type { Db } from '../pool';
 import type { ResolvedTarget } from './expiring-rows';
 import { rowHeldSql, stillEligibleSql, type ClaimedOperation } from './ledger';
+import { SERVER_STANDBY_LAG_CTES } from './replication';
 
 /**
  * Global admission per policy (cleanup_admission): one row, locked for the few milliseconds of a
@@ -269,9 +270,11 @@ export interface RowsTakeOutcome {
   /** Tokens (rows) in the bucket after this request (negative: the debt a large group left). */
   tokens: number;
   paused: boolean;
-  /** Largest replay lag of any standby now (pg_stat_replication), seconds; 0 without standbys. */
+  /** Largest known replay lag of a physical standby now (shared/db/queries/replication.ts), seconds; 0 without one. */
   replicationLagSeconds: number;
-  /** The replica-lag brake is on: the lag is over the policy's maximum. */
+  /** Standbys whose lag is unknown now (disconnected, not reporting, hidden). */
+  unknownStandbys: string[];
+  /** The replica-lag brake is on: the lag is over the policy's maximum, or unknown past the grace. */
   braked: boolean;
 }
 
@@ -279,21 +282,21 @@ export interface RowsTakeOutcome {
  * The row-delete throttle's token take, one statement: refill the policy's bucket (rows per
  * second, capacity in rows) from the database clock, read the standbys' replay lag, and take
  * `rows` tokens when the bucket holds min(rows, capacity) of them, the policy is not paused and
- * the lag is not over `maxLagSeconds` (null: no brake). A group larger than the capacity leaves
+ * the brake is off (null `maxLagSeconds`: no brake): no physical standby (of `standbys`, when
+ * given) lags more than `maxLagSeconds`, and, when `unknownBrakes` (its grace is over), none has an
+ * unknown lag. A group larger than the capacity leaves
  * the bucket in debt, so the rate over time stays the configured one. The row is locked for this
  * statement only (autocommit): the DELETE that follows never holds it.
  */
 export async function admissionRowsTake(
   db: Db,
-  take: { policy: string; rowsPerSecond: number; capacity: number; rows: number; maxLagSeconds: number | null },
+  take: { policy: string; rowsPerSecond: number; capacity: number; rows: number; maxLagSeconds: number | null; standbys: readonly string[]; unknownBrakes: boolean },
 ): Promise<RowsTakeOutcome> {
-  const result = await db.query<{ admitted: boolean; tokens: number; paused: boolean; lag: number; braked: boolean }>(
-    `WITH lag AS (
-       SELECT coalesce(max(extract(epoch FROM replay_lag)), 0)::float8 AS seconds FROM pg_stat_replication
-     ), b AS (
+  const result = await db.query<{ admitted: boolean; tokens: number; paused: boolean; lag: number; unknown: string[]; braked: boolean }>(
+    `WITH ${SERVER_STANDBY_LAG_CTES('$6::text[]')}, b AS (
        SELECT least($2::float8, tokens + greatest(0, extract(epoch FROM clock_timestamp() - refilled_at)) * $3::float8) AS tokens,
               greatest(clock_timestamp(), refilled_at) AS at, paused,
-              $5::float8 IS NOT NULL AND (SELECT seconds FROM lag) > $5::float8 AS braked
+              $5::float8 IS NOT NULL AND ((SELECT seconds FROM lag) > $5::float8 OR ($7::boolean AND (SELECT cardinality(unknown) FROM lag) > 0)) AS braked
        FROM cleanup_admission WHERE policy = $1 FOR UPDATE
      ), decided AS (
        SELECT b.*, NOT b.paused AND NOT b.braked AND b.tokens >= least($4::float8, $2::float8) AS admitted FROM b
@@ -301,12 +304,12 @@ export async function admissionRowsTake(
      UPDATE cleanup_admission a SET tokens = d.tokens - CASE WHEN d.admitted THEN $4::float8 ELSE 0 END, refilled_at = d.at, updated_at = clock_timestamp()
      FROM decided d
      WHERE a.policy = $1
-     RETURNING d.admitted, a.tokens, d.paused, (SELECT seconds FROM lag) AS lag, d.braked`,
-    [take.policy, take.capacity, take.rowsPerSecond, take.rows, take.maxLagSeconds],
+     RETURNING d.admitted, a.tokens, d.paused, (SELECT seconds FROM lag) AS lag, (SELECT unknown FROM lag) AS unknown, d.braked`,
+    [take.policy, take.capacity, take.rowsPerSecond, take.rows, take.maxLagSeconds, take.standbys, take.unknownBrakes],
   );
   const row = result.rows[0];
-  if (!row) return { admitted: false, tokens: 0, paused: false, replicationLagSeconds: 0, braked: false };
-  return { admitted: row.admitted, tokens: row.tokens, paused: row.paused, replicationLagSeconds: row.lag, braked: row.braked };
+  if (!row) return { admitted: false, tokens: 0, paused: false, replicationLagSeconds: 0, unknownStandbys: [], braked: false };
+  return { admitted: row.admitted, tokens: row.tokens, paused: row.paused, replicationLagSeconds: row.lag, unknownStandbys: row.unknown, braked: row.braked };
 }
 
 /**
@@ -323,10 +326,5 @@ export async function admissionRowsSlotTry(db: Db, policy: string, concurrency: 
   return result.rows[0]?.slot ?? null;
 }
 
-/** The largest replay lag of any standby now, seconds (0 without standbys), for `status`. */
-export async function replicationLagRead(db: Db): Promise<{ standbys: number; lagSeconds: number }> {
-  const result = await db.query<{ standbys: number; lag: number }>(
-    `SELECT count(*)::int AS standbys, coalesce(max(extract(epoch FROM replay_lag)), 0)::float8 AS lag FROM pg_stat_replication`,
-  );
-  return { standbys: result.rows[0]!.standbys, lagSeconds: result.rows[0]!.lag };
-}
+/** The physical standbys' lag now (for `status` and the brake): moved to replication.ts, kept here for its callers. */
+export { replicationLagRead } from './replication';

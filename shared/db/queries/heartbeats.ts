@@ -48,17 +48,21 @@ export async function heartbeatsLatestScheduler(db: Db, policy: string): Promise
   return row ? { seenAt: row.seen_at, ageSeconds: Number(row.age_seconds), workerId: row.worker_id } : null;
 }
 
-/** Workers seen within `freshSeconds` that consume `policy` under `amqpPrefix`, with what they accept. */
+/**
+ * Workers seen within `freshSeconds` that consume `policy` under `amqpPrefix`, with what they
+ * accept and their instance id (the identity the batch-version gate looks for on the broker: a
+ * fresh row alone may be a worker killed a moment ago).
+ */
 export async function heartbeatsLiveWorkers(
   db: Db,
   filter: { policy: string; amqpPrefix: string; freshSeconds: number },
-): Promise<Array<{ workerId: string; maxBatchVersion: number }>> {
-  const result = await db.query<{ worker_id: string; max_batch_version: number }>(
-    `SELECT worker_id, coalesce(max_batch_version, 1) AS max_batch_version FROM service_heartbeats
+): Promise<Array<{ instanceId: string; workerId: string; maxBatchVersion: number }>> {
+  const result = await db.query<{ instance_id: string; worker_id: string; max_batch_version: number }>(
+    `SELECT instance_id::text AS instance_id, worker_id, coalesce(max_batch_version, 1) AS max_batch_version FROM service_heartbeats
      WHERE service = 'worker' AND amqp_prefix = $2 AND $1 = ANY(policies)
        AND seen_at >= clock_timestamp() - $3 * interval '1 second'
      ORDER BY worker_id`,
     [filter.policy, filter.amqpPrefix, filter.freshSeconds],
   );
-  return result.rows.map((row) => ({ workerId: row.worker_id, maxBatchVersion: row.max_batch_version }));
+  return result.rows.map((row) => ({ instanceId: row.instance_id, workerId: row.worker_id, maxBatchVersion: row.max_batch_version }));
 }
