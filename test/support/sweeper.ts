@@ -14,11 +14,10 @@ import { findServers, type Servers } from './servers';
  * older than an hour: test files of other runs on the same servers may be running right now.
  *
  * Age: the names carry their creation time (stampedSuffix(): base-36 milliseconds, then random
- * hex), so it is read from the name. Names made before the stamp are judged by what the server
- * knows: a database by its directory's creation time; a queue or exchange of an unstamped prefix
- * when its test bed's database (same label and random suffix) is gone (the bed closed: nothing
- * uses it). Processes: a service started by a test (marked with REAPER_TEST_OWNER) whose test
- * process is gone; a standby by the age of its folder.
+ * hex), so it is read from the name. Of names made before the stamp, a database is judged by its
+ * directory's creation time; an unstamped queue, exchange or slot has no age to read and is left.
+ * Processes: a service started by a test (marked with REAPER_TEST_OWNER) whose test process is
+ * gone, by its own start time; a standby by the age of its folder.
  */
 export const SWEEP_AGE_MS = 60 * 60 * 1000;
 
@@ -77,11 +76,11 @@ export async function sweepLeftovers(options: SweepOptions = {}): Promise<SweepR
     try {
       await dropSlots(admin, report, inScope, old);
       await dropDatabases(admin, report, inScope, old);
-      await step('broker', () => deleteBrokerLeftovers(admin, servers.amqpUrl, report, inScope, old));
     } finally {
       await admin.end();
     }
   });
+  await step('broker', () => deleteBrokerLeftovers(servers.amqpUrl, report, inScope, old));
   return report;
 }
 
@@ -250,21 +249,13 @@ async function dropDatabases(admin: pg.Client, report: SweepReport, inScope: Fil
   }
 }
 
-/**
- * Queues and exchanges of test prefixes (`test-<label>-<suffix>[-<more>].<...>`). A stamped one by
- * its age; an unstamped one when its test bed's database is gone.
- */
-async function deleteBrokerLeftovers(admin: pg.Client, amqpUrl: string, report: SweepReport, inScope: Filter, old: Age): Promise<void> {
+/** Queues and exchanges of stamped test prefixes (`test-<label>-<suffix>[-<more>].<...>`), by their age. */
+async function deleteBrokerLeftovers(amqpUrl: string, report: SweepReport, inScope: Filter, old: Age): Promise<void> {
   const listed = await listBrokerObjects(amqpUrl);
   if (!listed) throw new Error('neither the management API nor rabbitmqctl answers: broker objects are not listed');
-  const databases = new Set((await admin.query<{ datname: string }>(`SELECT datname FROM pg_database`)).rows.map((row) => row.datname));
   const leftover = (name: string) => {
     const prefix = name.split('.')[0]!;
-    if (!prefix.startsWith('test-') || !inScope(prefix)) return false;
-    const at = stampOf(prefix);
-    if (at !== undefined) return old(at);
-    const legacy = /^test-([a-z0-9-]+?)-([0-9a-f]{8})(?:-|$)/.exec(prefix);
-    return legacy !== null && !databases.has(`reaper_test_${legacy[1]!.replace(/-/g, '_')}_${legacy[2]!}`);
+    return prefix.startsWith('test-') && inScope(prefix) && old(stampOf(prefix));
   };
   const doomed: BrokerObjects = { queues: listed.queues.filter(leftover), exchanges: listed.exchanges.filter(leftover) };
   await deleteBrokerNames(amqpUrl, doomed);
