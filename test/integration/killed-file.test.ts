@@ -97,8 +97,8 @@ const foldersOf = (label: string) => readdirSync(tmpdir()).filter((entry) => ent
 
 test('a test file ended by SIGTERM takes its services with it, a frozen one too', async () => {
   const label = `killedterm${randomBytes(3).toString('hex')}`;
-  const made = await runAndKill(label, 'SIGTERM');
   try {
+    const made = await runAndKill(label, 'SIGTERM');
     await eventually('the frozen worker to be gone', () => !alive(made.workerPid), { timeoutMs: 10_000 });
   } finally {
     await sweepLeftovers({ olderThanMs: 0, scope: label }); // its database and queues: after hooks do not run on a signal
@@ -107,8 +107,8 @@ test('a test file ended by SIGTERM takes its services with it, a frozen one too'
 
 test('after a SIGKILLed test file, the next run removes its worker, database, queues and folder once they are old enough', async () => {
   const label = `killedkill${randomBytes(3).toString('hex')}`;
-  const made = await runAndKill(label, 'SIGKILL');
   try {
+    const made = await runAndKill(label, 'SIGKILL');
     assert.equal(alive(made.pid), false);
     // What a killed file leaves: the frozen worker (adopted by init), the database, the queues
     // (the topology's and the file's own probe queue), the folder.

@@ -86,9 +86,12 @@ export async function sweepLeftovers(options: SweepOptions = {}): Promise<SweepR
 
 /** One line per kind of thing removed (for test/run.js). */
 export function describeSweep(report: SweepReport): string[] {
-  const lines = (['processes', 'standbys', 'slots', 'databases', 'brokerObjects', 'folders'] as const)
+  // Broker objects by prefix: a prefix has a few dozen.
+  const prefixes = [...new Set(report.brokerObjects.map((name) => name.split('.')[0]!))].map((prefix) => `${prefix}.* (${report.brokerObjects.filter((name) => name.startsWith(`${prefix}.`)).length})`);
+  const lines = (['processes', 'standbys', 'slots', 'databases', 'folders'] as const)
     .filter((kind) => report[kind].length > 0)
     .map((kind) => `removed leftovers of an earlier run (${kind}): ${report[kind].join(', ')}`);
+  if (prefixes.length > 0) lines.push(`removed leftovers of an earlier run (queues and exchanges): ${prefixes.join(', ')}`);
   return [...lines, ...report.skipped.map((line) => `leftover sweep could not look at ${line}`)];
 }
 
