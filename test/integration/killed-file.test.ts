@@ -13,10 +13,11 @@ import { sweepLeftovers } from '../support/sweeper';
 
 /**
  * Issue 22 item 3: nothing survives a killed test file. A fixture file (test/support/
- * killed-file-fixture.ts) run by `node --test` makes a test bed, a queue of its own, and a worker
- * it freezes; then the file's process is killed. SIGTERM (Ctrl-C, a runner giving up): the file's
- * exit handler takes the worker's process group with it at once. SIGKILL (nothing runs): the
- * worker, database, queues and folder stay; the sweeper of the next run removes them — not while
+ * killed-file-fixture.ts) run by `node --test` makes a test bed, a queue of its own, a worker it
+ * freezes, and a standby's slot and folder; then the file's process is killed. SIGTERM (Ctrl-C, a
+ * runner giving up): the file's exit handler takes the worker's process group with it at once and
+ * the standby helper's clean-up drops the slot. SIGKILL (nothing runs): the worker, database,
+ * queues, slot and folders stay; the sweeper of the next run removes them — not while
  * they are younger than its age threshold (an hour; other runs may be using theirs), and all of
  * them with threshold 0 (limited to this test's own names).
  */
@@ -30,6 +31,8 @@ interface Made {
   workerPid: number;
   database: string;
   prefix: string;
+  slot: string;
+  standbyDir: string;
 }
 
 function alive(pid: number): boolean {
@@ -86,6 +89,16 @@ async function databaseExists(name: string): Promise<boolean> {
   }
 }
 
+async function slotExists(name: string): Promise<boolean> {
+  const admin = new pg.Client({ connectionString: (await findServers()).databaseUrl });
+  await admin.connect();
+  try {
+    return (await admin.query('SELECT 1 FROM pg_replication_slots WHERE slot_name = $1', [name])).rowCount === 1;
+  } finally {
+    await admin.end();
+  }
+}
+
 async function brokerNamesOf(prefix: string): Promise<string[]> {
   const listed = await listBrokerObjects((await findServers()).amqpUrl);
   assert.ok(listed, 'this test needs the broker listed (management API or a local rabbitmqctl)');
@@ -93,19 +106,22 @@ async function brokerNamesOf(prefix: string): Promise<string[]> {
   return [...under.queues, ...under.exchanges];
 }
 
+/** The test bed's folder (the standby's is `reaper-test-standby-...`, checked by path). */
 const foldersOf = (label: string) => readdirSync(tmpdir()).filter((entry) => entry.startsWith(`reaper-test-${label}-`));
 
-test('a test file ended by SIGTERM takes its services with it, a frozen one too', async () => {
+test("a test file ended by SIGTERM takes its services with it (a frozen one too) and drops its standby's slot", async () => {
   const label = `killedterm${randomBytes(3).toString('hex')}`;
   try {
     const made = await runAndKill(label, 'SIGTERM');
     await eventually('the frozen worker to be gone', () => !alive(made.workerPid), { timeoutMs: 10_000 });
+    assert.equal(await slotExists(made.slot), false, "the standby helper's exit clean-up dropped its slot");
+    assert.equal(existsSync(made.standbyDir), false, "and removed the standby's folder");
   } finally {
     await sweepLeftovers({ olderThanMs: 0, scope: label }); // its database and queues: after hooks do not run on a signal
   }
 });
 
-test('after a SIGKILLed test file, the next run removes its worker, database, queues and folder once they are old enough', async () => {
+test('after a SIGKILLed test file, the next run removes its worker, database, queues, standby slot and folders once they are old enough', async () => {
   const label = `killedkill${randomBytes(3).toString('hex')}`;
   try {
     const made = await runAndKill(label, 'SIGKILL');
@@ -117,10 +133,12 @@ test('after a SIGKILLed test file, the next run removes its worker, database, qu
     const names = await brokerNamesOf(made.prefix);
     assert.ok(names.includes(`${made.prefix}.settle-probe`) && names.includes(`${made.prefix}.dead-letter`), names.join(', '));
     assert.equal(foldersOf(label).length, 1);
+    assert.equal(await slotExists(made.slot), true, "the standby's slot stayed");
+    assert.equal(existsSync(made.standbyDir), true, "the standby's folder stayed");
 
     // The next run's sweep at its real threshold: all of it is younger than an hour, so it stays.
     const fresh = await sweepLeftovers({ scope: label });
-    assert.deepEqual([fresh.processes, fresh.databases, fresh.brokerObjects, fresh.folders], [[], [], [], []], 'nothing younger than an hour is touched');
+    assert.deepEqual([fresh.processes, fresh.slots, fresh.databases, fresh.brokerObjects, fresh.folders], [[], [], [], [], []], 'nothing younger than an hour is touched');
     assert.equal(alive(made.workerPid), true);
 
     // Once old enough (threshold 0 here): everything goes.
@@ -130,6 +148,9 @@ test('after a SIGKILLed test file, the next run removes its worker, database, qu
     assert.equal(await databaseExists(made.database), false);
     assert.deepEqual(await brokerNamesOf(made.prefix), []);
     assert.deepEqual(foldersOf(label), []);
+    assert.equal(await slotExists(made.slot), false);
+    assert.equal(existsSync(made.standbyDir), false);
+    assert.deepEqual(swept.slots, [made.slot]);
     assert.deepEqual(swept.databases, [made.database]);
     assert.equal(swept.processes.length, 1, swept.processes.join(', '));
   } finally {

@@ -51,25 +51,36 @@ async function freePort(): Promise<number> {
   });
 }
 
+/** A standby's name (its slot's too: stamped, for the sweeper) and its folder, made now. */
+export function standbyPlace(label: string): { name: string; dir: string } {
+  const name = `reaper_standby_${label}_${stampedSuffix()}`.replace(/[^a-z0-9_]/gi, '_').toLowerCase();
+  return { name, dir: mkdtempSync(path.join(tmpdir(), `reaper-test-standby-${name}-`)) };
+}
+
+/**
+ * What close() does, synchronously, for an exit handler: stop the standby's server if it runs,
+ * remove its folder, drop its slot (whether or not pg_basebackup got as far as making it:
+ * dropSlotSql is conditional) through psql.
+ */
+export function removeStandbyNow(primaryUrl: string, name: string, dir: string): void {
+  const postmaster = postmasterPid(path.join(dir, 'data'));
+  if (postmaster !== undefined) stopPostmaster(postmaster);
+  rmSync(dir, { recursive: true, force: true });
+  spawnSync(findExecutable('psql', POSTGRES_BIN_DIRS) ?? 'psql', [primaryUrl, '-Atqc', dropSlotSql(name)], { timeout: 20_000, stdio: 'ignore' });
+}
+
 export async function startStandby(primaryUrl: string, label: string): Promise<Standby> {
   const primary = new URL(primaryUrl);
   const asRoot = userInfo().uid === 0;
   const tool = (name: string) => (binDir() ? path.join(binDir(), name) : name);
   const exec = (name: string, args: string[], timeoutMs = 120_000) =>
     asRoot ? run('runuser', ['-u', 'postgres', '--', tool(name), ...args], { timeout: timeoutMs }) : run(tool(name), args, { timeout: timeoutMs });
-  const name = `reaper_standby_${label}_${stampedSuffix()}`.replace(/[^a-z0-9_]/gi, '_').toLowerCase();
-  const dir = mkdtempSync(path.join(tmpdir(), `reaper-test-standby-${name}-`));
+  const { name, dir } = standbyPlace(label);
   const data = path.join(dir, 'data');
   const port = await freePort();
   let started = false;
   const settings = new pg.Client({ connectionString: primaryUrl });
-  // The slot is dropped whether or not pg_basebackup got as far as making it (dropSlotSql is conditional).
-  const forget = atTestProcessExit(() => {
-    const postmaster = postmasterPid(data);
-    if (postmaster !== undefined) stopPostmaster(postmaster);
-    rmSync(dir, { recursive: true, force: true });
-    spawnSync(findExecutable('psql', POSTGRES_BIN_DIRS) ?? 'psql', [primaryUrl, '-Atqc', dropSlotSql(name)], { timeout: 20_000, stdio: 'ignore' });
-  });
+  const forget = atTestProcessExit(() => removeStandbyNow(primaryUrl, name, dir));
   const close = async () => {
     try {
       if (started) await exec('pg_ctl', ['-D', data, '-m', 'immediate', '-w', '-t', '30', 'stop'], 60_000).catch(() => undefined); // already stopped
