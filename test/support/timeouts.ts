@@ -30,18 +30,23 @@ function withTimeout(options: unknown, timeout: number): object {
   return 'timeout' in options && options.timeout !== undefined ? options : { ...options, timeout };
 }
 
-/** test([name][, options][, fn]): the options (made or completed) go before the function. */
+/**
+ * test([name][, options][, fn]): the options (made or completed) go before the function, and the
+ * function is reached through contextual() so the context's own t.test / t.after are bounded too.
+ */
 function testArgs(args: unknown[], timeout: number): unknown[] {
   const fnAt = args.findIndex((arg) => typeof arg === 'function');
   const head = fnAt >= 0 ? args.slice(0, fnAt) : args;
-  const tail = fnAt >= 0 ? args.slice(fnAt) : [];
+  const tail = fnAt >= 0 ? [contextual(args[fnAt] as AnyFunction, timeout), ...args.slice(fnAt + 1)] : [];
   const optionsAt = head.findIndex((arg) => arg !== null && typeof arg === 'object');
   const options = withTimeout(head[optionsAt], timeout);
   return [...(optionsAt >= 0 ? head.map((arg, index) => (index === optionsAt ? options : arg)) : [...head, options]), ...tail];
 }
 
 function wrapTest(original: AnyFunction, timeout: number): AnyFunction {
-  const wrapped = (...args: unknown[]) => original(...testArgs(args, timeout));
+  const wrapped = function (this: unknown, ...args: unknown[]) {
+    return original.apply(this, testArgs(args, timeout));
+  };
   // test.skip / test.todo / test.only keep working, bounded too (a todo test runs).
   for (const key of ['skip', 'todo', 'only'] as const) {
     const variant = (original as unknown as Record<string, AnyFunction | undefined>)[key];
@@ -50,9 +55,36 @@ function wrapTest(original: AnyFunction, timeout: number): AnyFunction {
   return wrapped;
 }
 
-/** before/after/beforeEach/afterEach(fn[, options]). */
+/** before/after/beforeEach/afterEach(fn[, options]), as functions or as the context's methods. */
 function wrapHook(original: AnyFunction, timeout: number): AnyFunction {
-  return (fn: unknown, options?: unknown) => original(fn, withTimeout(options, timeout));
+  return function (this: unknown, fn: unknown, options?: unknown) {
+    return original.call(this, typeof fn === 'function' ? contextual(fn as AnyFunction, timeout) : fn, withTimeout(options, timeout));
+  };
+}
+
+/**
+ * A test's or hook's function that, when called, first bounds the methods of the context it is
+ * given (TestContext is not exported: its prototype is reached through the first context seen).
+ * The length stays the original's: Node calls a function of two parameters with a `done` callback.
+ */
+function contextual(fn: AnyFunction, timeout: number): AnyFunction {
+  const wrapped = function (this: unknown, ...args: unknown[]) {
+    const context = args[0];
+    if (context !== null && typeof context === 'object') boundContextMethods(Object.getPrototypeOf(context) as Record<string, unknown>, timeout);
+    return fn.apply(this, args);
+  };
+  Object.defineProperty(wrapped, 'length', { value: fn.length });
+  return wrapped;
+}
+
+const bounded = new WeakSet<object>();
+function boundContextMethods(prototype: Record<string, unknown>, timeout: number): void {
+  if (bounded.has(prototype)) return;
+  bounded.add(prototype);
+  if (typeof prototype.test === 'function') prototype.test = wrapTest(prototype.test as AnyFunction, timeout);
+  for (const hook of ['before', 'after', 'beforeEach', 'afterEach'] as const) {
+    if (typeof prototype[hook] === 'function') prototype[hook] = wrapHook(prototype[hook] as AnyFunction, timeout);
+  }
 }
 
 /**

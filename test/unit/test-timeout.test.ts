@@ -17,7 +17,7 @@ function withoutTestContext(env: NodeJS.ProcessEnv): NodeJS.ProcessEnv {
   return rest;
 }
 
-async function runFixture(hang: 'test' | 'hook'): Promise<{ code: number | null; output: string; elapsedMs: number }> {
+async function runFixture(hang: 'test' | 'hook' | 'context-hook'): Promise<{ code: number | null; output: string; elapsedMs: number }> {
   const started = Date.now();
   const child = spawn(process.execPath, [path.join(ROOT, 'test', 'run.js'), 'test/support/hanging-fixture.ts', '--test-reporter=tap'], {
     cwd: ROOT,
@@ -49,5 +49,12 @@ test("a hook that waits forever fails its suite after REAPER_TEST_TIMEOUT_MS ('f
   assert.notEqual(code, 0, output);
   assert.match(output, /not ok \d+ - fixture suite[\s\S]*?failureType: 'hookFailed'[\s\S]*?failed running before hook/, output);
   assert.match(output, /fixture: the after hook ran/, output);
+  assert.ok(elapsedMs < 45_000, `the file ended in ${elapsedMs} ms`);
+});
+
+test("a test's own hook (t.after) that waits forever fails that test after REAPER_TEST_TIMEOUT_MS, and the file ends", async () => {
+  const { code, output, elapsedMs } = await runFixture('context-hook');
+  assert.notEqual(code, 0, output);
+  assert.match(output, /not ok \d+ - fixture test whose own after hook waits forever[\s\S]*?failed running after hook/, output);
   assert.ok(elapsedMs < 45_000, `the file ended in ${elapsedMs} ms`);
 });
