@@ -5,7 +5,7 @@ import path from 'node:path';
 import pg from 'pg';
 import { deleteBrokerNames, listBrokerObjects, type BrokerObjects } from './broker';
 import { OWNER_ENV, processStartTicks } from './processes';
-import { findServers, type Servers } from './servers';
+import { findRunningServers, type Servers } from './servers';
 
 /**
  * A test file that is SIGKILLed runs none of its clean-up: its database, broker queues, standby
@@ -59,7 +59,8 @@ export async function sweepLeftovers(options: SweepOptions = {}): Promise<SweepR
   const inScope = (name: string) => options.scope === undefined || name.includes(options.scope);
   const old = (at: number | undefined) => at !== undefined && Date.now() - at >= olderThanMs;
   const report: SweepReport = { processes: [], standbys: [], slots: [], databases: [], brokerObjects: [], folders: [], skipped: [] };
-  const servers = options.servers ?? (await findServers());
+  const servers = options.servers ?? (await findRunningServers());
+  if (!servers) return { ...report, skipped: ['the servers: none is running yet (a run on fresh containers has nothing to sweep)'] };
   const step = async (what: string, action: () => Promise<void> | void) => {
     try {
       await action();
