@@ -70,7 +70,7 @@ export async function sweepLeftovers(options: SweepOptions = {}): Promise<SweepR
   };
   // Services first (they hold connections and consumers), then standbys (they hold their slot).
   await step('processes', () => killOrphanedServices(report, inScope, old));
-  await step('standbys', () => removeStandbys(report, inScope, old));
+  await step('folders', () => removeTestFolders(report, inScope, old));
   const admin = new pg.Client({ connectionString: servers.databaseUrl });
   await step('PostgreSQL', async () => {
     await admin.connect();
@@ -156,7 +156,7 @@ function killOrphanedServices(report: SweepReport, inScope: Filter, old: Age): v
 }
 
 /** Folders the tests make under the temp directory: `reaper-test-<what>-...` (a standby's holds its data directory). */
-function removeStandbys(report: SweepReport, inScope: Filter, old: Age): void {
+function removeTestFolders(report: SweepReport, inScope: Filter, old: Age): void {
   for (const entry of readdirSync(tmpdir())) {
     if (!entry.startsWith('reaper-test-') || !inScope(entry)) continue;
     const folder = path.join(tmpdir(), entry);
