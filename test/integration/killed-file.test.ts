@@ -79,25 +79,18 @@ async function runAndKill(label: string, signal: NodeJS.Signals): Promise<Made> 
   }
 }
 
-async function databaseExists(name: string): Promise<boolean> {
+/** Whether the admin connection finds a row for `sql` (one parameter). */
+async function exists(sql: string, value: string): Promise<boolean> {
   const admin = new pg.Client({ connectionString: (await findServers()).databaseUrl });
   await admin.connect();
   try {
-    return (await admin.query('SELECT 1 FROM pg_database WHERE datname = $1', [name])).rowCount === 1;
+    return (await admin.query(sql, [value])).rowCount === 1;
   } finally {
     await admin.end();
   }
 }
-
-async function slotExists(name: string): Promise<boolean> {
-  const admin = new pg.Client({ connectionString: (await findServers()).databaseUrl });
-  await admin.connect();
-  try {
-    return (await admin.query('SELECT 1 FROM pg_replication_slots WHERE slot_name = $1', [name])).rowCount === 1;
-  } finally {
-    await admin.end();
-  }
-}
+const databaseExists = (name: string) => exists('SELECT 1 FROM pg_database WHERE datname = $1', name);
+const slotExists = (name: string) => exists('SELECT 1 FROM pg_replication_slots WHERE slot_name = $1', name);
 
 async function brokerNamesOf(prefix: string): Promise<string[]> {
   const listed = await listBrokerObjects((await findServers()).amqpUrl);
