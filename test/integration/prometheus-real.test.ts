@@ -1,5 +1,5 @@
 import assert from 'node:assert/strict';
-import { spawn, type ChildProcess } from 'node:child_process';
+import type { ChildProcess } from 'node:child_process';
 import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { createServer } from 'node:net';
 import { tmpdir } from 'node:os';
@@ -8,7 +8,8 @@ import { after, before, describe, test } from 'node:test';
 import { parse as parseYaml } from 'yaml';
 import { eventually } from '../support/eventually';
 import { startMediaApi, type MediaApi } from '../../tools/media-api/server';
-import { assertNoLeakedProcesses, runReaperCli, type ReaperProcess } from '../support/processes';
+import { requireTool, PROMETHEUS } from '../support/requirements';
+import { assertNoLeakedProcesses, runReaperCli, spawnOwned, type ReaperProcess } from '../support/processes';
 import { seedAssets, startSchedulerProcess, started, startWorkerProcess, stopStarted } from '../support/remote-helpers';
 import { seedHolds } from '../support/seed';
 import { makeTestBed, type TestBed } from '../support/testbed';
@@ -49,7 +50,7 @@ describe('a real Prometheus evaluates every dashboard and alert expression', () 
   before(async () => {
     bed = await makeTestBed('prometheus_real');
     api = await startMediaApi();
-    folder = mkdtempSync(path.join(tmpdir(), 'reaper-prometheus-'));
+    folder = mkdtempSync(path.join(tmpdir(), 'reaper-test-prometheus-'));
     bed.writePolicies(`policies:
   - name: seat-holds
     kind: row-delete
@@ -87,7 +88,8 @@ describe('a real Prometheus evaluates every dashboard and alert expression', () 
     }
   });
 
-  test('every expression parses and returns a series; Prometheus loaded every rule', { timeout: 60_000 }, async () => {
+  test('every expression parses and returns a series; Prometheus loaded every rule', { timeout: 60_000 }, async (t) => {
+    if (!(await requireTool(t, PROMETHEUS))) return;
     const env = { HTTP_PORT: '0', REAPER_BACKLOG_REFRESH_MS: '500' };
     const scheduler = startSchedulerProcess(bed, 'prom-scheduler', env);
     const worker = startWorkerProcess(bed, 'prom-worker', env);
@@ -107,7 +109,7 @@ scrape_configs:
     static_configs: [{ targets: ["127.0.0.1:${portOf(worker, 'worker')}"] }]
 `,
     );
-    const prometheus: ChildProcess = spawn(
+    const prometheus: ChildProcess = spawnOwned(
       'prometheus',
       [`--config.file=${config}`, `--storage.tsdb.path=${path.join(folder, 'data')}`, `--web.listen-address=127.0.0.1:${port}`, '--log.level=warn'],
       { stdio: ['ignore', 'ignore', 'pipe'] },

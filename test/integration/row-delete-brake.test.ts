@@ -11,6 +11,7 @@ import { makeRowBatch, publishBatch, rowDeletePolicyYaml } from '../support/fixt
 import { eventually } from '../support/eventually';
 import { runReaperCli } from '../support/processes';
 import { countReservations, seedHolds } from '../support/seed';
+import { requireTool, streamingStandby } from '../support/requirements';
 import { startStandby, type Standby } from '../support/standby';
 import { makeTestBed, type TestBed } from '../support/testbed';
 
@@ -47,7 +48,8 @@ describe('row-delete: replica-lag brake', () => {
   });
 
   // A base backup of the whole test server (every test database on it) takes minutes on a busy machine.
-  test('deletions stop while the standby replay is paused and resume after it catches up', { timeout: 360_000 }, async () => {
+  test('deletions stop while the standby replay is paused and resume after it catches up', { timeout: 360_000 }, async (t) => {
+    if (!(await requireTool(t, streamingStandby(bed.databaseUrl)))) return;
     let worker: WorkerHandle | undefined;
     let noise: NodeJS.Timeout | undefined;
     const lines: Array<Record<string, unknown>> = [];

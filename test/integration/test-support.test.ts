@@ -61,7 +61,7 @@ describe('test support', () => {
     assert.deepEqual(await databasesNamed(label), [], 'the database is dropped anyway');
   });
 
-  test("close() deletes over AMQP every queue and exchange the topology declares for the bed's prefixes", async () => {
+  test("close() deletes every queue and exchange under the bed's prefixes: the topology's, and a test's own (probe queues, a policy written elsewhere)", async () => {
     const label = `tb_broker_clean_${process.pid}`;
     const other = await makeTestBed(label);
     other.writePolicies(rowDeletePolicyYaml({ name: 'clean-me' }));
@@ -73,9 +73,14 @@ describe('test support', () => {
       for (const prefix of [other.prefix, extraPrefix]) {
         await assertTopology(channel, makeTopology({ prefix, policies: ['clean-me', 'seat-holds', 'media-assets'], deliveryLimit: 20 }));
       }
+      // What the topology does not know: the dead-letter CLI test's `cleanup.other`, the settle-safety
+      // test's `settle-probe`, an exchange of a test's own (issue 22: every full run used to leave them).
+      const own = { queues: [`${other.prefix}.cleanup.other`, `${other.prefix}.settle-probe`, `${extraPrefix}.probe`], exchanges: [`${other.prefix}.probe-exchange`] };
+      for (const queue of own.queues) await channel.assertQueue(queue, { durable: false });
+      for (const exchange of own.exchanges) await channel.assertExchange(exchange, 'fanout', { durable: false });
       await channel.close();
       await other.close();
-      const expected = [other.prefix, extraPrefix].map((prefix) => brokerObjectNames(prefix, ['clean-me', 'seat-holds', 'media-assets']));
+      const expected = [...[other.prefix, extraPrefix].map((prefix) => brokerObjectNames(prefix, ['clean-me', 'seat-holds', 'media-assets'])), own];
       const stillThere: string[] = [];
       for (const { queues, exchanges } of expected) {
         for (const [name, check] of [

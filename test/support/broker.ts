@@ -1,5 +1,6 @@
 import amqp from 'amqplib';
 import type { ChannelModel, ConfirmChannel, GetMessage, Options } from 'amqplib';
+import { rabbitmqctl } from './rabbitmqctl';
 
 /** A plain AMQP client for tests: publish what a test crafts, read what landed in a queue. */
 export interface TestBroker {
@@ -41,4 +42,72 @@ export async function openTestBroker(amqpUrl: string): Promise<TestBroker> {
       await connection.close();
     },
   };
+}
+
+export interface BrokerObjects {
+  queues: string[];
+  exchanges: string[];
+}
+
+/**
+ * Every queue and exchange on the broker's virtual host, by name, so clean-up can delete all that
+ * a test made under its prefix (not only what reaper's topology declares: a test's own probe
+ * queues too). AMQP cannot list: the management HTTP API when it answers, else `rabbitmqctl` for a
+ * broker on this machine; undefined when neither can (a remote broker without the management
+ * plugin), and the caller deletes the names it knows.
+ */
+export async function listBrokerObjects(amqpUrl: string): Promise<BrokerObjects | undefined> {
+  return (await listOverHttp(amqpUrl)) ?? (await listWithRabbitmqctl(amqpUrl));
+}
+
+async function listOverHttp(amqpUrl: string): Promise<BrokerObjects | undefined> {
+  const url = new URL(amqpUrl);
+  const vhost = encodeURIComponent(decodeURIComponent(url.pathname.slice(1)) || '/');
+  const auth = `Basic ${Buffer.from(`${decodeURIComponent(url.username || 'guest')}:${decodeURIComponent(url.password || 'guest')}`).toString('base64')}`;
+  const names = async (kind: 'queues' | 'exchanges') => {
+    const response = await fetch(`http://${url.hostname}:15672/api/${kind}/${vhost}?columns=name`, { headers: { authorization: auth }, signal: AbortSignal.timeout(3_000) });
+    if (!response.ok) throw new Error(`management API: ${response.status}`);
+    return ((await response.json()) as Array<{ name: string }>).map((entry) => entry.name);
+  };
+  try {
+    return { queues: await names('queues'), exchanges: await names('exchanges') };
+  } catch {
+    return undefined; // no management plugin there: the next way
+  }
+}
+
+async function listWithRabbitmqctl(amqpUrl: string): Promise<BrokerObjects | undefined> {
+  const url = new URL(amqpUrl);
+  if (!['127.0.0.1', 'localhost', '::1', '[::1]'].includes(url.hostname)) return undefined; // rabbitmqctl speaks to this machine's node only
+  const vhost = decodeURIComponent(url.pathname.slice(1)) || '/';
+  const names = (output: string) => output.split('\n').map((line) => line.trim()).filter(Boolean);
+  try {
+    const [queues, exchanges] = await Promise.all([
+      rabbitmqctl(['-q', '--no-table-headers', 'list_queues', '-p', vhost, 'name'], 30_000),
+      rabbitmqctl(['-q', '--no-table-headers', 'list_exchanges', '-p', vhost, 'name'], 30_000),
+    ]);
+    return { queues: names(queues), exchanges: names(exchanges) };
+  } catch {
+    return undefined; // no rabbitmqctl (or not allowed to use it)
+  }
+}
+
+/** The listed names that belong to one of `prefixes` (reaper names everything `<prefix>.<...>`). */
+export function namesUnder(objects: BrokerObjects, prefixes: readonly string[]): BrokerObjects {
+  const under = (name: string) => prefixes.some((prefix) => name.startsWith(`${prefix}.`));
+  return { queues: objects.queues.filter(under), exchanges: objects.exchanges.filter(under) };
+}
+
+/** Deletes these queues and exchanges over AMQP (a name that is already gone is not an error in RabbitMQ). */
+export async function deleteBrokerNames(amqpUrl: string, objects: BrokerObjects): Promise<void> {
+  if (objects.queues.length === 0 && objects.exchanges.length === 0) return;
+  const connection = await amqp.connect(amqpUrl, { timeout: 5_000 });
+  try {
+    const channel = await connection.createChannel();
+    for (const queue of objects.queues) await channel.deleteQueue(queue);
+    for (const exchange of objects.exchanges) await channel.deleteExchange(exchange);
+    await channel.close();
+  } finally {
+    await connection.close().catch(() => undefined); // already closed by the broker: nothing left to release
+  }
 }

@@ -1,4 +1,5 @@
-import { spawn, type ChildProcess } from 'node:child_process';
+import { spawn, type ChildProcess, type SpawnOptions } from 'node:child_process';
+import { readFileSync } from 'node:fs';
 import path from 'node:path';
 import { eventually } from './eventually';
 
@@ -22,7 +23,7 @@ export class ReaperProcess {
     args: string[],
     env: NodeJS.ProcessEnv,
   ) {
-    this.child = spawn(process.execPath, [REAPER_BIN, ...args], { env, stdio: ['ignore', 'pipe', 'pipe'] });
+    this.child = spawnOwned(process.execPath, [REAPER_BIN, ...args], { env, stdio: ['ignore', 'pipe', 'pipe'] });
     live.add(this);
     this.exited = new Promise((resolve) =>
       this.child.once('exit', (code, signal) => {
@@ -62,8 +63,9 @@ export class ReaperProcess {
     });
   }
 
+  /** To the process's own group (it leads one: see spawnOwned). */
   signal(signal: NodeJS.Signals): void {
-    this.child.kill(signal);
+    signalGroup(this.child, signal);
   }
 
   /** True until the process has exited. */
@@ -74,8 +76,8 @@ export class ReaperProcess {
   /** SIGTERM, then wait; a process that does not drain in time is killed and the test fails. */
   async stop(timeoutMs = 15_000): Promise<{ code: number | null; signal: NodeJS.Signals | null }> {
     if (!this.running) return this.exited;
-    this.child.kill('SIGTERM');
-    const timer = setTimeout(() => this.child.kill('SIGKILL'), timeoutMs);
+    this.signal('SIGTERM');
+    const timer = setTimeout(() => this.signal('SIGKILL'), timeoutMs);
     const result = await this.exited;
     clearTimeout(timer);
     return result;
@@ -91,7 +93,7 @@ export class ReaperProcess {
     const result = await Promise.race([this.exited, late]);
     clearTimeout(timer);
     if (result === 'late') {
-      this.child.kill('SIGKILL');
+      this.signal('SIGKILL');
       await this.exited;
       throw new Error(`${this.label} did not ${what.replace(/^to /, '')} within ${timeoutMs} ms (killed): ${this.output.slice(-8).join(' | ')}`);
     }
@@ -141,4 +143,90 @@ export async function runReaperCli(args: string[], env: NodeJS.ProcessEnv, timeo
   const cli = new ReaperProcess(`cli ${args[0]}`, args, env);
   const { code } = await cli.exitWithin(timeoutMs, 'to finish');
   return { code, stdout: cli.output.join('\n') };
+}
+
+/**
+ * Marks a process a test started: `<pid>/<start time>` of the test file's process. The sweeper of
+ * a later run (test/support/sweeper.ts) kills a marked process whose owner is gone, i.e. one left
+ * behind by a test file that was SIGKILLed and could not clean up.
+ */
+export const OWNER_ENV = 'REAPER_TEST_OWNER';
+
+/** A process's start time in clock ticks since boot (/proc/<pid>/stat, field 22), or undefined once it is gone. */
+export function processStartTicks(pid: number): number | undefined {
+  try {
+    const stat = readFileSync(`/proc/${pid}/stat`, 'utf8');
+    // The command name (field 2) may hold spaces and parentheses: count from the last ')'.
+    return Number(stat.slice(stat.lastIndexOf(')') + 2).split(' ')[19]);
+  } catch {
+    return undefined; // no such process
+  }
+}
+
+export const OWNER_MARK = `${process.pid}/${processStartTicks(process.pid) ?? 0}`;
+
+/** Every process group this test process started and has not seen exit. */
+const ownedGroups = new Set<ChildProcess>();
+const exitActions = new Set<() => void>();
+
+/** Sends `signal` to the child's whole process group; a group already gone is not an error. */
+export function signalGroup(child: ChildProcess, signal: NodeJS.Signals): void {
+  if (child.pid === undefined) return;
+  try {
+    process.kill(-child.pid, signal);
+  } catch {
+    child.kill(signal); // the group is gone (or the child never led one): the process itself, if still there
+  }
+}
+
+/**
+ * Spawns a service for a test in its own process group (detached), marked with its owner, and
+ * kills the group (SIGCONT, then SIGKILL: a SIGSTOPped process as well) when this test process
+ * exits for any reason it can see: a normal end, a `process.exit` (--test-force-exit), SIGINT,
+ * SIGTERM or SIGHUP. A SIGKILL of the test process cannot be seen: the next run's sweeper finds
+ * the marked orphans.
+ */
+export function spawnOwned(command: string, args: readonly string[], options: SpawnOptions = {}): ChildProcess {
+  installExitHandlers();
+  const child = spawn(command, [...args], { ...options, detached: true, env: { ...(options.env ?? process.env), [OWNER_ENV]: OWNER_MARK } });
+  ownedGroups.add(child);
+  child.once('exit', () => ownedGroups.delete(child));
+  return child;
+}
+
+/** Runs `action` (synchronous: it may run in an 'exit' handler) when this test process exits; returns its removal. */
+export function atTestProcessExit(action: () => void): () => void {
+  installExitHandlers();
+  exitActions.add(action);
+  return () => exitActions.delete(action);
+}
+
+function killOwned(): void {
+  for (const child of ownedGroups) {
+    signalGroup(child, 'SIGCONT');
+    signalGroup(child, 'SIGKILL');
+  }
+  ownedGroups.clear();
+  for (const action of exitActions) {
+    try {
+      action();
+    } catch {
+      // the process is ending: one failed clean-up must not stop the others (the sweeper is the net)
+    }
+  }
+  exitActions.clear();
+}
+
+let installed = false;
+function installExitHandlers(): void {
+  if (installed) return;
+  installed = true;
+  process.once('exit', killOwned);
+  for (const signal of ['SIGINT', 'SIGTERM', 'SIGHUP'] as const) {
+    process.once(signal, () => {
+      killOwned();
+      // Ends the way the signal would have ended it without this handler (once: it is gone now).
+      process.kill(process.pid, signal);
+    });
+  }
 }

@@ -22,6 +22,16 @@ export function findServers(): Promise<Servers> {
   return found;
 }
 
+/**
+ * The servers already running (DATABASE_URL / AMQP_URL, or the local ports), never a container:
+ * for the sweeper, which has nothing to sweep on servers a run starts fresh.
+ */
+export async function findRunningServers(): Promise<Servers | undefined> {
+  const databaseUrl = process.env.DATABASE_URL ?? ((await postgresAnswers(LOCAL_DATABASE)) ? LOCAL_DATABASE : undefined);
+  const amqpUrl = process.env.AMQP_URL ?? ((await rabbitAnswers(LOCAL_AMQP)) ? LOCAL_AMQP : undefined);
+  return databaseUrl && amqpUrl ? { databaseUrl, amqpUrl } : undefined;
+}
+
 async function locate(): Promise<Servers> {
   const databaseUrl = process.env.DATABASE_URL ?? ((await postgresAnswers(LOCAL_DATABASE)) ? LOCAL_DATABASE : await startPostgresContainer());
   const amqpUrl = process.env.AMQP_URL ?? ((await rabbitAnswers(LOCAL_AMQP)) ? LOCAL_AMQP : await startRabbitContainer());

@@ -1,4 +1,4 @@
-import { execFile } from 'node:child_process';
+import { execFile, spawnSync } from 'node:child_process';
 import { appendFileSync, chownSync, existsSync, mkdtempSync, rmSync, writeFileSync } from 'node:fs';
 import { createServer } from 'node:net';
 import { tmpdir, userInfo } from 'node:os';
@@ -6,6 +6,9 @@ import path from 'node:path';
 import { promisify } from 'node:util';
 import pg from 'pg';
 import { eventually } from './eventually';
+import { atTestProcessExit } from './processes';
+import { findExecutable, POSTGRES_BIN_DIRS } from './requirements';
+import { dropSlotSql, postmasterPid, stampedSuffix, stopPostmaster } from './sweeper';
 
 const run = promisify(execFile);
 
@@ -13,8 +16,14 @@ const run = promisify(execFile);
  * A real streaming standby of the test PostgreSQL, for the replica-lag brake: `pg_basebackup -R`
  * into a temporary directory, started with `pg_ctl` on a free port, stopped and removed by
  * `close()` (call it in `finally`). Needs the server's binaries on this machine and a pg_hba line
- * allowing replication from 127.0.0.1 (.ci/run adds it). PostgreSQL refuses to run as root: as
- * root, the commands run as the `postgres` user.
+ * allowing replication from 127.0.0.1 (.ci/run adds it; a test checks with requireTool(t,
+ * streamingStandby(url)) first). PostgreSQL refuses to run as root: as root, the commands run as
+ * the `postgres` user.
+ *
+ * Nothing survives the test process: if it exits without close() (a signal, --test-force-exit
+ * after a timeout), an exit handler stops the standby, removes its folder and drops its slot. Its
+ * name and folder carry their creation time: after a SIGKILL, the next run's sweeper
+ * (test/support/sweeper.ts) removes them once they are an hour old.
  */
 export interface Standby {
   /** Its application_name in the primary's pg_stat_replication. */
@@ -27,7 +36,7 @@ export interface Standby {
 }
 
 function binDir(): string {
-  for (const dir of ['/usr/lib/postgresql/15/bin', '/usr/local/pgsql/bin']) if (existsSync(path.join(dir, 'pg_ctl'))) return dir;
+  for (const dir of POSTGRES_BIN_DIRS) if (existsSync(path.join(dir, 'pg_ctl'))) return dir;
   return ''; // on PATH
 }
 
@@ -42,30 +51,45 @@ async function freePort(): Promise<number> {
   });
 }
 
+/** A standby's name (its slot's too: stamped, for the sweeper) and its folder, made now. */
+export function standbyPlace(label: string): { name: string; dir: string } {
+  const name = `reaper_standby_${label}_${stampedSuffix()}`.replace(/[^a-z0-9_]/gi, '_').toLowerCase();
+  return { name, dir: mkdtempSync(path.join(tmpdir(), `reaper-test-standby-${name}-`)) };
+}
+
+/**
+ * What close() does, synchronously, for an exit handler: stop the standby's server if it runs,
+ * remove its folder, drop its slot (whether or not pg_basebackup got as far as making it:
+ * dropSlotSql is conditional) through psql.
+ */
+export function removeStandbyNow(primaryUrl: string, name: string, dir: string): void {
+  const postmaster = postmasterPid(path.join(dir, 'data'));
+  if (postmaster !== undefined) stopPostmaster(postmaster);
+  rmSync(dir, { recursive: true, force: true });
+  spawnSync(findExecutable('psql', POSTGRES_BIN_DIRS) ?? 'psql', [primaryUrl, '-Atqc', dropSlotSql(name)], { timeout: 20_000, stdio: 'ignore' });
+}
+
 export async function startStandby(primaryUrl: string, label: string): Promise<Standby> {
   const primary = new URL(primaryUrl);
   const asRoot = userInfo().uid === 0;
   const tool = (name: string) => (binDir() ? path.join(binDir(), name) : name);
   const exec = (name: string, args: string[], timeoutMs = 120_000) =>
     asRoot ? run('runuser', ['-u', 'postgres', '--', tool(name), ...args], { timeout: timeoutMs }) : run(tool(name), args, { timeout: timeoutMs });
-  const dir = mkdtempSync(path.join(tmpdir(), 'reaper-standby-'));
+  const { name, dir } = standbyPlace(label);
   const data = path.join(dir, 'data');
-  const name = `reaper_standby_${label}`.replace(/[^a-z0-9_]/gi, '_').toLowerCase();
   const port = await freePort();
   let started = false;
-  let slotCreated = false;
   const settings = new pg.Client({ connectionString: primaryUrl });
+  const forget = atTestProcessExit(() => removeStandbyNow(primaryUrl, name, dir));
   const close = async () => {
     try {
       if (started) await exec('pg_ctl', ['-D', data, '-m', 'immediate', '-w', '-t', '30', 'stop'], 60_000).catch(() => undefined); // already stopped
     } finally {
       rmSync(dir, { recursive: true, force: true });
-      if (slotCreated) {
-        const admin = new pg.Client({ connectionString: primaryUrl });
-        await admin.connect();
-        await admin.query('SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1', [name]).finally(() => admin.end());
-        slotCreated = false;
-      }
+      const admin = new pg.Client({ connectionString: primaryUrl });
+      await admin.connect();
+      await admin.query(dropSlotSql(name)).finally(() => admin.end());
+      forget();
     }
   };
   try {
@@ -79,11 +103,10 @@ export async function startStandby(primaryUrl: string, label: string): Promise<S
     );
     // A physical slot keeps the WAL the standby still needs: without it, a busy server recycles the
     // segments written between the end of the base backup and the standby's start. Slots of earlier
-    // runs that died before close() (inactive, same prefix) are dropped first, so none keeps WAL forever.
-    await settings.query(`SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name LIKE 'reaper_standby_%' AND NOT active`);
+    // runs that died before close() are the sweeper's (an inactive slot may be another file's
+    // between its base backup and its start).
     await settings.end();
     await exec('pg_basebackup', ['-h', primary.hostname, '-p', primary.port || '5432', '-U', decodeURIComponent(primary.username || 'postgres'), '-D', data, '-R', '-X', 'stream', '-C', '-S', name, '-c', 'fast']);
-    slotCreated = true;
     // Debian keeps postgresql.conf outside the data directory: the standby gets its own.
     const conf = [
       `port = ${port}`,

@@ -2,20 +2,22 @@ import { randomBytes } from 'node:crypto';
 import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import path from 'node:path';
-import amqp from 'amqplib';
 import pg from 'pg';
 import { parse as parseYaml } from 'yaml';
 import { makeTopology } from '../../shared/amqp/topology';
 import { loadEnv, type Env } from '../../shared/config/env';
 import { migrate } from '../../shared/db/migrate';
 import { demoTablesCreate } from '../../shared/db/queries/demo-tables';
+import { deleteBrokerNames, listBrokerObjects, namesUnder } from './broker';
 import { findServers } from './servers';
+import { stampedSuffix } from './sweeper';
 
 /**
  * One test file's private world: its own database (migrated), its own broker name prefix and a
  * temp folder for its policies file. `close()` drops the database and deletes every queue and
- * exchange reaper's topology declares under the prefix, so files run in parallel and leave
- * nothing behind.
+ * exchange under the prefix, so files run in parallel and leave nothing behind. The names end in
+ * a stamped suffix (creation time, then random): after a killed file, the next run's sweeper
+ * (test/support/sweeper.ts) knows they are an hour old.
  */
 export interface TestBed {
   databaseUrl: string;
@@ -42,7 +44,7 @@ export interface TestBedOptions {
 
 export async function makeTestBed(label: string, options: TestBedOptions = {}): Promise<TestBed> {
   const servers = await findServers();
-  const suffix = randomBytes(4).toString('hex');
+  const suffix = stampedSuffix();
   const safeLabel = label.replace(/[^a-z0-9]/gi, '_').toLowerCase();
   const database = `reaper_test_${safeLabel}_${suffix}`;
   const prefix = `test-${safeLabel.replace(/_/g, '-')}-${suffix}`;
@@ -81,7 +83,7 @@ export async function makeTestBed(label: string, options: TestBedOptions = {}): 
     throw error;
   }
   const pool = new pg.Pool({ connectionString: databaseUrl, max: 4 });
-  const folder = mkdtempSync(path.join(tmpdir(), `reaper-${safeLabel}-`));
+  const folder = mkdtempSync(path.join(tmpdir(), `reaper-test-${safeLabel}-`));
   // The default policies are the demo's, without its blast-radius `limits`: tests seed mostly
   // expired tables on purpose; the brake has its own tests (guardrails-brake.test.ts).
   let policiesPath = path.join(folder, 'policies-demo-unbraked.yaml');
@@ -152,24 +154,20 @@ function policyNamesIn(yaml: string): string[] {
 }
 
 /**
- * Deletes, over AMQP, what reaper's topology declares for these prefixes and policies (work and
- * delay exchanges, work queues, delay tiers, the dead-letter queue). No `rabbitmqctl`: this works
- * against testcontainers or a remote AMQP_URL too. Deleting a queue or exchange that was never
- * declared is not an error in RabbitMQ.
+ * Deletes, over AMQP, every queue and exchange under these prefixes: what reaper's topology
+ * declares for them and these policies (work and delay exchanges, work queues, delay tiers, the
+ * dead-letter queue), and whatever else the broker lists under them (a test's own probe queues,
+ * a policy of a file written outside writePolicies). Listing needs the management API or a local
+ * `rabbitmqctl`; without either (a remote broker), the topology's names are still deleted.
+ * Deleting a queue or exchange that was never declared is not an error in RabbitMQ.
  */
 export async function deleteBrokerObjects(amqpUrl: string, prefixes: readonly string[], policies: readonly string[]): Promise<void> {
-  const connection = await amqp.connect(amqpUrl, { timeout: 5_000 });
-  try {
-    const channel = await connection.createChannel();
-    for (const prefix of prefixes) {
-      const topology = makeTopology({ prefix, policies, deliveryLimit: 1 });
-      for (const queue of topology.queues) await channel.deleteQueue(queue.name);
-      for (const exchange of topology.exchanges) await channel.deleteExchange(exchange.name);
-    }
-    await channel.close();
-  } finally {
-    await connection.close().catch(() => undefined); // already closed by the broker: nothing left to release
-  }
+  const declared = prefixes.map((prefix) => brokerObjectNames(prefix, policies));
+  const listed = namesUnder((await listBrokerObjects(amqpUrl)) ?? { queues: [], exchanges: [] }, prefixes);
+  await deleteBrokerNames(amqpUrl, {
+    queues: [...new Set([...declared.flatMap((names) => names.queues), ...listed.queues])],
+    exchanges: [...new Set([...declared.flatMap((names) => names.exchanges), ...listed.exchanges])],
+  });
 }
 
 /** The names close() deletes for a prefix and policies (the test bed's own test checks they are gone). */
