@@ -1,6 +1,7 @@
 import assert from 'node:assert/strict';
 import { randomUUID } from 'node:crypto';
 import type pg from 'pg';
+import type { Registry } from 'prom-client';
 import type { BrokerNames } from '../../shared/amqp/topology';
 import { encodeBatch, makeBatchId, type BatchV1 } from '../../shared/contracts/batch';
 import type { TestBroker } from './broker';
@@ -27,6 +28,8 @@ export interface RowDeletePolicyOptions {
   schedule?: string;
   /** Turn the audit trail on (retainDays 30). */
   audit?: boolean;
+  /** The blast-radius brake (`limits`), as given. */
+  limits?: { maxPerRun?: number; maxFractionPerRun?: number };
 }
 
 /** A row-delete policies file (one policy; seat_reservations' held rows unless told otherwise). */
@@ -44,7 +47,18 @@ export function rowDeletePolicyYaml(options: RowDeletePolicyOptions = {}): strin
   if (guard) lines.push(`    guard: { ${Object.entries(guard).map(([column, value]) => `${column}: ${value}`).join(', ')} }`);
   if (options.batchSize !== undefined) lines.push(`    batchSize: ${options.batchSize}`);
   if (options.audit) lines.push('    audit: { enabled: true, retainDays: 30 }');
+  if (options.limits) lines.push(`    limits: { ${Object.entries(options.limits).map(([limit, value]) => `${limit}: ${value}`).join(', ')} }`);
   return `${lines.join('\n')}\n`;
+}
+
+/** One policies file from several one-policy files (rowDeletePolicyYaml, mediaPolicyYaml, ...). */
+export function combinedPoliciesYaml(...files: readonly string[]): string {
+  return `policies:\n${files.map((file) => file.replace(/^policies:\n/, '')).join('')}`;
+}
+
+/** The database clock moved by `interval` (e.g. '-30 minutes'), in the batch format (six fractional digits). */
+export async function databaseIsoIn(pool: pg.Pool, interval: string): Promise<string> {
+  return (await pool.query<{ at: string }>('SELECT reaper_iso(clock_timestamp() + $1::interval) AS at', [interval])).rows[0]!.at;
 }
 
 /** A batch as a scan would publish it for these rows: exact expiries, cutoff = database clock now. */
@@ -183,4 +197,51 @@ export function startServices(bed: TestBed, specs: readonly ServiceSpec[], why =
 export async function readyAtRest(broker: TestBroker, queue: string, timeoutMs = 15_000): Promise<number> {
   await eventually(`${queue} to have no consumer`, async () => (await broker.consumerCount(queue)) === 0, { timeoutMs, intervalMs: 50 });
   return broker.messageCount(queue);
+}
+
+/** A sample of an in-process service's metric (a histogram's _count/_sum/_bucket included), undefined when absent. */
+export async function metricValue(registry: Registry, name: string, labels: Record<string, string>): Promise<number | undefined> {
+  // A histogram's samples (_count, _sum, _bucket) belong to the metric named without the suffix.
+  const family = name.replace(/_(count|sum|bucket)$/, '');
+  const metric = registry.getSingleMetric(name) ?? registry.getSingleMetric(family);
+  assert.ok(metric, `metric ${name} is registered`);
+  const { values } = await metric.get();
+  return values.find(
+    (value) => ((value as { metricName?: string }).metricName ?? name) === name && Object.entries(labels).every(([key, label]) => value.labels[key] === label),
+  )?.value;
+}
+
+/** The database clock now, in epoch milliseconds (the clock runs, leases and gauges are read from). */
+export async function databaseNowMs(pool: pg.Pool): Promise<number> {
+  return (await pool.query<{ ms: number }>('SELECT (extract(epoch FROM clock_timestamp()) * 1000)::float8 AS ms')).rows[0]!.ms;
+}
+
+/**
+ * An age gauge (seconds since a known instant `sinceMs`, computed by a periodic pass from the
+ * database clock) checked with no wall-clock tolerance: waits for a value computed after this call
+ * began, and asserts that the instant it implies (sinceMs + age) lies between this call's start and
+ * the moment the value was read, both on the database clock. A gauge measuring from the wrong
+ * instant fails; a slow machine only makes the wait longer, never the check looser.
+ */
+export async function readAgeGaugeExactly(
+  pool: pg.Pool,
+  what: string,
+  sinceMs: number,
+  read: () => Promise<number | undefined>,
+  timeoutMs = 30_000,
+): Promise<number> {
+  const fromMs = await databaseNowMs(pool);
+  let last: number | undefined;
+  const age = await eventually(
+    `${what}: a value computed after ${new Date(fromMs).toISOString()}`,
+    async () => {
+      last = await read();
+      return last !== undefined && sinceMs + last * 1000 >= fromMs - 1 ? last : undefined;
+    },
+    { timeoutMs, describe: () => ({ lastAgeSeconds: last, impliedMs: last === undefined ? null : sinceMs + last * 1000, fromMs }) },
+  );
+  const toMs = await databaseNowMs(pool);
+  // 1 ms: rounding of the float seconds; the bracket itself is exact.
+  assert.ok(sinceMs + age * 1000 <= toMs + 1, `${what}: ${age} s implies ${sinceMs + age * 1000}, after it was read (${toMs})`);
+  return age;
 }
