@@ -2,10 +2,10 @@ import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
 import { eventually } from '../support/eventually';
 import { readAgeGaugeExactly } from '../support/fixtures';
-import { startMediaApi, type MediaApi } from '../../tools/media-api/server';
-import { assertNoLeakedProcesses, runReaperCli } from '../support/processes';
-import { MEDIA_POLICY, mediaPolicyYaml, seedAssets, startSchedulerProcess, started, startWorkerProcess, stopStarted } from '../support/remote-helpers';
-import { makeTestBed, type TestBed } from '../support/testbed';
+import { type MediaApi } from '../../tools/media-api/server';
+import { runReaperCli } from '../support/processes';
+import { closeRemoteWorld, MEDIA_POLICY, openRemoteWorld, seedAssets, startSchedulerProcess, started, startWorkerProcess } from '../support/remote-helpers';
+import { type TestBed } from '../support/testbed';
 
 /**
  * Issue 8: reaper_oldest_leased_age_seconds rises while a worker holding a lease is frozen
@@ -22,23 +22,13 @@ describe('oldest leased age with a frozen worker', () => {
   let api: MediaApi;
 
   before(async () => {
-    bed = await makeTestBed('fault_leased_age');
-    api = await startMediaApi();
+    ({ bed, api } = await openRemoteWorld('fault_leased_age', { ratePerSecond: 20, burst: 5, concurrency: 2, batchSize: 10, timeoutMs: 8_000, leaseMs: LEASE_MS }));
     // The call is held until the test releases it: the worker is mid-call (holding its lease) for
     // as long as the test needs, however slowly this machine gets there.
     api.configure({ hold: true });
-    bed.writePolicies(mediaPolicyYaml({ baseUrl: api.url, ratePerSecond: 20, burst: 5, concurrency: 2, batchSize: 10, timeoutMs: 8_000, leaseMs: LEASE_MS }));
   });
 
-  after(async () => {
-    try {
-      await stopStarted();
-      await assertNoLeakedProcesses();
-    } finally {
-      await api?.close();
-      await bed?.close();
-    }
-  });
+  after(() => closeRemoteWorld({ bed, api }));
 
   test('rises while the lease holder is stopped, exactly the lease age by the database clock; 0 after it finishes', { timeout: 90_000 }, async () => {
     await seedAssets(bed.pool, 'frozen', 1);

@@ -8,7 +8,6 @@ import {
   closeRemoteWorld,
   openRemoteWorld,
   callsByKey,
-  errorsLogged,
   ledgerDiagnosis,
   ledgerRows,
   ledgerSummary,
@@ -19,6 +18,7 @@ import {
   startWorkerProcess,
 } from '../support/remote-helpers';
 import type { TestBed } from '../support/testbed';
+import { stopAllCleanly } from '../support/fixtures';
 
 /**
  * 429 + Retry-After (docs/design.md "Remote API calls", invariants 7, 10 and 11), two worker processes:
@@ -117,8 +117,6 @@ describe('remote-delete: 429 with Retry-After', () => {
     assert.equal(byKey.size, ASSETS, 'every call carried a ledger operation key');
     assertRetention(rows);
 
-    const exits = await Promise.all(all.map((p) => p.stop()));
-    for (const [index, exit] of exits.entries()) assert.equal(exit.code, 0, `${all[index]!.label} drains and exits 0`);
-    assert.deepEqual(errorsLogged(all), []);
+    await stopAllCleanly(all);
   });
 });

@@ -10,7 +10,6 @@ import {
   openRemoteWorld,
   assetStatuses,
   callsByKey,
-  errorsLogged,
   ledgerDiagnosis,
   ledgerRows,
   ledgerSummary,
@@ -21,6 +20,7 @@ import {
   startWorkerProcess,
 } from '../support/remote-helpers';
 import type { TestBed } from '../support/testbed';
+import { stopAllCleanly } from '../support/fixtures';
 
 /**
  * The pause switch (docs/design.md invariant 9, "pausing admission stops calls without deleting ledger
@@ -164,8 +164,6 @@ describe('remote-delete: pause and resume', () => {
     assert.deepEqual([...(await assetStatuses(bed.pool, ids)).values()].filter((s) => s !== 'deleted'), [], 'every asset marked deleted');
 
     await admissionEvents.remove();
-    const exits = await Promise.all(all.map((p) => p.stop()));
-    for (const [index, exit] of exits.entries()) assert.equal(exit.code, 0, `${all[index]!.label} drains and exits 0`);
-    assert.deepEqual(errorsLogged(all), []);
+    await stopAllCleanly(all);
   });
 });

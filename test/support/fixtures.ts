@@ -1,14 +1,15 @@
 import assert from 'node:assert/strict';
+import { afterEach } from 'node:test';
 import { randomUUID } from 'node:crypto';
 import type pg from 'pg';
 import type { Registry } from 'prom-client';
-import type { BrokerNames } from '../../shared/amqp/topology';
+import { brokerNames, type BrokerNames } from '../../shared/amqp/topology';
 import { encodeBatch, makeBatchId, type BatchV1 } from '../../shared/contracts/batch';
-import type { TestBroker } from './broker';
+import { openTestBroker, type TestBroker } from './broker';
 import { eventually } from './eventually';
-import { startReaper, stopLeftovers, type ReaperProcess } from './processes';
+import { assertNoLeakedProcesses, runReaperCli, startReaper, stopLeftovers, type ReaperProcess } from './processes';
 import { databaseNowIso, itemsFor } from './seed';
-import type { TestBed } from './testbed';
+import { makeTestBed, type TestBed } from './testbed';
 
 /**
  * Fixtures the row-delete and broker tests share, instead of a copy per file: the seat-holds
@@ -156,6 +157,8 @@ export interface ServiceSpec {
  */
 export interface ServiceGroup {
   services: ReaperProcess[];
+  /** Resolves once every scheduler logged 'scheduler started' and every worker 'worker consuming'. */
+  ready(timeoutMs?: number): Promise<void>;
   assertAlive(): void;
   eventuallyAlive<T>(what: string, probe: () => Promise<T | undefined | false> | T | undefined | false, options?: Parameters<typeof eventually>[2]): Promise<T>;
   stopLeftovers(): Promise<void>;
@@ -171,8 +174,17 @@ export function startServices(bed: TestBed, specs: readonly ServiceSpec[], why =
       [],
       why,
     );
+  const readyLine = { scheduler: 'scheduler started', worker: 'worker consuming' } as const;
   return {
     services,
+    async ready(timeoutMs?: number) {
+      await Promise.all(
+        services.map((service, index) => {
+          const line = readyLine[specs[index]!.kind];
+          return service.waitForLine(line, (logged) => logged.msg === line, timeoutMs);
+        }),
+      );
+    },
     assertAlive,
     async eventuallyAlive<T>(what: string, probe: () => Promise<T | undefined | false> | T | undefined | false, options: Parameters<typeof eventually>[2] = {}) {
       const dead = Symbol('died');
@@ -244,4 +256,56 @@ export async function readAgeGaugeExactly(
   // 1 ms: rounding of the float seconds; the bracket itself is exact.
   assert.ok(sinceMs + age * 1000 <= toMs + 1, `${what}: ${age} s implies ${sinceMs + age * 1000}, after it was read (${toMs})`);
   return age;
+}
+
+export interface BedAndBroker {
+  bed: TestBed;
+  broker: TestBroker;
+  names: BrokerNames;
+}
+
+/** The usual before() of a file that talks to the broker: its bed (with this policies file, when given) and a test client on its broker. */
+export async function openBedAndBroker(label: string, policiesYaml?: string): Promise<BedAndBroker> {
+  const bed = await makeTestBed(label);
+  if (policiesYaml !== undefined) bed.writePolicies(policiesYaml);
+  return { bed, broker: await openTestBroker(bed.amqpUrl), names: brokerNames(bed.prefix) };
+}
+
+/**
+ * The matching after(): `first` (e.g. releasing held locks), then a failure when a test leaked a
+ * reaper process; the broker client and the bed are closed whatever failed before.
+ */
+export async function closeBedAndBroker(world: Partial<BedAndBroker>, first?: () => Promise<void>): Promise<void> {
+  try {
+    await first?.();
+    await assertNoLeakedProcesses();
+  } finally {
+    await world.broker?.close();
+    await world.bed?.close();
+  }
+}
+
+/** `reaper trigger <policy> --json`, which must succeed: the new run's id. */
+export async function triggerRunId(bed: TestBed, policy: string): Promise<string> {
+  const triggered = await runReaperCli(['trigger', policy, '--json'], bed.processEnv());
+  assert.equal(triggered.code, 0, triggered.stdout);
+  return (JSON.parse(triggered.stdout.slice(triggered.stdout.indexOf('{'))) as { runId: string }).runId;
+}
+
+/**
+ * A startReaper whose processes are stopped after each test of the suite it is made in (it
+ * registers the afterEach): a test that fails mid-way cannot leave a scheduler running that would
+ * claim the next test's runs.
+ */
+export function startReaperStoppedAfterEach(): typeof startReaper {
+  let running: ReaperProcess[] = [];
+  afterEach(async () => {
+    await Promise.all(running.map((p) => p.stop(2_000)));
+    running = [];
+  });
+  return (...args) => {
+    const started = startReaper(...args);
+    running.push(started);
+    return started;
+  };
 }
