@@ -29,8 +29,8 @@ export interface RowDeletePolicyOptions {
   schedule?: string;
   /** Turn the audit trail on (retainDays 30). */
   audit?: boolean;
-  /** The blast-radius brake (`limits`), as given. */
-  limits?: { maxPerRun?: number; maxFractionPerRun?: number };
+  /** The blast-radius brake's `limits` (written as given). */
+  limits?: { maxPerRun?: number; maxFractionPerRun?: number; approvalTolerance?: number };
 }
 
 /** A row-delete policies file (one policy; seat_reservations' held rows unless told otherwise). */
