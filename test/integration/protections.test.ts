@@ -70,12 +70,13 @@ describe('protections that had no test', () => {
       ),
     );
     broker = await openTestBroker(bed.amqpUrl);
-    const env = bed.env({ REAPER_STATEMENT_TIMEOUT_MS: String(STATEMENT_TIMEOUT_MS) });
+    const env = bed.env();
     const policies = loadPolicies(env.policiesPath);
     rowPolicy = policies.get(POLICY) as RowDeletePolicy;
     mediaPolicy = policies.get(MEDIA_POLICY) as RemoteDeletePolicy;
     scheduler = await startScheduler(env, policies, log);
-    worker = await startWorker(env, new Map([[POLICY, rowPolicy]]), log);
+    // Only the worker has the short statement timeout (the statement-timeout test is about it).
+    worker = await startWorker(bed.env({ REAPER_STATEMENT_TIMEOUT_MS: String(STATEMENT_TIMEOUT_MS) }), new Map([[POLICY, rowPolicy]]), log);
   });
 
   after(async () => {
