@@ -7,7 +7,7 @@
  *
  * Read here and nowhere else, once per process, and deliberately NOT part of the validated
  * production configuration (shared/config/env.ts): it is not an operator setting. A name that is
- * not a known point is refused at the first check, so a typo in a test fails loudly instead of
+ * not a known point is refused at every check, so a typo in a test fails loudly instead of
  * silently never firing.
  */
 export const TEST_FAILPOINT_VARIABLE = 'REAPER_TEST_FAILPOINT';
@@ -36,17 +36,23 @@ export type FailpointName = (typeof WORKER_FAILPOINTS)[number] | (typeof SCHEDUL
 
 const KNOWN: ReadonlySet<string> = new Set<string>([...WORKER_FAILPOINTS, ...SCHEDULER_FAILPOINTS]);
 
-let armed: string | null | undefined;
+/** The variable as read once: null when unarmed; `unknown` holds the refusal of a name that is no point. */
+let armed: { point: string | null; unknown: Error | null } | undefined;
 
 function armedPoint(): string | null {
   if (armed === undefined) {
     const value = process.env[TEST_FAILPOINT_VARIABLE];
-    armed = value === undefined || value === '' ? null : value;
-    if (armed !== null && !KNOWN.has(armed)) {
-      throw new Error(`${TEST_FAILPOINT_VARIABLE}=${JSON.stringify(armed)} names no failpoint (known: ${[...KNOWN].join(', ')})`);
-    }
+    const point = value === undefined || value === '' ? null : value;
+    const unknown =
+      point !== null && !KNOWN.has(point)
+        ? new Error(`${TEST_FAILPOINT_VARIABLE}=${JSON.stringify(point)} names no failpoint (known: ${[...KNOWN].join(', ')})`)
+        : null;
+    armed = { point, unknown };
   }
-  return armed;
+  // Thrown at EVERY check, not only the first: a caller that caught the first refusal (a
+  // handler's catch-all, a retry) must not run on as if no point were armed.
+  if (armed.unknown) throw armed.unknown;
+  return armed.point;
 }
 
 /** Kills this process (SIGKILL) when `name` is the armed point; otherwise returns at once. */

@@ -1,14 +1,14 @@
 import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
 import { brokerNames } from '../../shared/amqp/topology';
-import { openTestBroker, type TestBroker } from '../support/broker';
-import { rowDeletePolicyYaml, runReceipts, runRow, startServices } from '../support/fixtures';
+import { type TestBroker } from '../support/broker';
+import { closeBedAndBroker, openBedAndBroker, rowDeletePolicyYaml, runReceipts, runRow, startServices, triggerRunId } from '../support/fixtures';
 import { handOverCheckpointLock, holdCheckpointLock, releaseHeldLocks, schedulerWaitsOnCheckpoint } from '../support/locks';
-import { assertNoLeakedProcesses, runReaperCli, type ReaperProcess } from '../support/processes';
+import { type ReaperProcess } from '../support/processes';
 import { rabbitmqctl } from '../support/rabbitmqctl';
 import { seedHolds } from '../support/seed';
 import { assertRunDeletedExactlyOnce } from '../support/run-checks';
-import { makeTestBed, type TestBed } from '../support/testbed';
+import { type TestBed } from '../support/testbed';
 
 /**
  * The broker (running all along) closes this test's connections in the middle of a run: some batches are committed,
@@ -56,20 +56,10 @@ describe('broker closes the connections mid-run', () => {
   let names: ReturnType<typeof brokerNames>;
 
   before(async () => {
-    bed = await makeTestBed('fault_connections_closed');
-    broker = await openTestBroker(bed.amqpUrl);
-    names = brokerNames(bed.prefix);
+    ({ bed, broker, names } = await openBedAndBroker('fault_connections_closed'));
   });
 
-  after(async () => {
-    try {
-      await releaseHeldLocks();
-      await assertNoLeakedProcesses();
-    } finally {
-      await broker?.close();
-      await bed?.close();
-    }
-  });
+  after(() => closeBedAndBroker({ bed, broker }, releaseHeldLocks));
 
   const amqpConnectedCount = (service: ReaperProcess) => service.lines.filter((line) => line.msg === 'amqp connected').length;
 
@@ -90,16 +80,13 @@ describe('broker closes the connections mid-run', () => {
     const [scheduler, ...workers] = services as [ReaperProcess, ReaperProcess, ReaperProcess];
     let passed = false;
     try {
-      await scheduler.waitForLine('scheduler started', (line) => line.msg === 'scheduler started');
-      await Promise.all(workers.map((w) => w.waitForLine('worker consuming', (line) => line.msg === 'worker consuming')));
+      await group.ready();
       assert.deepEqual(services.map(amqpConnectedCount), [1, 1, 1], 'each service connected once');
 
       // Mid-run, deterministically: the scheduler publishes its first window and then waits to
       // record it; the workers commit some of that window's batches; then every connection closes.
       const checkpoints = await holdCheckpointLock(bed.pool);
-      const triggered = await runReaperCli(['trigger', 'seat-holds', '--json'], bed.processEnv());
-      assert.equal(triggered.code, 0, triggered.stdout);
-      const runId = (JSON.parse(triggered.stdout) as { runId: string }).runId;
+      const runId = await triggerRunId(bed, 'seat-holds');
       await eventuallyAlive('the scheduler to wait on its first checkpoint', () => schedulerWaitsOnCheckpoint(bed.pool), { timeoutMs: 20_000, intervalMs: 20 });
       await eventuallyAlive('a few batches to be committed', async () => (await runReceipts(bed.pool, runId)).batches >= 5, { timeoutMs: 20_000, intervalMs: 20 });
       const connections = await connectionsWithPrefix(bed.prefix);
@@ -186,14 +173,11 @@ describe('broker closes the connections mid-run', () => {
     const [scheduler, ...workers] = services as [ReaperProcess, ReaperProcess, ReaperProcess];
     let passed = false;
     try {
-      await scheduler.waitForLine('scheduler started', (line) => line.msg === 'scheduler started');
-      await Promise.all(workers.map((w) => w.waitForLine('worker consuming', (line) => line.msg === 'worker consuming')));
+      await group.ready();
 
       // Held before the trigger: the first close happens at the first checkpoint, whatever the speed.
       let checkpoints = await holdCheckpointLock(bed.pool);
-      const triggered = await runReaperCli(['trigger', 'flap-holds', '--json'], bed.processEnv());
-      assert.equal(triggered.code, 0, triggered.stdout);
-      const runId = (JSON.parse(triggered.stdout) as { runId: string }).runId;
+      const runId = await triggerRunId(bed, 'flap-holds');
 
       for (let closes = 1; closes <= CLOSES; closes++) {
         // Between two windows, deterministically: the next checkpoint is held, the scheduler's

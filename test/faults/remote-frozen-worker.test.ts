@@ -1,16 +1,17 @@
 import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
 import { eventually } from '../support/eventually';
-import { startMediaApi, type MediaApi, type MediaApiCall } from '../../tools/media-api/server';
-import { assertNoLeakedProcesses, runReaperCli, type ReaperProcess } from '../support/processes';
+import { type MediaApi, type MediaApiCall } from '../../tools/media-api/server';
+import { runReaperCli, type ReaperProcess } from '../support/processes';
 import {
   assertRetention,
   assetStatuses,
+  closeRemoteWorld,
   callsByKey,
   errorsLogged,
   ledgerRows,
   MEDIA_POLICY,
-  mediaPolicyYaml,
+  openRemoteWorld,
   seedAssets,
   startSchedulerProcess,
   started,
@@ -18,7 +19,7 @@ import {
   stopStarted,
   type LedgerRow,
 } from '../support/remote-helpers';
-import { makeTestBed, type TestBed } from '../support/testbed';
+import { type TestBed } from '../support/testbed';
 
 /**
  * docs/design.md invariant 8, "completion requires the current lease owner", with real processes:
@@ -41,22 +42,10 @@ describe('remote-delete: a worker frozen past its lease cannot overwrite the new
   let api: MediaApi;
 
   before(async () => {
-    bed = await makeTestBed('fault_remote_frozen');
-    api = await startMediaApi();
-    bed.writePolicies(
-      mediaPolicyYaml({ baseUrl: api.url, ratePerSecond: 20, burst: 5, concurrency: 2, batchSize: 10, timeoutMs: TIMEOUT_MS, leaseMs: LEASE_MS }),
-    );
+    ({ bed, api } = await openRemoteWorld('fault_remote_frozen', { ratePerSecond: 20, burst: 5, concurrency: 2, batchSize: 10, timeoutMs: TIMEOUT_MS, leaseMs: LEASE_MS }));
   });
 
-  after(async () => {
-    try {
-      await stopStarted();
-      await assertNoLeakedProcesses();
-    } finally {
-      await api?.close();
-      await bed?.close();
-    }
-  });
+  after(() => closeRemoteWorld({ bed, api }));
 
   interface TakenOver {
     processes: { scheduler: ReaperProcess; workerA: ReaperProcess; workerB: ReaperProcess };

@@ -1,14 +1,14 @@
 import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
 import { brokerNames } from '../../shared/amqp/topology';
-import { openTestBroker, type TestBroker } from '../support/broker';
+import { type TestBroker } from '../support/broker';
 import { eventually } from '../support/eventually';
-import { rowDeletePolicyYaml, runReceipts, runRow } from '../support/fixtures';
+import { closeBedAndBroker, openBedAndBroker, rowDeletePolicyYaml, runReceipts, runRow, triggerRunId } from '../support/fixtures';
 import { handOverCheckpointLock, holdCheckpointLock, releaseHeldLocks, schedulerWaitsOnCheckpoint, type HeldLock } from '../support/locks';
-import { assertNoLeakedProcesses, runReaperCli, startReaper, stopLeftovers, type LogLine, type ReaperProcess } from '../support/processes';
+import { runReaperCli, startReaper, stopLeftovers, type LogLine, type ReaperProcess } from '../support/processes';
 import { assertRunDeletedExactlyOnce } from '../support/run-checks';
 import { seedHolds } from '../support/seed';
-import { makeTestBed, type TestBed } from '../support/testbed';
+import { type TestBed } from '../support/testbed';
 
 /**
  * The batch contract goes from version 1 to version 2 during a rolling deploy, with real processes
@@ -40,21 +40,10 @@ describe('rolling upgrade of the batch contract from version 1 to version 2', ()
   const started: ReaperProcess[] = [];
 
   before(async () => {
-    bed = await makeTestBed('fault_rolling_upgrade');
-    bed.writePolicies(rowDeletePolicyYaml({ batchSize: BATCH_SIZE }));
-    broker = await openTestBroker(bed.amqpUrl);
-    names = brokerNames(bed.prefix);
+    ({ bed, broker, names } = await openBedAndBroker('fault_rolling_upgrade', rowDeletePolicyYaml({ batchSize: BATCH_SIZE })));
   });
 
-  after(async () => {
-    try {
-      await releaseHeldLocks();
-      await assertNoLeakedProcesses();
-    } finally {
-      await broker?.close();
-      await bed?.close();
-    }
-  });
+  after(() => closeBedAndBroker({ bed, broker }, releaseHeldLocks));
 
   function start(label: string, kind: 'scheduler' | 'worker', env: Record<string, string> = {}): ReaperProcess {
     const process = startReaper(label, [kind], bed.processEnv({ REAPER_WORKER_ID: label, ...env }));
@@ -84,9 +73,7 @@ describe('rolling upgrade of the batch contract from version 1 to version 2', ()
       await oldScheduler.waitForLine('scheduler started', says('scheduler started'), 60_000);
       await Promise.all([old1, old2].map(consuming));
       let lock = await holdCheckpointLock(bed.pool);
-      const triggered = await runReaperCli(['trigger', 'seat-holds', '--json'], bed.processEnv());
-      assert.equal(triggered.code, 0, triggered.stdout);
-      const runId = (JSON.parse(triggered.stdout.slice(triggered.stdout.indexOf('{'))) as { runId: string }).runId;
+      const runId = await triggerRunId(bed, 'seat-holds');
       await eventually('the old scheduler to publish its first window', () => schedulerWaitsOnCheckpoint(bed.pool), { timeoutMs: 60_000, intervalMs: 20 });
 
       // New workers join while the old ones still consume.

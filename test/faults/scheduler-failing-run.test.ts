@@ -1,12 +1,13 @@
 import assert from 'node:assert/strict';
-import { after, afterEach, before, describe, test } from 'node:test';
+import { after, before, describe, test } from 'node:test';
 import amqp from 'amqplib';
 import type { Channel, ChannelModel } from 'amqplib';
 import { brokerNames } from '../../shared/amqp/topology';
 import { eventually } from '../support/eventually';
-import { assertNoLeakedProcesses, runReaperCli, startReaper as startProcess, type ReaperProcess } from '../support/processes';
+import { assertNoLeakedProcesses, runReaperCli, type ReaperProcess } from '../support/processes';
 import { countReservations, seedHolds } from '../support/seed';
 import { makeTestBed, type TestBed } from '../support/testbed';
+import { startReaperStoppedAfterEach, triggerRunId } from '../support/fixtures';
 
 /**
  * One failing run must not stop the others (issue 7 item 11), with real scheduler processes:
@@ -47,16 +48,7 @@ describe('a failing run does not stop the others', () => {
   });
   // A test that fails mid-way must not leave its services running into the next test (an old
   // scheduler would claim the next test's runs): stop what is still running after each test.
-  let running: ReaperProcess[] = [];
-  const startReaper = (...args: Parameters<typeof startProcess>): ReaperProcess => {
-    const process = startProcess(...args);
-    running.push(process);
-    return process;
-  };
-  afterEach(async () => {
-    await Promise.all(running.map((p) => p.stop(2_000)));
-    running = [];
-  });
+  const startReaper = startReaperStoppedAfterEach();
   after(async () => {
     try {
       await assertNoLeakedProcesses();
@@ -68,11 +60,7 @@ describe('a failing run does not stop the others', () => {
 
   const runOf = async (runId: string): Promise<RunRow> =>
     (await bed.pool.query<RunRow>('SELECT state, error, claim_count, owner FROM cleanup_runs WHERE run_id = $1', [runId])).rows[0]!;
-  const trigger = async (policyName: string): Promise<string> => {
-    const result = await runReaperCli(['trigger', policyName, '--json'], bed.processEnv());
-    assert.equal(result.code, 0, result.stdout);
-    return (JSON.parse(result.stdout) as { runId: string }).runId;
-  };
+  const trigger = (policyName: string): Promise<string> => triggerRunId(bed, policyName);
   const stopAll = async (services: ReaperProcess[]) => {
     const exits = await Promise.all(services.map((s) => s.stop()));
     assert.deepEqual(exits.map((e) => e.code), services.map(() => 0), 'every service drains and exits 0');

@@ -4,9 +4,9 @@ import amqp from 'amqplib';
 import type { Channel, ChannelModel } from 'amqplib';
 import { brokerNames } from '../../shared/amqp/topology';
 import { openTestBroker, type TestBroker } from '../support/broker';
-import { rowDeletePolicyYaml, runReceipts, runRow, startServices } from '../support/fixtures';
+import { rowDeletePolicyYaml, runReceipts, runRow, startServices, triggerRunId } from '../support/fixtures';
 import { holdCheckpointLock, releaseHeldLocks } from '../support/locks';
-import { assertNoLeakedProcesses, runReaperCli, type ReaperProcess } from '../support/processes';
+import { assertNoLeakedProcesses, type ReaperProcess } from '../support/processes';
 import { seedHolds } from '../support/seed';
 import { assertRunDeletedExactlyOnce } from '../support/run-checks';
 import { makeTestBed, type TestBed } from '../support/testbed';
@@ -71,13 +71,10 @@ describe('scheduler publishes refused mid-window', () => {
 
     let passed = false;
     try {
-      await scheduler.waitForLine('scheduler started', (line) => line.msg === 'scheduler started');
-      await Promise.all(workers.map((w) => w.waitForLine('worker consuming', (line) => line.msg === 'worker consuming')));
+      await group.ready();
       // Hold the scheduler's first checkpoint: it writes the confirmed batch ids to this table.
       const checkpoints = await holdCheckpointLock(bed.pool);
-      const triggered = await runReaperCli(['trigger', 'seat-holds', '--json'], bed.processEnv());
-      assert.equal(triggered.code, 0, triggered.stdout);
-      const runId = (JSON.parse(triggered.stdout) as { runId: string }).runId;
+      const runId = await triggerRunId(bed, 'seat-holds');
 
       // Mid-run: the first window is published and confirmed, its checkpoint waits on the lock,
       // and the workers have already committed batches of it.

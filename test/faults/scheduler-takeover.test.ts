@@ -2,12 +2,12 @@ import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
 import { brokerNames } from '../../shared/amqp/topology';
 import type { FailpointName } from '../../shared/testing/failpoints';
-import { openTestBroker, type TestBroker } from '../support/broker';
-import { readyAtRest, rowDeletePolicyYaml, runRow, startServices, stopAllCleanly } from '../support/fixtures';
+import { type TestBroker } from '../support/broker';
+import { closeBedAndBroker, openBedAndBroker, readyAtRest, rowDeletePolicyYaml, runRow, startServices, stopAllCleanly, triggerRunId } from '../support/fixtures';
 import { holdCheckpointLock, releaseHeldLocks, schedulerWaitsOnCheckpoint } from '../support/locks';
-import { assertNoLeakedProcesses, runReaperCli, startReaper, stopLeftovers, type LogLine, type ReaperProcess } from '../support/processes';
+import { startReaper, stopLeftovers, type LogLine, type ReaperProcess } from '../support/processes';
 import { countReservations, seedHolds } from '../support/seed';
-import { makeTestBed, type TestBed } from '../support/testbed';
+import { type TestBed } from '../support/testbed';
 
 /**
  * A scheduler that dies mid-run (docs/design.md, run state machine: "lease expired: another
@@ -41,21 +41,10 @@ describe('scheduler crash and takeover', () => {
   let names: ReturnType<typeof brokerNames>;
 
   before(async () => {
-    bed = await makeTestBed('fault_scheduler_takeover');
-    bed.writePolicies(rowDeletePolicyYaml({ batchSize: BATCH_SIZE }));
-    broker = await openTestBroker(bed.amqpUrl);
-    names = brokerNames(bed.prefix);
+    ({ bed, broker, names } = await openBedAndBroker('fault_scheduler_takeover', rowDeletePolicyYaml({ batchSize: BATCH_SIZE })));
   });
 
-  after(async () => {
-    try {
-      await releaseHeldLocks();
-      await assertNoLeakedProcesses();
-    } finally {
-      await broker?.close();
-      await bed?.close();
-    }
-  });
+  after(() => closeBedAndBroker({ bed, broker }, releaseHeldLocks));
 
   const receiptsOfRun = async (runId: string): Promise<BatchReceipt[]> =>
     (await bed.pool.query<BatchReceipt>('SELECT batch_id, deleted, noop FROM cleanup_batches WHERE run_id = $1 ORDER BY batch_id', [runId])).rows;
@@ -81,11 +70,7 @@ describe('scheduler crash and takeover', () => {
   };
   const scanningLine = (scheduler: ReaperProcess, runId: string, claim: number) =>
     scheduler.waitForLine(`claim ${claim} of run ${runId}`, (line) => line.msg === 'run scanning' && line.runId === runId && line.claim === claim, 30_000);
-  const triggerRun = async (): Promise<string> => {
-    const triggered = await runReaperCli(['trigger', 'seat-holds', '--json'], bed.processEnv());
-    assert.equal(triggered.code, 0, triggered.stdout);
-    return (JSON.parse(triggered.stdout) as { runId: string }).runId;
-  };
+  const triggerRun = (): Promise<string> => triggerRunId(bed, 'seat-holds');
   const logTime = (line: LogLine): number => Date.parse(String(line.time));
 
   /**

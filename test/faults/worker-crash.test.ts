@@ -1,13 +1,12 @@
 import assert from 'node:assert/strict';
-import { randomUUID } from 'node:crypto';
 import { after, before, describe, test } from 'node:test';
 import { brokerNames, DELAY_TIERS_MS } from '../../shared/amqp/topology';
-import { encodeBatch, makeBatchId, type BatchV1 } from '../../shared/contracts/batch';
+import { type BatchV1 } from '../../shared/contracts/batch';
 import { openTestBroker, type TestBroker } from '../support/broker';
-import { readyAtRest, rowDeletePolicyYaml } from '../support/fixtures';
+import { closeBedAndBroker, makeRowBatch, publishBatch, readyAtRest, receiptsOf, rowDeletePolicyYaml } from '../support/fixtures';
 import { eventually } from '../support/eventually';
-import { assertNoLeakedProcesses, startReaper, type LogLine, type ReaperProcess } from '../support/processes';
-import { countReservations, databaseNowIso, itemsFor, seedHolds } from '../support/seed';
+import { startReaper, type LogLine, type ReaperProcess } from '../support/processes';
+import { countReservations, seedHolds } from '../support/seed';
 import { makeTestBed, type TestBed } from '../support/testbed';
 
 /**
@@ -32,35 +31,18 @@ describe('worker crash around the commit', () => {
     names = brokerNames(bed.prefix);
   });
 
-  after(async () => {
-    try {
-      await assertNoLeakedProcesses();
-    } finally {
-      await broker?.close();
-      await bed?.close();
-    }
-  });
+  after(() => closeBedAndBroker({ bed, broker }));
 
   const startWorker = (label: string, extra: Record<string, string> = {}): ReaperProcess =>
     startReaper(label, ['worker'], bed.processEnv({ REAPER_WORKER_ID: label, REAPER_PREFETCH: '4', ...extra }));
 
   async function batchFor(ids: string[]): Promise<BatchV1> {
-    const runId = randomUUID();
-    return {
-      version: 1,
-      runId,
-      batchId: makeBatchId(runId, 1),
-      policy: 'seat-holds',
-      cutoff: await databaseNowIso(bed.pool),
-      items: await itemsFor(bed.pool, ids),
-    };
+    return makeRowBatch(bed.pool, ids);
   }
 
-  const publishBatch = (batch: BatchV1) =>
-    broker.publish(names.workExchange, 'seat-holds', encodeBatch(batch), { messageId: batch.batchId, headers: { 'x-run-id': batch.runId } });
+  const publish = (batch: BatchV1) => publishBatch(broker, names, batch);
 
-  const receipts = async (batchId: string) =>
-    (await bed.pool.query<{ deleted: number; noop: number; worker_id: string }>('SELECT deleted, noop, worker_id FROM cleanup_batches WHERE batch_id = $1', [batchId])).rows;
+  const receipts = (batchId: string) => receiptsOf(bed.pool, batchId);
 
   /** The audit trail of a batch: how many rows, and how many distinct keys. */
   const audited = async (batchId: string) =>
@@ -97,7 +79,7 @@ describe('worker crash around the commit', () => {
 
     const doomed = startWorker('crash-before-commit', { REAPER_TEST_FAILPOINT: 'before-commit' });
     await doomed.waitForLine('worker consuming', (line) => line.msg === 'worker consuming', 30_000);
-    await publishBatch(batch);
+    await publish(batch);
 
     const exit = await diedWithin(doomed, 30_000);
     assert.deepEqual(exit, { code: null, signal: 'SIGKILL' }, 'the worker must die by SIGKILL at its failpoint');
@@ -140,7 +122,7 @@ describe('worker crash around the commit', () => {
 
     const doomed = startWorker('crash-after-commit', { REAPER_TEST_FAILPOINT: 'after-commit' });
     await doomed.waitForLine('worker consuming', (line) => line.msg === 'worker consuming', 30_000);
-    await publishBatch(batch);
+    await publish(batch);
 
     const exit = await diedWithin(doomed, 30_000);
     assert.deepEqual(exit, { code: null, signal: 'SIGKILL' }, 'the worker must die by SIGKILL at its failpoint');

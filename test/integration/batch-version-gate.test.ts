@@ -3,8 +3,8 @@ import { after, before, describe, test } from 'node:test';
 import amqp, { type Channel, type ChannelModel, type ConsumeMessage } from 'amqplib';
 import { brokerNames } from '../../shared/amqp/topology';
 import { eventually } from '../support/eventually';
-import { rowDeletePolicyYaml, runRow, stopAllCleanly } from '../support/fixtures';
-import { assertNoLeakedProcesses, runReaperCli, startReaper, stopLeftovers, type ReaperProcess } from '../support/processes';
+import { rowDeletePolicyYaml, runRow, stopAllCleanly, triggerRunId } from '../support/fixtures';
+import { assertNoLeakedProcesses, startReaper, stopLeftovers, type ReaperProcess } from '../support/processes';
 import { seedHolds } from '../support/seed';
 import { makeTestBed, type TestBed } from '../support/testbed';
 
@@ -48,9 +48,7 @@ describe('batch version gate: scheduler upgraded before its workers', () => {
       });
       const runOnce = async (): Promise<string> => {
         await seedHolds(bed.pool, { expiredHeld: 25 });
-        const triggered = await runReaperCli(['trigger', 'seat-holds', '--json'], bed.processEnv());
-        assert.equal(triggered.code, 0, triggered.stdout);
-        const runId = (JSON.parse(triggered.stdout.slice(triggered.stdout.indexOf('{'))) as { runId: string }).runId;
+        const runId = await triggerRunId(bed, 'seat-holds');
         await eventually('the run to be published', async () => (await runRow(bed.pool, runId)).state === 'published', { timeoutMs: 30_000 });
         return runId;
       };

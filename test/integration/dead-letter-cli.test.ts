@@ -4,9 +4,9 @@ import amqp from 'amqplib';
 import { assertTopology, brokerNames, makeTopology } from '../../shared/amqp/topology';
 import { encodeBatch } from '../../shared/contracts/batch';
 import { openTestBroker, type TestBroker } from '../support/broker';
-import { makeRowBatch, readyAtRest, rowDeletePolicyYaml } from '../support/fixtures';
+import { closeBedAndBroker, makeRowBatch, readyAtRest, rowDeletePolicyYaml } from '../support/fixtures';
 import { eventually } from '../support/eventually';
-import { assertNoLeakedProcesses, runReaperCli, startReaper } from '../support/processes';
+import { runReaperCli, startReaper } from '../support/processes';
 import { countReservations, seedHolds } from '../support/seed';
 import { makeTestBed, type TestBed } from '../support/testbed';
 
@@ -31,14 +31,7 @@ describe('dead-letter commands', () => {
     await connection.close();
     broker = await openTestBroker(bed.amqpUrl);
   });
-  after(async () => {
-    try {
-      await assertNoLeakedProcesses();
-    } finally {
-      await broker?.close();
-      await bed?.close();
-    }
-  });
+  after(() => closeBedAndBroker({ bed, broker }));
 
   test('list shows the reason and keeps the message; requeue sends it back and a worker deletes its rows', async () => {
     const seeded = await seedHolds(bed.pool, { expiredHeld: 7 });

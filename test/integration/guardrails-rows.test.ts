@@ -1,18 +1,17 @@
 import assert from 'node:assert/strict';
-import { randomUUID } from 'node:crypto';
 import { after, before, describe, test } from 'node:test';
 import pino from 'pino';
 import { loadPolicies, policyVersion } from '../../shared/config/policies';
 import { brokerNames } from '../../shared/amqp/topology';
-import { encodeBatch, makeBatchId, type BatchV1 } from '../../shared/contracts/batch';
 import { runsGetSummary, runsInsertIfAbsent } from '../../shared/db/queries/runs';
 import { startScheduler } from '../../services/scheduler/scheduler';
 import { startWorker, type WorkerHandle } from '../../services/worker/worker';
 import { openTestBroker, type TestBroker } from '../support/broker';
 import { eventually } from '../support/eventually';
 import { assertNoLeakedProcesses, runReaperCli } from '../support/processes';
-import { countReservations, databaseNowIso, itemsFor, seedHolds } from '../support/seed';
+import { countReservations, databaseNowIso, seedHolds } from '../support/seed';
 import { makeTestBed, type TestBed } from '../support/testbed';
+import { makeRowBatch, publishBatch, rowDeletePolicyYaml } from '../support/fixtures';
 
 /**
  * Guardrails on row-delete (issue 9): `plan` changes nothing and predicts the run, legal holds win
@@ -27,17 +26,7 @@ describe('guardrails: row-delete', () => {
 
   before(async () => {
     bed = await makeTestBed('guardrails_rows');
-    policiesPath = bed.writePolicies(`policies:
-  - name: seat-holds
-    kind: row-delete
-    schedule: "0 0 1 1 *"
-    table: seat_reservations
-    key: reservation_id
-    expiresAt: expires_at
-    guard: { status: held }
-    batchSize: 10
-    audit: { enabled: true, retainDays: 30 }
-`);
+    policiesPath = bed.writePolicies(rowDeletePolicyYaml({ batchSize: 10, audit: true }));
     broker = await openTestBroker(bed.amqpUrl);
     names = brokerNames(bed.prefix);
     // Declare the topology (a worker asserts it at start) so the snapshots can count its queues.
@@ -115,17 +104,9 @@ describe('guardrails: row-delete', () => {
   test('a hold added after the batch was published keeps its row; removing it lets the next run delete it', async () => {
     await bed.pool.query('TRUNCATE seat_reservations');
     const seeded = await seedHolds(bed.pool, { expiredHeld: 8 });
-    const runId = randomUUID();
-    const batch: BatchV1 = {
-      version: 1,
-      runId,
-      batchId: makeBatchId(runId, 1),
-      policy: 'seat-holds',
-      cutoff: await databaseNowIso(bed.pool),
-      items: await itemsFor(bed.pool, seeded.expiredHeld),
-    };
+    const batch = await makeRowBatch(bed.pool, seeded.expiredHeld);
     // Published first (no worker yet): the batch waits in the queue while the hold is placed.
-    await broker.publish(names.workExchange, 'seat-holds', encodeBatch(batch), { messageId: batch.batchId, headers: { 'x-run-id': runId } });
+    await publishBatch(broker, names, batch);
     const held = seeded.expiredHeld[3]!;
     assert.equal((await cli(['hold', 'add', 'seat-holds', held, '--reason', 'subpoena'])).code, 0);
     const env = bed.env();
@@ -153,15 +134,8 @@ describe('guardrails: row-delete', () => {
   test('audit: exactly one row per deletion across duplicate deliveries and a renewal race; `reaper audit` answers', async () => {
     await bed.pool.query('TRUNCATE seat_reservations');
     const seeded = await seedHolds(bed.pool, { expiredHeld: 12 });
-    const runId = randomUUID();
-    const batch: BatchV1 = {
-      version: 1,
-      runId,
-      batchId: makeBatchId(runId, 1),
-      policy: 'seat-holds',
-      cutoff: await databaseNowIso(bed.pool),
-      items: await itemsFor(bed.pool, seeded.expiredHeld),
-    };
+    const batch = await makeRowBatch(bed.pool, seeded.expiredHeld);
+    const { runId } = batch;
     // Renewed after the scan, before the worker: the DELETE no longer matches them.
     const renewed = seeded.expiredHeld.slice(0, 3);
     await bed.pool.query(`UPDATE seat_reservations SET expires_at = now() + interval '1 hour' WHERE reservation_id = ANY($1::uuid[])`, [renewed]);
@@ -169,7 +143,7 @@ describe('guardrails: row-delete', () => {
     const worker = await startWorker(env, loadPolicies(env.policiesPath), log);
     try {
       for (let copy = 0; copy < 3; copy++) {
-        await broker.publish(names.workExchange, 'seat-holds', encodeBatch(batch), { messageId: batch.batchId, headers: { 'x-run-id': runId } });
+        await publishBatch(broker, names, batch);
       }
       await eventually('three deliveries settled', async () => {
         const metric = await worker.metrics.registry.getSingleMetric('reaper_batches_total')!.get();

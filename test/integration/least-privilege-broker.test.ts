@@ -17,9 +17,10 @@ import { brokerPermissions, brokerUserName, type BrokerRole } from '../../shared
 import { eventually } from '../support/eventually';
 import { startMediaApi, type MediaApi } from '../../tools/media-api/server';
 import { assertNoLeakedProcesses, runReaperCli } from '../support/processes';
-import { assetStatuses, errorsLogged, seedAssets, started, startSchedulerProcess, startWorkerProcess, stopStarted } from '../support/remote-helpers';
+import { assetStatuses, errorsLogged, mediaPolicyYaml, seedAssets, started, startSchedulerProcess, startWorkerProcess, stopStarted } from '../support/remote-helpers';
 import { countReservations, seedHolds } from '../support/seed';
 import { makeTestBed, type TestBed } from '../support/testbed';
+import { combinedPoliciesYaml, rowDeletePolicyYaml } from '../support/fixtures';
 
 const run = promisify(execFile);
 const rabbitmqctl = (...args: string[]) => run('rabbitmqctl', ['-q', ...args], { timeout: 60_000 });
@@ -75,31 +76,12 @@ before(async () => {
     const { configure, write, read } = permissions[role];
     await rabbitmqctlWhenUp('set_permissions', '-p', vhost, user(role), configure, write, read);
   }
-  bed.writePolicies(`policies:
-  - name: seat-holds
-    kind: row-delete
-    schedule: "0 0 1 1 *"
-    table: seat_reservations
-    key: reservation_id
-    expiresAt: expires_at
-    guard: { status: held }
-    batchSize: 20
-  - name: media-assets
-    kind: remote-delete
-    schedule: "0 0 1 1 *"
-    table: media_assets
-    key: asset_id
-    expiresAt: retention_expires_at
-    guard: { status: active }
-    markConfirmed: { status: deleted }
-    batchSize: 10
-    remote:
-      baseUrl: ${api.url}
-      path: /assets/{id}
-      timeoutMs: 2000
-    admission: { ratePerSecond: 500, burst: 50, concurrency: 8 }
-    leaseMs: 12000
-`);
+  bed.writePolicies(
+    combinedPoliciesYaml(
+      rowDeletePolicyYaml({ batchSize: 20 }),
+      mediaPolicyYaml({ baseUrl: api.url, ratePerSecond: 500, burst: 50, concurrency: 8, batchSize: 10, timeoutMs: 2000, leaseMs: 12_000 }),
+    ),
+  );
 });
 
 /** rabbitmqctl once the broker app runs: another test file (broker-restart) may be restarting it. */

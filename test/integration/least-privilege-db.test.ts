@@ -16,10 +16,11 @@ import { REAPER_TABLE_GRANTS, type DbRoleNames } from '../../shared/db/queries/r
 import { eventually } from '../support/eventually';
 import { startMediaApi, type MediaApi } from '../../tools/media-api/server';
 import { runReaperCli } from '../support/processes';
-import { assetStatuses, errorsLogged, seedAssets, started, startSchedulerProcess, startWorkerProcess, stopStarted } from '../support/remote-helpers';
+import { assetStatuses, errorsLogged, mediaPolicyYaml, seedAssets, started, startSchedulerProcess, startWorkerProcess, stopStarted } from '../support/remote-helpers';
 import { countReservations, seedHolds } from '../support/seed';
 import { makeTestBed, type TestBed } from '../support/testbed';
 import { assertNoLeakedProcesses } from '../support/processes';
+import { combinedPoliciesYaml, rowDeletePolicyYaml } from '../support/fixtures';
 
 const suffix = randomBytes(4).toString('hex');
 const roles: DbRoleNames = { migrator: `reaper_migrator_${suffix}`, scheduler: `reaper_scheduler_${suffix}`, worker: `reaper_worker_${suffix}` };
@@ -60,31 +61,12 @@ async function refusal(role: string, sql: string): Promise<string | undefined> {
 before(async () => {
   bed = await makeTestBed('least_privilege_db');
   api = await startMediaApi({});
-  policiesPath = bed.writePolicies(`policies:
-  - name: seat-holds
-    kind: row-delete
-    schedule: "0 0 1 1 *"
-    table: seat_reservations
-    key: reservation_id
-    expiresAt: expires_at
-    guard: { status: held }
-    batchSize: 20
-  - name: media-assets
-    kind: remote-delete
-    schedule: "0 0 1 1 *"
-    table: media_assets
-    key: asset_id
-    expiresAt: retention_expires_at
-    guard: { status: active }
-    markConfirmed: { status: deleted }
-    batchSize: 10
-    remote:
-      baseUrl: ${api.url}
-      path: /assets/{id}
-      timeoutMs: 2000
-    admission: { ratePerSecond: 500, burst: 50, concurrency: 8 }
-    leaseMs: 12000
-`);
+  policiesPath = bed.writePolicies(
+    combinedPoliciesYaml(
+      rowDeletePolicyYaml({ batchSize: 20 }),
+      mediaPolicyYaml({ baseUrl: api.url, ratePerSecond: 500, burst: 50, concurrency: 8, batchSize: 10, timeoutMs: 2000, leaseMs: 12_000 }),
+    ),
+  );
   // A table no policy names, with a row the worker must not be able to delete.
   await bed.pool.query('CREATE TABLE unrelated_data (id int PRIMARY KEY)');
   await bed.pool.query('INSERT INTO unrelated_data VALUES (1)');

@@ -9,7 +9,6 @@ import {
   assetStatuses,
   closeRemoteWorld,
   currentKeyOf,
-  errorsLogged,
   ledgerDiagnosis,
   ledgerRows,
   MEDIA_POLICY,
@@ -19,6 +18,7 @@ import {
   startWorkerProcess,
 } from '../support/remote-helpers';
 import type { TestBed } from '../support/testbed';
+import { stopAllCleanly } from '../support/fixtures';
 
 /**
  * Issue 7 item 3, end to end: assets whose ids are `.`, `..`, `a/b`, `%2F`, `x?y#z`, a space, `€`,
@@ -77,8 +77,6 @@ describe('remote-delete: ids that are not URL-safe', () => {
     for (const id of ODD_IDS) assert.equal(statuses.get(id), 'deleted', `${id}: the row says deleted`);
     assert.equal(statuses.get('bystander'), 'active');
 
-    const exits = await Promise.all(processes.map((p) => p.stop()));
-    for (const [index, exit] of exits.entries()) assert.equal(exit.code, 0, `${processes[index]!.label} drains and exits 0`);
-    assert.deepEqual(errorsLogged(processes), []);
+    await stopAllCleanly(processes);
   });
 });

@@ -2,13 +2,13 @@ import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
 import { eventually } from '../support/eventually';
 import { startMediaApi, type MediaApi } from '../../tools/media-api/server';
-import { assertNoLeakedProcesses, runReaperCli, type ReaperProcess } from '../support/processes';
+import { runReaperCli, type ReaperProcess } from '../support/processes';
 import {
   assertRetention,
   assetStatuses,
   callsByKey,
+  closeRemoteWorld,
   currentKeyOf,
-  errorsLogged,
   ledgerRows,
   MEDIA_POLICY,
   mediaPolicyYaml,
@@ -16,9 +16,9 @@ import {
   startSchedulerProcess,
   started,
   startWorkerProcess,
-  stopStarted,
 } from '../support/remote-helpers';
 import { makeTestBed, type TestBed } from '../support/testbed';
+import { stopAllCleanly } from '../support/fixtures';
 
 /**
  * docs/design.md invariant 7: the operation key is derived from the retention decision
@@ -42,17 +42,9 @@ describe('remote-delete: restored and renewed assets', () => {
 
   after(async () => {
     try {
-      const exits = await Promise.all(processes.map((p) => p.stop()));
-      for (const [index, exit] of exits.entries()) assert.equal(exit.code, 0, `${processes[index]!.label} drains and exits 0`);
-      assert.deepEqual(errorsLogged(processes), []);
+      await stopAllCleanly(processes);
     } finally {
-      try {
-        await stopStarted();
-        await assertNoLeakedProcesses();
-      } finally {
-        await api?.close();
-        await bed?.close();
-      }
+      await closeRemoteWorld({ bed, api });
     }
   });
 

@@ -4,12 +4,12 @@ import { after, before, describe, test } from 'node:test';
 import { signWebhook } from '../../services/scheduler/webhooks';
 import { eventually } from '../support/eventually';
 import { startMediaApi, type MediaApi } from '../../tools/media-api/server';
-import { assertNoLeakedProcesses, runReaperCli, type ReaperProcess } from '../support/processes';
+import { runReaperCli, type ReaperProcess } from '../support/processes';
 import {
   assertRetention,
   callsByKey,
+  closeRemoteWorld,
   currentKeyOf,
-  errorsLogged,
   ledgerRows,
   MEDIA_POLICY,
   mediaPolicyYaml,
@@ -17,9 +17,9 @@ import {
   startSchedulerProcess,
   started,
   startWorkerProcess,
-  stopStarted,
 } from '../support/remote-helpers';
 import { makeTestBed, type TestBed } from '../support/testbed';
+import { stopAllCleanly } from '../support/fixtures';
 
 /**
  * POST /webhooks/<policy> on the scheduler (docs/design.md "HTTP"; issue: webhooks converge on the same
@@ -62,17 +62,9 @@ describe('remote-delete: webhooks', () => {
 
   after(async () => {
     try {
-      const exits = await Promise.all(processes.map((p) => p.stop()));
-      for (const [index, exit] of exits.entries()) assert.equal(exit.code, 0, `${processes[index]!.label} drains and exits 0`);
-      assert.deepEqual(errorsLogged(processes), []);
+      await stopAllCleanly(processes);
     } finally {
-      try {
-        await stopStarted();
-        await assertNoLeakedProcesses();
-      } finally {
-        await api?.close();
-        await bed?.close();
-      }
+      await closeRemoteWorld({ bed, api });
     }
   });
 

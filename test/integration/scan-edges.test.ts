@@ -7,12 +7,12 @@ import { decodeBatch, type BatchV1 } from '../../shared/contracts/batch';
 import { runsInsertIfAbsent } from '../../shared/db/queries/runs';
 import { startScheduler } from '../../services/scheduler/scheduler';
 import { startWorker } from '../../services/worker/worker';
-import { openTestBroker, type TestBroker } from '../support/broker';
+import { type TestBroker } from '../support/broker';
 import { eventually } from '../support/eventually';
-import { makeRowBatch, publishBatch, readyAtRest, receiptsOf, rowDeletePolicyYaml, runReceipts, runRow } from '../support/fixtures';
-import { assertNoLeakedProcesses, startReaper } from '../support/processes';
+import { closeBedAndBroker, makeRowBatch, openBedAndBroker, publishBatch, readyAtRest, receiptsOf, rowDeletePolicyYaml, runReceipts, runRow } from '../support/fixtures';
+import { startReaper } from '../support/processes';
 import { countReservations } from '../support/seed';
-import { makeTestBed, type TestBed } from '../support/testbed';
+import { type TestBed } from '../support/testbed';
 
 /**
  * The edges of the keyset scan and of the conditional DELETE (docs/design.md invariants 2, 3, 4):
@@ -30,19 +30,10 @@ describe('scan and delete edges', () => {
   const log = pino({ level: process.env.TEST_LOG_LEVEL ?? 'silent' });
 
   before(async () => {
-    bed = await makeTestBed('scan_edges');
-    broker = await openTestBroker(bed.amqpUrl);
-    names = brokerNames(bed.prefix);
+    ({ bed, broker, names } = await openBedAndBroker('scan_edges'));
   });
 
-  after(async () => {
-    try {
-      await assertNoLeakedProcesses();
-    } finally {
-      await broker?.close();
-      await bed?.close();
-    }
-  });
+  after(() => closeBedAndBroker({ bed, broker }));
 
   /** Inserts held rows expiring at `expiry` (an SQL expression evaluated once per statement). */
   async function insertHolds(count: number, expiry: string, params: unknown[] = []): Promise<string[]> {

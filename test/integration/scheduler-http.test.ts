@@ -1,10 +1,11 @@
 import assert from 'node:assert/strict';
-import { after, afterEach, before, describe, test } from 'node:test';
+import { after, before, describe, test } from 'node:test';
 import pg from 'pg';
 import { eventually } from '../support/eventually';
-import { assertNoLeakedProcesses, startReaper as startProcess, type ReaperProcess } from '../support/processes';
+import { assertNoLeakedProcesses } from '../support/processes';
 import { findServers } from '../support/servers';
 import { makeTestBed, type TestBed } from '../support/testbed';
+import { rowDeletePolicyYaml, startReaperStoppedAfterEach } from '../support/fixtures';
 
 /**
  * The scheduler's health endpoints (issue 7 item 16): /livez answers from the start, also while
@@ -12,30 +13,13 @@ import { makeTestBed, type TestBed } from '../support/testbed';
  */
 describe('scheduler /livez and /readyz', () => {
   let bed: TestBed;
-  let running: ReaperProcess[] = [];
-  const startReaper = (...args: Parameters<typeof startProcess>): ReaperProcess => {
-    const process = startProcess(...args);
-    running.push(process);
-    return process;
-  };
+  const startReaper = startReaperStoppedAfterEach();
 
   before(async () => {
     bed = await makeTestBed('scheduler_http');
     // The database test below terminates every connection to the test database, this pool's too.
     bed.pool.on('error', () => undefined);
-    bed.writePolicies(`policies:
-  - name: seat-holds
-    kind: row-delete
-    schedule: "0 0 1 1 *"
-    table: seat_reservations
-    key: reservation_id
-    expiresAt: expires_at
-    guard: { status: held }
-`);
-  });
-  afterEach(async () => {
-    await Promise.all(running.map((p) => p.stop(2_000)));
-    running = [];
+    bed.writePolicies(rowDeletePolicyYaml());
   });
   after(async () => {
     try {

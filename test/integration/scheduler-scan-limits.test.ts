@@ -1,13 +1,14 @@
 import assert from 'node:assert/strict';
-import { after, afterEach, before, describe, test } from 'node:test';
+import { after, before, describe, test } from 'node:test';
 import { brokerNames } from '../../shared/amqp/topology';
 import { MAX_MESSAGE_BYTES } from '../../shared/contracts/batch';
 import type { RunSummary } from '../../shared/db/queries/runs';
-import { openTestBroker, type TestBroker } from '../support/broker';
+import { type TestBroker } from '../support/broker';
 import { eventually } from '../support/eventually';
-import { assertNoLeakedProcesses, runReaperCli, startReaper as startProcess, type ReaperProcess } from '../support/processes';
+import { runReaperCli, type ReaperProcess } from '../support/processes';
 import { seedHolds } from '../support/seed';
-import { makeTestBed, type TestBed } from '../support/testbed';
+import { type TestBed } from '../support/testbed';
+import { closeBedAndBroker, openBedAndBroker, rowDeletePolicyYaml, startReaperStoppedAfterEach, triggerRunId } from '../support/fixtures';
 
 /**
  * A scan that meets what a message cannot carry, and runs that can never complete, with a real
@@ -20,45 +21,17 @@ import { makeTestBed, type TestBed } from '../support/testbed';
  */
 const textKeyTable = (table: string) =>
   `CREATE TABLE ${table} (k text PRIMARY KEY, status text NOT NULL, expires_at timestamptz NOT NULL)`;
-const policy = (name: string, table: string, key: string, batchSize: number) => `  - name: ${name}
-    kind: row-delete
-    schedule: "0 0 1 1 *"
-    table: ${table}
-    key: ${key}
-    expiresAt: expires_at
-    guard: { status: held }
-    batchSize: ${batchSize}
-`;
 
 describe('scan limits and runs that cannot complete', () => {
   let bed: TestBed;
   let broker: TestBroker;
   let names: ReturnType<typeof brokerNames>;
-  let running: ReaperProcess[] = [];
-  const startReaper = (...args: Parameters<typeof startProcess>): ReaperProcess => {
-    const process = startProcess(...args);
-    running.push(process);
-    return process;
-  };
+  const startReaper = startReaperStoppedAfterEach();
 
   before(async () => {
-    bed = await makeTestBed('scheduler_scan_limits');
-    broker = await openTestBroker(bed.amqpUrl);
-    names = brokerNames(bed.prefix);
+    ({ bed, broker, names } = await openBedAndBroker('scheduler_scan_limits'));
   });
-  // A failed test stops its services here, so they cannot claim the next test's runs.
-  afterEach(async () => {
-    await Promise.all(running.map((p) => p.stop(2_000)));
-    running = [];
-  });
-  after(async () => {
-    try {
-      await assertNoLeakedProcesses();
-    } finally {
-      await broker?.close();
-      await bed?.close();
-    }
-  });
+  after(() => closeBedAndBroker({ bed, broker }));
 
   const summary = async (runId: string): Promise<RunSummary> => {
     const result = await runReaperCli(['run', runId, '--json'], bed.processEnv());
@@ -67,11 +40,7 @@ describe('scan limits and runs that cannot complete', () => {
   };
   const stateOf = async (runId: string): Promise<string> =>
     (await bed.pool.query<{ state: string }>('SELECT state FROM cleanup_runs WHERE run_id = $1', [runId])).rows[0]!.state;
-  const trigger = async (policyName: string): Promise<string> => {
-    const result = await runReaperCli(['trigger', policyName, '--json'], bed.processEnv());
-    assert.equal(result.code, 0, result.stdout);
-    return (JSON.parse(result.stdout) as { runId: string }).runId;
-  };
+  const trigger = (policyName: string): Promise<string> => triggerRunId(bed, policyName);
   const startServices = async (withWorker = true): Promise<ReaperProcess[]> => {
     const services = [startReaper('scheduler', ['scheduler'], bed.processEnv({ REAPER_WORKER_ID: 'scheduler-1', REAPER_RUN_INCOMPLETE_AFTER_SECONDS: '2' }))];
     if (withWorker) services.push(startReaper('worker', ['worker'], bed.processEnv({ REAPER_WORKER_ID: 'worker-1' })));
@@ -95,7 +64,7 @@ describe('scan limits and runs that cannot complete', () => {
     await bed.pool.query(
       `INSERT INTO long_key_holds SELECT 'short-' || i, 'held', now() - interval '1 hour' + i * interval '1 ms' FROM generate_series(1, 25) i`,
     );
-    bed.writePolicies(`policies:\n${policy('long-keys', 'long_key_holds', 'k', 10)}`);
+    bed.writePolicies(rowDeletePolicyYaml({ name: 'long-keys', table: 'long_key_holds', key: 'k', batchSize: 10 }));
     const services = await startServices();
     const runId = await trigger('long-keys');
     await eventually('the run to complete', async () => (await stateOf(runId)) === 'completed', {
@@ -125,7 +94,7 @@ describe('scan limits and runs that cannot complete', () => {
       `INSERT INTO wide_key_holds SELECT repeat('界', 495) || lpad(i::text, 5, '0'), 'held', now() - interval '1 hour' + i * interval '1 ms'
        FROM generate_series(1, 1000) i`,
     );
-    bed.writePolicies(`policies:\n${policy('wide-keys', 'wide_key_holds', 'k', 1000)}`);
+    bed.writePolicies(rowDeletePolicyYaml({ name: 'wide-keys', table: 'wide_key_holds', key: 'k', batchSize: 1000 }));
     const services = await startServices();
     const runId = await trigger('wide-keys');
     await eventually('the run to complete', async () => (await stateOf(runId)) === 'completed', {
@@ -145,7 +114,7 @@ describe('scan limits and runs that cannot complete', () => {
   test('a run one of whose batches was dead-lettered ends incomplete with the counts', async () => {
     await bed.pool.query('DELETE FROM seat_reservations');
     await seedHolds(bed.pool, { expiredHeld: 50 });
-    bed.writePolicies(`policies:\n${policy('seat-holds', 'seat_reservations', 'reservation_id', 10)}`);
+    bed.writePolicies(rowDeletePolicyYaml({ batchSize: 10 }));
     // No worker yet: the five batches wait in the work queue.
     const [scheduler] = await startServices(false);
     const runId = await trigger('seat-holds');

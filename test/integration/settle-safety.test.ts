@@ -1,6 +1,5 @@
 import assert from 'node:assert/strict';
 import { execFile } from 'node:child_process';
-import { randomUUID } from 'node:crypto';
 import { after, before, describe, test } from 'node:test';
 import { promisify } from 'node:util';
 import amqp from 'amqplib';
@@ -9,14 +8,15 @@ import pino from 'pino';
 import { ConfirmingPublisher, fixedConnection } from '../../shared/amqp/publisher';
 import { assertTopology, brokerNames, makeTopology } from '../../shared/amqp/topology';
 import { loadPolicies } from '../../shared/config/policies';
-import { encodeBatch, makeBatchId, type BatchV1 } from '../../shared/contracts/batch';
+import { encodeBatch } from '../../shared/contracts/batch';
 import { makeMetrics } from '../../shared/observability/metrics';
 import { settle, type SettleDeps } from '../../services/worker/settle';
 import { startWorker } from '../../services/worker/worker';
 import { openTestBroker, type TestBroker } from '../support/broker';
 import { eventually } from '../support/eventually';
-import { countReservations, databaseNowIso, itemsFor, seedHolds } from '../support/seed';
+import { countReservations, seedHolds } from '../support/seed';
 import { makeTestBed, type TestBed } from '../support/testbed';
+import { makeRowBatch, rowDeletePolicyYaml } from '../support/fixtures';
 
 /**
  * What happens after a batch's work is decided must never throw out of the consumer: a metrics or
@@ -33,15 +33,7 @@ describe('settle and the consumer never throw, and never lose a message', () => 
 
   before(async () => {
     bed = await makeTestBed('settle_safety');
-    bed.writePolicies(`policies:
-  - name: seat-holds
-    kind: row-delete
-    schedule: "0 0 1 1 *"
-    table: seat_reservations
-    key: reservation_id
-    expiresAt: expires_at
-    guard: { status: held }
-`);
+    bed.writePolicies(rowDeletePolicyYaml());
     names = brokerNames(bed.prefix);
     queue = `${bed.prefix}.settle-probe`;
     connection = await amqp.connect(bed.amqpUrl);
@@ -132,15 +124,7 @@ describe('settle and the consumer never throw, and never lose a message', () => 
       };
       for (let round = 1; round <= 2; round++) {
         const seeded = await seedHolds(bed.pool, { expiredHeld: 4 });
-        const runId = randomUUID();
-        const batch: BatchV1 = {
-          version: 1,
-          runId,
-          batchId: makeBatchId(runId, 1),
-          policy: 'seat-holds',
-          cutoff: await databaseNowIso(bed.pool),
-          items: await itemsFor(bed.pool, seeded.expiredHeld),
-        };
+        const batch = await makeRowBatch(bed.pool, seeded.expiredHeld);
         await broker.publish(names.workExchange, 'seat-holds', encodeBatch(batch), { messageId: batch.batchId });
         await eventually(`batch ${round} deleted`, async () => (await countReservations(bed.pool, seeded.expiredHeld)) === 0);
         await eventually(`batch ${round} acked (nothing ready or unacked in the work queue)`, async () => (await queueCounts(names.workQueue('seat-holds'))) === '0 0');

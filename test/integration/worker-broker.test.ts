@@ -1,17 +1,17 @@
 import assert from 'node:assert/strict';
 import { execFile } from 'node:child_process';
-import { randomUUID } from 'node:crypto';
 import { createServer } from 'node:net';
 import { after, before, describe, test } from 'node:test';
 import { promisify } from 'node:util';
 import amqp from 'amqplib';
 import { brokerNames } from '../../shared/amqp/topology';
-import { encodeBatch, makeBatchId, type BatchV1 } from '../../shared/contracts/batch';
-import { openTestBroker, type TestBroker } from '../support/broker';
+import { encodeBatch } from '../../shared/contracts/batch';
+import { type TestBroker } from '../support/broker';
 import { eventually } from '../support/eventually';
-import { assertNoLeakedProcesses, startReaper, type ReaperProcess } from '../support/processes';
-import { countReservations, databaseNowIso, itemsFor, seedHolds } from '../support/seed';
-import { makeTestBed, type TestBed } from '../support/testbed';
+import { startReaper, type ReaperProcess } from '../support/processes';
+import { countReservations, seedHolds } from '../support/seed';
+import { type TestBed } from '../support/testbed';
+import { closeBedAndBroker, makeRowBatch, openBedAndBroker, rowDeletePolicyYaml } from '../support/fixtures';
 
 /**
  * The worker and the broker's own decisions: a queue the broker holds with other arguments
@@ -24,24 +24,9 @@ describe('worker against the broker', () => {
   let names: ReturnType<typeof brokerNames>;
 
   before(async () => {
-    bed = await makeTestBed('worker_broker');
-    bed.writePolicies(`policies:
-  - name: seat-holds
-    kind: row-delete
-    schedule: "0 0 1 1 *"
-    table: seat_reservations
-    key: reservation_id
-    expiresAt: expires_at
-    guard: { status: held }
-`);
-    names = brokerNames(bed.prefix);
-    broker = await openTestBroker(bed.amqpUrl);
+    ({ bed, broker, names } = await openBedAndBroker('worker_broker', rowDeletePolicyYaml()));
   });
-  after(async () => {
-    await assertNoLeakedProcesses();
-    await broker?.close();
-    await bed?.close();
-  });
+  after(() => closeBedAndBroker({ bed, broker }));
 
   /** A port nothing listens on: bound once by the OS, then released. */
   async function closedPort(): Promise<number> {
@@ -118,15 +103,7 @@ describe('worker against the broker', () => {
     await eventually('ready again', async () => (await fetch(`${base}/readyz`)).status === 200);
 
     const seeded = await seedHolds(bed.pool, { expiredHeld: 5 });
-    const runId = randomUUID();
-    const batch: BatchV1 = {
-      version: 1,
-      runId,
-      batchId: makeBatchId(runId, 1),
-      policy: 'seat-holds',
-      cutoff: await databaseNowIso(bed.pool),
-      items: await itemsFor(bed.pool, seeded.expiredHeld),
-    };
+    const batch = await makeRowBatch(bed.pool, seeded.expiredHeld);
     await broker.publish(names.workExchange, 'seat-holds', encodeBatch(batch), { messageId: batch.batchId, mandatory: true });
     await eventually('the batch to be deleted', async () => (await countReservations(bed.pool, seeded.expiredHeld)) === 0);
     assert.deepEqual(await worker.stop(), { code: 0, signal: null });

@@ -8,7 +8,15 @@ import type pg from 'pg';
  * the machine speed; the stand-in's wall-clock call times cannot say when a call was granted.
  */
 export interface AdmissionEvent {
+  /** When the trigger ran (clock_timestamp(), after the decision). */
   ms: number;
+  /** When the statement that made the change began (statement_timestamp(), before the decision). */
+  statementMs: number;
+  /**
+   * claim only: the instant the grant was decided at (the bucket's refill instant the same
+   * statement stored on the admission row): what the token bucket is exact about.
+   */
+  decidedMs: number | null;
   kind: 'claim' | 'block' | 'pause';
   detail: string | null;
 }
@@ -19,16 +27,23 @@ export interface AdmissionEvents {
 }
 
 export async function recordAdmissionEvents(pool: pg.Pool): Promise<AdmissionEvents> {
-  await pool.query(`CREATE TABLE IF NOT EXISTS reaper_test_admission_events (at timestamptz NOT NULL, kind text NOT NULL, detail text)`);
+  await pool.query(
+    `CREATE TABLE IF NOT EXISTS reaper_test_admission_events (at timestamptz NOT NULL, statement_at timestamptz NOT NULL, decided_at timestamptz, kind text NOT NULL, detail text)`,
+  );
+  // An AFTER trigger sees the whole statement's changes: the admission row as the claiming statement stored it.
   await pool.query(`CREATE OR REPLACE FUNCTION reaper_test_claim_event() RETURNS trigger LANGUAGE plpgsql AS $$
-    BEGIN INSERT INTO reaper_test_admission_events VALUES (clock_timestamp(), 'claim', NEW.operation_key); RETURN NULL; END $$`);
+    BEGIN
+      INSERT INTO reaper_test_admission_events
+        VALUES (clock_timestamp(), statement_timestamp(), (SELECT refilled_at FROM cleanup_admission WHERE policy = NEW.policy), 'claim', NEW.operation_key);
+      RETURN NULL;
+    END $$`);
   await pool.query(`CREATE OR REPLACE FUNCTION reaper_test_admission_event() RETURNS trigger LANGUAGE plpgsql AS $$
     BEGIN
       IF NEW.blocked_until IS DISTINCT FROM OLD.blocked_until THEN
-        INSERT INTO reaper_test_admission_events VALUES (clock_timestamp(), 'block', NEW.blocked_until::text);
+        INSERT INTO reaper_test_admission_events VALUES (clock_timestamp(), statement_timestamp(), NULL, 'block', NEW.blocked_until::text);
       END IF;
       IF NEW.paused IS DISTINCT FROM OLD.paused THEN
-        INSERT INTO reaper_test_admission_events VALUES (clock_timestamp(), 'pause', NEW.paused::text);
+        INSERT INTO reaper_test_admission_events VALUES (clock_timestamp(), statement_timestamp(), NULL, 'pause', NEW.paused::text);
       END IF;
       RETURN NULL;
     END $$`);
@@ -39,7 +54,11 @@ export async function recordAdmissionEvents(pool: pg.Pool): Promise<AdmissionEve
   return {
     async read() {
       return (
-        await pool.query<AdmissionEvent>(`SELECT (extract(epoch FROM at) * 1000)::float8 AS ms, kind, detail FROM reaper_test_admission_events ORDER BY at`)
+        await pool.query<AdmissionEvent>(
+          `SELECT (extract(epoch FROM at) * 1000)::float8 AS ms, (extract(epoch FROM statement_at) * 1000)::float8 AS "statementMs",
+                  (extract(epoch FROM decided_at) * 1000)::float8 AS "decidedMs", kind, detail
+           FROM reaper_test_admission_events ORDER BY at`,
+        )
       ).rows;
     },
     async remove() {

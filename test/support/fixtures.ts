@@ -1,13 +1,15 @@
 import assert from 'node:assert/strict';
+import { afterEach } from 'node:test';
 import { randomUUID } from 'node:crypto';
 import type pg from 'pg';
-import type { BrokerNames } from '../../shared/amqp/topology';
+import type { Registry } from 'prom-client';
+import { brokerNames, type BrokerNames } from '../../shared/amqp/topology';
 import { encodeBatch, makeBatchId, type BatchV1 } from '../../shared/contracts/batch';
-import type { TestBroker } from './broker';
+import { openTestBroker, type TestBroker } from './broker';
 import { eventually } from './eventually';
-import { startReaper, stopLeftovers, type ReaperProcess } from './processes';
+import { assertNoLeakedProcesses, runReaperCli, startReaper, stopLeftovers, type ReaperProcess } from './processes';
 import { databaseNowIso, itemsFor } from './seed';
-import type { TestBed } from './testbed';
+import { makeTestBed, type TestBed } from './testbed';
 
 /**
  * Fixtures the row-delete and broker tests share, instead of a copy per file: the seat-holds
@@ -27,6 +29,8 @@ export interface RowDeletePolicyOptions {
   schedule?: string;
   /** Turn the audit trail on (retainDays 30). */
   audit?: boolean;
+  /** The blast-radius brake's `limits` (written as given). */
+  limits?: { maxPerRun?: number; maxFractionPerRun?: number; approvalTolerance?: number };
 }
 
 /** A row-delete policies file (one policy; seat_reservations' held rows unless told otherwise). */
@@ -44,7 +48,18 @@ export function rowDeletePolicyYaml(options: RowDeletePolicyOptions = {}): strin
   if (guard) lines.push(`    guard: { ${Object.entries(guard).map(([column, value]) => `${column}: ${value}`).join(', ')} }`);
   if (options.batchSize !== undefined) lines.push(`    batchSize: ${options.batchSize}`);
   if (options.audit) lines.push('    audit: { enabled: true, retainDays: 30 }');
+  if (options.limits) lines.push(`    limits: { ${Object.entries(options.limits).map(([limit, value]) => `${limit}: ${value}`).join(', ')} }`);
   return `${lines.join('\n')}\n`;
+}
+
+/** One policies file from several one-policy files (rowDeletePolicyYaml, mediaPolicyYaml, ...). */
+export function combinedPoliciesYaml(...files: readonly string[]): string {
+  return `policies:\n${files.map((file) => file.replace(/^policies:\n/, '')).join('')}`;
+}
+
+/** The database clock moved by `interval` (e.g. '-30 minutes'), in the batch format (six fractional digits). */
+export async function databaseIsoIn(pool: pg.Pool, interval: string): Promise<string> {
+  return (await pool.query<{ at: string }>('SELECT reaper_iso(clock_timestamp() + $1::interval) AS at', [interval])).rows[0]!.at;
 }
 
 /** A batch as a scan would publish it for these rows: exact expiries, cutoff = database clock now. */
@@ -142,6 +157,8 @@ export interface ServiceSpec {
  */
 export interface ServiceGroup {
   services: ReaperProcess[];
+  /** Resolves once every scheduler logged 'scheduler started' and every worker 'worker consuming'. */
+  ready(timeoutMs?: number): Promise<void>;
   assertAlive(): void;
   eventuallyAlive<T>(what: string, probe: () => Promise<T | undefined | false> | T | undefined | false, options?: Parameters<typeof eventually>[2]): Promise<T>;
   stopLeftovers(): Promise<void>;
@@ -157,8 +174,17 @@ export function startServices(bed: TestBed, specs: readonly ServiceSpec[], why =
       [],
       why,
     );
+  const readyLine = { scheduler: 'scheduler started', worker: 'worker consuming' } as const;
   return {
     services,
+    async ready(timeoutMs?: number) {
+      await Promise.all(
+        services.map((service, index) => {
+          const line = readyLine[specs[index]!.kind];
+          return service.waitForLine(line, (logged) => logged.msg === line, timeoutMs);
+        }),
+      );
+    },
     assertAlive,
     async eventuallyAlive<T>(what: string, probe: () => Promise<T | undefined | false> | T | undefined | false, options: Parameters<typeof eventually>[2] = {}) {
       const dead = Symbol('died');
@@ -183,4 +209,103 @@ export function startServices(bed: TestBed, specs: readonly ServiceSpec[], why =
 export async function readyAtRest(broker: TestBroker, queue: string, timeoutMs = 15_000): Promise<number> {
   await eventually(`${queue} to have no consumer`, async () => (await broker.consumerCount(queue)) === 0, { timeoutMs, intervalMs: 50 });
   return broker.messageCount(queue);
+}
+
+/** A sample of an in-process service's metric (a histogram's _count/_sum/_bucket included), undefined when absent. */
+export async function metricValue(registry: Registry, name: string, labels: Record<string, string>): Promise<number | undefined> {
+  // A histogram's samples (_count, _sum, _bucket) belong to the metric named without the suffix.
+  const family = name.replace(/_(count|sum|bucket)$/, '');
+  const metric = registry.getSingleMetric(name) ?? registry.getSingleMetric(family);
+  assert.ok(metric, `metric ${name} is registered`);
+  const { values } = await metric.get();
+  return values.find(
+    (value) => ((value as { metricName?: string }).metricName ?? name) === name && Object.entries(labels).every(([key, label]) => value.labels[key] === label),
+  )?.value;
+}
+
+/** The database clock now, in epoch milliseconds (the clock runs, leases and gauges are read from). */
+export async function databaseNowMs(pool: pg.Pool): Promise<number> {
+  return (await pool.query<{ ms: number }>('SELECT (extract(epoch FROM clock_timestamp()) * 1000)::float8 AS ms')).rows[0]!.ms;
+}
+
+/**
+ * An age gauge (seconds since a known instant `sinceMs`, computed by a periodic pass from the
+ * database clock) checked with no wall-clock tolerance: waits for a value computed after this call
+ * began, and asserts that the instant it implies (sinceMs + age) lies between this call's start and
+ * the moment the value was read, both on the database clock. A gauge measuring from the wrong
+ * instant fails; a slow machine only makes the wait longer, never the check looser.
+ */
+export async function readAgeGaugeExactly(
+  pool: pg.Pool,
+  what: string,
+  sinceMs: number,
+  read: () => Promise<number | undefined>,
+  timeoutMs = 30_000,
+): Promise<number> {
+  const fromMs = await databaseNowMs(pool);
+  let last: number | undefined;
+  const age = await eventually(
+    `${what}: a value computed after ${new Date(fromMs).toISOString()}`,
+    async () => {
+      last = await read();
+      return last !== undefined && sinceMs + last * 1000 >= fromMs - 1 ? last : undefined;
+    },
+    { timeoutMs, describe: () => ({ lastAgeSeconds: last, impliedMs: last === undefined ? null : sinceMs + last * 1000, fromMs }) },
+  );
+  const toMs = await databaseNowMs(pool);
+  // 1 ms: rounding of the float seconds; the bracket itself is exact.
+  assert.ok(sinceMs + age * 1000 <= toMs + 1, `${what}: ${age} s implies ${sinceMs + age * 1000}, after it was read (${toMs})`);
+  return age;
+}
+
+export interface BedAndBroker {
+  bed: TestBed;
+  broker: TestBroker;
+  names: BrokerNames;
+}
+
+/** The usual before() of a file that talks to the broker: its bed (with this policies file, when given) and a test client on its broker. */
+export async function openBedAndBroker(label: string, policiesYaml?: string): Promise<BedAndBroker> {
+  const bed = await makeTestBed(label);
+  if (policiesYaml !== undefined) bed.writePolicies(policiesYaml);
+  return { bed, broker: await openTestBroker(bed.amqpUrl), names: brokerNames(bed.prefix) };
+}
+
+/**
+ * The matching after(): `first` (e.g. releasing held locks), then a failure when a test leaked a
+ * reaper process; the broker client and the bed are closed whatever failed before.
+ */
+export async function closeBedAndBroker(world: Partial<BedAndBroker>, first?: () => Promise<void>): Promise<void> {
+  try {
+    await first?.();
+    await assertNoLeakedProcesses();
+  } finally {
+    await world.broker?.close();
+    await world.bed?.close();
+  }
+}
+
+/** `reaper trigger <policy> --json`, which must succeed: the new run's id. */
+export async function triggerRunId(bed: TestBed, policy: string): Promise<string> {
+  const triggered = await runReaperCli(['trigger', policy, '--json'], bed.processEnv());
+  assert.equal(triggered.code, 0, triggered.stdout);
+  return (JSON.parse(triggered.stdout.slice(triggered.stdout.indexOf('{'))) as { runId: string }).runId;
+}
+
+/**
+ * A startReaper whose processes are stopped after each test of the suite it is made in (it
+ * registers the afterEach): a test that fails mid-way cannot leave a scheduler running that would
+ * claim the next test's runs.
+ */
+export function startReaperStoppedAfterEach(): typeof startReaper {
+  let running: ReaperProcess[] = [];
+  afterEach(async () => {
+    await Promise.all(running.map((p) => p.stop(2_000)));
+    running = [];
+  });
+  return (...args) => {
+    const started = startReaper(...args);
+    running.push(started);
+    return started;
+  };
 }

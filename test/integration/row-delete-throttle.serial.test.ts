@@ -3,11 +3,11 @@ import { randomUUID } from 'node:crypto';
 import { after, before, describe, test } from 'node:test';
 import { brokerNames } from '../../shared/amqp/topology';
 import { makeBatchId, type BatchV1 } from '../../shared/contracts/batch';
-import { openTestBroker, type TestBroker } from '../support/broker';
-import { makeRowBatch, publishBatch, rowDeletePolicyYaml, startServices, stopAllCleanly } from '../support/fixtures';
-import { assertNoLeakedProcesses, runReaperCli } from '../support/processes';
+import { type TestBroker } from '../support/broker';
+import { closeBedAndBroker, makeRowBatch, openBedAndBroker, publishBatch, rowDeletePolicyYaml, startServices, stopAllCleanly } from '../support/fixtures';
+import { runReaperCli } from '../support/processes';
 import { countReservations, seedHolds } from '../support/seed';
-import { makeTestBed, type TestBed } from '../support/testbed';
+import { type TestBed } from '../support/testbed';
 
 const RATE = 300;
 const BATCH = 30;
@@ -24,20 +24,10 @@ describe('row-delete throttle across three workers', () => {
   let names: ReturnType<typeof brokerNames>;
 
   before(async () => {
-    bed = await makeTestBed('row_delete_throttle');
-    bed.writePolicies(`${rowDeletePolicyYaml({ batchSize: BATCH })}    admission: { rowsPerSecond: ${RATE}, concurrency: 2 }\n`);
-    broker = await openTestBroker(bed.amqpUrl);
-    names = brokerNames(bed.prefix);
+    ({ bed, broker, names } = await openBedAndBroker('row_delete_throttle', `${rowDeletePolicyYaml({ batchSize: BATCH })}    admission: { rowsPerSecond: ${RATE}, concurrency: 2 }\n`));
   });
 
-  after(async () => {
-    try {
-      await assertNoLeakedProcesses();
-    } finally {
-      await broker?.close();
-      await bed?.close();
-    }
-  });
+  after(() => closeBedAndBroker({ bed, broker }));
 
   /** Receipts' commit-side times (transaction start, database clock) with their deleted counts, in order. */
   async function deletions(batchIds: readonly string[]): Promise<Array<{ at: number; deleted: number }>> {

@@ -3,8 +3,9 @@ import { after, before, describe, test } from 'node:test';
 import { eventually } from '../support/eventually';
 import type { MediaApi, MediaApiCall } from '../../tools/media-api/server';
 import { runReaperCli } from '../support/processes';
-import { closeRemoteWorld, errorsLogged, ledgerSummary, MEDIA_POLICY, openRemoteWorld, seedAssets, startSchedulerProcess, started, startWorkerProcess } from '../support/remote-helpers';
+import { closeRemoteWorld, ledgerSummary, MEDIA_POLICY, openRemoteWorld, seedAssets, startSchedulerProcess, started, startWorkerProcess } from '../support/remote-helpers';
 import type { TestBed } from '../support/testbed';
+import { stopAllCleanly } from '../support/fixtures';
 
 const FILE_CAP = 4;
 const BACKLOG = 150;
@@ -78,8 +79,6 @@ describe('admission set/reset: live, on every worker', () => {
     const row = status.policies.find((p) => p.policy === MEDIA_POLICY)!;
     assert.deepEqual([row.admission.override, row.admission.inForce.concurrency], [null, FILE_CAP], 'status shows the file values in force');
 
-    const exits = await Promise.all(all.map((p) => p.stop()));
-    for (const [index, exit] of exits.entries()) assert.equal(exit.code, 0, `${all[index]!.label} drains and exits 0`);
-    assert.deepEqual(errorsLogged(all), []);
+    await stopAllCleanly(all);
   });
 });
