@@ -10,6 +10,7 @@ import {
   runClaimOf,
   runsCompleteIfAllBatchesDone,
   runsExtendLease,
+  runsBeginWindow,
   runsHoldForApproval,
   runsRecordCount,
   runsSetPolicyVersion,
@@ -170,13 +171,15 @@ async function executeClaimed(context: RunContext, run: Run, policy: Policy, tar
     });
     if (!scanned.ok) return scanned.outcome;
     if (lease.lost) return lostLease(log);
-    const window = fitWindow(scanned.value, allowance.limit - progress.candidates);
+    // What earlier claims may have published past their checkpoints counts too (runsClaimNext).
+    const window = fitWindow(scanned.value, allowance.limit - progress.candidates - run.unconfirmedCandidates);
     if (window.batches.length > 0) {
       const confirmed = await attempt('publish', async () => {
         await deps.beforeStep?.('publish');
         // The claim is checked (and the lease extended) right before the window goes out: a
-        // scheduler that lost its claim during a long step publishes nothing more.
-        if (!(await lease.confirm())) return false;
+        // scheduler that lost its claim during a long step publishes nothing more. The window's
+        // count is recorded with it: a takeover before its checkpoint counts it as published.
+        if (!(await runsBeginWindow(deps.pool, claim, window.candidates, deps.leaseMs))) return false;
         return publishUnconfirmed(deps, run, window);
       });
       if (!confirmed.ok) return confirmed.outcome;
@@ -345,8 +348,6 @@ function lostLease(log: Logger): 'lost-lease' {
  */
 interface LeaseKeeper {
   readonly lost: boolean;
-  /** Extends now and says whether the claim is still held (throws when the database does not answer). */
-  confirm(): Promise<boolean>;
   stop(): void;
 }
 
@@ -371,7 +372,6 @@ function keepLease(deps: RunExecutorDeps, log: Logger, claim: RunClaim): LeaseKe
     get lost() {
       return lost;
     },
-    confirm,
     stop: () => clearInterval(timer),
   };
 }

@@ -8,3 +8,10 @@
 ALTER TABLE cleanup_runs ADD COLUMN IF NOT EXISTS counted_candidates bigint;
 ALTER TABLE cleanup_runs ADD COLUMN IF NOT EXISTS approved_candidates bigint;
 ALTER TABLE cleanup_runs ADD COLUMN IF NOT EXISTS approved_policy_version text;
+-- window_candidates: the candidates of the window the current claim is publishing, written when it
+--   checks its claim before publishing and cleared by the window's checkpoint.
+-- unconfirmed_candidates: windows earlier claims may have published without a checkpoint (a
+--   takeover folds window_candidates in here). They count against the allowance: those rows may
+--   be deleted even if the next claim's scan publishes other rows instead of them.
+ALTER TABLE cleanup_runs ADD COLUMN IF NOT EXISTS window_candidates bigint NOT NULL DEFAULT 0;
+ALTER TABLE cleanup_runs ADD COLUMN IF NOT EXISTS unconfirmed_candidates bigint NOT NULL DEFAULT 0;

@@ -59,6 +59,11 @@ export interface Run {
   /** What the operator approved: the count, and the policy version it was counted under. */
   approvedCandidates: number | null;
   approvedPolicyVersion: string | null;
+  /**
+   * Candidates earlier claims may have published past their last checkpoint (a takeover folds the
+   * window the lost claim was publishing in here): counted against the brake's allowance.
+   */
+  unconfirmedCandidates: number;
 }
 
 /** A run with the workers' receipts summed in. */
@@ -91,12 +96,13 @@ interface RunRow {
   counted_candidates: string | null;
   approved_candidates: string | null;
   approved_policy_version: string | null;
+  unconfirmed_candidates: string;
 }
 
 const RUN_COLUMNS = `run_id, policy, trigger, reaper_iso(scheduled_for) AS scheduled_for, reaper_iso(cutoff) AS cutoff,
   state, replay_of, reaper_iso(cursor_expiry) AS cursor_expiry, cursor_key, claim_count, candidates, skipped, batches_confirmed, error,
   reaper_iso(created_at) AS created_at, reaper_iso(finished_at) AS finished_at, reaper_iso(approved_at) AS approved_at, decided_by, policy_version,
-  counted_candidates, approved_candidates, approved_policy_version`;
+  counted_candidates, approved_candidates, approved_policy_version, unconfirmed_candidates`;
 
 function toRun(row: RunRow): Run {
   return {
@@ -121,6 +127,7 @@ function toRun(row: RunRow): Run {
     countedCandidates: row.counted_candidates === null ? null : Number(row.counted_candidates),
     approvedCandidates: row.approved_candidates === null ? null : Number(row.approved_candidates),
     approvedPolicyVersion: row.approved_policy_version,
+    unconfirmedCandidates: Number(row.unconfirmed_candidates),
   };
 }
 
@@ -170,7 +177,8 @@ export async function runsInsertManualUnlessOneWaits(db: Db, policy: string): Pr
 export async function runsClaimNext(db: Db, owner: string, leaseMs: number, policies: readonly string[]): Promise<Run | null> {
   const result = await db.query<RunRow>(
     `UPDATE cleanup_runs SET owner = $1, lease_expires_at = clock_timestamp() + $2 * interval '1 millisecond',
-       state = 'scanning', started_at = coalesce(started_at, clock_timestamp()), claim_count = claim_count + 1
+       state = 'scanning', started_at = coalesce(started_at, clock_timestamp()), claim_count = claim_count + 1,
+       unconfirmed_candidates = unconfirmed_candidates + window_candidates, window_candidates = 0
      WHERE run_id = (
        SELECT run_id FROM cleanup_runs
        WHERE state IN ('pending', 'scanning') AND policy = ANY($3::text[])
@@ -213,7 +221,7 @@ export async function runsRecordProgress(
   const result = await db.query<{ updated: number }>(
     `WITH progress AS (
        UPDATE cleanup_runs SET cursor_expiry = $4::timestamptz, cursor_key = $5, candidates = $6, skipped = $7,
-         batches_confirmed = $8, lease_expires_at = clock_timestamp() + $9 * interval '1 millisecond'
+         batches_confirmed = $8, window_candidates = 0, lease_expires_at = clock_timestamp() + $9 * interval '1 millisecond'
        WHERE ${HELD_BY_CLAIM}
          AND ((cursor_expiry IS NOT DISTINCT FROM $11::timestamptz AND cursor_key IS NOT DISTINCT FROM $12::text)
            OR (cursor_expiry = $4::timestamptz AND cursor_key = $5 AND candidates = $6 AND skipped = $7 AND batches_confirmed = $8))
@@ -258,6 +266,19 @@ export async function runsExtendLease(db: Db, claim: RunClaim, leaseMs: number):
 /** Records the brake's count on a run that goes on (within its allowance): what `status` and `run` show. */
 export async function runsRecordCount(db: Db, claim: RunClaim, counted: number): Promise<boolean> {
   const result = await db.query(`UPDATE cleanup_runs SET counted_candidates = $4 WHERE ${HELD_BY_CLAIM}`, [claim.runId, claim.owner, claim.claim, counted]);
+  return result.rowCount === 1;
+}
+
+/**
+ * The claim check before a window is published: extends the lease and records how many
+ * candidates the window carries (until its checkpoint; a takeover before it counts them against
+ * the allowance). false: the claim is lost, publish nothing.
+ */
+export async function runsBeginWindow(db: Db, claim: RunClaim, candidates: number, leaseMs: number): Promise<boolean> {
+  const result = await db.query(
+    `UPDATE cleanup_runs SET lease_expires_at = clock_timestamp() + $4 * interval '1 millisecond', window_candidates = $5 WHERE ${HELD_BY_CLAIM}`,
+    [claim.runId, claim.owner, claim.claim, leaseMs, candidates],
+  );
   return result.rowCount === 1;
 }
 
@@ -479,7 +500,8 @@ export async function runsReject(db: Db, runId: string, by: string): Promise<Run
 export async function runsClaimById(db: Db, runId: string, owner: string, leaseMs: number): Promise<Run | null> {
   const result = await db.query<RunRow>(
     `UPDATE cleanup_runs SET owner = $2, lease_expires_at = clock_timestamp() + $3 * interval '1 millisecond',
-       state = 'scanning', started_at = coalesce(started_at, clock_timestamp()), claim_count = claim_count + 1
+       state = 'scanning', started_at = coalesce(started_at, clock_timestamp()), claim_count = claim_count + 1,
+       unconfirmed_candidates = unconfirmed_candidates + window_candidates, window_candidates = 0
      WHERE run_id = $1 AND state IN ('pending', 'scanning')
        AND (lease_expires_at IS NULL OR lease_expires_at < clock_timestamp())
      RETURNING ${RUN_COLUMNS}`,
