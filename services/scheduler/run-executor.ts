@@ -282,8 +282,10 @@ async function startingAllowance(
   if (!limited && !context.deps.onCounted) return { allowance: UNLIMITED };
   const counted = await countTotal(context, run, policy, target, progress, limits?.maxFractionPerRun !== undefined);
   const allowance = limited ? allowanceOf(policy, counted.guarded) : UNLIMITED;
-  if (counted.total <= allowance.limit) return { allowance };
-  return { hold: { counted: counted.total, capped: counted.capped, reason: `${counted.total}${counted.capped ? '+' : ''} candidates > ${allowance.describe}` } };
+  // As fitWindow does: a window an earlier claim may have published unconfirmed counts too.
+  if (counted.total + run.unconfirmedCandidates <= allowance.limit) return { allowance };
+  const unconfirmed = run.unconfirmedCandidates > 0 ? ` (+${run.unconfirmedCandidates} published unconfirmed by an earlier claim)` : '';
+  return { hold: { counted: counted.total, capped: counted.capped, reason: `${counted.total}${counted.capped ? '+' : ''} candidates${unconfirmed} > ${allowance.describe}` } };
 }
 
 /** The smaller of the policy's limits, as an allowance; `guarded` is the base of maxFractionPerRun. */
