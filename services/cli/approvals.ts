@@ -5,33 +5,43 @@ import { printResult } from './output';
 
 /**
  * `reaper approve <runId>` / `reaper reject <runId>`: the operator's answer to the blast-radius
- * brake. Approve sends the run on with its original cutoff; reject ends it with nothing deleted.
+ * brake. Approve sends the run on with its original cutoff, bounded by the count it was held with
+ * (docs/design.md invariant 16); reject ends it with nothing more published.
  */
 export function registerApprovalCommands(program: Command): void {
   for (const verb of ['approve', 'reject'] as const) {
-    program
-      .command(`${verb} <runId>`)
+    const command = program.command(`${verb} <runId>`);
+    // Only approve takes a count: a rejection of whatever was counted is always safe.
+    if (verb === 'approve') command.option('--expect <count>', 'approve only if the run still awaits approval for this count (the one `reaper run` showed)');
+    command
       .description(
         verb === 'approve'
           ? 'let a run held by the brake (awaiting-approval) go on, with its original cutoff'
           : 'end a run held by the brake (awaiting-approval); it deletes nothing',
       )
       .addOption(new Option('--json', 'print machine-readable JSON'))
-      .action(async (runId: string, options: { json?: boolean }) => {
+      .action(async (runId: string, options: { json?: boolean; expect?: string }) => {
         if (!/^[0-9a-f-]{36}$/i.test(runId)) throw new UsageError(`runId: "${runId}" is not a run id (uuid)`);
+        const expected = options.expect === undefined ? null : Number(options.expect);
+        if (expected !== null && (!Number.isInteger(expected) || expected < 0)) throw new UsageError(`--expect: must be a count (got "${options.expect}")`);
         const { env } = context();
         await withPool(env, async (pool) => {
-          const decided = verb === 'approve' ? await runsApprove(pool, runId, operatorName()) : await runsReject(pool, runId, operatorName());
+          const decided = verb === 'approve' ? await runsApprove(pool, runId, operatorName(), expected) : await runsReject(pool, runId, operatorName());
           if (!decided) {
             const run = await runsGetSummary(pool, runId);
-            process.stderr.write(`reaper: ${run ? `run ${runId} is ${run.state}, not awaiting approval` : `no run ${runId}`}\n`);
+            const why = !run
+              ? `no run ${runId}`
+              : run.state === 'awaiting-approval'
+                ? `run ${runId} awaits approval for ${run.countedCandidates} candidates, not ${expected}: look again (reaper run ${runId})`
+                : `run ${runId} is ${run.state}, not awaiting approval`;
+            process.stderr.write(`reaper: ${why}\n`);
             process.exitCode = 1;
             return;
           }
           printResult(!!options.json, decided, () =>
             verb === 'approve'
-              ? `run ${runId} approved: a scheduler executes it with cutoff ${decided.cutoff}`
-              : `run ${runId} rejected: nothing of it was published or deleted`,
+              ? `run ${runId} approved for ${decided.approvedCandidates} candidates (plus limits.approvalTolerance) under policy version ${decided.approvedPolicyVersion}: a scheduler executes it with cutoff ${decided.cutoff}; past that count it waits for another decision`
+              : `run ${runId} rejected: nothing more of it is published (it published ${decided.candidates} candidates before)`,
           );
         });
       });

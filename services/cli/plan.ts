@@ -4,6 +4,7 @@ import { withReadOnlyTransaction } from '../../shared/db/pool';
 import { databaseNow } from '../../shared/db/queries/clock';
 import { targetResolve } from '../../shared/db/queries/expiring-rows';
 import { planCount, planRecentRowsPerSecond, planSample } from '../../shared/db/queries/plan';
+import { runsLatestDecided } from '../../shared/db/queries/runs';
 import { context, pastCutoff, UsageError, withPool } from './common';
 import { printResult } from './output';
 
@@ -23,6 +24,12 @@ export interface Plan {
   /** Rows satisfying the guard (expired or not) and those with a '-infinity' expiry, for context. */
   guarded: number;
   nonFinite: number;
+  /**
+   * The policy's run an operator decided or must decide about (awaiting approval, or approved and
+   * not finished): the count it was approved for, the brake's latest count, what it published.
+   * Null when there is none.
+   */
+  decision: { runId: string; state: string; approved: number | null; counted: number | null; published: number; reason: string | null } | null;
 }
 
 /**
@@ -69,6 +76,9 @@ export function registerPlanCommand(program: Command): void {
             estimateBasis,
             guarded: counts.guarded,
             nonFinite: counts.nonFinite,
+            decision: await runsLatestDecided(client, policy.name).then((run) =>
+              run ? { runId: run.runId, state: run.state, approved: run.approvedCandidates, counted: run.countedCandidates, published: run.candidates, reason: run.error } : null,
+            ),
           };
         });
       });
@@ -81,6 +91,11 @@ export function registerPlanCommand(program: Command): void {
           `estimate    ${plan.estimatedSeconds === null ? 'unknown' : `${plan.estimatedSeconds} s`} (${plan.estimateBasis})`,
           ...(plan.nonFinite > 0 ? [`note        ${plan.nonFinite} row(s) expire at '-infinity' and are never published`] : []),
           `sample      ${plan.sample.join(', ') || '(none)'}`,
+          ...(plan.decision
+            ? [
+                `run         ${plan.decision.runId} ${plan.decision.state}: approved ${plan.decision.approved ?? '-'}, counted ${plan.decision.counted ?? '-'}, published ${plan.decision.published}`,
+              ]
+            : []),
         ].join('\n'),
       );
     });

@@ -1,6 +1,6 @@
 import { Command, Option } from 'commander';
 import { loadEnv } from '../../shared/config/env';
-import { runsGetSummary, runsListSummaries } from '../../shared/db/queries/runs';
+import { runsGetSummary, runsListSummaries, type RunSummary } from '../../shared/db/queries/runs';
 import { NotFoundError, UsageError, withPool } from './common';
 import { printResult, table } from './output';
 import { describeRun, runRow } from './runs';
@@ -21,7 +21,7 @@ export function registerRunListCommands(program: Command): void {
       if (!Number.isInteger(limit) || limit < 1 || limit > 10_000) throw new UsageError(`--limit: must be an integer from 1 to 10000 (got "${options.limit}")`);
       await withPool(env, async (pool) => {
         const runs = await runsListSummaries(pool, { policy: options.policy, limit });
-        printResult(!!options.json, runs, () => table(runs.map(runRow), ['run', 'policy', 'trigger', 'state', 'cutoff', 'candidates', 'skipped', 'batches', 'deleted', 'noop', 'reason']));
+        printResult(!!options.json, runs, () => table(runs.map((run) => ({ ...runRow(run), ...brakeCounts(run) })), ['run', 'policy', 'trigger', 'state', 'cutoff', 'candidates', 'counted', 'approved', 'skipped', 'batches', 'deleted', 'noop', 'reason']));
       });
     });
 
@@ -35,7 +35,23 @@ export function registerRunListCommands(program: Command): void {
       await withPool(env, async (pool) => {
         const run = await runsGetSummary(pool, runId);
         if (!run) throw new NotFoundError(`no run ${runId}`);
-        printResult(!!options.json, run, () => describeRun(run));
+        printResult(!!options.json, run, () => [describeRun(run), ...describeBrake(run)].join('\n'));
       });
     });
+}
+
+/** The brake's two counts: what it counted last (published + still to publish) and what was approved. */
+export function brakeCounts(run: RunSummary): { counted: number | null; approved: string | null } {
+  return {
+    counted: run.countedCandidates,
+    approved: run.approvedCandidates === null ? null : `${run.approvedCandidates} (${run.approvedPolicyVersion ?? '?'})`,
+  };
+}
+
+function describeBrake(run: RunSummary): string[] {
+  if (run.countedCandidates === null && run.approvedCandidates === null) return [];
+  return [
+    `counted    ${run.countedCandidates ?? '-'} (the brake's latest count: published + still to publish)`,
+    `approved   ${run.approvedCandidates === null ? '-' : `${run.approvedCandidates} under policy version ${run.approvedPolicyVersion ?? '?'}${run.decidedBy ? ` by ${run.decidedBy}` : ''}`}`,
+  ];
 }

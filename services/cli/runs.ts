@@ -6,9 +6,8 @@ import { ReconnectingConnection } from '../../shared/amqp/connection';
 import { ConfirmingPublisher } from '../../shared/amqp/publisher';
 import { brokerNames, topologyFor } from '../../shared/amqp/topology';
 import { withTransaction, type Pool } from '../../shared/db/pool';
-import { targetResolve, type ResolvedTarget } from '../../shared/db/queries/expiring-rows';
+import { targetResolve } from '../../shared/db/queries/expiring-rows';
 import { heartbeatsLatestScheduler } from '../../shared/db/queries/heartbeats';
-import { planCount } from '../../shared/db/queries/plan';
 import {
   runClaimOf,
   runsClaimById,
@@ -293,7 +292,9 @@ async function executeHere(env: Env, pool: Pool, run: Run, policy: Policy, optio
       const target = await targetResolve(pool, policy);
       const publisher = new ConfirmingPublisher(connection);
       const gate = makeBatchVersionGate({ wanted: versions.publish, pool, connection, names, amqpPrefix: env.amqpPrefix, log });
-      if (progressLine) progress = await startProgress(pool, run, policy, target, progressLine);
+      // The bar's total is the executor's own (bounded) count: the run is never counted twice.
+      let counted: number | null = null;
+      if (progressLine) progress = await startProgress(pool, run, () => counted, progressLine);
       outcome = await executeRun(
         {
           pool,
@@ -306,6 +307,7 @@ async function executeHere(env: Env, pool: Pool, run: Run, policy: Policy, optio
           metrics: makeMetrics([policy]),
           stopping: () => stopping,
           batchVersion: gate.versionFor,
+          onCounted: progressLine ? (total) => (counted = total) : undefined,
         },
         run,
         policy,
@@ -331,23 +333,20 @@ async function executeHere(env: Env, pool: Pool, run: Run, policy: Policy, optio
   }
 }
 
-/** Counts the candidates (the plan's predicate, as the brake does) and redraws the bar from the run's checkpoints. */
+/** Redraws the bar from the run's checkpoints; `total()` is the executor's count once it made it (null before). */
 async function startProgress(
   pool: Pool,
   run: Run,
-  policy: Policy,
-  target: ResolvedTarget,
+  total: () => number | null,
   line: ReturnType<typeof makeProgressLine>,
 ): Promise<{ stop(): Promise<void> }> {
-  const counted = await planCount(pool, target, run.cutoff, { unrecordedFor: policy.kind === 'remote-delete' ? policy.name : undefined })
-    .then((counts) => counts.candidates + run.candidates)
-    .catch(() => null); // no total: the bar shows counts without an ETA
   const started = Date.now();
   const from = run.candidates;
   const draw = async () => {
     const now = await runsGetSummary(pool, run.runId).catch(() => null); // next tick draws
     if (!now) return;
     // Rate and ETA from what THIS process published (a resumed run starts with earlier counts).
+    const counted = total();
     const snapshot = renderProgress({ confirmed: now.candidates - from, counted: counted === null ? null : counted - from, batches: now.batchesConfirmed, elapsedMs: Date.now() - started });
     line.draw(snapshot);
   };

@@ -59,6 +59,9 @@ async function collectStatus(env: Env, policies: PolicySet) {
           lastRunState: last?.state ?? null,
           // Why the last run failed or is incomplete (null when it did not).
           lastRunError: last?.error ?? null,
+          // The brake's counts of the last run: what it counted last, and what an operator approved.
+          lastRunCounted: last?.countedCandidates ?? null,
+          lastRunApproved: last?.approvedCandidates ?? null,
           queued: depths.work.get(policy.name) ?? null,
           pending: counts?.pending ?? 0,
           inFlight: counts?.inFlight ?? 0,
@@ -159,7 +162,7 @@ export function registerStatusCommand(program: Command): void {
               admission: `${describeAdmission(row.admission.inForce, row.admission.rateUnit)}${row.admission.override ? ` (override by ${row.admission.override.setBy})` : ''}`,
               brake: row.brake === null ? null : `${row.brake.engaged ? 'ENGAGED' : 'off'} (lag ${row.brake.lagSeconds}s, max ${row.brake.maxReplicationLagSeconds}s)`,
             })),
-            ['policy', 'kind', 'paused', 'admission', 'brake', 'oldestEligible', 'oldestLeased', 'waiting', 'lastCompleted', 'lag', 'lastRun', 'lastRunState', 'lastRunError', 'queued', 'pending', 'inFlight', 'confirmed', 'rejected', 'gaveUp'],
+            ['policy', 'kind', 'paused', 'admission', 'brake', 'oldestEligible', 'oldestLeased', 'waiting', 'lastCompleted', 'lag', 'lastRun', 'lastRunState', 'lastRunCounted', 'lastRunApproved', 'lastRunError', 'queued', 'pending', 'inFlight', 'confirmed', 'rejected', 'gaveUp'],
           ),
           `delay tiers (retries waiting): ${status.delayed ?? 'unknown'} message(s)`,
           `dead-letter queue: ${status.deadLetters ?? 'unknown'} message(s)`,

@@ -1,6 +1,6 @@
 import type { Logger } from 'pino';
-import { policyVersion, type Policy } from '../../shared/config/policies';
-import { planCount } from '../../shared/db/queries/plan';
+import { DEFAULT_APPROVAL_TOLERANCE, policyVersion, type Policy } from '../../shared/config/policies';
+import { planBrakeCount } from '../../shared/db/queries/plan';
 import { encodeBatch, makeBatchId, MAX_ID_LENGTH, MAX_MESSAGE_BYTES, type Batch, type BatchItem, type BatchV1, type BatchV2, type BatchVersion } from '../../shared/contracts/batch';
 import type { ConfirmingPublisher } from '../../shared/amqp/publisher';
 import type { BrokerNames } from '../../shared/amqp/topology';
@@ -10,7 +10,9 @@ import {
   runClaimOf,
   runsCompleteIfAllBatchesDone,
   runsExtendLease,
+  runsBeginWindow,
   runsHoldForApproval,
+  runsRecordCount,
   runsSetPolicyVersion,
   runsMarkFailed,
   runsMarkPublished,
@@ -27,6 +29,9 @@ const CONFIRM_WINDOW = 32;
 /** Backoff after a retryable error: 0.5 s doubling to 10 s. */
 const RETRY_FIRST_MS = 500;
 const RETRY_MAX_MS = 10_000;
+
+/** The steps of a run, in the order a window reaches them (what `beforeStep` is told). */
+export type RunStep = 'count' | 'scan' | 'publish' | 'checkpoint';
 
 export interface RunExecutorDeps {
   pool: Pool;
@@ -45,14 +50,33 @@ export interface RunExecutorDeps {
    * older one while a consumer that does not accept it is connected (batch-version-gate.ts).
    */
   batchVersion: (policy: string) => Promise<BatchVersion>;
+  /**
+   * Told the run's total (published + still to publish, bounded) when the executor counts it: the
+   * CLI's progress bar uses this count instead of making its own. Set, it also makes a run without
+   * limits count once.
+   */
+  onCounted?: (total: number) => void;
+  /** Batches per window (default 32). The run model test makes windows small. */
+  windowBatches?: number;
+  /** Awaited before each step: the run model test interleaves other commands there. */
+  beforeStep?: (step: RunStep) => Promise<void>;
 }
 
 export type RunOutcome = 'published' | 'failed' | 'lost-lease' | 'stopped' | 'awaiting-approval';
 
-interface Window {
+/** One page of the scan: a batch's worth of rows (more than one batch when a message would be too large). */
+interface Page {
   batches: Array<{ batch: Batch; content: Buffer; confirmed: boolean }>;
   candidates: number;
   /** Rows read but not publishable (over-long keys): counted, and the cursor moves past them. */
+  skipped: number;
+  rows: number;
+  cursor: NonNullable<Run['cursor']>;
+}
+
+interface Window {
+  batches: Array<{ batch: Batch; content: Buffer; confirmed: boolean }>;
+  candidates: number;
   skipped: number;
   /** Rows the scan query returned: 0 means nothing after the cursor, and no checkpoint. */
   rowsRead: number;
@@ -68,6 +92,7 @@ interface RunContext {
   log: Logger;
   claim: RunClaim;
   policy: string;
+  lease: LeaseKeeper;
 }
 
 interface Progress {
@@ -78,43 +103,87 @@ interface Progress {
 }
 
 /**
+ * How many candidates this run may publish in all (its checkpointed total included), and what
+ * sets that number, for the reason when a window would pass it (docs/design.md invariant 16).
+ */
+interface Allowance {
+  limit: number;
+  describe: string;
+  /** Whether a hold must count guarded rows again (maxFractionPerRun sets the limit). */
+  fraction: boolean;
+}
+
+const UNLIMITED: Allowance = { limit: Number.POSITIVE_INFINITY, describe: 'no limit', fraction: false };
+
+/**
  * Scans a run's policy from its cursor with its frozen cutoff and publishes the candidates in
- * batches, a window at a time: scan up to CONFIRM_WINDOW pages, publish them, wait for every
- * confirm, then store the cursor, the counts and the ids of the confirmed batches. A failed publish
- * is retried with the SAME batch (same id, same rows) until confirmed; a scheduler killed at any
- * point is resumed from a cursor no later than what was confirmed, so batches may be published
- * twice (a duplicate is a no-op for workers), never skipped.
+ * batches, a window at a time: scan up to CONFIRM_WINDOW pages, check the claim, publish them,
+ * wait for every confirm, then store the cursor, the counts and the ids of the confirmed batches.
+ * A failed publish is retried with the SAME batch (same id, same rows) until confirmed; a
+ * scheduler killed at any point is resumed from a cursor no later than what was confirmed, so
+ * batches may be published twice (a duplicate is a no-op for workers), never skipped.
+ *
+ * The lease is extended on a timer for as long as this runs, whatever the step (count, scan,
+ * publish, checkpoint, a retry's backoff), and the claim is checked before each window is
+ * published: a scheduler whose claim was taken over publishes nothing more (invariant 17).
+ *
+ * The brake (invariant 16): every window is fitted to the run's allowance before it is published
+ * (limits.maxPerRun / maxFractionPerRun, or the approved count plus limits.approvalTolerance); a
+ * window that would pass it is cut to the pages that fit, and the run goes back to
+ * 'awaiting-approval' with a new count. An approved run whose policy version changed since the
+ * approval goes back too, before it publishes anything more.
  *
  * Errors: a permanent one (run-errors.ts) fails the run with its reason; a retryable one is
- * retried with backoff while the lease is extended AND checked, so no other replica takes the run
- * over while this one is alive, and this one stops as soon as it learns the claim is lost.
+ * retried with backoff, the lease still kept, stopping as soon as the claim is known lost.
  */
 export async function executeRun(deps: RunExecutorDeps, run: Run, policy: Policy, target: ResolvedTarget): Promise<RunOutcome> {
   const log = deps.log.child({ runId: run.runId, policy: run.policy, trigger: run.trigger, cutoff: run.cutoff });
   const claim = runClaimOf(run, deps.owner);
-  const attempt = <T>(what: string, step: () => Promise<T>) => retrying({ deps, log, claim, policy: run.policy }, what, step);
+  const lease = keepLease(deps, log, claim);
+  try {
+    return await executeClaimed({ deps, log, claim, policy: run.policy, lease }, run, policy, target);
+  } finally {
+    lease.stop();
+  }
+}
+
+async function executeClaimed(context: RunContext, run: Run, policy: Policy, target: ResolvedTarget): Promise<RunOutcome> {
+  const { deps, log, claim, lease } = context;
+  const attempt = <T>(what: string, step: () => Promise<T>) => retrying(context, what, step);
+  const version = policyVersion(policy);
   let progress: Progress = { cursor: run.cursor, candidates: run.candidates, skipped: run.skipped, sequence: run.batchesConfirmed };
   log.info({ resumedFrom: run.cursor, claim: run.claimCount }, 'run scanning');
-  const versioned = await attempt('record the policy version', () => runsSetPolicyVersion(deps.pool, claim, policyVersion(policy)));
+  const versioned = await attempt('record the policy version', () => runsSetPolicyVersion(deps.pool, claim, version));
   if (!versioned.ok) return versioned.outcome;
-  if (brakeApplies(run, policy)) {
-    // Counted BEFORE the first batch is published: an over-limit run never deletes anything.
-    const braked = await attempt('count for the brake', () => applyBrake(deps, claim, run, policy, target));
-    if (!braked.ok) return braked.outcome;
-    if (braked.value !== 'go') {
-      if (braked.value === 'lost-lease') return lostLease(log);
-      log.warn({ candidates: braked.value.candidates, reason: braked.value.reason }, 'run over its limits: awaiting approval (reaper approve / reaper reject)');
-      return 'awaiting-approval';
-    }
-  }
+  const start = await attempt('count for the brake', async () => {
+    await deps.beforeStep?.('count');
+    return startingAllowance(context, run, policy, target, version);
+  });
+  if (!start.ok) return start.outcome;
+  if (lease.lost) return lostLease(log);
+  if ('hold' in start.value) return hold(context, policy, version, start.value.hold);
+  const allowance = start.value.allowance;
   for (;;) {
     if (deps.stopping()) return 'stopped';
-    const scanned = await attempt('scan', () => scanWindow(deps, run, policy, target, progress));
+    const scanned = await attempt('scan', async () => {
+      await deps.beforeStep?.('scan');
+      return scanWindow(deps, run, policy, target, progress);
+    });
     if (!scanned.ok) return scanned.outcome;
-    const window = scanned.value;
+    if (lease.lost) return lostLease(log);
+    // What earlier claims may have published past their checkpoints counts too (runsClaimNext).
+    const window = fitWindow(scanned.value, allowance.limit - progress.candidates - run.unconfirmedCandidates);
     if (window.batches.length > 0) {
-      const confirmed = await attempt('publish', () => publishUnconfirmed(deps, run, window));
+      const confirmed = await attempt('publish', async () => {
+        await deps.beforeStep?.('publish');
+        // The claim is checked (and the lease extended) right before the window goes out: a
+        // scheduler that lost its claim during a long step publishes nothing more. The window's
+        // count is recorded with it: a takeover before its checkpoint counts it as published.
+        if (!(await runsBeginWindow(deps.pool, claim, window.candidates, deps.leaseMs))) return false;
+        return publishUnconfirmed(deps, run, window);
+      });
       if (!confirmed.ok) return confirmed.outcome;
+      if (!confirmed.value) return lostLease(log);
       failpoint('scheduler-after-confirm');
     }
     // Checkpoint every window that read rows, also one whose rows were all skipped: the cursor
@@ -126,16 +195,17 @@ export async function executeRun(deps: RunExecutorDeps, run: Run, policy: Policy
         skipped: progress.skipped + window.skipped,
         sequence: progress.sequence + window.batches.length,
       };
-      const recorded = await attempt('checkpoint', () =>
-        runsRecordProgress(deps.pool, {
+      const recorded = await attempt('checkpoint', async () => {
+        await deps.beforeStep?.('checkpoint');
+        return runsRecordProgress(deps.pool, {
           claim,
           from: progress.cursor,
           cursor: next.cursor!,
           totals: { candidates: next.candidates, skipped: next.skipped, batchesConfirmed: next.sequence },
           batchIds: window.batches.map((entry) => entry.batch.batchId),
           leaseMs: deps.leaseMs,
-        }),
-      );
+        });
+      });
       if (!recorded.ok) return recorded.outcome;
       if (!recorded.value) return lostLease(log);
       failpoint('scheduler-after-checkpoint');
@@ -143,6 +213,13 @@ export async function executeRun(deps: RunExecutorDeps, run: Run, policy: Policy
       deps.metrics.candidatesTotal.inc({ policy: run.policy }, window.candidates);
       if (window.skipped > 0) deps.metrics.rowsSkippedTotal.inc({ policy: run.policy }, window.skipped);
       progress = next;
+    }
+    if (window.overAllowance) {
+      // Rows became eligible under the same cutoff since the count (a backdated import, a guard
+      // flipped back): what is left needs a decision of its own.
+      const counted = await attempt('count for the brake', () => countTotal(context, run, policy, target, progress, allowance.fraction));
+      if (!counted.ok) return counted.outcome;
+      return hold(context, policy, version, { counted: counted.value.total, capped: counted.value.capped, reason: `${counted.value.total}${counted.value.capped ? '+' : ''} candidates > ${allowance.describe}` });
     }
     if (window.reachedEnd) break;
   }
@@ -161,37 +238,103 @@ export async function executeRun(deps: RunExecutorDeps, run: Run, policy: Policy
   return 'published';
 }
 
-/** The brake looks at a run that has not published anything yet, was not approved, and whose policy sets limits. */
-function brakeApplies(run: Run, policy: Policy): boolean {
-  const limits = policy.limits;
-  return !!limits && (limits.maxPerRun !== undefined || limits.maxFractionPerRun !== undefined) && run.approvedAt === null && run.cursor === null && run.batchesConfirmed === 0;
+/** A hold's count (published + still to publish) and reason. */
+interface Hold {
+  counted: number;
+  capped: boolean;
+  reason: string;
 }
 
 /**
- * The blast-radius brake: counts what the scan would publish (the plan's predicate) and, when that
- * is more than `limits.maxPerRun` or more than `limits.maxFractionPerRun` of the rows satisfying
- * the guard, parks the run in 'awaiting-approval' with the count and the reason.
+ * The run's allowance for this claim, or a hold before anything more is published:
+ *  - approved: the approved count plus limits.approvalTolerance; a hold when the policy version
+ *    is no longer the approved one (the count is then made under the new version);
+ *  - limits, not approved: counted now (bounded, plan.ts planBrakeCount) with what the run already
+ *    published; a hold when over maxPerRun or maxFractionPerRun;
+ *  - no limits: no count at all, unless someone asked for it (onCounted).
  */
-async function applyBrake(
-  deps: RunExecutorDeps,
-  claim: RunClaim,
+async function startingAllowance(
+  context: RunContext,
   run: Run,
   policy: Policy,
   target: ResolvedTarget,
-): Promise<'go' | 'lost-lease' | { candidates: number; reason: string }> {
-  const counts = await planCount(deps.pool, target, run.cutoff, { unrecordedFor: policy.kind === 'remote-delete' ? policy.name : undefined });
-  const { maxPerRun, maxFractionPerRun } = policy.limits!;
-  const reasons: string[] = [];
-  if (maxPerRun !== undefined && counts.candidates > maxPerRun) reasons.push(`${counts.candidates} candidates > limits.maxPerRun ${maxPerRun}`);
-  const fraction = counts.guarded > 0 ? counts.candidates / counts.guarded : 0;
-  if (maxFractionPerRun !== undefined && fraction > maxFractionPerRun) {
-    reasons.push(`${counts.candidates} of ${counts.guarded} guarded rows (${(fraction * 100).toFixed(1)}%) > limits.maxFractionPerRun ${maxFractionPerRun}`);
+  version: string,
+): Promise<{ allowance: Allowance } | { hold: Hold }> {
+  const limits = policy.limits;
+  const progress: Progress = { cursor: run.cursor, candidates: run.candidates, skipped: run.skipped, sequence: run.batchesConfirmed };
+  if (run.approvedCandidates !== null) {
+    if (run.approvedPolicyVersion !== version) {
+      const counted = await countTotal(context, run, policy, target, progress, limits?.maxFractionPerRun !== undefined);
+      const reason = `policy version changed since the approval (approved under ${run.approvedPolicyVersion ?? 'unknown'}, now ${version}): ${counted.total}${counted.capped ? '+' : ''} candidates`;
+      return { hold: { counted: counted.total, capped: counted.capped, reason } };
+    }
+    const tolerance = limits?.approvalTolerance ?? DEFAULT_APPROVAL_TOLERANCE;
+    if (context.deps.onCounted) await countTotal(context, run, policy, target, progress, false);
+    return {
+      allowance: {
+        limit: Math.floor(run.approvedCandidates * (1 + tolerance)),
+        describe: `approved ${run.approvedCandidates} + ${Math.round(tolerance * 1000) / 10}% (limits.approvalTolerance)`,
+        fraction: false,
+      },
+    };
   }
-  if (reasons.length === 0) return 'go';
-  const hold = { candidates: counts.candidates, reason: `brake: ${reasons.join('; ')}` };
-  if (!(await runsHoldForApproval(deps.pool, claim, hold))) return 'lost-lease';
+  const limited = !!limits && (limits.maxPerRun !== undefined || limits.maxFractionPerRun !== undefined);
+  if (!limited && !context.deps.onCounted) return { allowance: UNLIMITED };
+  const counted = await countTotal(context, run, policy, target, progress, limits?.maxFractionPerRun !== undefined);
+  const allowance = limited ? allowanceOf(policy, counted.guarded) : UNLIMITED;
+  // As fitWindow does: a window an earlier claim may have published unconfirmed counts too.
+  if (counted.total + run.unconfirmedCandidates <= allowance.limit) return { allowance };
+  const unconfirmed = run.unconfirmedCandidates > 0 ? ` (+${run.unconfirmedCandidates} published unconfirmed by an earlier claim)` : '';
+  return { hold: { counted: counted.total, capped: counted.capped, reason: `${counted.total}${counted.capped ? '+' : ''} candidates${unconfirmed} > ${allowance.describe}` } };
+}
+
+/** The smaller of the policy's limits, as an allowance; `guarded` is the base of maxFractionPerRun. */
+function allowanceOf(policy: Policy, guarded: number | null): Allowance {
+  const { maxPerRun, maxFractionPerRun } = policy.limits ?? {};
+  let allowance = UNLIMITED;
+  if (maxPerRun !== undefined) allowance = { limit: maxPerRun, describe: `limits.maxPerRun ${maxPerRun}`, fraction: false };
+  if (maxFractionPerRun !== undefined && guarded !== null) {
+    const limit = Math.floor(maxFractionPerRun * guarded);
+    if (limit < allowance.limit) allowance = { limit, describe: `limits.maxFractionPerRun ${maxFractionPerRun} of ${guarded} guarded rows (${limit})`, fraction: true };
+  }
+  return allowance;
+}
+
+/**
+ * Counts the run's total, bounded: what it published (its checkpoints) plus what the scan would
+ * still publish after its cursor, recorded on the run and told to onCounted. `guarded`: also the
+ * base of maxFractionPerRun.
+ */
+async function countTotal(
+  { deps, claim }: RunContext,
+  run: Run,
+  policy: Policy,
+  target: ResolvedTarget,
+  progress: Progress,
+  guarded: boolean,
+): Promise<{ total: number; capped: boolean; guarded: number | null }> {
+  const counts = await planBrakeCount(deps.pool, target, {
+    cutoff: run.cutoff,
+    after: progress.cursor,
+    unrecordedFor: policy.kind === 'remote-delete' ? policy.name : undefined,
+    guarded,
+  });
+  const total = progress.candidates + counts.candidates;
+  await runsRecordCount(deps.pool, claim, total);
+  deps.onCounted?.(total);
+  return { total, capped: counts.candidatesCapped, guarded: counts.guarded };
+}
+
+/** Parks the run in 'awaiting-approval' with its count and reason; conditional on the claim. */
+async function hold(context: RunContext, policy: Policy, version: string, held: Hold): Promise<'awaiting-approval' | 'lost-lease' | 'failed' | 'stopped'> {
+  const { deps, log, claim } = context;
+  const reason = `brake: ${held.reason}`;
+  const recorded = await retrying(context, 'hold for approval', () => runsHoldForApproval(deps.pool, claim, { counted: held.counted, reason, policyVersion: version }));
+  if (!recorded.ok) return recorded.outcome;
+  if (!recorded.value) return lostLease(log);
   deps.metrics.runsAwaitingApprovalTotal.inc({ policy: policy.name });
-  return hold;
+  log.warn({ counted: held.counted, reason }, 'run over its allowance: awaiting approval (reaper approve / reaper reject)');
+  return 'awaiting-approval';
 }
 
 function lostLease(log: Logger): 'lost-lease' {
@@ -200,13 +343,49 @@ function lostLease(log: Logger): 'lost-lease' {
 }
 
 /**
+ * Keeps the claim's lease alive on a timer (every third of the lease) for as long as the run
+ * executes, whatever step is running: a long count or a slow publish never lets the lease run out
+ * while this scheduler is alive. An extension that reports the claim gone sets `lost`; one that
+ * fails (the database is down too) is not a verdict: the next one, or the next checkpoint, decides.
+ */
+interface LeaseKeeper {
+  readonly lost: boolean;
+  stop(): void;
+}
+
+function keepLease(deps: RunExecutorDeps, log: Logger, claim: RunClaim): LeaseKeeper {
+  let lost = false;
+  let extending = false;
+  const confirm = async (): Promise<boolean> => {
+    if (!(await runsExtendLease(deps.pool, claim, deps.leaseMs))) lost = true;
+    return !lost;
+  };
+  const timer = setInterval(() => {
+    if (extending || lost) return;
+    extending = true;
+    confirm()
+      .catch((error: Error) => log.warn({ err: error.message }, 'run lease extension failed; retrying'))
+      .finally(() => {
+        extending = false;
+      });
+  }, Math.max(50, Math.floor(deps.leaseMs / 3)));
+  timer.unref();
+  return {
+    get lost() {
+      return lost;
+    },
+    stop: () => clearInterval(timer),
+  };
+}
+
+/**
  * Runs `step` until it succeeds. A permanent error fails the run (conditional on the claim) with
- * its reason; a retryable one backs off 0.5 s doubling to 10 s, extending the lease during the
- * wait and stopping as soon as an extension reports the claim lost. Unroutable publishes count as
- * permanent once they have lasted `unroutableFailAfterMs` without a break.
+ * its reason; a retryable one backs off 0.5 s doubling to 10 s while the lease keeper extends the
+ * lease, stopping as soon as the claim is known lost. Unroutable publishes count as permanent once
+ * they have lasted `unroutableFailAfterMs` without a break.
  */
 async function retrying<T>(context: RunContext, what: string, step: () => Promise<T>): Promise<Step<T>> {
-  const { deps, log, claim } = context;
+  const { deps, log } = context;
   let unroutableSince: number | null = null;
   for (let failures = 0; ; failures++) {
     let classified;
@@ -227,34 +406,23 @@ async function retrying<T>(context: RunContext, what: string, step: () => Promis
     if (classified.kind === 'permanent') return { ok: false, outcome: await failRun(context, what, classified.reason) };
     const delay = Math.min(RETRY_MAX_MS, RETRY_FIRST_MS * 2 ** failures);
     log.warn({ err: classified.reason, retryInMs: delay }, `run ${what} failed; retrying`);
-    const waited = await waitKeepingLease(deps, log, claim, delay);
+    const waited = await waitWhileLeased(context, delay);
     if (waited !== 'held') return { ok: false, outcome: waited };
   }
 }
 
 /**
- * Sleeps `delayMs` in slices of at most a third of the lease, extending the lease after each:
- * a replica waits out a retryable error without its run being taken over. An extension that fails
- * (the database is down too) is not a verdict: the next one, or the next checkpoint, decides.
+ * Sleeps `delayMs` in short slices while the lease keeper extends the lease: a replica waits out a
+ * retryable error without its run being taken over, and stops at once when the claim is lost.
  */
-async function waitKeepingLease(deps: RunExecutorDeps, log: Logger, claim: RunClaim, delayMs: number): Promise<'held' | 'lost-lease' | 'stopped'> {
-  const slice = Math.max(100, Math.min(500, Math.floor(deps.leaseMs / 3)));
-  const extendEvery = Math.max(100, Math.floor(deps.leaseMs / 3));
+async function waitWhileLeased({ deps, log, lease }: RunContext, delayMs: number): Promise<'held' | 'lost-lease' | 'stopped'> {
   const until = Date.now() + delayMs;
-  let extendedAt = 0;
   for (;;) {
     if (deps.stopping()) return 'stopped';
-    if (Date.now() - extendedAt >= extendEvery || Date.now() >= until) {
-      try {
-        if (!(await runsExtendLease(deps.pool, claim, deps.leaseMs))) return lostLease(log);
-        extendedAt = Date.now();
-      } catch (error) {
-        log.warn({ err: (error as Error).message }, 'run lease extension failed; retrying');
-      }
-    }
+    if (lease.lost) return lostLease(log);
     const left = until - Date.now();
     if (left <= 0) return 'held';
-    await new Promise((resolve) => setTimeout(resolve, Math.min(slice, left)));
+    await new Promise((resolve) => setTimeout(resolve, Math.min(100, left)));
   }
 }
 
@@ -274,8 +442,8 @@ async function failRun({ deps, log, claim, policy }: RunContext, what: string, r
 }
 
 /**
- * Scans the next CONFIRM_WINDOW pages after `from` in ONE query (a page per batch, cut in memory;
- * at most CONFIRM_WINDOW × batchSize rows held) and builds their batches; nothing is published yet.
+ * Scans the next window after `from` in ONE query (a page per batch, cut in memory; at most
+ * windowBatches × batchSize rows held) and builds their batches; nothing is published yet.
  * Rows whose key is too long for a message are counted as skipped; the cursor moves past them.
  */
 async function scanWindow(
@@ -284,8 +452,8 @@ async function scanWindow(
   policy: Policy,
   target: ResolvedTarget,
   from: { cursor: Run['cursor']; sequence: number },
-): Promise<Window> {
-  const limit = policy.batchSize * CONFIRM_WINDOW;
+): Promise<{ pages: Page[]; reachedEnd: boolean }> {
+  const limit = policy.batchSize * (deps.windowBatches ?? CONFIRM_WINDOW);
   const rows = await expiringRowsScanPage(deps.pool, target, {
     cutoff: run.cutoff,
     after: from.cursor,
@@ -293,24 +461,48 @@ async function scanWindow(
     // remote-delete: items that already have an operation are the ledger's to carry, not the scan's
     unrecordedFor: policy.kind === 'remote-delete' ? policy.name : undefined,
   });
-  const window: Window = { batches: [], candidates: 0, skipped: 0, rowsRead: rows.length, cursor: from.cursor, reachedEnd: rows.length < limit };
+  const pages: Page[] = [];
   // One version per window, chosen when it is built: a retried window publishes the same bytes.
   const version = rows.length > 0 ? await deps.batchVersion(run.policy) : 1;
+  let sequence = from.sequence;
   for (let start = 0; start < rows.length; start += policy.batchSize) {
-    const page = rows.slice(start, start + policy.batchSize);
-    const last = page[page.length - 1]!;
-    window.cursor = { expiry: last.observedExpiry, key: last.id };
-    const items = page.filter((item) => item.id.length <= MAX_ID_LENGTH);
-    if (items.length < page.length) {
+    const rowsOfPage = rows.slice(start, start + policy.batchSize);
+    const last = rowsOfPage[rowsOfPage.length - 1]!;
+    const page: Page = { batches: [], candidates: 0, skipped: 0, rows: rowsOfPage.length, cursor: { expiry: last.observedExpiry, key: last.id } };
+    const items = rowsOfPage.filter((item) => item.id.length <= MAX_ID_LENGTH);
+    if (items.length < rowsOfPage.length) {
       // Such a key cannot travel in a message (docs/design.md: 1 MiB per message); say so loudly.
-      deps.log.error({ runId: run.runId, skipped: page.length - items.length, maxIdLength: MAX_ID_LENGTH }, 'rows with over-long keys skipped');
-      window.skipped += page.length - items.length;
+      deps.log.error({ runId: run.runId, skipped: rowsOfPage.length - items.length, maxIdLength: MAX_ID_LENGTH }, 'rows with over-long keys skipped');
+      page.skipped = rowsOfPage.length - items.length;
     }
     for (const content of encodeWithinLimit(run, items, version, policyVersion(policy))) {
-      const batch: Batch = { ...content, batchId: makeBatchId(run.runId, from.sequence + window.batches.length + 1, run.claimCount) };
-      window.batches.push({ batch, content: encodeBatch(batch), confirmed: false });
-      window.candidates += batch.items.length;
+      const batch: Batch = { ...content, batchId: makeBatchId(run.runId, ++sequence, run.claimCount) };
+      page.batches.push({ batch, content: encodeBatch(batch), confirmed: false });
+      page.candidates += batch.items.length;
     }
+    pages.push(page);
+  }
+  return { pages, reachedEnd: rows.length < limit };
+}
+
+/**
+ * The window to publish: the scanned pages, in order, as long as their candidates fit in `room`
+ * (what the run's allowance leaves). A page that does not fit ends the window there, and the
+ * window says so (`overAllowance`): the run publishes what fits, checkpoints it, and holds.
+ */
+function fitWindow(scanned: { pages: Page[]; reachedEnd: boolean }, room: number): Window & { overAllowance: boolean } {
+  const window: Window & { overAllowance: boolean } = { batches: [], candidates: 0, skipped: 0, rowsRead: 0, cursor: null, reachedEnd: scanned.reachedEnd, overAllowance: false };
+  for (const page of scanned.pages) {
+    if (window.candidates + page.candidates > room) {
+      window.overAllowance = true;
+      window.reachedEnd = false;
+      break;
+    }
+    window.batches.push(...page.batches);
+    window.candidates += page.candidates;
+    window.skipped += page.skipped;
+    window.rowsRead += page.rows;
+    window.cursor = page.cursor;
   }
   return window;
 }

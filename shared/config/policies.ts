@@ -42,6 +42,12 @@ const common = {
       maxPerRun: z.number().int().min(1).optional(),
       /** Of the rows that satisfy the guard (expired or not). */
       maxFractionPerRun: z.number().gt(0).max(1).optional(),
+      /**
+       * How far past the approved count an approved run may publish (0.1: 10 % more) before it
+       * goes back to awaiting approval with the new count. Absent: DEFAULT_APPROVAL_TOLERANCE
+       * (absent, not defaulted here, so the policy version of existing files is unchanged).
+       */
+      approvalTolerance: z.number().min(0).max(10).optional(),
     })
     .optional(),
   /** Audit trail: one cleanup_audit row per deletion, in the deleting statement; kept retainDays. */
@@ -111,6 +117,9 @@ const remotePolicy = z.strictObject({
   /** How long a claimed operation belongs to one worker before another may take it over. */
   leaseMs: z.number().int().min(1000).max(3_600_000).default(30_000),
 });
+
+/** limits.approvalTolerance when the file does not set it: an approved run publishes at most 10 % more than was counted. */
+export const DEFAULT_APPROVAL_TOLERANCE = 0.1;
 
 /** leaseMs >= remote.timeoutMs + this (README "Configuration"): the margin a claim needs beyond the request itself. */
 export const LEASE_MARGIN_MS = 10_000;

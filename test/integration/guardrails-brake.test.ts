@@ -59,7 +59,8 @@ describe('guardrails: the blast-radius brake', () => {
     const seeded = await seedHolds(bed.pool, { expiredHeld: 20, futureHeld: 2 });
     const run = (await runsInsertIfAbsent(bed.pool, { policy: 'seat-holds', trigger: 'manual', scheduledFor: null, cutoff: null }))!;
     const braked = await untilState(run.runId, 'awaiting-approval');
-    assert.equal(braked.candidates, 20);
+    assert.equal(braked.countedCandidates, 20, "the count the operator approves");
+    assert.equal(braked.candidates, 0, "nothing published");
     assert.match(braked.error ?? '', /20 candidates > limits\.maxPerRun 10/);
     assert.equal(braked.batchesConfirmed, 0, 'nothing published');
     assert.equal(await countReservations(bed.pool, seeded.expiredHeld), 20, 'nothing deleted');

@@ -27,12 +27,10 @@ function invariantsOfDesign(): Map<number, string> {
   return new Map([...section.matchAll(/^(\d+)\. (.+)$/gm)].map((match) => [Number(match[1]), match[2]!]));
 }
 
-test('docs/design.md holds the invariants (1..15, then the later ones in order), the contracts and the ledger state machine', () => {
+test('docs/design.md holds the invariants (1..18 at least, numbered without gaps), the contracts and the ledger state machine', () => {
   const invariants = invariantsOfDesign();
-  const numbers = [...invariants.keys()];
-  assert.deepEqual(numbers.slice(0, 15), Array.from({ length: 15 }, (_, i) => i + 1));
-  // Later invariants keep the numbers the design gives them, also while only some of them are written.
-  assert.ok(numbers.every((n, i) => i === 0 || n > numbers[i - 1]!), `invariants numbered in order: ${numbers.join(', ')}`);
+  assert.ok(invariants.size >= 18, `at least 18 invariants (has ${invariants.size})`);
+  assert.deepEqual([...invariants.keys()], Array.from({ length: invariants.size }, (_, i) => i + 1));
   const design = read('docs/design.md');
   for (const heading of ['## Contracts others rely on', '## The ledger state machine', '## Where things live']) assert.ok(design.includes(heading), heading);
   assert.match(design, /\(new\) ──> pending ─+> in_flight/, 'the ledger drawing');

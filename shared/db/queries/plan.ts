@@ -81,3 +81,83 @@ export async function planRecentRowsPerSecond(db: Db, policy: string): Promise<n
   const rate = result.rows[0]?.rate;
   return rate === null || rate === undefined ? null : Number(rate);
 }
+
+/**
+ * The most rows one statement of the brake's count reads. The brake only needs "over the limit or
+ * not" and a count an operator can approve; a bound keeps the count inside the statement timeout
+ * (REAPER_STATEMENT_TIMEOUT_MS, 60 s) on any table size: about a million index entries, each with
+ * its hold probe, take a second or two. Beyond it the count says "at least" (README "Guardrails").
+ */
+export const BRAKE_COUNT_CAP = 1_000_000;
+
+/** What the brake counted, each part bounded. */
+export interface BrakeCount {
+  /** Candidates after the cursor (the scan's own predicate), counted up to the cap. */
+  candidates: number;
+  /** The candidate count stopped at the cap: there are at least that many. */
+  candidatesCapped: boolean;
+  /**
+   * Rows satisfying the guard (expired or not), the base of maxFractionPerRun: exact below the cap;
+   * from the cap on, the planner's row estimate for the guard (never less than the cap). Null when
+   * not asked for.
+   */
+  guarded: number | null;
+  guardedEstimated: boolean;
+}
+
+/**
+ * The brake's count: the rows the scan would still publish after `after` (guard, finite expiry
+ * <= cutoff, no active hold, remote-delete: no ledger operation yet), walking the scan's
+ * (expiresAt, key) order and stopping at `cap`; and, for maxFractionPerRun, the guarded rows up to
+ * `cap`, then the planner's estimate. Two bounded statements, never a count of the whole table.
+ */
+export async function planBrakeCount(
+  db: Db,
+  target: ResolvedTarget,
+  options: { cutoff: string; after: { expiry: string; key: string } | null; unrecordedFor?: string; guarded: boolean; cap?: number },
+): Promise<BrakeCount> {
+  const cap = options.cap ?? BRAKE_COUNT_CAP;
+  const { table, key, expiresAt, keyType } = target;
+  const params: unknown[] = [options.cutoff, cap, target.policy];
+  let after = '';
+  if (options.after) {
+    params.push(options.after.expiry, options.after.key);
+    after = ` AND (t.${expiresAt}, t.${key}) > ($4::timestamptz, $5::${keyType})`;
+  }
+  let unrecorded = '';
+  if (options.unrecordedFor !== undefined) {
+    params.push(options.unrecordedFor);
+    unrecorded = ` AND NOT EXISTS (SELECT 1 FROM cleanup_ledger l WHERE l.operation_key = $${params.length} || ':' || t.${key}::text || ':' || reaper_iso(t.${expiresAt})
+      AND l.outcome IS DISTINCT FROM 'held')`;
+  }
+  const guardFrom = params.length + 1;
+  params.push(...target.guardValues);
+  const counted = await db.query<{ n: number }>(
+    `SELECT count(*)::int AS n FROM (
+       SELECT 1 FROM ${table} t
+       WHERE t.${expiresAt} <= $1::timestamptz AND t.${expiresAt} > '-infinity'::timestamptz${after}${guardSql(target, guardFrom)}${unrecorded}
+         AND ${noActiveHold('$3', `t.${key}`)}
+       ORDER BY t.${expiresAt}, t.${key} LIMIT $2) capped`,
+    params,
+  );
+  const candidates = counted.rows[0]!.n;
+  const result: BrakeCount = { candidates, candidatesCapped: candidates >= cap, guarded: null, guardedEstimated: false };
+  if (!options.guarded) return result;
+  const guard = guardSql(target, 2);
+  const guarded = await db.query<{ n: number }>(`SELECT count(*)::int AS n FROM (SELECT 1 FROM ${table} t WHERE true${guard} LIMIT $1) capped`, [
+    cap,
+    ...target.guardValues,
+  ]);
+  result.guarded = guarded.rows[0]!.n;
+  if (result.guarded >= cap) {
+    // More guarded rows than one bounded statement counts: the planner's estimate (its statistics,
+    // current after ANALYZE) stands in for the rest, at no cost that grows with the table.
+    const plan = await db.query<{ 'QUERY PLAN': Array<{ Plan: { 'Plan Rows': number } }> }>(
+      `EXPLAIN (FORMAT JSON) SELECT 1 FROM ${table} t WHERE true${guardSql(target, 1)}`,
+      [...target.guardValues],
+    );
+    result.guarded = Math.max(cap, Math.round(plan.rows[0]!['QUERY PLAN'][0]!.Plan['Plan Rows']));
+    result.guardedEstimated = true;
+  }
+  return result;
+}

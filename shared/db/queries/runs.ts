@@ -51,6 +51,19 @@ export interface Run {
   decidedBy: string | null;
   /** The hash of the policy definition the run was executed under. */
   policyVersion: string | null;
+  /**
+   * The brake's latest count for the run: published so far plus still to publish, counted up to a
+   * bound (plan.ts BRAKE_COUNT_CAP). What an operator approves. Null: never counted.
+   */
+  countedCandidates: number | null;
+  /** What the operator approved: the count, and the policy version it was counted under. */
+  approvedCandidates: number | null;
+  approvedPolicyVersion: string | null;
+  /**
+   * Candidates earlier claims may have published past their last checkpoint (a takeover folds the
+   * window the lost claim was publishing in here): counted against the brake's allowance.
+   */
+  unconfirmedCandidates: number;
 }
 
 /** A run with the workers' receipts summed in. */
@@ -80,11 +93,16 @@ interface RunRow {
   approved_at: string | null;
   decided_by: string | null;
   policy_version: string | null;
+  counted_candidates: string | null;
+  approved_candidates: string | null;
+  approved_policy_version: string | null;
+  unconfirmed_candidates: string;
 }
 
 const RUN_COLUMNS = `run_id, policy, trigger, reaper_iso(scheduled_for) AS scheduled_for, reaper_iso(cutoff) AS cutoff,
   state, replay_of, reaper_iso(cursor_expiry) AS cursor_expiry, cursor_key, claim_count, candidates, skipped, batches_confirmed, error,
-  reaper_iso(created_at) AS created_at, reaper_iso(finished_at) AS finished_at, reaper_iso(approved_at) AS approved_at, decided_by, policy_version`;
+  reaper_iso(created_at) AS created_at, reaper_iso(finished_at) AS finished_at, reaper_iso(approved_at) AS approved_at, decided_by, policy_version,
+  counted_candidates, approved_candidates, approved_policy_version, unconfirmed_candidates`;
 
 function toRun(row: RunRow): Run {
   return {
@@ -106,6 +124,10 @@ function toRun(row: RunRow): Run {
     approvedAt: row.approved_at,
     decidedBy: row.decided_by,
     policyVersion: row.policy_version,
+    countedCandidates: row.counted_candidates === null ? null : Number(row.counted_candidates),
+    approvedCandidates: row.approved_candidates === null ? null : Number(row.approved_candidates),
+    approvedPolicyVersion: row.approved_policy_version,
+    unconfirmedCandidates: Number(row.unconfirmed_candidates),
   };
 }
 
@@ -155,7 +177,8 @@ export async function runsInsertManualUnlessOneWaits(db: Db, policy: string): Pr
 export async function runsClaimNext(db: Db, owner: string, leaseMs: number, policies: readonly string[]): Promise<Run | null> {
   const result = await db.query<RunRow>(
     `UPDATE cleanup_runs SET owner = $1, lease_expires_at = clock_timestamp() + $2 * interval '1 millisecond',
-       state = 'scanning', started_at = coalesce(started_at, clock_timestamp()), claim_count = claim_count + 1
+       state = 'scanning', started_at = coalesce(started_at, clock_timestamp()), claim_count = claim_count + 1,
+       unconfirmed_candidates = unconfirmed_candidates + window_candidates, window_candidates = 0
      WHERE run_id = (
        SELECT run_id FROM cleanup_runs
        WHERE state IN ('pending', 'scanning') AND policy = ANY($3::text[])
@@ -198,7 +221,7 @@ export async function runsRecordProgress(
   const result = await db.query<{ updated: number }>(
     `WITH progress AS (
        UPDATE cleanup_runs SET cursor_expiry = $4::timestamptz, cursor_key = $5, candidates = $6, skipped = $7,
-         batches_confirmed = $8, lease_expires_at = clock_timestamp() + $9 * interval '1 millisecond'
+         batches_confirmed = $8, window_candidates = 0, lease_expires_at = clock_timestamp() + $9 * interval '1 millisecond'
        WHERE ${HELD_BY_CLAIM}
          AND ((cursor_expiry IS NOT DISTINCT FROM $11::timestamptz AND cursor_key IS NOT DISTINCT FROM $12::text)
            OR (cursor_expiry = $4::timestamptz AND cursor_key = $5 AND candidates = $6 AND skipped = $7 AND batches_confirmed = $8))
@@ -236,6 +259,25 @@ export async function runsExtendLease(db: Db, claim: RunClaim, leaseMs: number):
   const result = await db.query(
     `UPDATE cleanup_runs SET lease_expires_at = clock_timestamp() + $4 * interval '1 millisecond' WHERE ${HELD_BY_CLAIM}`,
     [claim.runId, claim.owner, claim.claim, leaseMs],
+  );
+  return result.rowCount === 1;
+}
+
+/** Records the brake's count on a run that goes on (within its allowance): what `status` and `run` show. */
+export async function runsRecordCount(db: Db, claim: RunClaim, counted: number): Promise<boolean> {
+  const result = await db.query(`UPDATE cleanup_runs SET counted_candidates = $4 WHERE ${HELD_BY_CLAIM}`, [claim.runId, claim.owner, claim.claim, counted]);
+  return result.rowCount === 1;
+}
+
+/**
+ * The claim check before a window is published: extends the lease and records how many
+ * candidates the window carries (until its checkpoint; a takeover before it counts them against
+ * the allowance). false: the claim is lost, publish nothing.
+ */
+export async function runsBeginWindow(db: Db, claim: RunClaim, candidates: number, leaseMs: number): Promise<boolean> {
+  const result = await db.query(
+    `UPDATE cleanup_runs SET lease_expires_at = clock_timestamp() + $4 * interval '1 millisecond', window_candidates = $5 WHERE ${HELD_BY_CLAIM}`,
+    [claim.runId, claim.owner, claim.claim, leaseMs, candidates],
   );
   return result.rowCount === 1;
 }
@@ -378,13 +420,16 @@ export async function runsListSummaries(db: Db, filter: { policy?: string | unde
 }
 
 /**
- * The brake: the run (still at its start, claimed by `claim`) publishes nothing and waits for an
- * operator; `candidates` and the reason are kept for `runs`, `run` and `status`.
+ * The brake: the run (claimed by `claim`) publishes nothing more and waits for an operator, with
+ * the count (published so far + still to publish), the reason, and the policy version it was
+ * counted under, for `runs`, `run`, `status` and the approval. Its cursor and published totals
+ * stay: an approval resumes it from there.
  */
-export async function runsHoldForApproval(db: Db, claim: RunClaim, hold: { candidates: number; reason: string }): Promise<boolean> {
+export async function runsHoldForApproval(db: Db, claim: RunClaim, hold: { counted: number; reason: string; policyVersion: string }): Promise<boolean> {
   const result = await db.query(
-    `UPDATE cleanup_runs SET state = 'awaiting-approval', candidates = $4, error = $5, lease_expires_at = NULL WHERE ${HELD_BY_CLAIM}`,
-    [claim.runId, claim.owner, claim.claim, hold.candidates, hold.reason],
+    `UPDATE cleanup_runs SET state = 'awaiting-approval', counted_candidates = $4, error = $5, policy_version = $6, lease_expires_at = NULL
+     WHERE ${HELD_BY_CLAIM}`,
+    [claim.runId, claim.owner, claim.claim, hold.counted, hold.reason, hold.policyVersion],
   );
   return result.rowCount === 1;
 }
@@ -400,19 +445,37 @@ export async function runsSetPolicyVersion(db: Db, claim: RunClaim, version: str
 }
 
 /**
- * `reaper approve`: a run awaiting approval goes back to pending, approved, with its cutoff
- * unchanged (and its brake count cleared: the scan counts again as it publishes). Null when the
- * run is not awaiting approval.
+ * `reaper approve`: a run awaiting approval goes back to pending with its cutoff unchanged, and
+ * the approval records WHAT was approved: the brake's count and the policy version it was counted
+ * under (docs/design.md invariant 16). The executor publishes at most that count plus the
+ * tolerance, under that version. `expected`, when given, is the count the operator saw: another
+ * count in the row (a newer hold) is not approved. Null when the run is not awaiting approval
+ * (or not with that count).
  */
-export async function runsApprove(db: Db, runId: string, by: string): Promise<Run | null> {
+export async function runsApprove(db: Db, runId: string, by: string, expected: number | null = null): Promise<Run | null> {
   const result = await db.query<RunRow>(
     `WITH approved AS (
-       UPDATE cleanup_runs SET state = 'pending', approved_at = clock_timestamp(), decided_by = $2, candidates = 0,
-         error = 'approved over the brake: ' || coalesce(error, '')
-       WHERE run_id = $1 AND state = 'awaiting-approval'
+       UPDATE cleanup_runs SET state = 'pending', approved_at = clock_timestamp(), decided_by = $2,
+         approved_candidates = counted_candidates, approved_policy_version = policy_version,
+         error = format('approved %s over the brake: %s', counted_candidates, coalesce(error, ''))
+       WHERE run_id = $1 AND state = 'awaiting-approval' AND ($3::bigint IS NULL OR counted_candidates = $3)
        RETURNING *)
      SELECT ${RUN_COLUMNS}, pg_notify('${RUNS_CHANNEL}', policy) FROM approved`,
-    [runId, by],
+    [runId, by, expected],
+  );
+  return result.rows[0] ? toRun(result.rows[0]) : null;
+}
+
+/**
+ * The open run of `policy` an operator decides about: awaiting approval, or approved and not
+ * finished; the latest one. For `reaper plan` (the approved and the current count side by side).
+ */
+export async function runsLatestDecided(db: Db, policy: string): Promise<Run | null> {
+  const result = await db.query<RunRow>(
+    `SELECT ${RUN_COLUMNS} FROM cleanup_runs
+     WHERE policy = $1 AND (state = 'awaiting-approval' OR (approved_at IS NOT NULL AND state IN ('pending', 'scanning')))
+     ORDER BY created_at DESC LIMIT 1`,
+    [policy],
   );
   return result.rows[0] ? toRun(result.rows[0]) : null;
 }
@@ -437,7 +500,8 @@ export async function runsReject(db: Db, runId: string, by: string): Promise<Run
 export async function runsClaimById(db: Db, runId: string, owner: string, leaseMs: number): Promise<Run | null> {
   const result = await db.query<RunRow>(
     `UPDATE cleanup_runs SET owner = $2, lease_expires_at = clock_timestamp() + $3 * interval '1 millisecond',
-       state = 'scanning', started_at = coalesce(started_at, clock_timestamp()), claim_count = claim_count + 1
+       state = 'scanning', started_at = coalesce(started_at, clock_timestamp()), claim_count = claim_count + 1,
+       unconfirmed_candidates = unconfirmed_candidates + window_candidates, window_candidates = 0
      WHERE run_id = $1 AND state IN ('pending', 'scanning')
        AND (lease_expires_at IS NULL OR lease_expires_at < clock_timestamp())
      RETURNING ${RUN_COLUMNS}`,
