@@ -479,3 +479,19 @@ test('compose: policies are the demo policies with the media API pointing at the
   }
   assert.deepEqual([...seen].map(rel), [path.join('infra', 'compose', 'policies.yaml')]);
 });
+
+test('a malformed DATABASE_URL is refused at start naming the variable, its value (a password) hidden', () => {
+  for (const [url, reason] of [
+    ['not a url', /does not parse as a URL/],
+    ['postgres://reaper:p@ss@db:notaport/reaper', /does not parse as a URL/],
+    ['mysql://reaper@db/reaper', /scheme is "mysql:"/],
+    ['postgres://reaper:s3cr%ZZet@db:5432/reaper', /%-escape/],
+  ] as const) {
+    assert.throws(
+      () => loadEnv({ DATABASE_URL: url }),
+      (error: Error) => error.name === 'ConfigError' && /DATABASE_URL=\(hidden\): not a PostgreSQL URL/.test(error.message) && reason.test(error.message) && !error.message.includes('s3cr'),
+      url,
+    );
+  }
+  for (const url of ['postgres://reaper:p%40ss@db:5432/reaper', 'postgresql:///reaper?host=/var/run/postgresql']) assert.equal(loadEnv({ DATABASE_URL: url }).databaseUrl, url);
+});

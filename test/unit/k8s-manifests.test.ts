@@ -10,9 +10,10 @@
 import { test, after } from 'node:test';
 import assert from 'node:assert/strict';
 import { execFileSync } from 'node:child_process';
-import { mkdtempSync, rmSync } from 'node:fs';
+import { mkdtempSync, readFileSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import path from 'node:path';
+import { parse as parseYaml } from 'yaml';
 import { brokerNames } from '../../shared/amqp/topology';
 import { loadEnv, type Env } from '../../shared/config/env';
 import { type PolicySet } from '../../shared/config/policies';
@@ -415,8 +416,8 @@ for (const [name, manifests] of rendered) {
 
     const dnsPorts = new Set([53]);
     const allowedEgress: Record<string, Set<number>> = {
-      scheduler: new Set([5432, 5672]),
-      worker: new Set([5432, 5672, 443, 8081]),
+      scheduler: new Set([5432, 5671, 5672]),
+      worker: new Set([5432, 5671, 5672, 443, 8081]),
       migrate: new Set([5432]),
     };
     for (const workload of workloads(manifests)) {
@@ -531,5 +532,40 @@ test('k8s: a missing kubectl fails with the install hint', () => {
     assert.throws(() => kustomize(path.join(K8S, 'base')), /kubectl is not installed.*apt-get install kubectl/);
   } finally {
     process.env.PATH = saved;
+  }
+});
+
+// ------------------------------------------------------------------------------------------------
+// Issue 20 item 7: the smaller production gaps
+// ------------------------------------------------------------------------------------------------
+
+for (const [name, manifests] of rendered) {
+  test(`k8s ${name}: no service links, replicas spread across nodes and zones, amqps allowed beside amqp`, () => {
+    for (const workload of workloads(manifests)) {
+      assert.equal(workload.spec.template.spec.enableServiceLinks, false, `${name} ${workload.metadata.name}: enableServiceLinks: false`);
+    }
+    for (const deploymentName of [SCHEDULER, WORKER]) {
+      const spread = (find(manifests, 'Deployment', deploymentName).spec.template.spec.topologySpreadConstraints ?? []) as Obj[];
+      assert.deepEqual(spread.map((c) => c.topologyKey).sort(), ['kubernetes.io/hostname', 'topology.kubernetes.io/zone'], `${name} ${deploymentName}: spread over hosts and zones`);
+      for (const constraint of spread) assert.equal(constraint.whenUnsatisfiable, 'ScheduleAnyway', `${name} ${deploymentName}: a single-zone cluster still schedules`);
+      const policy = find(manifests, 'NetworkPolicy', deploymentName);
+      const ports = (policy.spec.egress as Obj[]).flatMap((rule) => ((rule.ports ?? []) as Obj[]).map((port) => port.port));
+      assert.ok(ports.includes(5672) && ports.includes(5671), `${name} ${deploymentName}: egress to RabbitMQ on 5672 and 5671 (TLS)`);
+    }
+  });
+}
+
+test('k8s prod: KEDA falls back to a fixed worker count when it cannot read the queues; cooldownPeriod described truly', () => {
+  const scaled = find(rendered.get('prod')!, 'ScaledObject', WORKER);
+  assert.ok(scaled.spec.fallback?.failureThreshold >= 1, 'fallback.failureThreshold');
+  assert.ok(scaled.spec.fallback.replicas >= scaled.spec.minReplicaCount && scaled.spec.fallback.replicas <= scaled.spec.maxReplicaCount, 'fallback.replicas within min..max');
+  const text = readFileSync(path.join(K8S, 'overlays', 'prod', 'worker-autoscaling.yaml'), 'utf8');
+  assert.match(text, /cooldownPeriod only delays scaling from minReplicaCount to 0/, 'the comment says what cooldownPeriod does (not the scale-down pace)');
+});
+
+test('k8s monitoring: the PodMonitor and PrometheusRule carry the label kube-prometheus-stack selects', () => {
+  for (const file of ['podmonitor.yaml', 'prometheusrule.yaml']) {
+    const manifest = parseYaml(readFileSync(path.join(K8S, 'components', 'monitoring', file), 'utf8')) as Obj;
+    assert.equal(manifest.metadata.labels.release, 'kube-prometheus-stack', file);
   }
 });
