@@ -199,6 +199,14 @@ function checkContainerEnv(where: string, podSpec: Obj, container: Obj, manifest
     const volume = volumes.find((v) => v.name === mount.name);
     assert.ok(volume, `${where}: volume ${mount.name} exists`);
     const inside = file.slice(mount.mountPath.length + 1);
+    if (volume.projected) {
+      // A projected volume: the file is an item of one of its sources (each lists its items).
+      for (const projected of volume.projected.sources as Obj[]) {
+        const item = ((projected.secret ?? projected.configMap)?.items ?? []).find((i: Obj) => i.path === inside);
+        if (item) return { volume: { secret: projected.secret, configMap: projected.configMap }, key: item.key as string };
+      }
+      assert.fail(`${where}: ${file} is one of the items of projected volume ${volume.name}`);
+    }
     const source = volume.secret ?? volume.configMap;
     const items = (source?.items ?? []) as Obj[];
     const item = items.find((i) => i.path === inside);
@@ -212,6 +220,13 @@ function checkContainerEnv(where: string, podSpec: Obj, container: Obj, manifest
     assert.equal(volume.secret.secretName, 'reaper-secrets', `${where}: secrets come from reaper-secrets`);
     assert.ok(volume.secret.defaultMode === undefined || (volume.secret.defaultMode & 0o007) === 0, `${where}: secret files are not world-readable`);
     secretKeys.push(...((volume.secret.items ?? []) as Obj[]).map((item) => item.key as string));
+  }
+  for (const volume of volumes.filter((v) => v.projected)) {
+    assert.ok(volume.projected.defaultMode === undefined || (volume.projected.defaultMode & 0o007) === 0, `${where}: projected files are not world-readable`);
+    for (const projected of (volume.projected.sources as Obj[]).filter((p) => p.secret)) {
+      assert.equal(projected.secret.name, 'reaper-secrets', `${where}: secrets come from reaper-secrets`);
+      secretKeys.push(...((projected.secret.items ?? []) as Obj[]).map((item) => item.key as string));
+    }
   }
 
   let policies: PolicySet | undefined;
@@ -227,7 +242,9 @@ function checkContainerEnv(where: string, podSpec: Obj, container: Obj, manifest
     for (const name of inputs.variables) assert.ok(raw.has(name), `${where}: the policies read \${${name}}, which the container sets`);
     for (const file of inputs.files) {
       const source = sourceOf(file);
-      assert.ok(source.volume.secret, `${where}: the policies read \${file:${file}}, which is a mounted Secret key`);
+      // The scheduler never calls the remote: a non-secret placeholder stands in for the token.
+      const placeholder = source.volume.configMap && /-placeholders(-[a-z0-9]+)?$/.test(source.volume.configMap.name);
+      assert.ok(source.volume.secret || placeholder, `${where}: the policies read \${file:${file}}, which is a mounted Secret key (or the scheduler's placeholder)`);
     }
     policies = parsePoliciesWithPlaceholders(text, `${where} policies`, resolved);
   }
@@ -344,7 +361,7 @@ for (const [name, manifests] of rendered) {
     }
     // The migrate Job alone may change the schema: it alone gets the migrator's credentials.
     assert.deepEqual(keysOf.get('migrate'), ['migrate-database-url'], `${name}: the migrate Job gets only its own key`);
-    assert.deepEqual(new Set(keysOf.get('scheduler')), new Set(['scheduler-database-url', 'scheduler-amqp-url', 'webhook-secret', 'media-api-token']), `${name}: scheduler keys`);
+    assert.deepEqual(new Set(keysOf.get('scheduler')), new Set(['scheduler-database-url', 'scheduler-amqp-url', 'webhook-secret']), `${name}: scheduler keys (not the media API token: it never calls the API)`);
     assert.deepEqual(new Set(keysOf.get('worker')), new Set(['worker-database-url', 'worker-amqp-url', 'media-api-token']), `${name}: worker keys`);
     const scheduler = find(manifests, 'Deployment', SCHEDULER);
     assert.ok(((containersOf(scheduler)[0]!.env ?? []) as Obj[]).some((e) => e.name === 'REAPER_WEBHOOK_SECRET_FILE'), 'the scheduler gets the webhook secret (as a file)');
