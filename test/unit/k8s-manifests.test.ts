@@ -10,7 +10,7 @@
 import { test, after } from 'node:test';
 import assert from 'node:assert/strict';
 import { execFileSync } from 'node:child_process';
-import { mkdtempSync, readFileSync, rmSync } from 'node:fs';
+import { copyFileSync, mkdirSync, mkdtempSync, readFileSync, rmSync, symlinkSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import path from 'node:path';
 import { parse as parseYaml } from 'yaml';
@@ -56,10 +56,25 @@ function kustomize(dir: string): Obj[] {
   return yamlTextDocuments(output, `kubectl kustomize ${dir}`);
 }
 
+/**
+ * A scratch kustomization on top of `resources` (relative to infra/k8s), as an operator's own
+ * overlay would be: base and prod ship no policies, so these add them (the demo ones, which the
+ * checks below compare with), base through the demo component, prod through a generator.
+ */
+function scratchOverlay(name: string, body: string, withPolicies = false): string {
+  const dir = path.join(tmp, `overlay-${name}`);
+  mkdirSync(dir, { recursive: true });
+  // kustomize refuses absolute paths: a link to infra/k8s makes the relative ones resolve.
+  symlinkSync(K8S, path.join(dir, 'k8s'));
+  if (withPolicies) copyFileSync(path.join(K8S, 'components', 'demo-policies', 'policies.yaml'), path.join(dir, 'policies.yaml'));
+  writeFileSync(path.join(dir, 'kustomization.yaml'), `apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n${body}`);
+  return dir;
+}
+
 const TARGETS: [string, string][] = [
-  ['base', path.join(K8S, 'base')],
+  ['base', scratchOverlay('base', 'resources: [k8s/base]\ncomponents: [k8s/components/demo-policies]\n')],
   ['dev', path.join(K8S, 'overlays', 'dev')],
-  ['prod', path.join(K8S, 'overlays', 'prod')],
+  ['prod', scratchOverlay('prod', 'resources: [k8s/overlays/prod]\nconfigMapGenerator:\n  - name: reaper-policies\n    behavior: replace\n    files: [policies.yaml]\n', true)],
 ];
 const rendered = new Map(TARGETS.map(([name, dir]) => [name, kustomize(dir)]));
 const OVERLAYS = ['dev', 'prod'];
@@ -585,4 +600,16 @@ test('k8s monitoring: the PodMonitor and PrometheusRule carry the label kube-pro
     const manifest = parseYaml(readFileSync(path.join(K8S, 'components', 'monitoring', file), 'utf8')) as Obj;
     assert.equal(manifest.metadata.labels.release, 'kube-prometheus-stack', file);
   }
+});
+
+test('k8s prod ships no policies (the demo ones are a dev-only component); dev runs the demo policies', () => {
+  const prod = kustomize(path.join(K8S, 'overlays', 'prod'));
+  const placeholder = find(prod, 'ConfigMap', /^reaper-policies-/).data['policies.yaml'] as string;
+  assert.deepEqual(parseYaml(placeholder), { policies: [] }, 'prod\'s reaper-policies is empty until the operator\'s overlay replaces it');
+  assert.throws(() => parsePoliciesWithPlaceholders(placeholder, 'prod policies', {}), /policies/, 'and reaper refuses to start on it');
+  for (const configMap of ofKind(prod, 'ConfigMap')) {
+    for (const value of Object.values((configMap.data ?? {}) as Record<string, string>)) assert.ok(!/seat-holds|seat_reservations/.test(value), `${configMap.metadata.name}: no demo policy`);
+  }
+  const dev = find(rendered.get('dev')!, 'ConfigMap', /^reaper-policies-/);
+  assert.match(dev.data['policies.yaml'], /name: seat-holds/, 'dev mounts the demo policies');
 });
