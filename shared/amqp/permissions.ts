@@ -30,10 +30,16 @@ export function brokerPermissions(prefix: string): Record<BrokerRole, BrokerPerm
   // The prefix is [a-zA-Z0-9_-]+ (env.ts), none of which is special in a regular expression.
   const own = `^${prefix}\\.`;
   const ownAndDefault = `^(${prefix}\\..*|amq\\.default)$`;
+  // configure (declare, delete) covers only what each declares: the shared topology (work and
+  // delay exchanges and queues, the dead-letter queue), which every service asserts at start;
+  // the worker alone also declares its presence queues (<prefix>.presence.<policy>.<id>), so no
+  // other login can delete them.
+  const shared = `^${prefix}\\.(cleanup|delay|dead-letter)(\\..+)?$`;
+  const sharedAndPresence = `^${prefix}\\.(cleanup|delay|dead-letter|presence)(\\..+)?$`;
   return {
-    scheduler: { configure: own, write: own, read: own },
-    worker: { configure: own, write: ownAndDefault, read: own },
-    operator: { configure: own, write: ownAndDefault, read: own },
+    scheduler: { configure: shared, write: own, read: own },
+    worker: { configure: sharedAndPresence, write: ownAndDefault, read: own },
+    operator: { configure: shared, write: ownAndDefault, read: own },
     autoscaler: { configure: '', write: '', read: '' },
   };
 }

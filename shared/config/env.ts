@@ -9,7 +9,12 @@ import type { SessionTimeouts } from '../db/pool';
 export const DEMO_POLICIES_PATH = path.resolve(__dirname, '..', '..', '..', 'infra', 'policies.demo.yaml');
 
 const envSchema = z.object({
-  DATABASE_URL: z.string().min(1).default('postgres://postgres@127.0.0.1:5432/postgres'),
+  // Checked here so a malformed URL is refused at start naming DATABASE_URL (its value hidden),
+  // not later by pg with a stack trace (or a URIError from a bad %-escape in the password).
+  DATABASE_URL: z.string().min(1).superRefine((value, context) => {
+    const problem = databaseUrlProblem(value);
+    if (problem !== null) context.addIssue({ code: 'custom', message: `not a PostgreSQL URL (postgres://user:password@host:5432/database): ${problem}` });
+  }).default('postgres://postgres@127.0.0.1:5432/postgres'),
   /** One broker URL, or several comma-separated (cluster nodes), tried in turn at every (re)connect. */
   AMQP_URL: z
     .string()
@@ -75,6 +80,25 @@ export type Env = {
 };
 
 /** Variables that may hold secrets: each may instead name a file through `<NAME>_FILE`. */
+/** Why a DATABASE_URL cannot be used (null when it can); never repeats the value (it holds a password). */
+function databaseUrlProblem(value: string): string | null {
+  let url: URL;
+  try {
+    url = new URL(value);
+  } catch {
+    return 'it does not parse as a URL';
+  }
+  if (url.protocol !== 'postgres:' && url.protocol !== 'postgresql:') return `the scheme is "${url.protocol}", expected postgres: or postgresql:`;
+  try {
+    decodeURIComponent(url.username);
+    decodeURIComponent(url.password);
+    decodeURIComponent(url.pathname);
+  } catch {
+    return 'a %-escape in the user, password or database name is invalid';
+  }
+  return null;
+}
+
 const SECRET_CAPABLE = ['DATABASE_URL', 'AMQP_URL', 'REAPER_WEBHOOK_SECRET'] as const;
 
 /**

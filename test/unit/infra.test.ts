@@ -479,3 +479,32 @@ test('compose: policies are the demo policies with the media API pointing at the
   }
   assert.deepEqual([...seen].map(rel), [path.join('infra', 'compose', 'policies.yaml')]);
 });
+
+test('a malformed DATABASE_URL is refused at start naming the variable, its value (a password) hidden', () => {
+  for (const [url, reason] of [
+    ['not a url', /does not parse as a URL/],
+    ['postgres://reaper:p@ss@db:notaport/reaper', /does not parse as a URL/],
+    ['mysql://reaper@db/reaper', /scheme is "mysql:"/],
+    ['postgres://reaper:s3cr%ZZet@db:5432/reaper', /%-escape/],
+  ] as const) {
+    assert.throws(
+      () => loadEnv({ DATABASE_URL: url }),
+      (error: Error) => error.name === 'ConfigError' && /DATABASE_URL=\(hidden\): not a PostgreSQL URL/.test(error.message) && reason.test(error.message) && !error.message.includes('s3cr'),
+      url,
+    );
+  }
+  for (const url of ['postgres://reaper:p%40ss@db:5432/reaper', 'postgresql:///reaper?host=/var/run/postgresql']) assert.equal(loadEnv({ DATABASE_URL: url }).databaseUrl, url);
+});
+
+test('Dockerfile: every stage pins the same base digest; the runtime image carries OCI labels naming it', () => {
+  const digests = dockerfile.stages.map((stage) => /^node:24-slim@(sha256:[0-9a-f]{64}) AS [-\w]+$/.exec(stage)?.[1]);
+  assert.ok(digests.every((digest) => digest !== undefined), `every FROM is pinned by digest: ${dockerfile.stages.join(' | ')}`);
+  assert.equal(new Set(digests).size, 1, 'one digest for every stage (refreshed together)');
+  const labels = new Map<string, string>();
+  for (const instruction of runtimeInstructions.filter((i) => i.keyword === 'LABEL')) {
+    for (const match of instruction.args.matchAll(/([a-z0-9.]+)="([^"]*)"/g)) labels.set(match[1]!, match[2]!);
+  }
+  for (const key of ['title', 'description', 'version', 'revision', 'base.name', 'base.digest']) assert.ok(labels.get(`org.opencontainers.image.${key}`), `label org.opencontainers.image.${key}`);
+  assert.equal(labels.get('org.opencontainers.image.base.digest'), digests[0], 'the base.digest label is the pinned digest');
+  assert.equal(labels.get('org.opencontainers.image.version'), '${VERSION}', 'the version comes from the build argument CI sets');
+});

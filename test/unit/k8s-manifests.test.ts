@@ -10,9 +10,10 @@
 import { test, after } from 'node:test';
 import assert from 'node:assert/strict';
 import { execFileSync } from 'node:child_process';
-import { mkdtempSync, rmSync } from 'node:fs';
+import { copyFileSync, mkdirSync, mkdtempSync, readFileSync, rmSync, symlinkSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import path from 'node:path';
+import { parse as parseYaml } from 'yaml';
 import { brokerNames } from '../../shared/amqp/topology';
 import { loadEnv, type Env } from '../../shared/config/env';
 import { type PolicySet } from '../../shared/config/policies';
@@ -55,10 +56,25 @@ function kustomize(dir: string): Obj[] {
   return yamlTextDocuments(output, `kubectl kustomize ${dir}`);
 }
 
+/**
+ * A scratch kustomization on top of `resources` (relative to infra/k8s), as an operator's own
+ * overlay would be: base and prod ship no policies, so these add them (the demo ones, which the
+ * checks below compare with), base through the demo component, prod through a generator.
+ */
+function scratchOverlay(name: string, body: string, withPolicies = false): string {
+  const dir = path.join(tmp, `overlay-${name}`);
+  mkdirSync(dir, { recursive: true });
+  // kustomize refuses absolute paths: a link to infra/k8s makes the relative ones resolve.
+  symlinkSync(K8S, path.join(dir, 'k8s'));
+  if (withPolicies) copyFileSync(path.join(K8S, 'components', 'demo-policies', 'policies.yaml'), path.join(dir, 'policies.yaml'));
+  writeFileSync(path.join(dir, 'kustomization.yaml'), `apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n${body}`);
+  return dir;
+}
+
 const TARGETS: [string, string][] = [
-  ['base', path.join(K8S, 'base')],
+  ['base', scratchOverlay('base', 'resources: [k8s/base]\ncomponents: [k8s/components/demo-policies]\n')],
   ['dev', path.join(K8S, 'overlays', 'dev')],
-  ['prod', path.join(K8S, 'overlays', 'prod')],
+  ['prod', scratchOverlay('prod', 'resources: [k8s/overlays/prod]\nconfigMapGenerator:\n  - name: reaper-policies\n    behavior: replace\n    files: [policies.yaml]\n', true)],
 ];
 const rendered = new Map(TARGETS.map(([name, dir]) => [name, kustomize(dir)]));
 const OVERLAYS = ['dev', 'prod'];
@@ -198,6 +214,14 @@ function checkContainerEnv(where: string, podSpec: Obj, container: Obj, manifest
     const volume = volumes.find((v) => v.name === mount.name);
     assert.ok(volume, `${where}: volume ${mount.name} exists`);
     const inside = file.slice(mount.mountPath.length + 1);
+    if (volume.projected) {
+      // A projected volume: the file is an item of one of its sources (each lists its items).
+      for (const projected of volume.projected.sources as Obj[]) {
+        const item = ((projected.secret ?? projected.configMap)?.items ?? []).find((i: Obj) => i.path === inside);
+        if (item) return { volume: { secret: projected.secret, configMap: projected.configMap }, key: item.key as string };
+      }
+      assert.fail(`${where}: ${file} is one of the items of projected volume ${volume.name}`);
+    }
     const source = volume.secret ?? volume.configMap;
     const items = (source?.items ?? []) as Obj[];
     const item = items.find((i) => i.path === inside);
@@ -211,6 +235,13 @@ function checkContainerEnv(where: string, podSpec: Obj, container: Obj, manifest
     assert.equal(volume.secret.secretName, 'reaper-secrets', `${where}: secrets come from reaper-secrets`);
     assert.ok(volume.secret.defaultMode === undefined || (volume.secret.defaultMode & 0o007) === 0, `${where}: secret files are not world-readable`);
     secretKeys.push(...((volume.secret.items ?? []) as Obj[]).map((item) => item.key as string));
+  }
+  for (const volume of volumes.filter((v) => v.projected)) {
+    assert.ok(volume.projected.defaultMode === undefined || (volume.projected.defaultMode & 0o007) === 0, `${where}: projected files are not world-readable`);
+    for (const projected of (volume.projected.sources as Obj[]).filter((p) => p.secret)) {
+      assert.equal(projected.secret.name, 'reaper-secrets', `${where}: secrets come from reaper-secrets`);
+      secretKeys.push(...((projected.secret.items ?? []) as Obj[]).map((item) => item.key as string));
+    }
   }
 
   let policies: PolicySet | undefined;
@@ -226,7 +257,9 @@ function checkContainerEnv(where: string, podSpec: Obj, container: Obj, manifest
     for (const name of inputs.variables) assert.ok(raw.has(name), `${where}: the policies read \${${name}}, which the container sets`);
     for (const file of inputs.files) {
       const source = sourceOf(file);
-      assert.ok(source.volume.secret, `${where}: the policies read \${file:${file}}, which is a mounted Secret key`);
+      // The scheduler never calls the remote: a non-secret placeholder stands in for the token.
+      const placeholder = source.volume.configMap && /-placeholders(-[a-z0-9]+)?$/.test(source.volume.configMap.name);
+      assert.ok(source.volume.secret || placeholder, `${where}: the policies read \${file:${file}}, which is a mounted Secret key (or the scheduler's placeholder)`);
     }
     policies = parsePoliciesWithPlaceholders(text, `${where} policies`, resolved);
   }
@@ -343,7 +376,7 @@ for (const [name, manifests] of rendered) {
     }
     // The migrate Job alone may change the schema: it alone gets the migrator's credentials.
     assert.deepEqual(keysOf.get('migrate'), ['migrate-database-url'], `${name}: the migrate Job gets only its own key`);
-    assert.deepEqual(new Set(keysOf.get('scheduler')), new Set(['scheduler-database-url', 'scheduler-amqp-url', 'webhook-secret', 'media-api-token']), `${name}: scheduler keys`);
+    assert.deepEqual(new Set(keysOf.get('scheduler')), new Set(['scheduler-database-url', 'scheduler-amqp-url', 'webhook-secret']), `${name}: scheduler keys (not the media API token: it never calls the API)`);
     assert.deepEqual(new Set(keysOf.get('worker')), new Set(['worker-database-url', 'worker-amqp-url', 'media-api-token']), `${name}: worker keys`);
     const scheduler = find(manifests, 'Deployment', SCHEDULER);
     assert.ok(((containersOf(scheduler)[0]!.env ?? []) as Obj[]).some((e) => e.name === 'REAPER_WEBHOOK_SECRET_FILE'), 'the scheduler gets the webhook secret (as a file)');
@@ -415,8 +448,8 @@ for (const [name, manifests] of rendered) {
 
     const dnsPorts = new Set([53]);
     const allowedEgress: Record<string, Set<number>> = {
-      scheduler: new Set([5432, 5672]),
-      worker: new Set([5432, 5672, 443, 8081]),
+      scheduler: new Set([5432, 5671, 5672]),
+      worker: new Set([5432, 5671, 5672, 443, 8081]),
       migrate: new Set([5432]),
     };
     for (const workload of workloads(manifests)) {
@@ -532,4 +565,51 @@ test('k8s: a missing kubectl fails with the install hint', () => {
   } finally {
     process.env.PATH = saved;
   }
+});
+
+// ------------------------------------------------------------------------------------------------
+// Issue 20 item 7: the smaller production gaps
+// ------------------------------------------------------------------------------------------------
+
+for (const [name, manifests] of rendered) {
+  test(`k8s ${name}: no service links, replicas spread across nodes and zones, amqps allowed beside amqp`, () => {
+    for (const workload of workloads(manifests)) {
+      assert.equal(workload.spec.template.spec.enableServiceLinks, false, `${name} ${workload.metadata.name}: enableServiceLinks: false`);
+    }
+    for (const deploymentName of [SCHEDULER, WORKER]) {
+      const spread = (find(manifests, 'Deployment', deploymentName).spec.template.spec.topologySpreadConstraints ?? []) as Obj[];
+      assert.deepEqual(spread.map((c) => c.topologyKey).sort(), ['kubernetes.io/hostname', 'topology.kubernetes.io/zone'], `${name} ${deploymentName}: spread over hosts and zones`);
+      for (const constraint of spread) assert.equal(constraint.whenUnsatisfiable, 'ScheduleAnyway', `${name} ${deploymentName}: a single-zone cluster still schedules`);
+      const policy = find(manifests, 'NetworkPolicy', deploymentName);
+      const ports = (policy.spec.egress as Obj[]).flatMap((rule) => ((rule.ports ?? []) as Obj[]).map((port) => port.port));
+      assert.ok(ports.includes(5672) && ports.includes(5671), `${name} ${deploymentName}: egress to RabbitMQ on 5672 and 5671 (TLS)`);
+    }
+  });
+}
+
+test('k8s prod: KEDA falls back to a fixed worker count when it cannot read the queues; cooldownPeriod described truly', () => {
+  const scaled = find(rendered.get('prod')!, 'ScaledObject', WORKER);
+  assert.ok(scaled.spec.fallback?.failureThreshold >= 1, 'fallback.failureThreshold');
+  assert.ok(scaled.spec.fallback.replicas >= scaled.spec.minReplicaCount && scaled.spec.fallback.replicas <= scaled.spec.maxReplicaCount, 'fallback.replicas within min..max');
+  const text = readFileSync(path.join(K8S, 'overlays', 'prod', 'worker-autoscaling.yaml'), 'utf8');
+  assert.match(text, /cooldownPeriod only delays scaling from minReplicaCount to 0/, 'the comment says what cooldownPeriod does (not the scale-down pace)');
+});
+
+test('k8s monitoring: the PodMonitor and PrometheusRule carry the label kube-prometheus-stack selects', () => {
+  for (const file of ['podmonitor.yaml', 'prometheusrule.yaml']) {
+    const manifest = parseYaml(readFileSync(path.join(K8S, 'components', 'monitoring', file), 'utf8')) as Obj;
+    assert.equal(manifest.metadata.labels.release, 'kube-prometheus-stack', file);
+  }
+});
+
+test('k8s prod ships no policies (the demo ones are a dev-only component); dev runs the demo policies', () => {
+  const prod = kustomize(path.join(K8S, 'overlays', 'prod'));
+  const placeholder = find(prod, 'ConfigMap', /^reaper-policies-/).data['policies.yaml'] as string;
+  assert.deepEqual(parseYaml(placeholder), { policies: [] }, 'prod\'s reaper-policies is empty until the operator\'s overlay replaces it');
+  assert.throws(() => parsePoliciesWithPlaceholders(placeholder, 'prod policies', {}), /policies/, 'and reaper refuses to start on it');
+  for (const configMap of ofKind(prod, 'ConfigMap')) {
+    for (const value of Object.values((configMap.data ?? {}) as Record<string, string>)) assert.ok(!/seat-holds|seat_reservations/.test(value), `${configMap.metadata.name}: no demo policy`);
+  }
+  const dev = find(rendered.get('dev')!, 'ConfigMap', /^reaper-policies-/);
+  assert.match(dev.data['policies.yaml'], /name: seat-holds/, 'dev mounts the demo policies');
 });
