@@ -189,13 +189,15 @@ export async function startScheduler(env: Env, policies: PolicySet, log: Logger)
   const heartbeat = await startHeartbeat(pool, { service: 'scheduler', workerId: env.workerId, amqpPrefix: env.amqpPrefix, policies: policyNames, maxBatchVersion: null }, log).catch(abandonStart);
   const gate = makeBatchVersionGate({ wanted: batchVersions.publish, pool, connection, names, amqpPrefix: env.amqpPrefix, log });
 
+  /** Per policy: the latest cron tick skipped because its window was closed (for the catch-up at the opening). */
+  const skippedTicks = new Map<string, Date>();
   // Schedule windows: read on this process's clock, exported as gauges; an opening makes the catch-up run.
   const windows = startWindowWatch({
     policies,
     metrics,
     log,
     onOpened: (policy) =>
-      void catchUp(policy).catch((error: Error) => log.warn({ err: error.message, policy: policy.name }, 'catch-up at the window opening failed; the next tick runs')),
+      void catchUpAtOpening(policy).catch((error: Error) => log.warn({ err: error.message, policy: policy.name }, 'catch-up at the window opening failed; the next tick runs')),
   });
 
   const deps: RunExecutorDeps = {
@@ -264,6 +266,7 @@ export async function startScheduler(env: Env, policies: PolicySet, log: Logger)
   async function proposeRun(policy: Policy, trigger: 'cron' | 'catch-up', scheduledFor: Date): Promise<void> {
     if (!windows.isOpen(policy)) {
       // Not recorded: the catch-up at the window's opening makes one run for every tick skipped here.
+      skippedTicks.set(policy.name, scheduledFor);
       log.info({ policy: policy.name, trigger, scheduledFor }, 'tick outside the schedule window: skipped until the window opens');
       return;
     }
@@ -297,6 +300,17 @@ export async function startScheduler(env: Env, policies: PolicySet, log: Logger)
     if (missed) await proposeRun(policy, 'catch-up', missed);
   }
   for (const policy of policies.values()) if (windows.isOpen(policy)) await catchUp(policy);
+  /**
+   * At a window's opening: one catch-up run for the ticks skipped while it was closed, named after
+   * the latest one this scheduler skipped (every replica skips the same ticks: one run wins), or,
+   * when this one skipped none (it started after them), after the latest tick the runs table misses.
+   */
+  async function catchUpAtOpening(policy: Policy): Promise<void> {
+    const skipped = skippedTicks.get(policy.name);
+    skippedTicks.delete(policy.name);
+    if (skipped) await proposeRun(policy, 'catch-up', skipped);
+    else await catchUp(policy);
+  }
 
   const backlog = startBacklogGauges({ db: pool, owner: env.workerId, policies, targets, metrics, log, intervalMs: env.backlogRefreshMs });
   const auditRetention = startAuditRetention({ pool, policies, log });
