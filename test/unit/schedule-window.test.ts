@@ -8,6 +8,8 @@ import assert from 'node:assert/strict';
 import { ConfigError } from '../../shared/config/errors';
 import { parsePolicies } from '../../shared/config/policies';
 import { windowIsOpen, windowStateAt, type ScheduleWindow } from '../../shared/schedule/window';
+import { DELAY_TIERS_MS } from '../../shared/amqp/topology';
+import { outsideWindow } from '../../services/worker/window-gate';
 
 const at = (iso: string) => new Date(iso);
 const BERLIN_NIGHT: ScheduleWindow = { start: '01:00', end: '05:00', timeZone: 'Europe/Berlin' };
@@ -98,4 +100,14 @@ test('policy key window: parsed when valid, refused naming the field and the val
   refused('{ start: "01:00", end: "05:00", timeZone: "Europe/Berlinn" }', /policies\.0\.window\.timeZone: must be an IANA time zone .*\(got "Europe\/Berlinn"\)/);
   refused('{ start: "01:00", end: "01:00", timeZone: "UTC" }', /policies\.0\.window\.end: start and end must differ .*\(got "01:00"\)/);
   refused('{ start: "01:00", end: "05:00", timeZone: "UTC", days: 1 }', /policies\.0\.window/);
+});
+
+test('worker gate: outside the window a batch goes to a delay tier until the opening, capped by the longest tier', () => {
+  const policy = parsePolicies(policyWith('{ start: "01:00", end: "05:00", timeZone: "UTC" }'), 'p.yaml', {}).get('seat-holds')!;
+  assert.equal(outsideWindow(policy, at('2026-05-01T02:00:00Z')), null, 'open: the handler runs');
+  const soon = outsideWindow(policy, at('2026-05-01T00:59:40Z'));
+  assert.equal(soon?.delayMs, 20_000, 'the time until the opening');
+  assert.match(soon!.reason, /^outside window \(01:00-05:00 UTC\), opens at 2026-05-01T01:00:00\.000Z$/);
+  assert.equal(outsideWindow(policy, at('2026-05-01T12:00:00Z'))?.delayMs, DELAY_TIERS_MS[DELAY_TIERS_MS.length - 1], 'capped by the longest tier');
+  assert.equal(outsideWindow({ ...policy, window: undefined }, at('2026-05-01T12:00:00Z')), null, 'no window: always admitted');
 });
