@@ -27,6 +27,7 @@ import { executeRun, type RunOutcome } from '../scheduler/run-executor';
 import { loadSchedulerTuning } from '../scheduler/tuning';
 import { context, ISO_INPUT, NotFoundError, pastCutoff, UsageError, withPool } from './common';
 import { printResult } from './output';
+import { outsideWindowMessage, windowStateAt } from '../../shared/schedule/window';
 import { formatDuration, makeProgressLine, renderProgress } from './progress';
 
 /**
@@ -212,6 +213,7 @@ async function startRun(
   timeoutMs: number,
 ): Promise<void> {
   const label = spec.trigger === 'replay' ? 'replay run' : 'run';
+  refuseOutsideWindow(requirePolicy(policies, spec.policy));
   if (!options.execute) {
     const run = await runsInsertIfAbsent(pool, { ...spec, scheduledFor: null });
     if (!run) throw new Error('a run for this instant already exists; try again');
@@ -237,6 +239,16 @@ async function startRun(
   });
   if (!options.json) process.stderr.write(`${label} ${run.runId} created (policy ${run.policy}, cutoff ${run.cutoff}); publishing it from here\n`);
   await executeHere(env, pool, run, policy, options, timeoutMs);
+}
+
+/**
+ * A manual run outside the policy's schedule window is refused, not recorded: no scheduler would
+ * start it and no worker would delete for it until the window opens (README "Schedule windows").
+ */
+function refuseOutsideWindow(policy: Policy): void {
+  const state = windowStateAt(policy.window, new Date());
+  if (state.open) return;
+  throw new Error(`policy ${policy.name} is ${outsideWindowMessage(policy.window!, state.opensAt)}; nothing recorded: runs start only inside the window (try again then, or change the policy's window)`);
 }
 
 /** The warning printed when no scheduler of this policy has recorded a heartbeat recently; null when one has. */
@@ -323,7 +335,7 @@ async function executeHere(env: Env, pool: Pool, run: Run, policy: Policy, optio
       throw error; // as it is: its class sets the exit code and the message
     }
     await progress?.stop();
-    if (outcome === 'stopped') await runsReleaseLease(pool, claim);
+    if (outcome === 'stopped' || outcome === 'window-closed') await runsReleaseLease(pool, claim);
     await report(pool, run, outcome, options, timeoutMs);
   } finally {
     await progress?.stop();
@@ -377,6 +389,7 @@ async function report(pool: Pool, run: Run, outcome: RunOutcome, options: StartO
     stopped: `run ${run.runId} stopped at a window boundary after ${summary.batchesConfirmed} confirmed batches (${summary.candidates} candidates); ${resume}`,
     'lost-lease': `run ${run.runId} was taken over by another process (this one lost its lease); it continues there`,
     failed: `run ${run.runId} failed: ${summary.error ?? 'see the log'}`,
+    'window-closed': `run ${run.runId} stopped at a window boundary: its policy's schedule window is closed (${summary.batchesConfirmed} confirmed batches, ${summary.candidates} candidates); it continues, with its cutoff, in the next window`,
     'awaiting-approval': `run ${run.runId} is over its policy's limits and awaits approval (${summary.error ?? ''}); nothing was published: reaper approve ${run.runId} or reaper reject ${run.runId}`,
   };
   const continues = outcome === 'published' || outcome === 'lost-lease';

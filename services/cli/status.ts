@@ -1,6 +1,6 @@
 import { Command, Option } from 'commander';
 import type { Env } from '../../shared/config/env';
-import type { PolicySet } from '../../shared/config/policies';
+import type { Policy, PolicySet } from '../../shared/config/policies';
 import { connectAny } from '../../shared/amqp/connection';
 import { brokerNames, DELAY_TIERS_MS } from '../../shared/amqp/topology';
 import { admissionList, replicationLagRead } from '../../shared/db/queries/admission';
@@ -13,6 +13,7 @@ import { readBacklog } from '../scheduler/backlog-gauges';
 import { describe as describeAdmission } from './admission';
 import { context, withPool } from './common';
 import { printResult, table } from './output';
+import { describeWindow, outsideWindowMessage, windowStateAt } from '../../shared/schedule/window';
 
 /** `reaper status`: per policy what the database and the broker say now. */
 
@@ -32,6 +33,7 @@ async function collectStatus(env: Env, policies: PolicySet) {
     const recent = await runsListSummaries(pool, { limit: 500 });
     const depths = await queueDepths(env, [...policies.keys()]);
     const brokerError = depths.error;
+    const now = new Date();
     return {
       policies: [...policies.values()].map((policy) => {
         const last = recent.find((run) => run.policy === policy.name);
@@ -48,6 +50,8 @@ async function collectStatus(env: Env, policies: PolicySet) {
           lastCompletedAt: waiting?.lastCompleted?.finishedAt ?? null,
           lastCompletedLagSeconds: waiting?.lastCompleted ? roundSeconds(waiting.lastCompleted.lagSeconds) : null,
           paused: admission.get(policy.name)?.paused ?? false,
+          // Schedule window: null without one; closed means no run starts and workers delete nothing.
+          window: scheduleWindowStatus(policy.window, now),
           // Live admission (file values, `reaper admission set` override with who and when, in force).
           admission: inForce.get(policy.name)!,
           // row-delete replica-lag brake: engaged while a standby's replay lag is over the maximum.
@@ -75,6 +79,15 @@ async function collectStatus(env: Env, policies: PolicySet) {
       brokerError,
     };
   });
+}
+
+/** A policy's schedule window now: open until when, or "outside window, opens at ...". */
+function scheduleWindowStatus(window: Policy['window'], now: Date) {
+  if (!window) return null;
+  const state = windowStateAt(window, now);
+  return state.open
+    ? { window: describeWindow(window), open: true, closesAt: state.closesAt!.toISOString(), opensAt: null, summary: `open (${describeWindow(window)}), closes at ${state.closesAt!.toISOString()}` }
+    : { window: describeWindow(window), open: false, closesAt: null, opensAt: state.opensAt.toISOString(), summary: outsideWindowMessage(window, state.opensAt) };
 }
 
 /** Ages to the millisecond: enough for an operator, and stable in JSON. */
@@ -160,9 +173,10 @@ export function registerStatusCommand(program: Command): void {
               lastCompleted: row.lastCompletedAt,
               lag: row.lastCompletedLagSeconds === null ? null : `${row.lastCompletedLagSeconds}s`,
               admission: `${describeAdmission(row.admission.inForce, row.admission.rateUnit)}${row.admission.override ? ` (override by ${row.admission.override.setBy})` : ''}`,
+              window: row.window?.summary ?? null,
               brake: row.brake === null ? null : `${row.brake.engaged ? 'ENGAGED' : 'off'} (lag ${row.brake.lagSeconds}s, max ${row.brake.maxReplicationLagSeconds}s)`,
             })),
-            ['policy', 'kind', 'paused', 'admission', 'brake', 'oldestEligible', 'oldestLeased', 'waiting', 'lastCompleted', 'lag', 'lastRun', 'lastRunState', 'lastRunCounted', 'lastRunApproved', 'lastRunError', 'queued', 'pending', 'inFlight', 'confirmed', 'rejected', 'gaveUp'],
+            ['policy', 'kind', 'window', 'paused', 'admission', 'brake', 'oldestEligible', 'oldestLeased', 'waiting', 'lastCompleted', 'lag', 'lastRun', 'lastRunState', 'lastRunCounted', 'lastRunApproved', 'lastRunError', 'queued', 'pending', 'inFlight', 'confirmed', 'rejected', 'gaveUp'],
           ),
           `delay tiers (retries waiting): ${status.delayed ?? 'unknown'} message(s)`,
           `dead-letter queue: ${status.deadLetters ?? 'unknown'} message(s)`,

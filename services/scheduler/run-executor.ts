@@ -23,6 +23,7 @@ import {
 import type { Metrics } from '../../shared/observability/metrics';
 import { failpoint } from '../../shared/testing/failpoints';
 import { classifyRunError } from './run-errors';
+import { windowStateAt } from '../../shared/schedule/window';
 
 /** Batches built per window (one scan query); all are confirmed before progress is stored. */
 const CONFIRM_WINDOW = 32;
@@ -60,9 +61,15 @@ export interface RunExecutorDeps {
   windowBatches?: number;
   /** Awaited before each step: the run model test interleaves other commands there. */
   beforeStep?: (step: RunStep) => Promise<void>;
+  /** The clock a policy's schedule window is read with (default: this process's). */
+  now?: () => Date;
 }
 
-export type RunOutcome = 'published' | 'failed' | 'lost-lease' | 'stopped' | 'awaiting-approval';
+/**
+ * 'window-closed': the policy's schedule window closed; the run stopped at a batch boundary with its
+ * cursor checkpointed and continues, with its original cutoff, when a scheduler claims it in the next window.
+ */
+export type RunOutcome = 'published' | 'failed' | 'lost-lease' | 'stopped' | 'awaiting-approval' | 'window-closed';
 
 /** One page of the scan: a batch's worth of rows (more than one batch when a message would be too large). */
 interface Page {
@@ -85,7 +92,7 @@ interface Window {
 }
 
 /** How a step ended once retries are over: its value, or why the run stops here. */
-type Step<T> = { ok: true; value: T } | { ok: false; outcome: Exclude<RunOutcome, 'published'> };
+type Step<T> = { ok: true; value: T } | { ok: false; outcome: Exclude<RunOutcome, 'published' | 'window-closed'> };
 
 interface RunContext {
   deps: RunExecutorDeps;
@@ -165,6 +172,12 @@ async function executeClaimed(context: RunContext, run: Run, policy: Policy, tar
   const allowance = start.value.allowance;
   for (;;) {
     if (deps.stopping()) return 'stopped';
+    // At each window, like the claim: outside the policy's schedule window nothing more goes out.
+    const inWindow = windowStateAt(policy.window, (deps.now ?? (() => new Date()))());
+    if (!inWindow.open) {
+      log.info({ opensAt: inWindow.opensAt, cursor: progress.cursor, candidates: progress.candidates }, 'schedule window closed: run stops here and continues in the next window');
+      return 'window-closed';
+    }
     const scanned = await attempt('scan', async () => {
       await deps.beforeStep?.('scan');
       return scanWindow(deps, run, policy, target, progress);

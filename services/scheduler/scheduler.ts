@@ -30,6 +30,7 @@ import { executeRun, type RunExecutorDeps } from './run-executor';
 import { CRON_TIMEZONE, latestMissedTick, truncateToSecond } from './ticks';
 import { loadSchedulerTuning } from './tuning';
 import { makeWebhookRoutes, WEBHOOK_MAX_BODY_BYTES } from './webhooks';
+import { startWindowWatch } from './windows';
 
 /** How often a scheduler looks for runs made elsewhere (CLI, webhooks, crashed replicas). */
 const CLAIM_POLL_MS = 1_000;
@@ -188,6 +189,17 @@ export async function startScheduler(env: Env, policies: PolicySet, log: Logger)
   const heartbeat = await startHeartbeat(pool, { service: 'scheduler', workerId: env.workerId, amqpPrefix: env.amqpPrefix, policies: policyNames, maxBatchVersion: null }, log).catch(abandonStart);
   const gate = makeBatchVersionGate({ wanted: batchVersions.publish, pool, connection, names, amqpPrefix: env.amqpPrefix, log });
 
+  /** Per policy: the latest cron tick skipped because its window was closed (for the catch-up at the opening). */
+  const skippedTicks = new Map<string, Date>();
+  // Schedule windows: read on this process's clock, exported as gauges; an opening makes the catch-up run.
+  const windows = startWindowWatch({
+    policies,
+    metrics,
+    log,
+    onOpened: (policy) =>
+      void catchUpAtOpening(policy).catch((error: Error) => log.warn({ err: error.message, policy: policy.name }, 'catch-up at the window opening failed; the next tick runs')),
+  });
+
   const deps: RunExecutorDeps = {
     pool,
     publisher,
@@ -199,6 +211,7 @@ export async function startScheduler(env: Env, policies: PolicySet, log: Logger)
     metrics,
     stopping: () => stopping,
     batchVersion: gate.versionFor,
+    now: windows.now,
   };
 
   /**
@@ -215,11 +228,15 @@ export async function startScheduler(env: Env, policies: PolicySet, log: Logger)
           wakeAgain = false;
           for (;;) {
             if (stopping) return;
+            // Outside the schedule window no run starts: pending runs (a webhook's) wait for the opening.
+            if (!windows.isOpen(policy)) break;
             const run = await runsClaimNext(pool, env.workerId, tuning.runLeaseMs, [policy.name]);
             if (!run) break;
             const outcome = await executeRun(deps, run, policy, target);
-            // Shutting down mid-run: hand the run over now rather than when the lease runs out.
-            if (outcome === 'stopped') await runsReleaseLease(pool, runClaimOf(run, env.workerId));
+            // Shutting down mid-run, or the window closed: hand the run over now rather than when
+            // the lease runs out (the next window's claim resumes it from its cursor).
+            if (outcome === 'stopped' || outcome === 'window-closed') await runsReleaseLease(pool, runClaimOf(run, env.workerId));
+            if (outcome === 'window-closed') break;
           }
         } while (wakeAgain && !stopping);
       } catch (error) {
@@ -247,6 +264,12 @@ export async function startScheduler(env: Env, policies: PolicySet, log: Logger)
   };
 
   async function proposeRun(policy: Policy, trigger: 'cron' | 'catch-up', scheduledFor: Date): Promise<void> {
+    if (!windows.isOpen(policy)) {
+      // Not recorded: the catch-up at the window's opening makes one run for every tick skipped here.
+      skippedTicks.set(policy.name, scheduledFor);
+      log.info({ policy: policy.name, trigger, scheduledFor }, 'tick outside the schedule window: skipped until the window opens');
+      return;
+    }
     try {
       const run = await runsInsertIfAbsent(pool, { policy: policy.name, trigger, scheduledFor, cutoff: null });
       if (run) {
@@ -266,14 +289,27 @@ export async function startScheduler(env: Env, policies: PolicySet, log: Logger)
       name: `reaper-${policy.name}`,
     }),
   );
-  // One catch-up run per policy for ticks missed while no scheduler was running. Read the clock
-  // after the cron tasks started: a tick in between is then made by cron, or by both (one wins).
-  const now = await runsDatabaseNow(pool);
-  for (const policy of policies.values()) {
+  // One catch-up run per policy for ticks missed while no scheduler was running (or, at a
+  // window's opening, skipped while it was closed). Read the clock after the cron tasks started:
+  // a tick in between is then made by cron, or by both (one wins).
+  async function catchUp(policy: Policy): Promise<void> {
+    const now = await runsDatabaseNow(pool);
     const latest = await runsLatestScheduledTick(pool, policy.name);
-    if (!latest) continue;
+    if (!latest) return;
     const missed = latestMissedTick(policy.schedule, latest, now);
     if (missed) await proposeRun(policy, 'catch-up', missed);
+  }
+  for (const policy of policies.values()) if (windows.isOpen(policy)) await catchUp(policy);
+  /**
+   * At a window's opening: one catch-up run for the ticks skipped while it was closed, named after
+   * the latest one this scheduler skipped (every replica skips the same ticks: one run wins), or,
+   * when this one skipped none (it started after them), after the latest tick the runs table misses.
+   */
+  async function catchUpAtOpening(policy: Policy): Promise<void> {
+    const skipped = skippedTicks.get(policy.name);
+    skippedTicks.delete(policy.name);
+    if (skipped) await proposeRun(policy, 'catch-up', skipped);
+    else await catchUp(policy);
   }
 
   const backlog = startBacklogGauges({ db: pool, owner: env.workerId, policies, targets, metrics, log, intervalMs: env.backlogRefreshMs });
@@ -312,6 +348,7 @@ export async function startScheduler(env: Env, policies: PolicySet, log: Logger)
     httpPort: server?.boundPort,
     async stop() {
       stopping = true;
+      windows.stop();
       clearInterval(poller);
       clearInterval(completer);
       clearInterval(prober);

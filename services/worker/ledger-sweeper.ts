@@ -6,6 +6,7 @@ import type { ConfirmingPublisher } from '../../shared/amqp/publisher';
 import type { BrokerNames } from '../../shared/amqp/topology';
 import type { RemoteDeletePolicy } from '../../shared/config/policies';
 import { encodeBatch, type BatchV1 } from '../../shared/contracts/batch';
+import { windowStateAt } from '../../shared/schedule/window';
 import { withTransaction, type Pool } from '../../shared/db/pool';
 import { ledgerDatabaseNow, ledgerMarkCarried, ledgerSweepPick, ledgerUnmarkCarried, remoteBatchesKeep, type SweepCandidate } from '../../shared/db/queries/ledger';
 
@@ -57,6 +58,9 @@ export function startLedgerSweeper(deps: LedgerSweeperDeps): { stop(): Promise<v
     if (pass) return; // the previous pass is still running: never two at once
     pass = (async () => {
       for (const policy of deps.policies) {
+        // Outside its schedule window nothing is sent: the operations wait in the ledger (durably)
+        // and the first pass after the opening sends them (window-gate.ts would only delay them).
+        if (!windowStateAt(policy.window, new Date()).open) continue;
         try {
           const published = await sweepPolicy(deps, policy);
           if (published > 0) deps.log.info({ policy: policy.name, batches: published }, 'ledger sweeper published batches for waiting operations');

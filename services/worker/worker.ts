@@ -27,6 +27,7 @@ import { requeueIfUnsettled, settle, type SettleDeps } from './settle';
 import { loadBatchVersionConfig } from '../../shared/config/batch-version';
 import { startHeartbeat, type HeartbeatHandle } from '../../shared/observability/heartbeat';
 import { announcePresence, consumerTagFor, makeBatchVersionCounter } from './batch-versions';
+import { outsideWindow } from './window-gate';
 
 export interface WorkerHandle {
   metrics: Metrics;
@@ -264,10 +265,14 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
       deliveryCount,
     });
     let result: BatchResult;
+    let closed: BatchResult | null;
     if (!decoded.ok) {
       result = { kind: 'dead-letter', reason: decoded.reason, detail: decoded.detail };
     } else if (!handlers.has(policy)) {
       result = { kind: 'dead-letter', reason: 'unknown-policy', detail: `policy "${policy}" is not configured on this worker` };
+    } else if ((closed = outsideWindow(policies.get(policy), new Date()))) {
+      // Outside the policy's schedule window: to a delay tier until it opens, nothing admitted.
+      result = closed;
     } else {
       const context: HandlerContext = { pool, workerId: env.workerId, log: batchLog, metrics, deliveryCount, failpoint };
       try {

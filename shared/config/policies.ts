@@ -4,6 +4,7 @@ import { validate as cronIsValid } from 'node-cron';
 import { parse as parseYaml } from 'yaml';
 import { z } from 'zod';
 import { ConfigError } from './errors';
+import { isKnownTimeZone, parseTimeOfDay } from '../schedule/window';
 
 /**
  * The policies file: which tables reaper expires, how often it looks, and (for remote-delete) how
@@ -23,6 +24,18 @@ const cron = z
     message: 'must be a valid cron expression of 5 fields, or 6 with seconds first',
   });
 const guardValue = z.union([z.string(), z.number(), z.boolean()]);
+const timeOfDay = z.string().refine((value) => parseTimeOfDay(value) !== null, { message: 'must be a time of day "HH:MM" (or "HH:MM:SS"), 00:00 to 23:59' });
+/**
+ * Schedule window (shared/schedule/window.ts): runs start and workers delete only while the local
+ * time in `timeZone` is in [start, end); start > end crosses midnight. Absent: always open.
+ */
+const scheduleWindow = z
+  .strictObject({
+    start: timeOfDay,
+    end: timeOfDay,
+    timeZone: z.string().refine(isKnownTimeZone, { message: 'must be an IANA time zone Intl knows (e.g. "Europe/Berlin", "UTC")' }),
+  })
+  .refine((window) => window.start !== window.end, { message: 'start and end must differ (an empty or 24-hour window: leave `window` out)', path: ['end'] });
 
 const common = {
   name: z.string().regex(/^[a-z0-9-]+$/, 'must match [a-z0-9-]+').max(100),
@@ -50,6 +63,8 @@ const common = {
       approvalTolerance: z.number().min(0).max(10).optional(),
     })
     .optional(),
+  /** When the policy may run and delete: outside it no run starts and workers admit no deletion. */
+  window: scheduleWindow.optional(),
   /** Audit trail: one cleanup_audit row per deletion, in the deleting statement; kept retainDays. */
   audit: z
     .strictObject({

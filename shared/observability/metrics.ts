@@ -294,6 +294,19 @@ export function makeMetrics(policies: readonly MetricPolicy[] = []) {
       labelNames: ['policy'] as const,
       registers: [registry],
     }),
+    // Schedule windows (policy key window), set by the scheduler: backlog alerts stay silent while closed.
+    policyWindowOpen: new Gauge({
+      name: 'reaper_policy_window_open',
+      help: "1 while the policy's schedule window is open (always 1 without a window), 0 outside it",
+      labelNames: ['policy'] as const,
+      registers: [registry],
+    }),
+    policyWindowOpensAtSeconds: new Gauge({
+      name: 'reaper_policy_window_opens_at_seconds',
+      help: "Outside the policy's schedule window: when it opens next (Unix seconds); absent while open",
+      labelNames: ['policy'] as const,
+      registers: [registry],
+    }),
   };
   metrics.buildInfo.set({ version: buildVersion() }, 1);
   initialiseKnownSeries(metrics, policies);
