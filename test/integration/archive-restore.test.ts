@@ -152,6 +152,25 @@ describe('archive and restore', () => {
     ], 'each restore logs the conflicts it reported; each row restored once');
   });
 
+  test('a key the run deleted twice (re-created in between) goes back once; its later copy is reported, and marked only if restored', async () => {
+    const { runId, ids, rows } = await deletedByARun(3);
+    const twice = ids[1]!;
+    // What the archive holds when the application re-created the key during the run and the run deleted it again.
+    await pool().query(
+      `INSERT INTO cleanup_archive (policy, key, row_data, run_id, batch_id, policy_version)
+       SELECT policy, key, jsonb_set(row_data, '{holder}', '"the second holder"'), run_id, batch_id, policy_version
+       FROM cleanup_archive WHERE run_id = $1 AND key = $2`,
+      [runId, twice],
+    );
+    const restore = await cli(['restore', '--run', runId, '--json']);
+    assert.equal(restore.code, 1, restore.stdout);
+    const result = parsed(restore.stdout);
+    assert.deepEqual({ restored: result.restored, conflicts: result.conflicts, keys: result.conflictKeys }, { restored: 3, conflicts: 1, keys: [twice] });
+    assert.deepEqual(await rowsAsText(ids), rows, 'the earlier copy went back');
+    const marks = await pool().query<{ n: number }>('SELECT count(*)::int AS n FROM cleanup_archive WHERE run_id = $1 AND restored_at IS NOT NULL', [runId]);
+    assert.equal(marks.rows[0]!.n, 3, 'the copy that did not go back is not marked restored');
+  });
+
   test('SIGKILL between batches, then run again: each row is restored exactly once', async () => {
     const { runId, ids, rows } = await deletedByARun(25);
     const killed = startReaper('cli restore (killed)', ['restore', '--run', runId, '--batch-size', '10'], world.bed.processEnv({ REAPER_TEST_FAILPOINT: 'restore-after-batch' }));

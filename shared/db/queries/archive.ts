@@ -155,15 +155,20 @@ export async function archiveRestoreStep(
   const result = await db.query<StepRow>(
     `WITH pending AS (
        ${pendingSql(target, true)}
+     ), earliest AS (
+       -- A key the run deleted twice (re-created in between) is archived twice: the earlier row
+       -- goes back, the later one is then a key that exists again (reported, never overwriting).
+       SELECT DISTINCT ON (p.key) p.* FROM pending p ORDER BY p.key, p.archive_id
      ), inserted AS (
        INSERT INTO ${target.table} (${columns.join(', ')}) OVERRIDING SYSTEM VALUE
        SELECT ${columns.map((column) => `r.${column}`).join(', ')}
-       FROM pending p CROSS JOIN LATERAL jsonb_populate_record(NULL::${target.table}, p.row_data) r
-       ORDER BY p.archive_id
+       FROM earliest p CROSS JOIN LATERAL jsonb_populate_record(NULL::${target.table}, p.row_data) r
        ON CONFLICT (${target.key}) DO NOTHING
        RETURNING ${target.key}::text AS key
      ), outcome AS (
-       SELECT p.archive_id, p.key, p.policy, EXISTS (SELECT 1 FROM inserted i WHERE i.key = p.key) AS restored FROM pending p
+       SELECT p.archive_id, p.key, p.policy,
+         EXISTS (SELECT 1 FROM earliest f JOIN inserted i ON i.key = f.key WHERE f.archive_id = p.archive_id) AS restored
+       FROM pending p
      ), marked AS (
        UPDATE cleanup_archive a SET restored_at = clock_timestamp(), restore_id = $5
        FROM outcome o WHERE a.archive_id = o.archive_id AND o.restored
