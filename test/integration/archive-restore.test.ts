@@ -218,6 +218,9 @@ describe('archive and restore', () => {
     }
     const usage = await cli(['restore', '--run', 'not-a-run']);
     assert.equal(usage.code, 2, usage.stdout);
+    const badKey = await cli(['restore', '--run', runId, '--id', 'not-a-uuid']);
+    assert.equal(badKey.code, 2, badKey.stdout);
+    assert.match(badKey.stdout, /--id: .*uuid/);
     const unknown = await cli(['restore', '--run', '00000000-0000-4000-8000-000000000000']);
     assert.equal(unknown.code, 1, unknown.stdout);
     assert.match(unknown.stdout, /no run 00000000-0000-4000-8000-000000000000/);
