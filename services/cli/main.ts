@@ -8,6 +8,7 @@ import { registerDeadLetterCommands } from './dlq';
 import { registerHoldCommands } from './holds';
 import { registerPauseCommands } from './pause';
 import { registerPlanCommand } from './plan';
+import { registerRestoreCommand } from './restore';
 import { addRolesCommand } from './roles';
 import { registerRunListCommands } from './run-list';
 import { registerRunCommands } from './runs';
@@ -36,6 +37,7 @@ export function makeProgram(): Command {
   registerHoldCommands(program);
   registerAuditCommand(program);
   registerAdmissionCommands(program);
+  registerRestoreCommand(program);
 
   addRolesCommand(program);
 

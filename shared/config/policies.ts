@@ -78,6 +78,17 @@ const rowDeletePolicy = z.strictObject({
   ...common,
   kind: z.literal('row-delete'),
   /**
+   * Archive: the deleting statement copies each deleted row (to_jsonb) into cleanup_archive, kept
+   * retainDays, so `reaper restore --run` can put a bad run back (README "Archive and restore").
+   * Absent, not defaulted: existing files keep their policy version hash.
+   */
+  archive: z
+    .strictObject({
+      enabled: z.boolean().default(true),
+      retainDays: z.number().int().min(1).max(3650).default(30),
+    })
+    .optional(),
+  /**
    * The global throttle: rows deleted per second across every worker together, and row-delete
    * statements running at once, held by the PostgreSQL admission controller (a batch takes tokens
    * for its item count), so adding workers never adds load. `burst`: rows the bucket holds

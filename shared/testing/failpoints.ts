@@ -32,9 +32,15 @@ export const SCHEDULER_FAILPOINTS = [
   'scheduler-after-checkpoint',
 ] as const;
 
-export type FailpointName = (typeof WORKER_FAILPOINTS)[number] | (typeof SCHEDULER_FAILPOINTS)[number];
+/** The CLI's points (services/cli). */
+export const CLI_FAILPOINTS = [
+  /** `reaper restore`: a batch of rows is restored and committed; the next batch is not started. */
+  'restore-after-batch',
+] as const;
 
-const KNOWN: ReadonlySet<string> = new Set<string>([...WORKER_FAILPOINTS, ...SCHEDULER_FAILPOINTS]);
+export type FailpointName = (typeof WORKER_FAILPOINTS)[number] | (typeof SCHEDULER_FAILPOINTS)[number] | (typeof CLI_FAILPOINTS)[number];
+
+const KNOWN: ReadonlySet<string> = new Set<string>([...WORKER_FAILPOINTS, ...SCHEDULER_FAILPOINTS, ...CLI_FAILPOINTS]);
 
 /** The variable as read once: null when unarmed; `unknown` holds the refusal of a name that is no point. */
 let armed: { point: string | null; unknown: Error | null } | undefined;

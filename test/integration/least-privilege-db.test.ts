@@ -63,7 +63,8 @@ before(async () => {
   api = await startMediaApi({});
   policiesPath = bed.writePolicies(
     combinedPoliciesYaml(
-      rowDeletePolicyYaml({ batchSize: 20 }),
+      // archive on: the worker's INSERT into cleanup_archive, the scheduler's retention pass over it
+      rowDeletePolicyYaml({ batchSize: 20, archiveRetainDays: 7 }),
       mediaPolicyYaml({ baseUrl: api.url, ratePerSecond: 500, burst: 50, concurrency: 8, batchSize: 10, timeoutMs: 2000, leaseMs: 12_000 }),
     ),
   );
@@ -135,6 +136,8 @@ test('the migrator migrates; the scheduler and the worker expire a row-delete an
   const rows = await runReaperCli(['trigger', 'seat-holds', '--wait', '--timeout', '60', '--json'], operator);
   assert.equal(rows.code, 0, rows.stdout);
   assert.equal(await countReservations(bed.pool, holds.expiredHeld), 0, 'every expired hold is deleted by reaper_worker');
+  const archived = await bed.pool.query<{ n: number }>('SELECT count(*)::int AS n FROM cleanup_archive WHERE policy = $1', ['seat-holds']);
+  assert.equal(archived.rows[0]!.n, 30, 'each deleted row archived by reaper_worker');
   assert.equal(await countReservations(bed.pool, holds.expiredConfirmed), 5, 'confirmed holds stay');
 
   const remote = await runReaperCli(['trigger', 'media-assets', '--wait', '--timeout', '60', '--json'], operator);

@@ -29,6 +29,8 @@ export interface RowDeletePolicyOptions {
   schedule?: string;
   /** Turn the audit trail on (retainDays 30). */
   audit?: boolean;
+  /** Turn the archive on, kept this many days. */
+  archiveRetainDays?: number;
   /** The blast-radius brake's `limits` (written as given). */
   limits?: { maxPerRun?: number; maxFractionPerRun?: number; approvalTolerance?: number };
 }
@@ -48,6 +50,7 @@ export function rowDeletePolicyYaml(options: RowDeletePolicyOptions = {}): strin
   if (guard) lines.push(`    guard: { ${Object.entries(guard).map(([column, value]) => `${column}: ${value}`).join(', ')} }`);
   if (options.batchSize !== undefined) lines.push(`    batchSize: ${options.batchSize}`);
   if (options.audit) lines.push('    audit: { enabled: true, retainDays: 30 }');
+  if (options.archiveRetainDays !== undefined) lines.push(`    archive: { enabled: true, retainDays: ${options.archiveRetainDays} }`);
   if (options.limits) lines.push(`    limits: { ${Object.entries(options.limits).map(([limit, value]) => `${limit}: ${value}`).join(', ')} }`);
   return `${lines.join('\n')}\n`;
 }

@@ -47,6 +47,7 @@ export type BatchGroupHandler = (batches: readonly BatchV1[], context: GroupCont
  */
 export function makeRowDeleteGroupHandler(policy: RowDeletePolicy, target: ResolvedTarget): BatchGroupHandler {
   const audit = policy.audit?.enabled ? { policyVersion: policyVersion(policy) } : null;
+  const archive = policy.archive?.enabled ? { policyVersion: policyVersion(policy) } : null;
 
   async function runInTransaction(batches: readonly BatchV1[], context: GroupContext, concurrency: number | null, holdUntil: number): Promise<GroupBatchOutcome[] | 'no-slot'> {
     const outcome = await untilRowSlot(
@@ -60,6 +61,7 @@ export function makeRowDeleteGroupHandler(policy: RowDeletePolicy, target: Resol
               batches: batches.map((batch) => ({ batchId: batch.batchId, runId: batch.runId, cutoff: batch.cutoff, items: batch.items })),
               workerId: context.workerId,
               audit,
+              archive,
             });
           },
           // Between the statement and COMMIT: a crash here loses the transaction, never half of it.

@@ -63,9 +63,23 @@ export async function auditFindByRun(db: Db, runId: string, limit: number): Prom
  * scheduler calls it again while it returns `limit`), so one pass never holds a long lock.
  */
 export async function auditPrune(db: Db, policy: string, retainDays: number, limit: number): Promise<number> {
+  return trailPrune(db, { table: 'cleanup_audit', id: 'audit_id' }, policy, retainDays, limit);
+}
+
+/**
+ * One bounded prune of a kept trail (cleanup_audit, cleanup_archive): the `limit` oldest rows of
+ * `policy` deleted more than `retainDays` ago. Table and id column are constants of the callers.
+ */
+export async function trailPrune(
+  db: Db,
+  trail: { table: 'cleanup_audit' | 'cleanup_archive'; id: 'audit_id' | 'archive_id' },
+  policy: string,
+  retainDays: number,
+  limit: number,
+): Promise<number> {
   const result = await db.query(
-    `DELETE FROM cleanup_audit WHERE audit_id IN (
-       SELECT audit_id FROM cleanup_audit WHERE policy = $1 AND deleted_at < clock_timestamp() - $2 * interval '1 day'
+    `DELETE FROM ${trail.table} WHERE ${trail.id} IN (
+       SELECT ${trail.id} FROM ${trail.table} WHERE policy = $1 AND deleted_at < clock_timestamp() - $2 * interval '1 day'
        ORDER BY deleted_at LIMIT $3)`,
     [policy, retainDays, limit],
   );

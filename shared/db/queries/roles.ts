@@ -50,6 +50,11 @@ export const REAPER_TABLE_GRANTS: Readonly<Record<string, { scheduler: readonly 
   cleanup_holds: { scheduler: ['SELECT'], worker: ['SELECT'] },
   // audit rows: written by the deleting statements, kept to retainDays by the scheduler
   cleanup_audit: { scheduler: ['SELECT', 'DELETE'], worker: ['INSERT'] },
+  // archived rows (archive.enabled): written by the deleting statement, kept to retainDays by the
+  // scheduler; `reaper restore` (an operator's connection) reads and marks them
+  cleanup_archive: { scheduler: ['SELECT', 'DELETE'], worker: ['INSERT'] },
+  // the restore log: written by `reaper restore` only
+  cleanup_restores: { scheduler: [], worker: [] },
   // `reaper admission set`: live overrides every worker reads (set by operators)
   cleanup_admission_overrides: { scheduler: ['SELECT'], worker: ['SELECT'] },
   // each process records a heartbeat (and forgets old ones); the scheduler reads the workers' versions

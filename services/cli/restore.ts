@@ -1,0 +1,202 @@
+import { randomUUID } from 'node:crypto';
+import { Command, Option } from 'commander';
+import { requirePolicy } from '../../shared/config/policies';
+import type { Pool } from '../../shared/db/pool';
+import {
+  archiveCheckColumns,
+  archiveCount,
+  archiveFindRun,
+  archiveRestorePreview,
+  archiveRestoreStep,
+  type ArchiveSelection,
+  type RestoredRow,
+} from '../../shared/db/queries/archive';
+import { targetResolve, type ResolvedTarget } from '../../shared/db/queries/expiring-rows';
+import { failpoint } from '../../shared/testing/failpoints';
+import { context, NotFoundError, operatorName, UsageError, withPool } from './common';
+import { printResult } from './output';
+import { makeProgressLine } from './progress';
+
+/** Rows per restore statement: each is one short transaction (the rows' locks, the inserts, the marks, the log). */
+const DEFAULT_BATCH = 500;
+/** Without a terminal, a progress line on stderr at most this often. */
+const PROGRESS_EVERY_MS = 10_000;
+/** Conflicting keys listed in the result (all are in cleanup_restores). */
+const LISTED_CONFLICTS = 100;
+
+/** A refusal the operator must act on (the table changed, the rows were pruned): exit 1, message only (main.ts). */
+class RestoreRefused extends Error {}
+
+export interface RestoreResult {
+  runId: string;
+  policy: string;
+  /** The restore's id in cleanup_restores (null for --dry-run, which logs nothing). */
+  restoreId: string | null;
+  dryRun: boolean;
+  /** Archived rows of the run (or of --id), and how many were restored before this restore. */
+  archived: number;
+  alreadyRestored: number;
+  /** Put back now (with --dry-run: would be). */
+  restored: number;
+  /** Left in the archive because a row with the same key exists again (never overwritten). */
+  conflicts: number;
+  conflictKeys: string[];
+}
+
+/** `reaper restore --run <runId> [--id <key>] [--dry-run]`: puts a run's deleted rows back from the archive. */
+export function registerRestoreCommand(program: Command): void {
+  program
+    .command('restore')
+    .description('re-insert the rows a run deleted (archive.enabled policies, within archive.retainDays); never overwrites a key that exists again')
+    .requiredOption('--run <runId>', 'the run whose deletions to undo')
+    .option('--id <key>', 'only this key')
+    .option('--dry-run', 'say what would be restored and what conflicts; change nothing')
+    .option('--batch-size <n>', 'rows per transaction', String(DEFAULT_BATCH))
+    .addOption(new Option('--json', 'print machine-readable JSON'))
+    .action(async (options: { run: string; id?: string; dryRun?: boolean; batchSize: string; json?: boolean }) => {
+      if (!/^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/i.test(options.run)) throw new UsageError(`--run: "${options.run}" is not a run id (uuid)`);
+      const batchSize = Number(options.batchSize);
+      if (!Number.isInteger(batchSize) || batchSize < 1 || batchSize > 10_000) throw new UsageError(`--batch-size: must be an integer from 1 to 10000 (got "${options.batchSize}")`);
+      const json = !!options.json;
+      const { env, policies } = context();
+      const result = await withPool(env, async (pool) => {
+        const run = await archiveFindRun(pool, options.run);
+        if (!run) throw new NotFoundError(`no run ${options.run}`);
+        const policy = requirePolicy(policies, run.policy);
+        if (policy.kind !== 'row-delete') throw new RestoreRefused(`run ${options.run} is of ${policy.kind} policy "${policy.name}": only row-delete runs are archived`);
+        const target = await targetResolve(pool, policy);
+        const selection: ArchiveSelection = { runId: options.run, key: options.id ?? null };
+        const counted = await archiveCount(pool, target, selection).catch(refusedKey);
+        if (counted.archived === 0) {
+          const retainDays = policy.archive?.retainDays;
+          if (retainDays !== undefined && run.ageDays > retainDays) {
+            throw new RestoreRefused(
+              `run ${options.run} is ${Math.floor(run.ageDays)} days old, past archive.retainDays (${retainDays}): its archived rows were pruned; restore is only possible within retention`,
+            );
+          }
+          throw new NotFoundError(
+            `nothing archived for run ${options.run}${options.id !== undefined ? ` and key ${options.id}` : ''} (it deleted ${run.deleted} row(s); archive ${policy.archive?.enabled ? 'is on' : 'is off'} for "${policy.name}")`,
+          );
+        }
+        if (policy.archive?.retainDays !== undefined && run.ageDays > policy.archive.retainDays && counted.archived < run.deleted && options.id === undefined) {
+          process.stderr.write(`reaper: note: run ${options.run} is past archive.retainDays (${policy.archive.retainDays}): ${run.deleted - counted.archived} of its ${run.deleted} deleted rows were pruned and cannot be restored\n`);
+        }
+        const { columns, mismatches } = await archiveCheckColumns(pool, target, selection);
+        if (mismatches.length > 0) {
+          const why = mismatches.map((m) =>
+            m.problem === 'missing'
+              ? `column "${m.column}" is archived but table "${policy.table}" no longer has it (dropped or renamed)`
+              : `column "${m.column}" of table "${policy.table}" is NOT NULL without a default and the archived rows have no value for it`,
+          );
+          throw new RestoreRefused(`refusing to restore run ${options.run}: ${why.join('; ')}`);
+        }
+        return restoreInBatches(pool, target, { ...selection, columns, batchSize, dryRun: !!options.dryRun, json, policy: policy.name, counted });
+      });
+      printResult(json, result, () => describe(result));
+      // Not everything is back (keys that exist again): exit 1 so a script notices; they are listed.
+      if (result.conflicts > 0) process.exitCode = 1;
+    });
+}
+
+/** A key the key's type refuses (say, not a uuid): the operator's mistake, exit 2 naming --id. */
+function refusedKey(error: { code?: string; message: string }): never {
+  if (String(error.code).startsWith('22')) throw new UsageError(`--id: ${error.message}`);
+  throw error;
+}
+
+async function restoreInBatches(
+  pool: Pool,
+  target: ResolvedTarget,
+  job: ArchiveSelection & {
+    columns: string[];
+    batchSize: number;
+    dryRun: boolean;
+    json: boolean;
+    policy: string;
+    counted: { archived: number; restored: number };
+  },
+): Promise<RestoreResult> {
+  const restoreId = job.dryRun ? null : randomUUID();
+  const operator = operatorName();
+  const result: RestoreResult = {
+    runId: job.runId,
+    policy: job.policy,
+    restoreId,
+    dryRun: job.dryRun,
+    archived: job.counted.archived,
+    alreadyRestored: job.counted.restored,
+    restored: 0,
+    conflicts: 0,
+    conflictKeys: [],
+  };
+  // Everything restored before (a second run, or one after a kill at the very end): nothing to do.
+  if (job.counted.restored === job.counted.archived) return result;
+  const progress = makeRestoreProgress(job.json, job.counted.archived - job.counted.restored, job.dryRun);
+  let after = '0';
+  for (;;) {
+    const step = { runId: job.runId, key: job.key, after, limit: job.batchSize };
+    let rows: RestoredRow[];
+    try {
+      rows = job.dryRun
+        ? await archiveRestorePreview(pool, target, step)
+        : await archiveRestoreStep(pool, target, { ...step, columns: job.columns, restoreId: restoreId!, operator });
+    } catch (error) {
+      progress.done();
+      const failed = error as { code?: string; message: string; constraint?: string };
+      // A unique violation on another column, or a value the column's type now refuses: nothing of
+      // this batch was written (one statement); the batches before it stay restored.
+      if (String(failed.code).startsWith('22') || String(failed.code).startsWith('23')) {
+        throw new RestoreRefused(`restore stopped after ${result.restored} row(s): ${failed.message}${failed.constraint ? ` (constraint ${failed.constraint})` : ''}`);
+      }
+      throw error;
+    }
+    if (rows.length === 0) break;
+    for (const row of rows) {
+      if (row.restored) result.restored++;
+      else {
+        result.conflicts++;
+        if (result.conflictKeys.length < LISTED_CONFLICTS) result.conflictKeys.push(row.key);
+      }
+    }
+    after = rows[rows.length - 1]!.archiveId;
+    progress.update(result.restored, result.conflicts);
+    // Test-only: the batch is committed, the next not begun (a kill here must restore nothing twice).
+    if (!job.dryRun) failpoint('restore-after-batch');
+  }
+  progress.done();
+  return result;
+}
+
+/** Progress on stderr: redrawn on a terminal, a line every PROGRESS_EVERY_MS otherwise; nothing with --json. */
+function makeRestoreProgress(json: boolean, total: number, dryRun: boolean): { update(restored: number, conflicts: number): void; done(): void } {
+  if (json) return { update: () => undefined, done: () => undefined };
+  const line = process.stderr.isTTY ? makeProgressLine(process.stderr) : null;
+  const started = performance.now();
+  let lastLine = started;
+  const verb = dryRun ? 'would restore' : 'restored';
+  return {
+    update(restored, conflicts) {
+      const text = `${verb} ${restored}/${total}, ${conflicts} key(s) exist again, ${Math.round((performance.now() - started) / 1000)}s`;
+      if (line) line.draw(text);
+      else if (performance.now() - lastLine >= PROGRESS_EVERY_MS) {
+        process.stderr.write(`reaper: ${text}\n`);
+        lastLine = performance.now();
+      }
+    },
+    done: () => line?.done(),
+  };
+}
+
+function describe(result: RestoreResult): string {
+  const lines = [
+    `${result.dryRun ? 'would restore' : 'restored'} ${result.restored} row(s) of run ${result.runId} (${result.policy})` +
+      (result.alreadyRestored > 0 ? `; ${result.alreadyRestored} of its ${result.archived} archived row(s) were restored before` : ''),
+  ];
+  if (result.conflicts > 0) {
+    lines.push(
+      `${result.conflicts} row(s) NOT restored: their key exists again (left as it is, never overwritten): ${result.conflictKeys.join(', ')}${result.conflicts > result.conflictKeys.length ? ', ...' : ''}`,
+    );
+  }
+  if (result.restoreId) lines.push(`logged in cleanup_restores as restore ${result.restoreId}`);
+  return lines.join('\n');
+}
