@@ -2,7 +2,7 @@ import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
 import { brokerNames } from '../../shared/amqp/topology';
 import { type TestBroker } from '../support/broker';
-import { closeBedAndBroker, openBedAndBroker, rowDeletePolicyYaml, runReceipts, runRow, startServices, triggerRunId } from '../support/fixtures';
+import { closeBedAndBroker, openBedAndBroker, rowDeletePolicyYaml, runCompleted, runReceipts, runRow, startSchedulerAndWorkers, triggerRunId } from '../support/fixtures';
 import { handOverCheckpointLock, holdCheckpointLock, releaseHeldLocks, schedulerWaitsOnCheckpoint } from '../support/locks';
 import { type ReaperProcess } from '../support/processes';
 import { rabbitmqctl } from '../support/rabbitmqctl';
@@ -67,17 +67,13 @@ describe('broker closes the connections mid-run', () => {
     bed.writePolicies(rowDeletePolicyYaml({ batchSize: BATCH_SIZE }));
     const seeded = await seedHolds(bed.pool, { expiredHeld: EXPIRED, futureHeld: FUTURE, expiredConfirmed: CONFIRMED });
     const expectedBatches = Math.ceil(EXPIRED / BATCH_SIZE);
-    const group = startServices(
+    const crew = startSchedulerAndWorkers(
       bed,
-      [
-        { label: 'scheduler-1', kind: 'scheduler' },
-        { label: 'worker-1', kind: 'worker', env: { REAPER_PREFETCH: '1' } },
-        { label: 'worker-2', kind: 'worker', env: { REAPER_PREFETCH: '1' } },
-      ],
+      { scheduler: 'scheduler-1', workers: ['worker-1', 'worker-2'], workerEnv: { REAPER_PREFETCH: '1' } },
       'no service may die when the broker closes its connection',
     );
-    const { services, eventuallyAlive } = group;
-    const [scheduler, ...workers] = services as [ReaperProcess, ReaperProcess, ReaperProcess];
+    const { group, workers, services } = crew;
+    const { eventuallyAlive } = group;
     let passed = false;
     try {
       await group.ready();
@@ -113,11 +109,7 @@ describe('broker closes the connections mid-run', () => {
       assert.equal(reconnected.length, 3, 'three live connections again');
       assert.ok(reconnected.every((c) => !connections.some((old) => old.pid === c.pid)), 'new connections, not the closed ones');
 
-      await eventuallyAlive('the run to complete', async () => (await runRow(bed.pool, runId)).state === 'completed', {
-        timeoutMs: 40_000,
-        intervalMs: 250,
-        describe: async () => ({ run: await runRow(bed.pool, runId), receipts: await runReceipts(bed.pool, runId) }),
-      });
+      await runCompleted(group, bed.pool, runId, 40_000);
       // One close, one reconnect each: not a reconnect loop.
       assert.deepEqual(services.map(amqpConnectedCount), [2, 2, 2], 'each service connected exactly twice (start, after the close)');
 
@@ -127,18 +119,7 @@ describe('broker closes the connections mid-run', () => {
       const duplicates = workers.flatMap((w) => w.lines.filter((line) => line.msg === 'batch settled' && line.outcome === 'duplicate'));
       assert.deepEqual(duplicates.filter((line) => line.deleted !== 0), [], 'duplicates delete nothing');
       // The data: every expired hold deleted, each exactly once, nothing else; services exit 0.
-      await assertRunDeletedExactlyOnce({
-        pool: bed.pool,
-        broker,
-        workQueue: names.workQueue('seat-holds'),
-        deadLetterQueue: names.deadLetterQueue,
-        runId,
-        seeded,
-        scheduler,
-        workers,
-        services,
-        diagnosis: { runStateAtClose: stateAtClose },
-      });
+      await assertRunDeletedExactlyOnce({ bed, broker, names }, { runId, seeded, ...crew, diagnosis: { runStateAtClose: stateAtClose } });
       passed = true;
     } finally {
       await releaseHeldLocks();
@@ -160,17 +141,13 @@ describe('broker closes the connections mid-run', () => {
     await bed.pool.query('DELETE FROM seat_reservations'); // whatever the first test left
     bed.writePolicies(rowDeletePolicyYaml({ name: 'flap-holds', batchSize: FLAP_BATCH }));
     const seeded = await seedHolds(bed.pool, { expiredHeld: FLAP_EXPIRED, futureHeld: FUTURE, expiredConfirmed: CONFIRMED });
-    const group = startServices(
+    const crew = startSchedulerAndWorkers(
       bed,
-      [
-        { label: 'scheduler-2', kind: 'scheduler' },
-        { label: 'worker-3', kind: 'worker', env: { REAPER_PREFETCH: '1' } },
-        { label: 'worker-4', kind: 'worker', env: { REAPER_PREFETCH: '1' } },
-      ],
+      { scheduler: 'scheduler-2', workers: ['worker-3', 'worker-4'], workerEnv: { REAPER_PREFETCH: '1' } },
       'no service may die when the broker closes its connection',
     );
-    const { services, eventuallyAlive } = group;
-    const [scheduler, ...workers] = services as [ReaperProcess, ReaperProcess, ReaperProcess];
+    const { group, scheduler } = crew;
+    const { eventuallyAlive } = group;
     let passed = false;
     try {
       await group.ready();
@@ -198,23 +175,8 @@ describe('broker closes the connections mid-run', () => {
       }
       assert.equal(amqpConnectedCount(scheduler), CLOSES + 1, 'the scheduler reconnected exactly once per close');
 
-      await eventuallyAlive('the run to complete', async () => (await runRow(bed.pool, runId)).state === 'completed', {
-        timeoutMs: 40_000,
-        intervalMs: 250,
-        describe: async () => ({ run: await runRow(bed.pool, runId), receipts: await runReceipts(bed.pool, runId) }),
-      });
-      await assertRunDeletedExactlyOnce({
-        pool: bed.pool,
-        broker,
-        workQueue: names.workQueue('flap-holds'),
-        deadLetterQueue: names.deadLetterQueue,
-        runId,
-        seeded,
-        scheduler,
-        workers,
-        services,
-        diagnosis: { closes: CLOSES },
-      });
+      await runCompleted(group, bed.pool, runId, 40_000);
+      await assertRunDeletedExactlyOnce({ bed, broker, names }, { runId, seeded, ...crew, policy: 'flap-holds', diagnosis: { closes: CLOSES } });
       passed = true;
     } finally {
       await releaseHeldLocks();

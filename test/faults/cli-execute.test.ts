@@ -1,14 +1,14 @@
 import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
 import { brokerNames } from '../../shared/amqp/topology';
-import { openTestBroker, type TestBroker } from '../support/broker';
+import { type TestBroker } from '../support/broker';
 import { eventually } from '../support/eventually';
-import { rowDeletePolicyYaml, runReceipts, runRow, startServices, stopAllCleanly } from '../support/fixtures';
+import { closeBedAndBroker, openBedAndBroker, rowDeletePolicyYaml, runReceipts, runRow, startServices, stopAllCleanly, type ServiceGroup } from '../support/fixtures';
 import { holdCheckpointLock, releaseHeldLocks } from '../support/locks';
-import { assertNoLeakedProcesses, runReaperCli, startReaper, type ReaperProcess } from '../support/processes';
+import { runReaperCli, startReaper, type ReaperProcess } from '../support/processes';
 import { assertRunDeletedExactlyOnce } from '../support/run-checks';
 import { countReservations, seedHolds } from '../support/seed';
-import { makeTestBed, type TestBed } from '../support/testbed';
+import { type TestBed } from '../support/testbed';
 
 /**
  * `--execute`: the CLI claims and publishes its run itself, with the scheduler's executor. Real
@@ -31,21 +31,31 @@ describe('reaper trigger/replay --execute', () => {
   let names: ReturnType<typeof brokerNames>;
 
   before(async () => {
-    bed = await makeTestBed('cli_execute');
-    bed.writePolicies(rowDeletePolicyYaml({ batchSize: BATCH_SIZE }));
-    broker = await openTestBroker(bed.amqpUrl);
-    names = brokerNames(bed.prefix);
+    ({ bed, broker, names } = await openBedAndBroker('cli_execute', rowDeletePolicyYaml({ batchSize: BATCH_SIZE })));
   });
 
-  after(async () => {
-    try {
-      await releaseHeldLocks();
-      await assertNoLeakedProcesses();
-    } finally {
-      await broker?.close();
-      await bed?.close();
-    }
-  });
+  after(() => closeBedAndBroker({ bed, broker }, releaseHeldLocks));
+
+  /** Two workers (no scheduler: the CLI executes the runs), consuming. */
+  async function startTwoWorkers(): Promise<ServiceGroup> {
+    const group = startServices(bed, [
+      { label: 'worker-1', kind: 'worker' },
+      { label: 'worker-2', kind: 'worker' },
+    ]);
+    await group.ready().catch(async (error: unknown) => {
+      await group.stopLeftovers(); // not started: no test's finally will stop them
+      throw error;
+    });
+    return group;
+  }
+
+  /** The `finally` of a test with a CLI and a scheduler started outside the group: locks released, leftovers stopped. */
+  async function stopUnlessPassed(passed: boolean, group: ServiceGroup, others: ReadonlyArray<ReaperProcess | undefined>): Promise<void> {
+    await releaseHeldLocks();
+    if (passed) return;
+    await group.stopLeftovers();
+    for (const process of others) if (process?.running) await process.stop(5_000);
+  }
 
   /** True while the CLI's checkpoint waits on the test's lock (it is between two windows). */
   const cliWaitsOnCheckpoint = async () =>
@@ -69,13 +79,9 @@ describe('reaper trigger/replay --execute', () => {
       )
     ).rows.map((row) => row.reservation_id);
     const cutoff = (await bed.pool.query<{ c: string }>(`SELECT reaper_iso(clock_timestamp() - interval '30 minutes') AS c`)).rows[0]!.c;
-    const group = startServices(bed, [
-      { label: 'worker-1', kind: 'worker' },
-      { label: 'worker-2', kind: 'worker' },
-    ]);
+    const group = await startTwoWorkers();
     let passed = false;
     try {
-      await Promise.all(group.services.map((w) => w.waitForLine('worker consuming', (line) => line.msg === 'worker consuming')));
       // Without --execute: the run is only recorded, and the operator is told nobody will run it.
       const recorded = await runReaperCli(['replay', '--policy', 'seat-holds', '--cutoff', cutoff, '--json'], bed.processEnv());
       assert.equal(recorded.code, 0, recorded.stdout);
@@ -117,16 +123,12 @@ describe('reaper trigger/replay --execute', () => {
   test('a scheduler started in the middle of a CLI-executed run neither duplicates nor skips a batch', async () => {
     await bed.pool.query('TRUNCATE seat_reservations');
     const seeded = await seedHolds(bed.pool, { expiredHeld: 20_000, futureHeld: 200, expiredConfirmed: 200 });
-    const group = startServices(bed, [
-      { label: 'worker-1', kind: 'worker' },
-      { label: 'worker-2', kind: 'worker' },
-    ]);
+    const group = await startTwoWorkers();
     const [worker1, worker2] = group.services as [ReaperProcess, ReaperProcess];
     let scheduler: ReaperProcess | undefined;
     let cli: ReaperProcess | undefined;
     let passed = false;
     try {
-      await Promise.all(group.services.map((w) => w.waitForLine('worker consuming', (line) => line.msg === 'worker consuming')));
       const checkpoints = await holdCheckpointLock(bed.pool);
       cli = startReaper('cli trigger --execute', ['trigger', 'seat-holds', '--execute', '--json'], bed.processEnv());
       await eventually('the CLI to wait at its first checkpoint', cliWaitsOnCheckpoint, { intervalMs: 20 });
@@ -151,40 +153,22 @@ describe('reaper trigger/replay --execute', () => {
       assert.doesNotMatch(plain.stdout, /no scheduler/);
       const plainRun = String(jsonOf(plain.stdout).runId);
       await eventually('the scheduler to complete the plain run', async () => (await runRow(bed.pool, plainRun)).state === 'completed', { timeoutMs: 30_000 });
-      await assertRunDeletedExactlyOnce({
-        pool: bed.pool,
-        broker,
-        workQueue: names.workQueue('seat-holds'),
-        deadLetterQueue: names.deadLetterQueue,
-        runId,
-        seeded,
-        scheduler,
-        workers: [worker1, worker2],
-        services: [scheduler, worker1, worker2],
-      });
+      await assertRunDeletedExactlyOnce({ bed, broker, names }, { runId, seeded, scheduler, workers: [worker1, worker2] });
       passed = true;
     } finally {
-      await releaseHeldLocks();
-      if (!passed) {
-        await group.stopLeftovers();
-        for (const process of [scheduler, cli]) if (process?.running) await process.stop(5_000);
-      }
+      await stopUnlessPassed(passed, group, [scheduler, cli]);
     }
   });
 
   test('Ctrl-C (SIGINT) mid-publish stops at a window boundary, and a scheduler completes the run', async () => {
     await bed.pool.query('TRUNCATE seat_reservations');
     const seeded = await seedHolds(bed.pool, { expiredHeld: 20_000, futureHeld: 200, expiredConfirmed: 200 });
-    const group = startServices(bed, [
-      { label: 'worker-1', kind: 'worker' },
-      { label: 'worker-2', kind: 'worker' },
-    ]);
+    const group = await startTwoWorkers();
     const [worker1, worker2] = group.services as [ReaperProcess, ReaperProcess];
     let scheduler: ReaperProcess | undefined;
     let cli: ReaperProcess | undefined;
     let passed = false;
     try {
-      await Promise.all(group.services.map((w) => w.waitForLine('worker consuming', (line) => line.msg === 'worker consuming')));
       const checkpoints = await holdCheckpointLock(bed.pool);
       cli = startReaper('cli trigger --execute', ['trigger', 'seat-holds', '--execute'], bed.processEnv());
       await eventually('the CLI to wait at its first checkpoint', cliWaitsOnCheckpoint, { intervalMs: 20 });
@@ -209,24 +193,10 @@ describe('reaper trigger/replay --execute', () => {
       scheduler = startReaper('scheduler', ['scheduler'], bed.processEnv({ REAPER_WORKER_ID: 'scheduler' }));
       await eventually('the scheduler to complete the run', async () => (await runRow(bed.pool, runId)).state === 'completed', { timeoutMs: 60_000, intervalMs: 250 });
       assert.equal((await runRow(bed.pool, runId)).claim_count, 2, 'the scheduler took the run over once, from the checkpoint');
-      await assertRunDeletedExactlyOnce({
-        pool: bed.pool,
-        broker,
-        workQueue: names.workQueue('seat-holds'),
-        deadLetterQueue: names.deadLetterQueue,
-        runId,
-        seeded,
-        scheduler,
-        workers: [worker1, worker2],
-        services: [scheduler, worker1, worker2],
-      });
+      await assertRunDeletedExactlyOnce({ bed, broker, names }, { runId, seeded, scheduler, workers: [worker1, worker2] });
       passed = true;
     } finally {
-      await releaseHeldLocks();
-      if (!passed) {
-        await group.stopLeftovers();
-        for (const process of [scheduler, cli]) if (process?.running) await process.stop(5_000);
-      }
+      await stopUnlessPassed(passed, group, [scheduler, cli]);
     }
   });
 });

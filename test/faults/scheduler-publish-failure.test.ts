@@ -3,13 +3,12 @@ import { after, before, describe, test } from 'node:test';
 import amqp from 'amqplib';
 import type { Channel, ChannelModel } from 'amqplib';
 import { brokerNames } from '../../shared/amqp/topology';
-import { openTestBroker, type TestBroker } from '../support/broker';
-import { rowDeletePolicyYaml, runReceipts, runRow, startServices, triggerRunId } from '../support/fixtures';
+import { type TestBroker } from '../support/broker';
+import { closeBedAndBroker, openBedAndBroker, rowDeletePolicyYaml, runCompleted, runReceipts, runRow, startSchedulerAndWorkers, triggerRunId } from '../support/fixtures';
 import { holdCheckpointLock, releaseHeldLocks } from '../support/locks';
-import { assertNoLeakedProcesses, type ReaperProcess } from '../support/processes';
 import { seedHolds } from '../support/seed';
 import { assertRunDeletedExactlyOnce } from '../support/run-checks';
-import { makeTestBed, type TestBed } from '../support/testbed';
+import { type TestBed } from '../support/testbed';
 
 /**
  * The scheduler's publishes start failing in the middle of a run, deterministically: the test
@@ -36,38 +35,23 @@ describe('scheduler publishes refused mid-window', () => {
   let adminChannel: Channel;
 
   before(async () => {
-    bed = await makeTestBed('fault_publish_failure');
-    bed.writePolicies(rowDeletePolicyYaml({ batchSize: BATCH_SIZE }));
-    broker = await openTestBroker(bed.amqpUrl);
-    names = brokerNames(bed.prefix);
+    ({ bed, broker, names } = await openBedAndBroker('fault_publish_failure', rowDeletePolicyYaml({ batchSize: BATCH_SIZE })));
     admin = await amqp.connect(bed.amqpUrl);
     adminChannel = await admin.createChannel();
   });
 
-  after(async () => {
-    try {
-      await releaseHeldLocks();
-      await assertNoLeakedProcesses();
-    } finally {
-      await admin?.close().catch(() => undefined); // already closed: nothing to release
-      await broker?.close();
-      await bed?.close();
-    }
-  });
+  // The admin connection may already be closed: nothing to release then.
+  after(() => closeBedAndBroker({ bed, broker }, releaseHeldLocks, [() => admin?.close().catch(() => undefined)]));
 
   test('the scheduler retries the refused window instead of dying, and the run deletes every expired hold once', async () => {
     const seeded = await seedHolds(bed.pool, { expiredHeld: EXPIRED, futureHeld: FUTURE, expiredConfirmed: CONFIRMED });
-    const group = startServices(
+    const crew = startSchedulerAndWorkers(
       bed,
-      [
-        { label: 'scheduler-1', kind: 'scheduler' },
-        { label: 'worker-1', kind: 'worker', env: { REAPER_PREFETCH: '1' } },
-        { label: 'worker-2', kind: 'worker', env: { REAPER_PREFETCH: '1' } },
-      ],
+      { scheduler: 'scheduler-1', workers: ['worker-1', 'worker-2'], workerEnv: { REAPER_PREFETCH: '1' } },
       'no service may die because a publish was refused',
     );
-    const { services, eventuallyAlive } = group;
-    const [scheduler, ...workers] = services as [ReaperProcess, ReaperProcess, ReaperProcess];
+    const { group, scheduler } = crew;
+    const { eventuallyAlive } = group;
 
     let passed = false;
     try {
@@ -96,18 +80,8 @@ describe('scheduler publishes refused mid-window', () => {
       assert.match(String(refused.err), /unroutable/, 'the window failed because its publishes were unroutable');
       await adminChannel.bindQueue(names.workQueue('seat-holds'), names.workExchange, 'seat-holds');
 
-      await eventuallyAlive('the run to complete', async () => (await runRow(bed.pool, runId)).state === 'completed', { timeoutMs: 40_000, intervalMs: 250 });
-      await assertRunDeletedExactlyOnce({
-        pool: bed.pool,
-        broker,
-        workQueue: names.workQueue('seat-holds'),
-        deadLetterQueue: names.deadLetterQueue,
-        runId,
-        seeded,
-        scheduler,
-        workers,
-        services,
-      });
+      await runCompleted(group, bed.pool, runId, 40_000);
+      await assertRunDeletedExactlyOnce({ bed, broker, names }, { runId, seeded, ...crew });
       passed = true;
     } finally {
       await releaseHeldLocks();
