@@ -1,5 +1,5 @@
 import assert from 'node:assert/strict';
-import { afterEach } from 'node:test';
+import { after, afterEach, before } from 'node:test';
 import { randomUUID } from 'node:crypto';
 import type pg from 'pg';
 import pino, { type Logger } from 'pino';
@@ -292,6 +292,23 @@ export async function closeBedAndBroker(
     await world.broker?.close();
     await world.bed?.close();
   }
+}
+
+/**
+ * openBedAndBroker/closeBedAndBroker as the before()/after() of the calling describe(): the world
+ * returned is filled in before its first test runs (read it inside tests and hooks, not at
+ * describe time). `first` and `alsoClose` are closeBedAndBroker's.
+ */
+export function bedAndBrokerSuite(
+  label: string,
+  options: { policiesYaml?: string; first?: () => Promise<void>; alsoClose?: ReadonlyArray<() => Promise<unknown>> } = {},
+): BedAndBroker {
+  const world: Partial<BedAndBroker> = {};
+  before(async () => {
+    Object.assign(world, await openBedAndBroker(label, options.policiesYaml));
+  });
+  after(() => closeBedAndBroker(world, options.first, options.alsoClose));
+  return world as BedAndBroker;
 }
 
 /** `reaper trigger <policy> --json`, which must succeed: the new run's id. */
