@@ -1,14 +1,11 @@
 import assert from 'node:assert/strict';
-import { after, before, describe, test } from 'node:test';
-import { brokerNames } from '../../shared/amqp/topology';
-import { type TestBroker } from '../support/broker';
-import { closeBedAndBroker, openBedAndBroker, rowDeletePolicyYaml, runReceipts, runRow, startServices, triggerRunId } from '../support/fixtures';
+import { describe, test } from 'node:test';
+import { bedAndBrokerSuite, rowDeletePolicyYaml, runCompleted, runReceipts, runRow, startSchedulerAndWorkers, triggerRunId } from '../support/fixtures';
 import { handOverCheckpointLock, holdCheckpointLock, releaseHeldLocks, schedulerWaitsOnCheckpoint } from '../support/locks';
 import { type ReaperProcess } from '../support/processes';
 import { rabbitmqctl } from '../support/rabbitmqctl';
 import { seedHolds } from '../support/seed';
 import { assertRunDeletedExactlyOnce } from '../support/run-checks';
-import { type TestBed } from '../support/testbed';
 
 /**
  * The broker (running all along) closes this test's connections in the middle of a run: some batches are committed,
@@ -51,33 +48,21 @@ async function closeConnection(pid: string): Promise<void> {
 }
 
 describe('broker closes the connections mid-run', () => {
-  let bed: TestBed;
-  let broker: TestBroker;
-  let names: ReturnType<typeof brokerNames>;
-
-  before(async () => {
-    ({ bed, broker, names } = await openBedAndBroker('fault_connections_closed'));
-  });
-
-  after(() => closeBedAndBroker({ bed, broker }, releaseHeldLocks));
+  const world = bedAndBrokerSuite('fault_connections_closed', { first: releaseHeldLocks });
 
   const amqpConnectedCount = (service: ReaperProcess) => service.lines.filter((line) => line.msg === 'amqp connected').length;
 
   test('every connection closed mid-run: services reconnect, the run completes, each expired hold is deleted once and nothing else', async () => {
-    bed.writePolicies(rowDeletePolicyYaml({ batchSize: BATCH_SIZE }));
-    const seeded = await seedHolds(bed.pool, { expiredHeld: EXPIRED, futureHeld: FUTURE, expiredConfirmed: CONFIRMED });
+    world.bed.writePolicies(rowDeletePolicyYaml({ batchSize: BATCH_SIZE }));
+    const seeded = await seedHolds(world.bed.pool, { expiredHeld: EXPIRED, futureHeld: FUTURE, expiredConfirmed: CONFIRMED });
     const expectedBatches = Math.ceil(EXPIRED / BATCH_SIZE);
-    const group = startServices(
-      bed,
-      [
-        { label: 'scheduler-1', kind: 'scheduler' },
-        { label: 'worker-1', kind: 'worker', env: { REAPER_PREFETCH: '1' } },
-        { label: 'worker-2', kind: 'worker', env: { REAPER_PREFETCH: '1' } },
-      ],
+    const crew = startSchedulerAndWorkers(
+      world.bed,
+      { scheduler: 'scheduler-1', workers: ['worker-1', 'worker-2'], workerEnv: { REAPER_PREFETCH: '1' } },
       'no service may die when the broker closes its connection',
     );
-    const { services, eventuallyAlive } = group;
-    const [scheduler, ...workers] = services as [ReaperProcess, ReaperProcess, ReaperProcess];
+    const { group, workers, services } = crew;
+    const { eventuallyAlive } = group;
     let passed = false;
     try {
       await group.ready();
@@ -85,19 +70,19 @@ describe('broker closes the connections mid-run', () => {
 
       // Mid-run, deterministically: the scheduler publishes its first window and then waits to
       // record it; the workers commit some of that window's batches; then every connection closes.
-      const checkpoints = await holdCheckpointLock(bed.pool);
-      const runId = await triggerRunId(bed, 'seat-holds');
-      await eventuallyAlive('the scheduler to wait on its first checkpoint', () => schedulerWaitsOnCheckpoint(bed.pool), { timeoutMs: 20_000, intervalMs: 20 });
-      await eventuallyAlive('a few batches to be committed', async () => (await runReceipts(bed.pool, runId)).batches >= 5, { timeoutMs: 20_000, intervalMs: 20 });
-      const connections = await connectionsWithPrefix(bed.prefix);
+      const checkpoints = await holdCheckpointLock(world.bed.pool);
+      const runId = await triggerRunId(world.bed, 'seat-holds');
+      await eventuallyAlive('the scheduler to wait on its first checkpoint', () => schedulerWaitsOnCheckpoint(world.bed.pool), { timeoutMs: 20_000, intervalMs: 20 });
+      await eventuallyAlive('a few batches to be committed', async () => (await runReceipts(world.bed.pool, runId)).batches >= 5, { timeoutMs: 20_000, intervalMs: 20 });
+      const connections = await connectionsWithPrefix(world.bed.prefix);
       assert.deepEqual(
         connections.map((c) => c.name).sort(),
-        [`reaper-scheduler ${bed.prefix} scheduler-1`, `reaper-worker ${bed.prefix} worker-1`, `reaper-worker ${bed.prefix} worker-2`],
+        [`reaper-scheduler ${world.bed.prefix} scheduler-1`, `reaper-worker ${world.bed.prefix} worker-1`, `reaper-worker ${world.bed.prefix} worker-2`],
         'one connection per service, named after this test prefix',
       );
-      const stateAtClose = (await runRow(bed.pool, runId)).state;
+      const stateAtClose = (await runRow(world.bed.pool, runId)).state;
       await Promise.all(connections.map((c) => closeConnection(c.pid)));
-      const doneAtClose = (await runReceipts(bed.pool, runId)).batches;
+      const doneAtClose = (await runReceipts(world.bed.pool, runId)).batches;
       await checkpoints.release();
       assert.equal(stateAtClose, 'scanning', 'the connections were closed while the run was scanning');
       assert.ok(doneAtClose < expectedBatches, `the connections were closed mid-run (${doneAtClose}/${expectedBatches} batches done)`);
@@ -109,15 +94,11 @@ describe('broker closes the connections mid-run', () => {
         );
         await eventuallyAlive(`${service.label} to log 'amqp connected' again`, () => amqpConnectedCount(service) >= 2);
       }
-      const reconnected = await connectionsWithPrefix(bed.prefix);
+      const reconnected = await connectionsWithPrefix(world.bed.prefix);
       assert.equal(reconnected.length, 3, 'three live connections again');
       assert.ok(reconnected.every((c) => !connections.some((old) => old.pid === c.pid)), 'new connections, not the closed ones');
 
-      await eventuallyAlive('the run to complete', async () => (await runRow(bed.pool, runId)).state === 'completed', {
-        timeoutMs: 40_000,
-        intervalMs: 250,
-        describe: async () => ({ run: await runRow(bed.pool, runId), receipts: await runReceipts(bed.pool, runId) }),
-      });
+      await runCompleted(group, world.bed.pool, runId, 40_000);
       // One close, one reconnect each: not a reconnect loop.
       assert.deepEqual(services.map(amqpConnectedCount), [2, 2, 2], 'each service connected exactly twice (start, after the close)');
 
@@ -127,18 +108,7 @@ describe('broker closes the connections mid-run', () => {
       const duplicates = workers.flatMap((w) => w.lines.filter((line) => line.msg === 'batch settled' && line.outcome === 'duplicate'));
       assert.deepEqual(duplicates.filter((line) => line.deleted !== 0), [], 'duplicates delete nothing');
       // The data: every expired hold deleted, each exactly once, nothing else; services exit 0.
-      await assertRunDeletedExactlyOnce({
-        pool: bed.pool,
-        broker,
-        workQueue: names.workQueue('seat-holds'),
-        deadLetterQueue: names.deadLetterQueue,
-        runId,
-        seeded,
-        scheduler,
-        workers,
-        services,
-        diagnosis: { runStateAtClose: stateAtClose },
-      });
+      await assertRunDeletedExactlyOnce(world, { runId, seeded, ...crew, diagnosis: { runStateAtClose: stateAtClose } });
       passed = true;
     } finally {
       await releaseHeldLocks();
@@ -157,64 +127,45 @@ describe('broker closes the connections mid-run', () => {
     const FLAP_EXPIRED = 20_000;
     const FLAP_BATCH = 20; // 1,000 batches: 32 windows, far more than CLOSES checkpoints to stop at
     const CLOSES = 5;
-    await bed.pool.query('DELETE FROM seat_reservations'); // whatever the first test left
-    bed.writePolicies(rowDeletePolicyYaml({ name: 'flap-holds', batchSize: FLAP_BATCH }));
-    const seeded = await seedHolds(bed.pool, { expiredHeld: FLAP_EXPIRED, futureHeld: FUTURE, expiredConfirmed: CONFIRMED });
-    const group = startServices(
-      bed,
-      [
-        { label: 'scheduler-2', kind: 'scheduler' },
-        { label: 'worker-3', kind: 'worker', env: { REAPER_PREFETCH: '1' } },
-        { label: 'worker-4', kind: 'worker', env: { REAPER_PREFETCH: '1' } },
-      ],
+    await world.bed.pool.query('DELETE FROM seat_reservations'); // whatever the first test left
+    world.bed.writePolicies(rowDeletePolicyYaml({ name: 'flap-holds', batchSize: FLAP_BATCH }));
+    const seeded = await seedHolds(world.bed.pool, { expiredHeld: FLAP_EXPIRED, futureHeld: FUTURE, expiredConfirmed: CONFIRMED });
+    const crew = startSchedulerAndWorkers(
+      world.bed,
+      { scheduler: 'scheduler-2', workers: ['worker-3', 'worker-4'], workerEnv: { REAPER_PREFETCH: '1' } },
       'no service may die when the broker closes its connection',
     );
-    const { services, eventuallyAlive } = group;
-    const [scheduler, ...workers] = services as [ReaperProcess, ReaperProcess, ReaperProcess];
+    const { group, scheduler } = crew;
+    const { eventuallyAlive } = group;
     let passed = false;
     try {
       await group.ready();
 
       // Held before the trigger: the first close happens at the first checkpoint, whatever the speed.
-      let checkpoints = await holdCheckpointLock(bed.pool);
-      const runId = await triggerRunId(bed, 'flap-holds');
+      let checkpoints = await holdCheckpointLock(world.bed.pool);
+      const runId = await triggerRunId(world.bed, 'flap-holds');
 
       for (let closes = 1; closes <= CLOSES; closes++) {
         // Between two windows, deterministically: the next checkpoint is held, the scheduler's
         // connection is closed while it waits there, and it goes on once it has reconnected. The
         // run cannot end in between (each checkpoint waits for the lock), so every close happens.
-        await eventuallyAlive(`the scheduler to wait on checkpoint ${closes}`, () => schedulerWaitsOnCheckpoint(bed.pool), {
+        await eventuallyAlive(`the scheduler to wait on checkpoint ${closes}`, () => schedulerWaitsOnCheckpoint(world.bed.pool), {
           intervalMs: 20,
-          describe: () => runRow(bed.pool, runId),
+          describe: () => runRow(world.bed.pool, runId),
         });
-        assert.equal((await runRow(bed.pool, runId)).state, 'scanning', `close ${closes} lands while the run is scanning`);
-        const connections = (await connectionsWithPrefix(bed.prefix)).filter((c) => c.name.split(' ').includes('scheduler-2'));
+        assert.equal((await runRow(world.bed.pool, runId)).state, 'scanning', `close ${closes} lands while the run is scanning`);
+        const connections = (await connectionsWithPrefix(world.bed.prefix)).filter((c) => c.name.split(' ').includes('scheduler-2'));
         assert.equal(connections.length, 1, "the scheduler's one connection");
         await closeConnection(connections[0]!.pid);
         await eventuallyAlive(`the scheduler to reconnect after close ${closes}`, () => amqpConnectedCount(scheduler) >= closes + 1, { intervalMs: 20 });
         // Let this checkpoint through and hold the next one (no window slips past unheld).
-        if (closes < CLOSES) checkpoints = await handOverCheckpointLock(bed.pool, checkpoints);
+        if (closes < CLOSES) checkpoints = await handOverCheckpointLock(world.bed.pool, checkpoints);
         else await checkpoints.release();
       }
       assert.equal(amqpConnectedCount(scheduler), CLOSES + 1, 'the scheduler reconnected exactly once per close');
 
-      await eventuallyAlive('the run to complete', async () => (await runRow(bed.pool, runId)).state === 'completed', {
-        timeoutMs: 40_000,
-        intervalMs: 250,
-        describe: async () => ({ run: await runRow(bed.pool, runId), receipts: await runReceipts(bed.pool, runId) }),
-      });
-      await assertRunDeletedExactlyOnce({
-        pool: bed.pool,
-        broker,
-        workQueue: names.workQueue('flap-holds'),
-        deadLetterQueue: names.deadLetterQueue,
-        runId,
-        seeded,
-        scheduler,
-        workers,
-        services,
-        diagnosis: { closes: CLOSES },
-      });
+      await runCompleted(group, world.bed.pool, runId, 40_000);
+      await assertRunDeletedExactlyOnce(world, { runId, seeded, ...crew, policy: 'flap-holds', diagnosis: { closes: CLOSES } });
       passed = true;
     } finally {
       await releaseHeldLocks();

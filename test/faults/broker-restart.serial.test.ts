@@ -2,9 +2,9 @@ import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
 import { brokerNames } from '../../shared/amqp/topology';
 import { openTestBroker, type TestBroker } from '../support/broker';
-import { rowDeletePolicyYaml, runReceipts, runRow, startServices } from '../support/fixtures';
+import { closeBedAndBroker, rowDeletePolicyYaml, runCompleted, runReceipts, runRow, startSchedulerAndWorkers, triggerRunId } from '../support/fixtures';
 import { holdCheckpointLock, releaseHeldLocks, schedulerWaitsOnCheckpoint } from '../support/locks';
-import { assertNoLeakedProcesses, runReaperCli, type ReaperProcess } from '../support/processes';
+import { type ReaperProcess } from '../support/processes';
 import { withBrokerStopped } from '../support/rabbitmqctl';
 import { assertRunDeletedExactlyOnce } from '../support/run-checks';
 import { seedHolds } from '../support/seed';
@@ -34,14 +34,7 @@ describe('broker restarted mid-run', () => {
     names = brokerNames(bed.prefix);
   });
 
-  after(async () => {
-    try {
-      await releaseHeldLocks();
-      await assertNoLeakedProcesses();
-    } finally {
-      await bed?.close();
-    }
-  });
+  after(() => closeBedAndBroker({ bed }, releaseHeldLocks));
 
   const amqpConnectedCount = (service: ReaperProcess) => service.lines.filter((line) => line.msg === 'amqp connected').length;
 
@@ -49,29 +42,22 @@ describe('broker restarted mid-run', () => {
     bed.writePolicies(rowDeletePolicyYaml({ batchSize: BATCH_SIZE }));
     const seeded = await seedHolds(bed.pool, { expiredHeld: EXPIRED, futureHeld: FUTURE, expiredConfirmed: CONFIRMED });
     const expectedBatches = EXPIRED / BATCH_SIZE;
-    const group = startServices(
+    const crew = startSchedulerAndWorkers(
       bed,
-      [
-        { label: 'scheduler', kind: 'scheduler' },
-        { label: 'worker-1', kind: 'worker', env: { REAPER_PREFETCH: '2' } },
-        { label: 'worker-2', kind: 'worker', env: { REAPER_PREFETCH: '2' } },
-      ],
+      { scheduler: 'scheduler', workers: ['worker-1', 'worker-2'], workerEnv: { REAPER_PREFETCH: '2' } },
       'no service may die when the broker restarts',
     );
-    const { services, eventuallyAlive } = group;
-    const [scheduler, ...workers] = services as [ReaperProcess, ReaperProcess, ReaperProcess];
+    const { group, services } = crew;
+    const { eventuallyAlive } = group;
     let broker: TestBroker | undefined;
     let passed = false;
     try {
-      await scheduler.waitForLine('scheduler started', (line) => line.msg === 'scheduler started');
-      await Promise.all(workers.map((w) => w.waitForLine('worker consuming', (line) => line.msg === 'worker consuming')));
+      await group.ready();
 
       // Mid-run, deterministically: the first window is published and confirmed, its checkpoint
       // waits on the test's lock, the workers are deleting that window's batches.
       const checkpoints = await holdCheckpointLock(bed.pool);
-      const triggered = await runReaperCli(['trigger', 'seat-holds', '--json'], bed.processEnv());
-      assert.equal(triggered.code, 0, triggered.stdout);
-      const runId = (JSON.parse(triggered.stdout) as { runId: string }).runId;
+      const runId = await triggerRunId(bed, 'seat-holds');
       await eventuallyAlive('the scheduler to wait on its first checkpoint', () => schedulerWaitsOnCheckpoint(bed.pool), { timeoutMs: 30_000, intervalMs: 20 });
       await eventuallyAlive('a few batches to be committed', async () => (await runReceipts(bed.pool, runId)).batches >= 3, { timeoutMs: 30_000, intervalMs: 20 });
 
@@ -96,23 +82,8 @@ describe('broker restarted mid-run', () => {
         await eventuallyAlive(`${service.label} to reconnect after the restart`, () => amqpConnectedCount(service) >= 2, { timeoutMs: 60_000 });
       }
       broker = await openTestBroker(bed.amqpUrl);
-      await eventuallyAlive('the run to complete', async () => (await runRow(bed.pool, runId)).state === 'completed', {
-        timeoutMs: 60_000,
-        intervalMs: 250,
-        describe: async () => ({ run: await runRow(bed.pool, runId), receipts: await runReceipts(bed.pool, runId) }),
-      });
-      await assertRunDeletedExactlyOnce({
-        pool: bed.pool,
-        broker,
-        workQueue: names.workQueue('seat-holds'),
-        deadLetterQueue: names.deadLetterQueue,
-        runId,
-        seeded,
-        scheduler,
-        workers,
-        services,
-        diagnosis: { atStop },
-      });
+      await runCompleted(group, bed.pool, runId, 60_000);
+      await assertRunDeletedExactlyOnce({ bed, broker, names }, { runId, seeded, ...crew, diagnosis: { atStop } });
       passed = true;
     } finally {
       await releaseHeldLocks();

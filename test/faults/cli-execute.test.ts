@@ -1,14 +1,11 @@
 import assert from 'node:assert/strict';
-import { after, before, describe, test } from 'node:test';
-import { brokerNames } from '../../shared/amqp/topology';
-import { openTestBroker, type TestBroker } from '../support/broker';
+import { describe, test } from 'node:test';
 import { eventually } from '../support/eventually';
-import { rowDeletePolicyYaml, runReceipts, runRow, startServices, stopAllCleanly } from '../support/fixtures';
+import { bedAndBrokerSuite, rowDeletePolicyYaml, runReceipts, runRow, startServices, stopAllCleanly, type ServiceGroup } from '../support/fixtures';
 import { holdCheckpointLock, releaseHeldLocks } from '../support/locks';
-import { assertNoLeakedProcesses, runReaperCli, startReaper, type ReaperProcess } from '../support/processes';
+import { runReaperCli, startReaper, type ReaperProcess } from '../support/processes';
 import { assertRunDeletedExactlyOnce } from '../support/run-checks';
 import { countReservations, seedHolds } from '../support/seed';
-import { makeTestBed, type TestBed } from '../support/testbed';
 
 /**
  * `--execute`: the CLI claims and publishes its run itself, with the scheduler's executor. Real
@@ -26,65 +23,63 @@ function jsonOf(output: string): Record<string, unknown> {
 }
 
 describe('reaper trigger/replay --execute', () => {
-  let bed: TestBed;
-  let broker: TestBroker;
-  let names: ReturnType<typeof brokerNames>;
+  const world = bedAndBrokerSuite('cli_execute', { policiesYaml: rowDeletePolicyYaml({ batchSize: BATCH_SIZE }), first: releaseHeldLocks });
 
-  before(async () => {
-    bed = await makeTestBed('cli_execute');
-    bed.writePolicies(rowDeletePolicyYaml({ batchSize: BATCH_SIZE }));
-    broker = await openTestBroker(bed.amqpUrl);
-    names = brokerNames(bed.prefix);
-  });
+  /** Two workers (no scheduler: the CLI executes the runs), consuming. */
+  async function startTwoWorkers(): Promise<ServiceGroup> {
+    const group = startServices(world.bed, [
+      { label: 'worker-1', kind: 'worker' },
+      { label: 'worker-2', kind: 'worker' },
+    ]);
+    await group.ready().catch(async (error: unknown) => {
+      await group.stopLeftovers(); // not started: no test's finally will stop them
+      throw error;
+    });
+    return group;
+  }
 
-  after(async () => {
-    try {
-      await releaseHeldLocks();
-      await assertNoLeakedProcesses();
-    } finally {
-      await broker?.close();
-      await bed?.close();
-    }
-  });
+  /** The `finally` of a test with a CLI and a scheduler started outside the group: locks released, leftovers stopped. */
+  async function stopUnlessPassed(passed: boolean, group: ServiceGroup, others: ReadonlyArray<ReaperProcess | undefined>): Promise<void> {
+    await releaseHeldLocks();
+    if (passed) return;
+    await group.stopLeftovers();
+    for (const process of others) if (process?.running) await process.stop(5_000);
+  }
 
   /** True while the CLI's checkpoint waits on the test's lock (it is between two windows). */
   const cliWaitsOnCheckpoint = async () =>
     (
-      await bed.pool.query<{ n: number }>(
+      await world.bed.pool.query<{ n: number }>(
         `SELECT count(*)::int AS n FROM pg_stat_activity WHERE datname = current_database() AND application_name = 'reaper-cli' AND wait_event_type = 'Lock'`,
       )
     ).rows[0]!.n > 0;
   const latestRunId = async (trigger: string) =>
-    (await bed.pool.query<{ run_id: string }>('SELECT run_id FROM cleanup_runs WHERE trigger = $1 ORDER BY created_at DESC LIMIT 1', [trigger])).rows[0]?.run_id;
+    (await world.bed.pool.query<{ run_id: string }>('SELECT run_id FROM cleanup_runs WHERE trigger = $1 ORDER BY created_at DESC LIMIT 1', [trigger])).rows[0]?.run_id;
 
   test('with no scheduler: the replay warns, and replay --execute deletes exactly what the original run would have (same cutoff)', async () => {
-    await bed.pool.query('TRUNCATE seat_reservations');
-    const seeded = await seedHolds(bed.pool, { expiredHeld: 3_000, futureHeld: 100, expiredConfirmed: 100 });
+    await world.bed.pool.query('TRUNCATE seat_reservations');
+    const seeded = await seedHolds(world.bed.pool, { expiredHeld: 3_000, futureHeld: 100, expiredConfirmed: 100 });
     // Expired now, but after the cutoff: the original run would not have deleted them.
     const later = (
-      await bed.pool.query<{ reservation_id: string }>(
+      await world.bed.pool.query<{ reservation_id: string }>(
         `INSERT INTO seat_reservations (reservation_id, status, expires_at, seat)
          SELECT gen_random_uuid(), 'held', now() - interval '10 minutes' + random() * interval '1 second', 'late-' || i FROM generate_series(1, 200) i
          RETURNING reservation_id`,
       )
     ).rows.map((row) => row.reservation_id);
-    const cutoff = (await bed.pool.query<{ c: string }>(`SELECT reaper_iso(clock_timestamp() - interval '30 minutes') AS c`)).rows[0]!.c;
-    const group = startServices(bed, [
-      { label: 'worker-1', kind: 'worker' },
-      { label: 'worker-2', kind: 'worker' },
-    ]);
+    const cutoff = (await world.bed.pool.query<{ c: string }>(`SELECT reaper_iso(clock_timestamp() - interval '30 minutes') AS c`)).rows[0]!.c;
+    const group = await startTwoWorkers();
     let passed = false;
     try {
-      await Promise.all(group.services.map((w) => w.waitForLine('worker consuming', (line) => line.msg === 'worker consuming')));
       // Without --execute: the run is only recorded, and the operator is told nobody will run it.
-      const recorded = await runReaperCli(['replay', '--policy', 'seat-holds', '--cutoff', cutoff, '--json'], bed.processEnv());
+      const recorded = await runReaperCli(['replay', '--policy', 'seat-holds', '--cutoff', cutoff, '--json'], world.bed.processEnv());
       assert.equal(recorded.code, 0, recorded.stdout);
       assert.match(recorded.stdout, /no scheduler has ever been seen/);
       assert.match(recorded.stdout, /--execute/);
       const original = String(jsonOf(recorded.stdout).runId);
-      assert.equal((await runRow(bed.pool, original)).state, 'pending', 'no scheduler: the run waits');
+      assert.equal((await runRow(world.bed.pool, original)).state, 'pending', 'no scheduler: the run waits');
 
-      const replayed = await runReaperCli(['replay', '--run', original, '--execute', '--wait', '--json'], bed.processEnv(), 90_000);
+      const replayed = await runReaperCli(['replay', '--run', original, '--execute', '--wait', '--json'], world.bed.processEnv(), 90_000);
       assert.equal(replayed.code, 0, replayed.stdout);
       const summary = jsonOf(replayed.stdout);
       assert.equal(summary.state, 'completed');
@@ -92,21 +87,21 @@ describe('reaper trigger/replay --execute', () => {
       assert.equal(summary.deleted, seeded.expiredHeld.length);
       assert.ok(!replayed.stdout.includes('\r') && !/\[#*-*\]/.test(replayed.stdout), 'no progress bar when piped');
       const runId = String(summary.runId);
-      assert.deepEqual(await runReceipts(bed.pool, runId), { batches: Number(summary.batchesConfirmed), deleted: seeded.expiredHeld.length, noop: 0 });
-      assert.equal(await countReservations(bed.pool, seeded.expiredHeld), 0, 'every row expired by the cutoff is gone');
-      assert.equal(await countReservations(bed.pool, later), later.length, 'rows that expired after the cutoff are kept');
-      assert.equal(await countReservations(bed.pool, seeded.futureHeld), seeded.futureHeld.length);
-      assert.equal(await countReservations(bed.pool, seeded.expiredConfirmed), seeded.expiredConfirmed.length);
-      assert.equal((await broker.drain(names.deadLetterQueue)).length, 0, 'nothing dead-lettered');
+      assert.deepEqual(await runReceipts(world.bed.pool, runId), { batches: Number(summary.batchesConfirmed), deleted: seeded.expiredHeld.length, noop: 0 });
+      assert.equal(await countReservations(world.bed.pool, seeded.expiredHeld), 0, 'every row expired by the cutoff is gone');
+      assert.equal(await countReservations(world.bed.pool, later), later.length, 'rows that expired after the cutoff are kept');
+      assert.equal(await countReservations(world.bed.pool, seeded.futureHeld), seeded.futureHeld.length);
+      assert.equal(await countReservations(world.bed.pool, seeded.expiredConfirmed), seeded.expiredConfirmed.length);
+      assert.equal((await world.broker.drain(world.names.deadLetterQueue)).length, 0, 'nothing dead-lettered');
       // The original, executed now (it would otherwise wait for the next test's scheduler), finds
       // nothing left of its rows: the replay did exactly its work.
-      const originalRun = await runReaperCli(['execute', original, '--wait', '--json'], bed.processEnv(), 90_000);
+      const originalRun = await runReaperCli(['execute', original, '--wait', '--json'], world.bed.processEnv(), 90_000);
       assert.equal(originalRun.code, 0, originalRun.stdout);
       assert.deepEqual(
         { state: jsonOf(originalRun.stdout).state, deleted: jsonOf(originalRun.stdout).deleted },
         { state: 'completed', deleted: 0 },
       );
-      assert.equal(await countReservations(bed.pool, later), later.length, 'still kept: same cutoff');
+      assert.equal(await countReservations(world.bed.pool, later), later.length, 'still kept: same cutoff');
       await stopAllCleanly(group.services);
       passed = true;
     } finally {
@@ -115,78 +110,56 @@ describe('reaper trigger/replay --execute', () => {
   });
 
   test('a scheduler started in the middle of a CLI-executed run neither duplicates nor skips a batch', async () => {
-    await bed.pool.query('TRUNCATE seat_reservations');
-    const seeded = await seedHolds(bed.pool, { expiredHeld: 20_000, futureHeld: 200, expiredConfirmed: 200 });
-    const group = startServices(bed, [
-      { label: 'worker-1', kind: 'worker' },
-      { label: 'worker-2', kind: 'worker' },
-    ]);
+    await world.bed.pool.query('TRUNCATE seat_reservations');
+    const seeded = await seedHolds(world.bed.pool, { expiredHeld: 20_000, futureHeld: 200, expiredConfirmed: 200 });
+    const group = await startTwoWorkers();
     const [worker1, worker2] = group.services as [ReaperProcess, ReaperProcess];
     let scheduler: ReaperProcess | undefined;
     let cli: ReaperProcess | undefined;
     let passed = false;
     try {
-      await Promise.all(group.services.map((w) => w.waitForLine('worker consuming', (line) => line.msg === 'worker consuming')));
-      const checkpoints = await holdCheckpointLock(bed.pool);
-      cli = startReaper('cli trigger --execute', ['trigger', 'seat-holds', '--execute', '--json'], bed.processEnv());
+      const checkpoints = await holdCheckpointLock(world.bed.pool);
+      cli = startReaper('cli trigger --execute', ['trigger', 'seat-holds', '--execute', '--json'], world.bed.processEnv());
       await eventually('the CLI to wait at its first checkpoint', cliWaitsOnCheckpoint, { intervalMs: 20 });
       const runId = (await latestRunId('manual'))!;
-      scheduler = startReaper('scheduler', ['scheduler'], bed.processEnv({ REAPER_WORKER_ID: 'scheduler' }));
+      scheduler = startReaper('scheduler', ['scheduler'], world.bed.processEnv({ REAPER_WORKER_ID: 'scheduler' }));
       await scheduler.waitForLine('scheduler started', (line) => line.msg === 'scheduler started');
       await checkpoints.release();
 
       const exit = await cli.exitWithin(90_000, 'to publish the run');
       assert.equal(exit.code, 0, cli.output.join('\n'));
       assert.equal(jsonOf(cli.output.join('\n')).outcome, 'published');
-      await eventually('the run to complete', async () => (await runRow(bed.pool, runId)).state === 'completed', { timeoutMs: 60_000, intervalMs: 250 });
-      const run = await runRow(bed.pool, runId);
+      await eventually('the run to complete', async () => (await runRow(world.bed.pool, runId)).state === 'completed', { timeoutMs: 60_000, intervalMs: 250 });
+      const run = await runRow(world.bed.pool, runId);
       assert.equal(run.claim_count, 1, 'the scheduler never claimed the run the CLI held');
       assert.equal(scheduler.lines.filter((line) => line.msg === 'run scanning' && line.runId === runId).length, 0, 'the scheduler never scanned it');
-      assert.equal((await runReceipts(bed.pool, runId)).batches, run.batches_confirmed, 'one receipt per confirmed batch: none skipped');
+      assert.equal((await runReceipts(world.bed.pool, runId)).batches, run.batches_confirmed, 'one receipt per confirmed batch: none skipped');
       const duplicates = [worker1, worker2].flatMap((w) => w.lines.filter((line) => line.msg === 'batch settled' && line.outcome === 'duplicate'));
       assert.equal(duplicates.length, 0, 'no batch delivered twice');
       // With a scheduler alive, a run recorded without --execute carries no warning.
-      const plain = await runReaperCli(['trigger', 'seat-holds', '--json'], bed.processEnv());
+      const plain = await runReaperCli(['trigger', 'seat-holds', '--json'], world.bed.processEnv());
       assert.equal(plain.code, 0, plain.stdout);
       assert.doesNotMatch(plain.stdout, /no scheduler/);
       const plainRun = String(jsonOf(plain.stdout).runId);
-      await eventually('the scheduler to complete the plain run', async () => (await runRow(bed.pool, plainRun)).state === 'completed', { timeoutMs: 30_000 });
-      await assertRunDeletedExactlyOnce({
-        pool: bed.pool,
-        broker,
-        workQueue: names.workQueue('seat-holds'),
-        deadLetterQueue: names.deadLetterQueue,
-        runId,
-        seeded,
-        scheduler,
-        workers: [worker1, worker2],
-        services: [scheduler, worker1, worker2],
-      });
+      await eventually('the scheduler to complete the plain run', async () => (await runRow(world.bed.pool, plainRun)).state === 'completed', { timeoutMs: 30_000 });
+      await assertRunDeletedExactlyOnce(world, { runId, seeded, scheduler, workers: [worker1, worker2] });
       passed = true;
     } finally {
-      await releaseHeldLocks();
-      if (!passed) {
-        await group.stopLeftovers();
-        for (const process of [scheduler, cli]) if (process?.running) await process.stop(5_000);
-      }
+      await stopUnlessPassed(passed, group, [scheduler, cli]);
     }
   });
 
   test('Ctrl-C (SIGINT) mid-publish stops at a window boundary, and a scheduler completes the run', async () => {
-    await bed.pool.query('TRUNCATE seat_reservations');
-    const seeded = await seedHolds(bed.pool, { expiredHeld: 20_000, futureHeld: 200, expiredConfirmed: 200 });
-    const group = startServices(bed, [
-      { label: 'worker-1', kind: 'worker' },
-      { label: 'worker-2', kind: 'worker' },
-    ]);
+    await world.bed.pool.query('TRUNCATE seat_reservations');
+    const seeded = await seedHolds(world.bed.pool, { expiredHeld: 20_000, futureHeld: 200, expiredConfirmed: 200 });
+    const group = await startTwoWorkers();
     const [worker1, worker2] = group.services as [ReaperProcess, ReaperProcess];
     let scheduler: ReaperProcess | undefined;
     let cli: ReaperProcess | undefined;
     let passed = false;
     try {
-      await Promise.all(group.services.map((w) => w.waitForLine('worker consuming', (line) => line.msg === 'worker consuming')));
-      const checkpoints = await holdCheckpointLock(bed.pool);
-      cli = startReaper('cli trigger --execute', ['trigger', 'seat-holds', '--execute'], bed.processEnv());
+      const checkpoints = await holdCheckpointLock(world.bed.pool);
+      cli = startReaper('cli trigger --execute', ['trigger', 'seat-holds', '--execute'], world.bed.processEnv());
       await eventually('the CLI to wait at its first checkpoint', cliWaitsOnCheckpoint, { intervalMs: 20 });
       const runId = (await latestRunId('manual'))!;
       cli.signal('SIGINT');
@@ -196,7 +169,7 @@ describe('reaper trigger/replay --execute', () => {
       assert.equal(exit.code, 1, 'interrupted: not a success');
       assert.match(cli.output.join('\n'), new RegExp(`run ${runId} stopped at a window boundary.*resumable`));
 
-      const stopped = await bed.pool.query<{ state: string; released: boolean; batches_confirmed: number; candidates: number }>(
+      const stopped = await world.bed.pool.query<{ state: string; released: boolean; batches_confirmed: number; candidates: number }>(
         `SELECT state, lease_expires_at <= clock_timestamp() AS released, batches_confirmed, candidates::int AS candidates FROM cleanup_runs WHERE run_id = $1`,
         [runId],
       );
@@ -206,27 +179,13 @@ describe('reaper trigger/replay --execute', () => {
       assert.equal(row.batches_confirmed, 32, 'exactly the first window was confirmed and checkpointed');
       assert.ok(row.candidates < seeded.expiredHeld.length, 'stopped in the middle');
 
-      scheduler = startReaper('scheduler', ['scheduler'], bed.processEnv({ REAPER_WORKER_ID: 'scheduler' }));
-      await eventually('the scheduler to complete the run', async () => (await runRow(bed.pool, runId)).state === 'completed', { timeoutMs: 60_000, intervalMs: 250 });
-      assert.equal((await runRow(bed.pool, runId)).claim_count, 2, 'the scheduler took the run over once, from the checkpoint');
-      await assertRunDeletedExactlyOnce({
-        pool: bed.pool,
-        broker,
-        workQueue: names.workQueue('seat-holds'),
-        deadLetterQueue: names.deadLetterQueue,
-        runId,
-        seeded,
-        scheduler,
-        workers: [worker1, worker2],
-        services: [scheduler, worker1, worker2],
-      });
+      scheduler = startReaper('scheduler', ['scheduler'], world.bed.processEnv({ REAPER_WORKER_ID: 'scheduler' }));
+      await eventually('the scheduler to complete the run', async () => (await runRow(world.bed.pool, runId)).state === 'completed', { timeoutMs: 60_000, intervalMs: 250 });
+      assert.equal((await runRow(world.bed.pool, runId)).claim_count, 2, 'the scheduler took the run over once, from the checkpoint');
+      await assertRunDeletedExactlyOnce(world, { runId, seeded, scheduler, workers: [worker1, worker2] });
       passed = true;
     } finally {
-      await releaseHeldLocks();
-      if (!passed) {
-        await group.stopLeftovers();
-        for (const process of [scheduler, cli]) if (process?.running) await process.stop(5_000);
-      }
+      await stopUnlessPassed(passed, group, [scheduler, cli]);
     }
   });
 });

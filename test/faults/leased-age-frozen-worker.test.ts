@@ -4,7 +4,7 @@ import { eventually } from '../support/eventually';
 import { readAgeGaugeExactly } from '../support/fixtures';
 import { type MediaApi } from '../../tools/media-api/server';
 import { runReaperCli } from '../support/processes';
-import { closeRemoteWorld, MEDIA_POLICY, openRemoteWorld, seedAssets, startSchedulerProcess, started, startWorkerProcess } from '../support/remote-helpers';
+import { closeRemoteWorld, MEDIA_POLICY, openRemoteWorld, seedAssets, startRemoteServices } from '../support/remote-helpers';
 import { type TestBed } from '../support/testbed';
 
 /**
@@ -32,9 +32,8 @@ describe('oldest leased age with a frozen worker', () => {
 
   test('rises while the lease holder is stopped, exactly the lease age by the database clock; 0 after it finishes', { timeout: 90_000 }, async () => {
     await seedAssets(bed.pool, 'frozen', 1);
-    const scheduler = startSchedulerProcess(bed, 'leased-scheduler', { HTTP_PORT: '0', REAPER_BACKLOG_REFRESH_MS: String(REFRESH_MS) });
-    const worker = startWorkerProcess(bed, 'leased-worker');
-    await Promise.all([started(scheduler, 'scheduler'), started(worker, 'worker')]);
+    const services = { scheduler: 'leased-scheduler', workers: ['leased-worker'], schedulerEnv: { HTTP_PORT: '0', REAPER_BACKLOG_REFRESH_MS: String(REFRESH_MS) } };
+    const { scheduler, workers: [worker] } = await startRemoteServices(bed, services);
     const port = Number(scheduler.lines.find((line) => line.msg === 'scheduler started')!.httpPort);
     const leasedAge = async (): Promise<number> => {
       const text = await (await fetch(`http://127.0.0.1:${port}/metrics`)).text();

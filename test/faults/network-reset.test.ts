@@ -1,11 +1,9 @@
 import assert from 'node:assert/strict';
-import { after, before, describe, test } from 'node:test';
-import { openTestBroker, type TestBroker } from '../support/broker';
+import { before, describe, test } from 'node:test';
+import { bedAndBrokerSuite } from '../support/fixtures';
 import { eventually } from '../support/eventually';
 import { runUnderFault } from '../support/fault-run';
-import { assertNoLeakedProcesses } from '../support/processes';
 import { TcpProxy } from '../support/tcp-proxy';
-import { makeTestBed, type TestBed } from '../support/testbed';
 
 /**
  * Network faults through a TCP proxy between the services and the servers: connections reset
@@ -14,40 +12,26 @@ import { makeTestBed, type TestBed } from '../support/testbed';
  * added to every packet of every link. Each time the run completes and the checker reads zero.
  */
 describe('network faults through a proxy', () => {
-  let bed: TestBed;
-  let broker: TestBroker;
   let pgProxy: TcpProxy;
   let amqpProxy: TcpProxy;
-
+  const world = bedAndBrokerSuite('fault_network', { alsoClose: [() => pgProxy?.close(), () => amqpProxy?.close()] });
   before(async () => {
-    bed = await makeTestBed('fault_network');
-    broker = await openTestBroker(bed.amqpUrl);
-    const database = new URL(bed.databaseUrl);
-    const amqp = new URL(bed.amqpUrl);
+    const database = new URL(world.bed.databaseUrl);
+    const amqp = new URL(world.bed.amqpUrl);
     pgProxy = await TcpProxy.start({ targetHost: database.hostname, targetPort: Number(database.port || 5432), protocol: 'postgres' });
     amqpProxy = await TcpProxy.start({ targetHost: amqp.hostname, targetPort: Number(amqp.port || 5672) });
   });
-  after(async () => {
-    try {
-      await assertNoLeakedProcesses();
-    } finally {
-      await pgProxy?.close();
-      await amqpProxy?.close();
-      await broker?.close();
-      await bed?.close();
-    }
-  });
 
   const cleanTables = async () => {
-    await bed.pool.query('TRUNCATE seat_reservations, cleanup_holds, cleanup_batches');
+    await world.bed.pool.query('TRUNCATE seat_reservations, cleanup_holds, cleanup_batches');
   };
 
   test('PostgreSQL link reset mid-commit (three times): batches requeued, redeliveries are no-ops or finish the work, checker at zero', async () => {
     await cleanTables();
-    const workerEnv = { DATABASE_URL: pgProxy.urlFor(bed.databaseUrl), REAPER_PREFETCH: '1' };
+    const workerEnv = { DATABASE_URL: pgProxy.urlFor(world.bed.databaseUrl), REAPER_PREFETCH: '1' };
     await runUnderFault({
-      bed,
-      broker,
+      bed: world.bed,
+      broker: world.broker,
       policy: 'reset-commit',
       expired: 5_000,
       batchSize: 50,
@@ -75,16 +59,16 @@ describe('network faults through a proxy', () => {
   test('broker link reset mid-publish: the scheduler reconnects, retries its window, nothing is published under two batch ids, checker at zero', async () => {
     await cleanTables();
     await amqpProxy.close().catch(() => undefined);
-    const amqp = new URL(bed.amqpUrl);
+    const amqp = new URL(world.bed.amqpUrl);
     amqpProxy = await TcpProxy.start({ targetHost: amqp.hostname, targetPort: Number(amqp.port || 5672) });
     await runUnderFault({
-      bed,
-      broker,
+      bed: world.bed,
+      broker: world.broker,
       policy: 'reset-publish',
       expired: 20_000,
       batchSize: 20,
       services: [
-        { label: 'scheduler-b', kind: 'scheduler', env: { AMQP_URL: amqpProxy.urlFor(bed.amqpUrl) } },
+        { label: 'scheduler-b', kind: 'scheduler', env: { AMQP_URL: amqpProxy.urlFor(world.bed.amqpUrl) } },
         { label: 'worker-b1', kind: 'worker' },
         { label: 'worker-b2', kind: 'worker' },
       ],
@@ -106,10 +90,10 @@ describe('network faults through a proxy', () => {
     pgProxy.latencyMs = 20;
     amqpProxy.latencyMs = 20;
     try {
-      const env = { DATABASE_URL: pgProxy.urlFor(bed.databaseUrl), AMQP_URL: amqpProxy.urlFor(bed.amqpUrl) };
+      const env = { DATABASE_URL: pgProxy.urlFor(world.bed.databaseUrl), AMQP_URL: amqpProxy.urlFor(world.bed.amqpUrl) };
       const report = await runUnderFault({
-        bed,
-        broker,
+        bed: world.bed,
+        broker: world.broker,
         policy: 'latency',
         expired: 2_000,
         batchSize: 50,

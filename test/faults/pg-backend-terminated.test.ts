@@ -1,11 +1,10 @@
 import assert from 'node:assert/strict';
-import { after, before, describe, test } from 'node:test';
-import { openTestBroker, type TestBroker } from '../support/broker';
+import { before, describe, test } from 'node:test';
+import { bedAndBrokerSuite } from '../support/fixtures';
 import { eventually } from '../support/eventually';
 import { runUnderFault } from '../support/fault-run';
-import { assertNoLeakedProcesses, type ReaperProcess } from '../support/processes';
+import { type ReaperProcess } from '../support/processes';
 import { TcpProxy } from '../support/tcp-proxy';
-import { makeTestBed, type TestBed } from '../support/testbed';
 
 /**
  * PostgreSQL fault: a worker's backend is terminated (pg_terminate_backend) between its DELETE and
@@ -17,33 +16,20 @@ import { makeTestBed, type TestBed } from '../support/testbed';
  * must find the receipt and count a no-op. The run completes; the checker reads zero.
  */
 describe('PostgreSQL backend terminated between the DELETE and the commit answer', () => {
-  let bed: TestBed;
-  let broker: TestBroker;
   let proxy: TcpProxy;
-
+  const world = bedAndBrokerSuite('fault_pg_terminate', { alsoClose: [() => proxy?.close()] });
   before(async () => {
-    bed = await makeTestBed('fault_pg_terminate');
-    broker = await openTestBroker(bed.amqpUrl);
-    const database = new URL(bed.databaseUrl);
+    const database = new URL(world.bed.databaseUrl);
     proxy = await TcpProxy.start({ targetHost: database.hostname, targetPort: Number(database.port || 5432), protocol: 'postgres' });
-  });
-  after(async () => {
-    try {
-      await assertNoLeakedProcesses();
-    } finally {
-      await proxy?.close();
-      await broker?.close();
-      await bed?.close();
-    }
   });
 
   test('committed but unanswered: the batch is requeued, its redelivery is a counted no-op, checker at zero', async () => {
-    const workerEnv = { DATABASE_URL: proxy.urlFor(bed.databaseUrl), REAPER_PREFETCH: '1' };
+    const workerEnv = { DATABASE_URL: proxy.urlFor(world.bed.databaseUrl), REAPER_PREFETCH: '1' };
     let terminatedPid = 0;
     let allWorkers: ReaperProcess[] = [];
     await runUnderFault({
-      bed,
-      broker,
+      bed: world.bed,
+      broker: world.broker,
       expired: 6_000,
       batchSize: 50,
       services: [
@@ -61,10 +47,10 @@ describe('PostgreSQL backend terminated between the DELETE and the commit answer
         // The statement ran and committed once its backend is idle again; only its answer is missing.
         await eventually(
           'the held DELETE to commit',
-          async () => (await bed.pool.query<{ state: string }>('SELECT state FROM pg_stat_activity WHERE pid = $1', [pid])).rows[0]?.state === 'idle',
+          async () => (await world.bed.pool.query<{ state: string }>('SELECT state FROM pg_stat_activity WHERE pid = $1', [pid])).rows[0]?.state === 'idle',
           { timeoutMs: 10_000, intervalMs: 10 },
         );
-        const terminated = await bed.pool.query<{ ok: boolean }>('SELECT pg_terminate_backend($1) AS ok', [pid]);
+        const terminated = await world.bed.pool.query<{ ok: boolean }>('SELECT pg_terminate_backend($1) AS ok', [pid]);
         assert.equal(terminated.rows[0]!.ok, true);
         terminatedPid = pid;
         const endedAt = Date.now();

@@ -138,17 +138,7 @@ describe('rolling upgrade of the batch contract from version 1 to version 2', ()
       assert.equal((JSON.parse(requeued.stdout.slice(requeued.stdout.indexOf('{'))) as { requeued: number }).requeued, deadLettered);
       await eventually('the run to complete', async () => (await runRow(bed.pool, runId)).state === 'completed', { timeoutMs: 90_000, intervalMs: 250 });
       assert.equal((await runReceipts(bed.pool, runId)).deleted, EXPIRED, 'every expired row deleted once');
-      await assertRunDeletedExactlyOnce({
-        pool: bed.pool,
-        broker,
-        workQueue: names.workQueue('seat-holds'),
-        deadLetterQueue: names.deadLetterQueue,
-        runId,
-        seeded,
-        scheduler: newScheduler,
-        workers: [new1, new2],
-        services: [newScheduler, new1, new2],
-      });
+      await assertRunDeletedExactlyOnce({ bed, broker, names }, { runId, seeded, scheduler: newScheduler, workers: [new1, new2] });
       passed = true;
     } finally {
       await releaseHeldLocks();

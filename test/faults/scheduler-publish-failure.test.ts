@@ -1,15 +1,11 @@
 import assert from 'node:assert/strict';
-import { after, before, describe, test } from 'node:test';
+import { before, describe, test } from 'node:test';
 import amqp from 'amqplib';
 import type { Channel, ChannelModel } from 'amqplib';
-import { brokerNames } from '../../shared/amqp/topology';
-import { openTestBroker, type TestBroker } from '../support/broker';
-import { rowDeletePolicyYaml, runReceipts, runRow, startServices, triggerRunId } from '../support/fixtures';
+import { bedAndBrokerSuite, rowDeletePolicyYaml, runCompleted, runReceipts, runRow, startSchedulerAndWorkers, triggerRunId } from '../support/fixtures';
 import { holdCheckpointLock, releaseHeldLocks } from '../support/locks';
-import { assertNoLeakedProcesses, type ReaperProcess } from '../support/processes';
 import { seedHolds } from '../support/seed';
 import { assertRunDeletedExactlyOnce } from '../support/run-checks';
-import { makeTestBed, type TestBed } from '../support/testbed';
 
 /**
  * The scheduler's publishes start failing in the middle of a run, deterministically: the test
@@ -29,64 +25,47 @@ const CONFIRMED = 500;
 const BATCH_SIZE = 50;
 
 describe('scheduler publishes refused mid-window', () => {
-  let bed: TestBed;
-  let broker: TestBroker;
-  let names: ReturnType<typeof brokerNames>;
   let admin: ChannelModel;
   let adminChannel: Channel;
-
+  // The admin connection may already be closed: nothing to release then.
+  const world = bedAndBrokerSuite('fault_publish_failure', {
+    policiesYaml: rowDeletePolicyYaml({ batchSize: BATCH_SIZE }),
+    first: releaseHeldLocks,
+    alsoClose: [() => admin?.close().catch(() => undefined)],
+  });
   before(async () => {
-    bed = await makeTestBed('fault_publish_failure');
-    bed.writePolicies(rowDeletePolicyYaml({ batchSize: BATCH_SIZE }));
-    broker = await openTestBroker(bed.amqpUrl);
-    names = brokerNames(bed.prefix);
-    admin = await amqp.connect(bed.amqpUrl);
+    admin = await amqp.connect(world.bed.amqpUrl);
     adminChannel = await admin.createChannel();
   });
 
-  after(async () => {
-    try {
-      await releaseHeldLocks();
-      await assertNoLeakedProcesses();
-    } finally {
-      await admin?.close().catch(() => undefined); // already closed: nothing to release
-      await broker?.close();
-      await bed?.close();
-    }
-  });
-
   test('the scheduler retries the refused window instead of dying, and the run deletes every expired hold once', async () => {
-    const seeded = await seedHolds(bed.pool, { expiredHeld: EXPIRED, futureHeld: FUTURE, expiredConfirmed: CONFIRMED });
-    const group = startServices(
-      bed,
-      [
-        { label: 'scheduler-1', kind: 'scheduler' },
-        { label: 'worker-1', kind: 'worker', env: { REAPER_PREFETCH: '1' } },
-        { label: 'worker-2', kind: 'worker', env: { REAPER_PREFETCH: '1' } },
-      ],
+    const seeded = await seedHolds(world.bed.pool, { expiredHeld: EXPIRED, futureHeld: FUTURE, expiredConfirmed: CONFIRMED });
+    const crew = startSchedulerAndWorkers(
+      world.bed,
+      { scheduler: 'scheduler-1', workers: ['worker-1', 'worker-2'], workerEnv: { REAPER_PREFETCH: '1' } },
       'no service may die because a publish was refused',
     );
-    const { services, eventuallyAlive } = group;
-    const [scheduler, ...workers] = services as [ReaperProcess, ReaperProcess, ReaperProcess];
+    const { group, scheduler } = crew;
+    const { eventuallyAlive } = group;
 
     let passed = false;
     try {
       await group.ready();
       // Hold the scheduler's first checkpoint: it writes the confirmed batch ids to this table.
-      const checkpoints = await holdCheckpointLock(bed.pool);
-      const runId = await triggerRunId(bed, 'seat-holds');
+      const checkpoints = await holdCheckpointLock(world.bed.pool);
+      const runId = await triggerRunId(world.bed, 'seat-holds');
 
       // Mid-run: the first window is published and confirmed, its checkpoint waits on the lock,
       // and the workers have already committed batches of it.
       await eventuallyAlive(
         'the workers to be ahead of the confirmed windows',
         async () => {
-          const row = await runRow(bed.pool, runId);
-          return row.state === 'scanning' && (await runReceipts(bed.pool, runId)).batches > row.batches_confirmed;
+          const row = await runRow(world.bed.pool, runId);
+          return row.state === 'scanning' && (await runReceipts(world.bed.pool, runId)).batches > row.batches_confirmed;
         },
         { intervalMs: 20 },
       );
-      await adminChannel.unbindQueue(names.workQueue('seat-holds'), names.workExchange, 'seat-holds');
+      await adminChannel.unbindQueue(world.names.workQueue('seat-holds'), world.names.workExchange, 'seat-holds');
       await checkpoints.release();
       const refused = await eventuallyAlive(
         'the scheduler to report the refused window',
@@ -94,20 +73,10 @@ describe('scheduler publishes refused mid-window', () => {
         { timeoutMs: 15_000 },
       );
       assert.match(String(refused.err), /unroutable/, 'the window failed because its publishes were unroutable');
-      await adminChannel.bindQueue(names.workQueue('seat-holds'), names.workExchange, 'seat-holds');
+      await adminChannel.bindQueue(world.names.workQueue('seat-holds'), world.names.workExchange, 'seat-holds');
 
-      await eventuallyAlive('the run to complete', async () => (await runRow(bed.pool, runId)).state === 'completed', { timeoutMs: 40_000, intervalMs: 250 });
-      await assertRunDeletedExactlyOnce({
-        pool: bed.pool,
-        broker,
-        workQueue: names.workQueue('seat-holds'),
-        deadLetterQueue: names.deadLetterQueue,
-        runId,
-        seeded,
-        scheduler,
-        workers,
-        services,
-      });
+      await runCompleted(group, world.bed.pool, runId, 40_000);
+      await assertRunDeletedExactlyOnce(world, { runId, seeded, ...crew });
       passed = true;
     } finally {
       await releaseHeldLocks();

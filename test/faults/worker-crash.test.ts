@@ -1,13 +1,11 @@
 import assert from 'node:assert/strict';
-import { after, before, describe, test } from 'node:test';
-import { brokerNames, DELAY_TIERS_MS } from '../../shared/amqp/topology';
+import { describe, test } from 'node:test';
+import { DELAY_TIERS_MS } from '../../shared/amqp/topology';
 import { type BatchV1 } from '../../shared/contracts/batch';
-import { openTestBroker, type TestBroker } from '../support/broker';
-import { closeBedAndBroker, makeRowBatch, publishBatch, readyAtRest, receiptsOf, rowDeletePolicyYaml } from '../support/fixtures';
+import { bedAndBrokerSuite, makeRowBatch, publishBatch, readyAtRest, receiptsOf, rowDeletePolicyYaml } from '../support/fixtures';
 import { eventually } from '../support/eventually';
 import { startReaper, type LogLine, type ReaperProcess } from '../support/processes';
 import { countReservations, seedHolds } from '../support/seed';
-import { makeTestBed, type TestBed } from '../support/testbed';
 
 /**
  * A worker process really killed (SIGKILL, by its own failpoint) in the two places that matter for
@@ -18,35 +16,24 @@ import { makeTestBed, type TestBed } from '../support/testbed';
  *    back anyway, and the fresh worker counts it as a duplicate no-op without touching the receipt.
  */
 describe('worker crash around the commit', () => {
-  let bed: TestBed;
-  let broker: TestBroker;
-  let names: ReturnType<typeof brokerNames>;
-
-  before(async () => {
-    bed = await makeTestBed('fault_worker_crash');
-    // The schedule never matters here: no scheduler runs in this file, batches are crafted.
-    // Audit on: an audit row must exist exactly when a deletion committed, whatever the crash.
-    bed.writePolicies(rowDeletePolicyYaml({ batchSize: 100, audit: true }));
-    broker = await openTestBroker(bed.amqpUrl);
-    names = brokerNames(bed.prefix);
-  });
-
-  after(() => closeBedAndBroker({ bed, broker }));
+  // The schedule never matters here: no scheduler runs in this file, batches are crafted.
+  // Audit on: an audit row must exist exactly when a deletion committed, whatever the crash.
+  const world = bedAndBrokerSuite('fault_worker_crash', { policiesYaml: rowDeletePolicyYaml({ batchSize: 100, audit: true }) });
 
   const startWorker = (label: string, extra: Record<string, string> = {}): ReaperProcess =>
-    startReaper(label, ['worker'], bed.processEnv({ REAPER_WORKER_ID: label, REAPER_PREFETCH: '4', ...extra }));
+    startReaper(label, ['worker'], world.bed.processEnv({ REAPER_WORKER_ID: label, REAPER_PREFETCH: '4', ...extra }));
 
   async function batchFor(ids: string[]): Promise<BatchV1> {
-    return makeRowBatch(bed.pool, ids);
+    return makeRowBatch(world.bed.pool, ids);
   }
 
-  const publish = (batch: BatchV1) => publishBatch(broker, names, batch);
+  const publish = (batch: BatchV1) => publishBatch(world.broker, world.names, batch);
 
-  const receipts = (batchId: string) => receiptsOf(bed.pool, batchId);
+  const receipts = (batchId: string) => receiptsOf(world.bed.pool, batchId);
 
   /** The audit trail of a batch: how many rows, and how many distinct keys. */
   const audited = async (batchId: string) =>
-    (await bed.pool.query<{ rows: number; keys: number }>('SELECT count(*)::int AS rows, count(DISTINCT key)::int AS keys FROM cleanup_audit WHERE batch_id = $1', [batchId])).rows[0]!;
+    (await world.bed.pool.query<{ rows: number; keys: number }>('SELECT count(*)::int AS rows, count(DISTINCT key)::int AS keys FROM cleanup_audit WHERE batch_id = $1', [batchId])).rows[0]!;
 
   const settledLines = (worker: ReaperProcess, batchId: string): LogLine[] =>
     worker.lines.filter((line) => line.msg === 'batch settled' && line.batchId === batchId);
@@ -59,7 +46,7 @@ describe('worker crash around the commit', () => {
   }
 
   /** Ready messages in the work queue (a message held unacked by a live consumer is not counted). */
-  const readyInWorkQueue = () => broker.messageCount(names.workQueue('seat-holds'));
+  const readyInWorkQueue = () => world.broker.messageCount(world.names.workQueue('seat-holds'));
 
   /**
    * "The killed worker never settled the batch", from the broker and not from its logs (a
@@ -69,12 +56,12 @@ describe('worker crash around the commit', () => {
    */
   async function assertNeverSettledByBroker(): Promise<void> {
     await eventually('the unacked batch to be back in the work queue', async () => (await readyInWorkQueue()) === 1);
-    for (const tier of DELAY_TIERS_MS) assert.equal(await broker.messageCount(names.delayQueue(tier)), 0, `no copy in delay tier ${tier} ms`);
-    assert.equal(await broker.messageCount(names.deadLetterQueue), 0, 'no copy dead-lettered');
+    for (const tier of DELAY_TIERS_MS) assert.equal(await world.broker.messageCount(world.names.delayQueue(tier)), 0, `no copy in delay tier ${tier} ms`);
+    assert.equal(await world.broker.messageCount(world.names.deadLetterQueue), 0, 'no copy dead-lettered');
   }
 
   test('SIGKILL before commit: nothing is deleted, the batch comes back, a fresh worker deletes it once', async () => {
-    const seeded = await seedHolds(bed.pool, { expiredHeld: 40 });
+    const seeded = await seedHolds(world.bed.pool, { expiredHeld: 40 });
     const batch = await batchFor(seeded.expiredHeld);
 
     const doomed = startWorker('crash-before-commit', { REAPER_TEST_FAILPOINT: 'before-commit' });
@@ -89,12 +76,12 @@ describe('worker crash around the commit', () => {
 
     // The open transaction died with the process: every row is still there and no receipt exists.
     await eventually('the killed backend to be gone (no transaction left open on the table)', async () => {
-      const open = await bed.pool.query<{ n: number }>(
+      const open = await world.bed.pool.query<{ n: number }>(
         `SELECT count(*)::int AS n FROM pg_stat_activity WHERE datname = current_database() AND state LIKE 'idle in transaction%'`,
       );
       return open.rows[0]!.n === 0;
     });
-    assert.equal(await countReservations(bed.pool, seeded.expiredHeld), 40, 'a crash before commit deletes nothing');
+    assert.equal(await countReservations(world.bed.pool, seeded.expiredHeld), 40, 'a crash before commit deletes nothing');
     assert.deepEqual(await receipts(batch.batchId), [], 'no receipt for an uncommitted batch');
     assert.deepEqual(await audited(batch.batchId), { rows: 0, keys: 0 }, 'no audit row for an uncommitted deletion');
 
@@ -104,7 +91,7 @@ describe('worker crash around the commit', () => {
     assert.equal(settled.deleted, 40);
     assert.equal(settled.noop, 0);
     assert.equal(settled.deliveryCount, 2, 'the second delivery: the one the killed worker held, given back once');
-    assert.equal(await countReservations(bed.pool, seeded.expiredHeld), 0, 'the fresh worker deleted every row');
+    assert.equal(await countReservations(world.bed.pool, seeded.expiredHeld), 0, 'the fresh worker deleted every row');
     assert.deepEqual(await receipts(batch.batchId), [{ deleted: 40, noop: 0, worker_id: 'fresh-after-before-commit' }], 'exactly one receipt, from the fresh worker');
     assert.deepEqual(await audited(batch.batchId), { rows: 40, keys: 40 }, 'one audit row per deleted row, once each');
     await eventually('the work queue to be empty', async () => (await readyInWorkQueue()) === 0);
@@ -112,12 +99,12 @@ describe('worker crash around the commit', () => {
     const stopped = await fresh.stop();
     assert.equal(stopped.code, 0, 'the fresh worker drains and exits 0');
     assert.equal(settledLines(fresh, batch.batchId).length, 1, 'the batch was settled exactly once');
-    assert.equal(await readyAtRest(broker, names.workQueue('seat-holds')), 0, 'nothing came back after the ack (read once no consumer holds a message)');
-    assert.equal((await broker.drain(names.deadLetterQueue)).length, 0, 'nothing dead-lettered');
+    assert.equal(await readyAtRest(world.broker, world.names.workQueue('seat-holds')), 0, 'nothing came back after the ack (read once no consumer holds a message)');
+    assert.equal((await world.broker.drain(world.names.deadLetterQueue)).length, 0, 'nothing dead-lettered');
   });
 
   test('SIGKILL after commit, before ack: rows are gone, the batch comes back and is a counted duplicate no-op', async () => {
-    const seeded = await seedHolds(bed.pool, { expiredHeld: 25, futureHeld: 5 });
+    const seeded = await seedHolds(world.bed.pool, { expiredHeld: 25, futureHeld: 5 });
     const batch = await batchFor(seeded.expiredHeld);
 
     const doomed = startWorker('crash-after-commit', { REAPER_TEST_FAILPOINT: 'after-commit' });
@@ -129,8 +116,8 @@ describe('worker crash around the commit', () => {
     await assertNeverSettledByBroker();
 
     // The commit happened: rows gone, receipt written by the killed worker.
-    assert.equal(await countReservations(bed.pool, seeded.expiredHeld), 0, 'the committed deletion stands');
-    assert.equal(await countReservations(bed.pool, seeded.futureHeld), 5, 'rows outside the batch are untouched');
+    assert.equal(await countReservations(world.bed.pool, seeded.expiredHeld), 0, 'the committed deletion stands');
+    assert.equal(await countReservations(world.bed.pool, seeded.futureHeld), 5, 'rows outside the batch are untouched');
     const committed = await receipts(batch.batchId);
     assert.deepEqual(committed, [{ deleted: 25, noop: 0, worker_id: 'crash-after-commit' }]);
     assert.deepEqual(await audited(batch.batchId), { rows: 25, keys: 25 }, 'the committed deletion is audited');
@@ -142,13 +129,13 @@ describe('worker crash around the commit', () => {
     assert.equal(settled.deliveryCount, 2, 'the second delivery: the one the killed worker held, given back once');
     assert.deepEqual(await receipts(batch.batchId), committed, 'the receipt is unchanged (not overwritten, not doubled)');
     assert.deepEqual(await audited(batch.batchId), { rows: 25, keys: 25 }, 'the duplicate adds no audit row');
-    assert.equal(await countReservations(bed.pool, seeded.futureHeld), 5);
+    assert.equal(await countReservations(world.bed.pool, seeded.futureHeld), 5);
     await eventually('the work queue to be empty', async () => (await readyInWorkQueue()) === 0);
 
     const stopped = await fresh.stop();
     assert.equal(stopped.code, 0, 'the fresh worker drains and exits 0');
     assert.equal(settledLines(fresh, batch.batchId).length, 1, 'the duplicate was settled exactly once');
-    assert.equal(await readyAtRest(broker, names.workQueue('seat-holds')), 0, 'the duplicate was acked: nothing came back (read once no consumer holds a message)');
-    assert.equal((await broker.drain(names.deadLetterQueue)).length, 0, 'nothing dead-lettered');
+    assert.equal(await readyAtRest(world.broker, world.names.workQueue('seat-holds')), 0, 'the duplicate was acked: nothing came back (read once no consumer holds a message)');
+    assert.equal((await world.broker.drain(world.names.deadLetterQueue)).length, 0, 'nothing dead-lettered');
   });
 });

@@ -1,12 +1,8 @@
 import assert from 'node:assert/strict';
-import { after, before, describe, test } from 'node:test';
+import { describe, test } from 'node:test';
 import pg from 'pg';
-import { brokerNames } from '../../shared/amqp/topology';
-import { openTestBroker, type TestBroker } from '../support/broker';
-import { makeRowBatch, publishBatch, rowDeletePolicyYaml, startServices, stopAllCleanly } from '../support/fixtures';
-import { assertNoLeakedProcesses } from '../support/processes';
+import { bedAndBrokerSuite, makeRowBatch, publishBatch, rowDeletePolicyYaml, startServices, stopAllCleanly } from '../support/fixtures';
 import { countReservations, seedHolds } from '../support/seed';
-import { makeTestBed, type TestBed } from '../support/testbed';
 
 /**
  * A row lock is a retry, never a dead letter (issue 17 item 7). An application holds a row lock
@@ -18,33 +14,15 @@ import { makeTestBed, type TestBed } from '../support/testbed';
 const DELIVERY_LIMIT = 3;
 
 describe('a row lock held by the application', () => {
-  let bed: TestBed;
-  let broker: TestBroker;
-  let names: ReturnType<typeof brokerNames>;
-
-  before(async () => {
-    bed = await makeTestBed('worker_row_lock');
-    bed.writePolicies(rowDeletePolicyYaml({ batchSize: 20 }));
-    broker = await openTestBroker(bed.amqpUrl);
-    names = brokerNames(bed.prefix);
-  });
-
-  after(async () => {
-    try {
-      await assertNoLeakedProcesses();
-    } finally {
-      await broker?.close();
-      await bed?.close();
-    }
-  });
+  const world = bedAndBrokerSuite('worker_row_lock', { policiesYaml: rowDeletePolicyYaml({ batchSize: 20 }) });
 
   test('waiting on it for more attempts than the delivery limit delays the batch, never dead-letters it', async () => {
-    const seeded = await seedHolds(bed.pool, { expiredHeld: 20 });
-    const group = startServices(bed, [
+    const seeded = await seedHolds(world.bed.pool, { expiredHeld: 20 });
+    const group = startServices(world.bed, [
       { label: 'worker', kind: 'worker', env: { REAPER_LOCK_TIMEOUT_MS: '300', REAPER_DELIVERY_LIMIT: String(DELIVERY_LIMIT) } },
     ]);
     const [worker] = group.services;
-    const application = new pg.Client({ connectionString: bed.databaseUrl });
+    const application = new pg.Client({ connectionString: world.bed.databaseUrl });
     await application.connect();
     let passed = false;
     try {
@@ -52,7 +30,7 @@ describe('a row lock held by the application', () => {
       // The application's transaction locks one row of the batch and keeps it.
       await application.query('BEGIN');
       await application.query('SELECT 1 FROM seat_reservations WHERE reservation_id = $1 FOR UPDATE', [seeded.expiredHeld[7]]);
-      await publishBatch(broker, names, await makeRowBatch(bed.pool, seeded.expiredHeld));
+      await publishBatch(world.broker, world.names, await makeRowBatch(world.bed.pool, seeded.expiredHeld));
 
       const lockWaits = () => worker!.lines.filter((line) => line.msg === 'batch delayed' && /55P03/.test(String(line.reason))).length;
       const deadLetters = () => worker!.lines.filter((line) => line.msg === 'message dead-lettered');
@@ -62,14 +40,14 @@ describe('a row lock held by the application', () => {
         intervalMs: 50,
       });
       assert.deepEqual(deadLetters(), [], 'a lock wait is never dead-lettered');
-      assert.equal(await countReservations(bed.pool, seeded.expiredHeld), seeded.expiredHeld.length, 'nothing deleted while the lock is held');
+      assert.equal(await countReservations(world.bed.pool, seeded.expiredHeld), seeded.expiredHeld.length, 'nothing deleted while the lock is held');
 
       await application.query('COMMIT');
-      await group.eventuallyAlive('the batch to be deleted once the lock is gone', async () => (await countReservations(bed.pool, seeded.expiredHeld)) === 0, {
+      await group.eventuallyAlive('the batch to be deleted once the lock is gone', async () => (await countReservations(world.bed.pool, seeded.expiredHeld)) === 0, {
         timeoutMs: 30_000,
         intervalMs: 100,
       });
-      assert.equal((await broker.drain(names.deadLetterQueue)).length, 0, 'nothing in the dead-letter queue');
+      assert.equal((await world.broker.drain(world.names.deadLetterQueue)).length, 0, 'nothing in the dead-letter queue');
       assert.equal(worker!.lines.filter((line) => line.msg === 'batch outcome unknown; requeued').length, 0, 'no attempt counted toward the delivery limit');
       await stopAllCleanly(group.services);
       passed = true;

@@ -3,7 +3,7 @@ import { after, before, describe, test } from 'node:test';
 import { eventually } from '../support/eventually';
 import type { MediaApi, MediaApiCall } from '../../tools/media-api/server';
 import { runReaperCli } from '../support/processes';
-import { closeRemoteWorld, ledgerSummary, MEDIA_POLICY, openRemoteWorld, seedAssets, startSchedulerProcess, started, startWorkerProcess } from '../support/remote-helpers';
+import { closeRemoteWorld, ledgerSummary, MEDIA_POLICY, openRemoteWorld, seedAssets, startRemoteServices } from '../support/remote-helpers';
 import type { TestBed } from '../support/testbed';
 import { stopAllCleanly } from '../support/fixtures';
 
@@ -43,10 +43,7 @@ describe('admission set/reset: live, on every worker', () => {
 
   test('--concurrency 1: no two calls overlap from the next second on; reset restores the file cap', async () => {
     await seedAssets(bed.pool, 'live', BACKLOG);
-    const scheduler = startSchedulerProcess(bed, 'live-scheduler');
-    const workers = [1, 2, 3].map((n) => startWorkerProcess(bed, `live-worker-${n}`));
-    const all = [scheduler, ...workers];
-    await Promise.all([started(scheduler, 'scheduler'), ...workers.map((w) => started(w, 'worker'))]);
+    const { all } = await startRemoteServices(bed, { scheduler: 'live-scheduler', workers: [1, 2, 3].map((n) => `live-worker-${n}`) });
     const trigger = await runReaperCli(['trigger', MEDIA_POLICY], bed.processEnv());
     assert.equal(trigger.code, 0, trigger.stdout);
     await eventually('calls under the file cap, overlapping', () => peakConcurrencyFrom(api.calls, 0) > 1, { timeoutMs: 30_000 });

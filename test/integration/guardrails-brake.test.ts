@@ -6,6 +6,7 @@ import { runsGetSummary, runsInsertIfAbsent, type RunSummary } from '../../share
 import { startScheduler, type SchedulerHandle } from '../../services/scheduler/scheduler';
 import { startWorker, type WorkerHandle } from '../../services/worker/worker';
 import { eventually } from '../support/eventually';
+import { rowDeletePolicyYaml } from '../support/fixtures';
 import { assertNoLeakedProcesses, runReaperCli } from '../support/processes';
 import { countReservations, seedHolds } from '../support/seed';
 import { makeTestBed, type TestBed } from '../support/testbed';
@@ -23,17 +24,7 @@ describe('guardrails: the blast-radius brake', () => {
 
   before(async () => {
     bed = await makeTestBed('guardrails_brake');
-    bed.writePolicies(`policies:
-  - name: seat-holds
-    kind: row-delete
-    schedule: "0 0 1 1 *"
-    table: seat_reservations
-    key: reservation_id
-    expiresAt: expires_at
-    guard: { status: held }
-    batchSize: 10
-    limits: { maxPerRun: 10, maxFractionPerRun: 0.9 }
-`);
+    bed.writePolicies(rowDeletePolicyYaml({ batchSize: 10, limits: { maxPerRun: 10, maxFractionPerRun: 0.9 } }));
     const env = bed.env();
     const policies = loadPolicies(env.policiesPath);
     scheduler = await startScheduler(env, policies, log);

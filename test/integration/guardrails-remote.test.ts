@@ -13,9 +13,7 @@ import {
   mediaPolicyYaml,
   openRemoteWorld,
   seedAssets,
-  startSchedulerProcess,
-  started,
-  startWorkerProcess,
+  startRemoteServices,
 } from '../support/remote-helpers';
 import type { TestBed } from '../support/testbed';
 
@@ -50,9 +48,7 @@ describe('guardrails: remote-delete', () => {
     const heldId = ids[1]!;
     const heldKey = await currentKeyOf(bed.pool, heldId);
     assert.equal((await cli(['pause', MEDIA_POLICY])).code, 0);
-    const scheduler = startSchedulerProcess(bed, 'guard-scheduler');
-    const worker = startWorkerProcess(bed, 'guard-worker');
-    await Promise.all([started(scheduler, 'scheduler'), started(worker, 'worker')]);
+    const { scheduler, workers: [worker] } = await startRemoteServices(bed, { scheduler: 'guard-scheduler', workers: ['guard-worker'] });
     assert.equal((await cli(['trigger', MEDIA_POLICY])).code, 0);
     await eventually('every operation recorded while paused', async () => (await ledgerRows(bed.pool)).length === 6, {
       describe: () => ledgerDiagnosis(bed.pool),

@@ -7,10 +7,11 @@ import path from 'node:path';
 import { after, before, describe, test } from 'node:test';
 import { parse as parseYaml } from 'yaml';
 import { eventually } from '../support/eventually';
+import { combinedPoliciesYaml, rowDeletePolicyYaml } from '../support/fixtures';
 import { startMediaApi, type MediaApi } from '../../tools/media-api/server';
 import { requireTool, PROMETHEUS } from '../support/requirements';
 import { assertNoLeakedProcesses, runReaperCli, spawnOwned, type ReaperProcess } from '../support/processes';
-import { seedAssets, startSchedulerProcess, started, startWorkerProcess, stopStarted } from '../support/remote-helpers';
+import { mediaPolicyYaml, seedAssets, startRemoteServices, stopStarted } from '../support/remote-helpers';
 import { seedHolds } from '../support/seed';
 import { makeTestBed, type TestBed } from '../support/testbed';
 
@@ -51,30 +52,12 @@ describe('a real Prometheus evaluates every dashboard and alert expression', () 
     bed = await makeTestBed('prometheus_real');
     api = await startMediaApi();
     folder = mkdtempSync(path.join(tmpdir(), 'reaper-test-prometheus-'));
-    bed.writePolicies(`policies:
-  - name: seat-holds
-    kind: row-delete
-    schedule: "0 0 1 1 *"
-    table: seat_reservations
-    key: reservation_id
-    expiresAt: expires_at
-    guard: { status: held }
-    batchSize: 2
-  - name: media-assets
-    kind: remote-delete
-    schedule: "0 0 1 1 *"
-    table: media_assets
-    key: asset_id
-    expiresAt: retention_expires_at
-    guard: { status: active }
-    markConfirmed: { status: deleted }
-    batchSize: 2
-    remote:
-      baseUrl: ${api.url}
-      path: /assets/{id}
-      timeoutMs: 2000
-    admission: { ratePerSecond: 20, burst: 5, concurrency: 2 }
-`);
+    bed.writePolicies(
+      combinedPoliciesYaml(
+        rowDeletePolicyYaml({ batchSize: 2 }),
+        mediaPolicyYaml({ baseUrl: api.url, ratePerSecond: 20, burst: 5, concurrency: 2, batchSize: 2 }),
+      ),
+    );
   });
 
   after(async () => {
@@ -91,9 +74,7 @@ describe('a real Prometheus evaluates every dashboard and alert expression', () 
   test('every expression parses and returns a series; Prometheus loaded every rule', { timeout: 60_000 }, async (t) => {
     if (!(await requireTool(t, PROMETHEUS))) return;
     const env = { HTTP_PORT: '0', REAPER_BACKLOG_REFRESH_MS: '500' };
-    const scheduler = startSchedulerProcess(bed, 'prom-scheduler', env);
-    const worker = startWorkerProcess(bed, 'prom-worker', env);
-    await Promise.all([started(scheduler, 'scheduler'), started(worker, 'worker')]);
+    const { scheduler, workers: [worker] } = await startRemoteServices(bed, { scheduler: 'prom-scheduler', workers: ['prom-worker'], schedulerEnv: env, workerEnv: env });
     const portOf = (process: ReaperProcess, kind: string) => Number(process.lines.find((line) => line.msg === `${kind} started`)!.httpPort);
 
     const port = await freeLoopbackPort();

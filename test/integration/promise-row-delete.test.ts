@@ -3,17 +3,16 @@ import { after, before, describe, test } from 'node:test';
 import pino from 'pino';
 import { loadPolicies } from '../../shared/config/policies';
 import { brokerNames } from '../../shared/amqp/topology';
-import type { BatchV1 } from '../../shared/contracts/batch';
 import { targetResolve } from '../../shared/db/queries/expiring-rows';
 import { runsGetSummary, runsInsertIfAbsent } from '../../shared/db/queries/runs';
 import { startScheduler, type SchedulerHandle } from '../../services/scheduler/scheduler';
-import { startWorker, type WorkerHandle } from '../../services/worker/worker';
-import { openTestBroker, type TestBroker } from '../support/broker';
-import { makeRowBatch, publishBatch as publishRowBatch, rowDeletePolicyYaml } from '../support/fixtures';
+import { type WorkerHandle } from '../../services/worker/worker';
+import { type TestBroker } from '../support/broker';
+import { batchReceipt, closeWorkerWorld, counterTotal, makeRowBatch, openWorkerWorld, publishBatch, rowDeletePolicyYaml } from '../support/fixtures';
 import { eventually } from '../support/eventually';
-import { assertNoLeakedProcesses, runReaperCli, startReaper } from '../support/processes';
+import { runReaperCli, startReaper } from '../support/processes';
 import { countReservations, seedHolds } from '../support/seed';
-import { makeTestBed, type TestBed } from '../support/testbed';
+import { type TestBed } from '../support/testbed';
 
 /**
  * Issue "Keep the promise", row-delete side: nothing deleted early (item 1), every deletion counted
@@ -28,43 +27,18 @@ describe('keep the promise: row-delete', () => {
   let names: ReturnType<typeof brokerNames>;
   const log = pino({ level: process.env.TEST_LOG_LEVEL ?? 'silent' });
 
-  before(async () => {
-    bed = await makeTestBed('promise_rows');
-    bed.writePolicies(rowDeletePolicyYaml({ batchSize: 10 }));
-    // A short lock timeout so the blocked-DELETE test does not wait the default 5 s per delivery.
-    const env = bed.env({ REAPER_LOCK_TIMEOUT_MS: '300' });
-    worker = await startWorker(env, loadPolicies(env.policiesPath), log);
-    broker = await openTestBroker(bed.amqpUrl);
-    names = brokerNames(bed.prefix);
-  });
-
-  after(async () => {
-    try {
-      await worker?.stop();
-      await assertNoLeakedProcesses();
-    } finally {
-      await broker?.close();
-      await bed?.close(); // whatever failed above: the database is dropped
-    }
-  });
-
-  const counter = async (name: string, labels: Record<string, string>): Promise<number> => {
-    const metric = await worker.metrics.registry.getSingleMetric(name)!.get();
-    return metric.values.filter((v) => Object.entries(labels).every(([k, l]) => v.labels[k] === l)).reduce((sum, v) => sum + v.value, 0);
-  };
-
-  const batchFor = (ids: string[], overrides: Partial<BatchV1> = {}) => makeRowBatch(bed.pool, ids, overrides);
-  const publishBatch = (batch: BatchV1) => publishRowBatch(broker, names, batch);
-  const receipt = async (batchId: string) =>
-    (await bed.pool.query<{ deleted: number; noop: number }>('SELECT deleted, noop FROM cleanup_batches WHERE batch_id = $1', [batchId])).rows[0];
+  // A short lock timeout so the blocked-DELETE test does not wait the default 5 s per delivery.
+  const options = { policiesYaml: rowDeletePolicyYaml({ batchSize: 10 }), env: { REAPER_LOCK_TIMEOUT_MS: '300' } };
+  before(async () => ({ bed, broker, names, worker } = await openWorkerWorld('promise_rows', options)));
+  after(() => closeWorkerWorld({ bed, broker, worker }));
 
   test('item 1: a batch whose cutoff is a year ahead deletes no row that has not expired', async () => {
     const seeded = await seedHolds(bed.pool, { expiredHeld: 3, futureHeld: 5 });
     const yearAhead = (await bed.pool.query<{ at: string }>(`SELECT reaper_iso(now() + interval '1 year') AS at`)).rows[0]!.at;
-    const batch = await batchFor([...seeded.expiredHeld, ...seeded.futureHeld], { cutoff: yearAhead });
-    await publishBatch(batch);
-    await eventually('the receipt', () => receipt(batch.batchId));
-    assert.deepEqual(await receipt(batch.batchId), { deleted: 3, noop: 5 });
+    const batch = await makeRowBatch(bed.pool, [...seeded.expiredHeld, ...seeded.futureHeld], { cutoff: yearAhead });
+    await publishBatch(broker, names, batch);
+    await eventually('the receipt', () => batchReceipt(bed.pool, batch.batchId));
+    assert.deepEqual(await batchReceipt(bed.pool, batch.batchId), { deleted: 3, noop: 5 });
     assert.equal(await countReservations(bed.pool, seeded.futureHeld), 5, 'live holds survive a forged future cutoff');
     assert.equal(await countReservations(bed.pool, seeded.expiredHeld), 0);
   });
@@ -86,41 +60,41 @@ describe('keep the promise: row-delete', () => {
 
   test('item 17: a redelivered batch whose receipt exists deletes nothing, even rows that match again', async () => {
     const seeded = await seedHolds(bed.pool, { expiredHeld: 4 });
-    const batch = await batchFor(seeded.expiredHeld);
-    await publishBatch(batch);
-    await eventually('the first receipt', () => receipt(batch.batchId));
+    const batch = await makeRowBatch(bed.pool, seeded.expiredHeld);
+    await publishBatch(broker, names, batch);
+    await eventually('the first receipt', () => batchReceipt(bed.pool, batch.batchId));
     // The same rows come back with the same keys and expiries (restored from a backup, say).
     await bed.pool.query(
       `INSERT INTO seat_reservations (reservation_id, status, expires_at) SELECT id::uuid, 'held', e::timestamptz
        FROM unnest($1::text[], $2::text[]) AS x(id, e)`,
       [batch.items.map((item) => item.id), batch.items.map((item) => item.observedExpiry)],
     );
-    const duplicatesBefore = await counter('reaper_batches_total', { outcome: 'duplicate' });
-    await publishBatch(batch);
-    await eventually('the redelivery settled as a duplicate', async () => (await counter('reaper_batches_total', { outcome: 'duplicate' })) > duplicatesBefore);
+    const duplicatesBefore = await counterTotal(worker.metrics.registry, 'reaper_batches_total', { outcome: 'duplicate' });
+    await publishBatch(broker, names, batch);
+    await eventually('the redelivery settled as a duplicate', async () => (await counterTotal(worker.metrics.registry, 'reaper_batches_total', { outcome: 'duplicate' })) > duplicatesBefore);
     assert.equal(await countReservations(bed.pool, seeded.expiredHeld), 4, 'no deletion outside a counted receipt');
-    assert.deepEqual(await receipt(batch.batchId), { deleted: 4, noop: 0 });
+    assert.deepEqual(await batchReceipt(bed.pool, batch.batchId), { deleted: 4, noop: 0 });
   });
 
   test('item 15: a DELETE blocked by an application row lock is retried (not dead-lettered) and completes once the lock goes', async () => {
     const seeded = await seedHolds(bed.pool, { expiredHeld: 2 });
     const holder = await bed.pool.connect();
     // A lock wait goes to a delay tier (outcome `retry`), not toward the delivery limit (issue 17 item 7).
-    const retriesBefore = await counter('reaper_batches_total', { outcome: 'retry' });
+    const retriesBefore = await counterTotal(worker.metrics.registry, 'reaper_batches_total', { outcome: 'retry' });
     let released = false;
     try {
       await holder.query('BEGIN');
       await holder.query('SELECT 1 FROM seat_reservations WHERE reservation_id = $1 FOR UPDATE', [seeded.expiredHeld[0]]);
-      const batch = await batchFor(seeded.expiredHeld);
-      await publishBatch(batch);
-      await eventually('a delivery delayed after the lock timeout', async () => (await counter('reaper_batches_total', { outcome: 'retry' })) > retriesBefore, {
+      const batch = await makeRowBatch(bed.pool, seeded.expiredHeld);
+      await publishBatch(broker, names, batch);
+      await eventually('a delivery delayed after the lock timeout', async () => (await counterTotal(worker.metrics.registry, 'reaper_batches_total', { outcome: 'retry' })) > retriesBefore, {
         timeoutMs: 15_000,
       });
-      assert.equal(await receipt(batch.batchId), undefined, 'nothing committed while the row is locked');
+      assert.equal(await batchReceipt(bed.pool, batch.batchId), undefined, 'nothing committed while the row is locked');
       await holder.query('COMMIT');
       released = true;
-      await eventually('the receipt once the lock is gone', () => receipt(batch.batchId), { timeoutMs: 20_000 });
-      assert.deepEqual(await receipt(batch.batchId), { deleted: 2, noop: 0 });
+      await eventually('the receipt once the lock is gone', () => batchReceipt(bed.pool, batch.batchId), { timeoutMs: 20_000 });
+      assert.deepEqual(await batchReceipt(bed.pool, batch.batchId), { deleted: 2, noop: 0 });
       assert.equal(await broker.messageCount(names.deadLetterQueue), 0, 'a lock timeout is not a dead letter');
     } finally {
       if (!released) await holder.query('ROLLBACK').catch(() => undefined); // already failed: release below anyway

@@ -1,23 +1,17 @@
 import assert from 'node:assert/strict';
-import { after, before, describe, test } from 'node:test';
-import { eventually } from '../support/eventually';
-import { type MediaApi, type MediaApiCall } from '../../tools/media-api/server';
-import { runReaperCli, type ReaperProcess } from '../support/processes';
+import { describe, test } from 'node:test';
+import { type MediaApiCall } from '../../tools/media-api/server';
+import { runReaperCli } from '../support/processes';
 import {
   assertRetention,
-  closeRemoteWorld,
-  openRemoteWorld,
+  remoteWorldSuite,
+  allConfirmed,
   callsByKey,
-  ledgerDiagnosis,
   ledgerRows,
-  ledgerSummary,
   MEDIA_POLICY,
   seedAssets,
-  startSchedulerProcess,
-  started,
-  startWorkerProcess,
+  startRemoteServices,
 } from '../support/remote-helpers';
-import type { TestBed } from '../support/testbed';
 import { stopAllCleanly } from '../support/fixtures';
 
 /**
@@ -35,41 +29,27 @@ const THROTTLED_AFTER = 6;
 const API_RETRY_AFTER_S = 1;
 
 describe('remote-delete: 429 with Retry-After', () => {
-  let bed: TestBed;
-  let api: MediaApi;
-
-  before(async () => {
-    ({ bed, api } = await openRemoteWorld('remote_429', { ratePerSecond: 20, burst: 5, concurrency: 4, batchSize: 10, timeoutMs: 2000, leaseMs: 12_000 }));
-  });
-
-  after(() => closeRemoteWorld({ bed, api }));
+  const world = remoteWorldSuite('remote_429', { ratePerSecond: 20, burst: 5, concurrency: 4, batchSize: 10, timeoutMs: 2000, leaseMs: 12_000 });
 
   test('no key is called again before its Retry-After; all confirmed; each key executed once', async () => {
-    const ids = await seedAssets(bed.pool, 'throttled', ASSETS);
-    const scheduler = startSchedulerProcess(bed, 'r429-scheduler');
-    const workers = ['r429-worker-1', 'r429-worker-2'].map((label) => startWorkerProcess(bed, label));
-    const all: ReaperProcess[] = [scheduler, ...workers];
-    await Promise.all([started(scheduler, 'scheduler'), ...workers.map((w) => started(w, 'worker'))]);
+    const ids = await seedAssets(world.bed.pool, 'throttled', ASSETS);
+    const { all } = await startRemoteServices(world.bed, { scheduler: 'r429-scheduler', workers: ['r429-worker-1', 'r429-worker-2'] });
 
     // The throttle window starts at the first call that arrives (however long the trigger, the
     // scan and the first grant take on this machine), and the Retry-After of every 429 is read
     // from what the stand-in actually sent: no wall-clock window, no recomputed rounding.
-    const callsBefore = api.calls.length;
-    api.configure({ throttleForMs: THROTTLE_MS, throttleNext: THROTTLED_AFTER, throttleRetryAfterSeconds: API_RETRY_AFTER_S });
-    const trigger = await runReaperCli(['trigger', MEDIA_POLICY], bed.processEnv());
+    const callsBefore = world.api.calls.length;
+    world.api.configure({ throttleForMs: THROTTLE_MS, throttleNext: THROTTLED_AFTER, throttleRetryAfterSeconds: API_RETRY_AFTER_S });
+    const trigger = await runReaperCli(['trigger', MEDIA_POLICY], world.bed.processEnv());
     assert.equal(trigger.code, 0, trigger.stdout);
 
-    await eventually(
-      `all ${ASSETS} operations confirmed`,
-      async () => (await ledgerSummary(bed.pool))['done/confirmed'] === ASSETS,
-      { timeoutMs: 45_000, intervalMs: 250, describe: async () => ({ ...(await ledgerDiagnosis(bed.pool)), calls: api.calls.length }) },
-    );
+    await allConfirmed(world, ASSETS, 45_000);
     const retryAfterMsOf = (call: MediaApiCall): number => call.retryAfterSeconds! * 1000;
 
-    const byKey = callsByKey(api);
+    const byKey = callsByKey(world.api);
     // Told apart by arrival order, not by time: every 429 of the window comes before the counted
     // ones, and the counted ones are the calls right after the window.
-    const answered429 = api.calls.slice(callsBefore).filter((call) => call.status === 429);
+    const answered429 = world.api.calls.slice(callsBefore).filter((call) => call.status === 429);
     const counted = answered429.slice(-THROTTLED_AFTER);
     const throttled = answered429.length - counted.length;
     const violations: string[] = [];
@@ -86,12 +66,12 @@ describe('remote-delete: 429 with Retry-After', () => {
       }
     }
     console.log(
-      `[remote-429] calls=${api.calls.length} 429-throttle=${throttled} 429-after-it=${counted.length} ` +
+      `[remote-429] calls=${world.api.calls.length} 429-throttle=${throttled} 429-after-it=${counted.length} ` +
         `keys-with-429=${[...byKey.values()].filter((c) => c.some((x) => x.status === 429)).length} smallest-margin-after-retry-after=${smallestMarginMs} ms`,
     );
     if (process.env.TEST_TIMELINE) {
-      const t0 = api.calls[0]!.startedAt;
-      console.log(api.calls.map((call) => `+${call.startedAt - t0} ms ${call.status} ${call.id}`).join('\n'));
+      const t0 = world.api.calls[0]!.startedAt;
+      console.log(world.api.calls.map((call) => `+${call.startedAt - t0} ms ${call.status} ${call.id}`).join('\n'));
     }
     assert.ok(throttled > 0, 'the throttle answered 429 to some calls (else this test proves nothing)');
     assert.deepEqual(
@@ -101,10 +81,10 @@ describe('remote-delete: 429 with Retry-After', () => {
     );
     assert.deepEqual(violations, [], 'no call before the previous 429 Retry-After elapsed');
 
-    const rows = await ledgerRows(bed.pool);
+    const rows = await ledgerRows(world.bed.pool);
     assert.equal(rows.length, ASSETS, 'one operation per asset');
     assert.deepEqual(rows.map((row) => row.asset_id).sort(), ids);
-    const executions = api.executionsByKey();
+    const executions = world.api.executionsByKey();
     for (const row of rows) {
       assert.equal(row.outcome, 'confirmed', `${row.operation_key} confirmed`);
       assert.equal(executions.get(row.operation_key), 1, `${row.operation_key} executed exactly once`);

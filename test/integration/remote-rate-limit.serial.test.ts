@@ -1,22 +1,18 @@
 import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
-import { eventually } from '../support/eventually';
 import { type MediaApi } from '../../tools/media-api/server';
-import { runReaperCli, type ReaperProcess } from '../support/processes';
+import { runReaperCli } from '../support/processes';
 import {
   assertRetention,
   closeRemoteWorld,
   openRemoteWorld,
+  allConfirmed,
   callsByKey,
   errorsLogged,
-  ledgerDiagnosis,
   ledgerRows,
-  ledgerSummary,
   MEDIA_POLICY,
   seedAssets,
-  startSchedulerProcess,
-  started,
-  startWorkerProcess,
+  startRemoteServices,
 } from '../support/remote-helpers';
 import type { TestBed } from '../support/testbed';
 
@@ -45,19 +41,12 @@ describe('remote-delete: global rate and concurrency across three workers', () =
 
   test(`a backlog of ${BACKLOG} assets drains at ~${R}/s, never above ${R}+${BURST} per second nor ${C} at once`, async () => {
     const ids = await seedAssets(bed.pool, 'rate', BACKLOG);
-    const scheduler = startSchedulerProcess(bed, 'rate-scheduler');
-    const workers = ['rate-worker-1', 'rate-worker-2', 'rate-worker-3'].map((label) => startWorkerProcess(bed, label));
-    const all: ReaperProcess[] = [scheduler, ...workers];
-    await Promise.all([started(scheduler, 'scheduler'), ...workers.map((w) => started(w, 'worker'))]);
+    const { workers, all } = await startRemoteServices(bed, { scheduler: 'rate-scheduler', workers: ['rate-worker-1', 'rate-worker-2', 'rate-worker-3'] });
 
     const trigger = await runReaperCli(['trigger', MEDIA_POLICY], bed.processEnv());
     assert.equal(trigger.code, 0, trigger.stdout);
 
-    await eventually(
-      `all ${BACKLOG} operations confirmed`,
-      async () => (await ledgerSummary(bed.pool))['done/confirmed'] === BACKLOG,
-      { timeoutMs: 40_000, intervalMs: 250, describe: async () => ({ ...(await ledgerDiagnosis(bed.pool)), calls: api.calls.length }) },
-    );
+    await allConfirmed({ bed, api }, BACKLOG, 40_000);
 
     const starts = api.calls.map((call) => call.startedAt).sort((a, b) => a - b);
     const spanMs = starts[starts.length - 1]! - starts[0]!;

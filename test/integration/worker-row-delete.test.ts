@@ -1,15 +1,13 @@
 import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
-import pino from 'pino';
-import { loadPolicies } from '../../shared/config/policies';
 import { brokerNames } from '../../shared/amqp/topology';
 import { MAX_MESSAGE_BYTES, type BatchV1 } from '../../shared/contracts/batch';
-import { startWorker, type WorkerHandle } from '../../services/worker/worker';
-import { openTestBroker, type TestBroker } from '../support/broker';
-import { makeRowBatch, publishBatch as publishRowBatch } from '../support/fixtures';
+import { type WorkerHandle } from '../../services/worker/worker';
+import { type TestBroker } from '../support/broker';
+import { batchReceipt, closeWorkerWorld, counterTotal, makeRowBatch, openWorkerWorld, publishBatch } from '../support/fixtures';
 import { eventually } from '../support/eventually';
 import { countReservations, seedHolds } from '../support/seed';
-import { makeTestBed, type TestBed } from '../support/testbed';
+import { type TestBed } from '../support/testbed';
 
 /**
  * The row-delete worker against real PostgreSQL and RabbitMQ: a batch is re-checked against the
@@ -21,33 +19,9 @@ describe('row-delete worker', () => {
   let broker: TestBroker;
   let names: ReturnType<typeof brokerNames>;
 
-  before(async () => {
-    bed = await makeTestBed('worker_row_delete');
-    const env = bed.env();
-    worker = await startWorker(env, loadPolicies(env.policiesPath), pino({ level: process.env.TEST_LOG_LEVEL ?? 'silent' }));
-    broker = await openTestBroker(bed.amqpUrl);
-    names = brokerNames(bed.prefix);
-  });
+  before(async () => ({ bed, broker, names, worker } = await openWorkerWorld('worker_row_delete')));
+  after(() => closeWorkerWorld({ bed, broker, worker }));
 
-  after(async () => {
-    try {
-      await worker?.stop();
-    } finally {
-      await broker?.close();
-      await bed?.close();
-    }
-  });
-
-  const counter = async (name: string, labels: Record<string, string>): Promise<number> => {
-    const metric = await worker.metrics.registry.getSingleMetric(name)!.get();
-    return metric.values.filter((v) => Object.entries(labels).every(([k, l]) => v.labels[k] === l)).reduce((sum, v) => sum + v.value, 0);
-  };
-
-  const batchFor = (ids: string[], overrides: Partial<BatchV1> = {}) => makeRowBatch(bed.pool, ids, overrides);
-  const publishBatch = (batch: BatchV1) => publishRowBatch(broker, names, batch);
-
-  const receipt = async (batchId: string) =>
-    (await bed.pool.query<{ deleted: number; noop: number }>('SELECT deleted, noop FROM cleanup_batches WHERE batch_id = $1', [batchId])).rows[0];
 
   test('deletes expired held rows whose expiry has microseconds, and writes one receipt', async () => {
     const seeded = await seedHolds(bed.pool, { expiredHeld: 50 });
@@ -56,43 +30,43 @@ describe('row-delete worker', () => {
       [seeded.expiredHeld],
     );
     assert.ok(micros.rows[0]!.n > 40, 'the seed must carry sub-millisecond expiries for this test to mean anything');
-    const batch = await batchFor(seeded.expiredHeld);
-    await publishBatch(batch);
-    await eventually('the batch receipt', () => receipt(batch.batchId));
-    assert.deepEqual(await receipt(batch.batchId), { deleted: 50, noop: 0 });
+    const batch = await makeRowBatch(bed.pool, seeded.expiredHeld);
+    await publishBatch(broker, names, batch);
+    await eventually('the batch receipt', () => batchReceipt(bed.pool, batch.batchId));
+    assert.deepEqual(await batchReceipt(bed.pool, batch.batchId), { deleted: 50, noop: 0 });
     assert.equal(await countReservations(bed.pool, seeded.expiredHeld), 0);
   });
 
   test('the same batch delivered twice: the second deletes nothing and is acked as a duplicate no-op', async () => {
     const seeded = await seedHolds(bed.pool, { expiredHeld: 10 });
-    const batch = await batchFor(seeded.expiredHeld);
-    const duplicatesBefore = await counter('reaper_batches_total', { outcome: 'duplicate' });
-    await publishBatch(batch);
-    await publishBatch(batch);
-    await eventually('the duplicate to be counted', async () => (await counter('reaper_batches_total', { outcome: 'duplicate' })) === duplicatesBefore + 1);
-    assert.deepEqual(await receipt(batch.batchId), { deleted: 10, noop: 0 });
+    const batch = await makeRowBatch(bed.pool, seeded.expiredHeld);
+    const duplicatesBefore = await counterTotal(worker.metrics.registry, 'reaper_batches_total', { outcome: 'duplicate' });
+    await publishBatch(broker, names, batch);
+    await publishBatch(broker, names, batch);
+    await eventually('the duplicate to be counted', async () => (await counterTotal(worker.metrics.registry, 'reaper_batches_total', { outcome: 'duplicate' })) === duplicatesBefore + 1);
+    assert.deepEqual(await batchReceipt(bed.pool, batch.batchId), { deleted: 10, noop: 0 });
     await eventually('the work queue to be empty (both acked)', async () => (await broker.messageCount(names.workQueue('seat-holds'))) === 0);
   });
 
   test('a hold renewed after the scan and a confirmed hold are kept; the rest of the batch is deleted', async () => {
     const seeded = await seedHolds(bed.pool, { expiredHeld: 5, expiredConfirmed: 2 });
-    const batch = await batchFor([...seeded.expiredHeld, ...seeded.expiredConfirmed]);
+    const batch = await makeRowBatch(bed.pool, [...seeded.expiredHeld, ...seeded.expiredConfirmed]);
     const renewed = seeded.expiredHeld[0]!;
     // Renewed after the scan: the expiry moves (by one microsecond is enough to make it a different decision).
     await bed.pool.query(`UPDATE seat_reservations SET expires_at = expires_at + interval '1 microsecond' WHERE reservation_id = $1`, [renewed]);
-    await publishBatch(batch);
-    await eventually('the batch receipt', () => receipt(batch.batchId));
-    assert.deepEqual(await receipt(batch.batchId), { deleted: 4, noop: 3 });
+    await publishBatch(broker, names, batch);
+    await eventually('the batch receipt', () => batchReceipt(bed.pool, batch.batchId));
+    assert.deepEqual(await batchReceipt(bed.pool, batch.batchId), { deleted: 4, noop: 3 });
     assert.equal(await countReservations(bed.pool, [renewed]), 1);
     assert.equal(await countReservations(bed.pool, seeded.expiredConfirmed), 2);
   });
 
   test('a row that expires after the cutoff is not deleted even if the message lists it', async () => {
     const seeded = await seedHolds(bed.pool, { expiredHeld: 0, futureHeld: 3 });
-    const batch = await batchFor(seeded.futureHeld);
-    await publishBatch(batch);
-    await eventually('the batch receipt', () => receipt(batch.batchId));
-    assert.deepEqual(await receipt(batch.batchId), { deleted: 0, noop: 3 });
+    const batch = await makeRowBatch(bed.pool, seeded.futureHeld);
+    await publishBatch(broker, names, batch);
+    await eventually('the batch receipt', () => batchReceipt(bed.pool, batch.batchId));
+    assert.deepEqual(await batchReceipt(bed.pool, batch.batchId), { deleted: 0, noop: 3 });
     assert.equal(await countReservations(bed.pool, seeded.futureHeld), 3);
   });
 
@@ -112,7 +86,7 @@ describe('row-delete worker', () => {
     for (const testCase of cases) {
       test(testCase.name, async () => {
         const seeded = await seedHolds(bed.pool, { expiredHeld: 3 });
-        const valid = await batchFor(seeded.expiredHeld);
+        const valid = await makeRowBatch(bed.pool, seeded.expiredHeld);
         await broker.publish(names.workExchange, 'seat-holds', testCase.make(valid), { messageId: valid.batchId });
         const dead = await eventually('a dead-lettered message', async () => {
           const messages = await broker.drain(names.deadLetterQueue);
@@ -124,8 +98,8 @@ describe('row-delete worker', () => {
         assert.equal(dead[0]!.properties.messageId, valid.batchId, 'the original message is kept');
         assert.equal(await countReservations(bed.pool, seeded.expiredHeld), 3, 'nothing deleted');
         // The worker is still alive and consuming: the valid batch goes through.
-        await publishBatch(valid);
-        await eventually('the valid batch after the bad one', () => receipt(valid.batchId));
+        await publishBatch(broker, names, valid);
+        await eventually('the valid batch after the bad one', () => batchReceipt(bed.pool, valid.batchId));
         assert.equal(await countReservations(bed.pool, seeded.expiredHeld), 0);
       });
     }

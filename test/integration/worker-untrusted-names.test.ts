@@ -1,15 +1,14 @@
 import assert from 'node:assert/strict';
 import { randomUUID } from 'node:crypto';
 import { after, before, describe, test } from 'node:test';
-import pino from 'pino';
 import { brokerNames } from '../../shared/amqp/topology';
-import { loadPolicies } from '../../shared/config/policies';
 import { encodeBatch, makeBatchId, type BatchV1 } from '../../shared/contracts/batch';
-import { startWorker, UNKNOWN_POLICY_LABEL, type WorkerHandle } from '../../services/worker/worker';
-import { openTestBroker, type TestBroker } from '../support/broker';
+import { UNKNOWN_POLICY_LABEL, type WorkerHandle } from '../../services/worker/worker';
+import { type TestBroker } from '../support/broker';
+import { closeWorkerWorld, counterTotal, openWorkerWorld } from '../support/fixtures';
 import { eventually } from '../support/eventually';
 import { countReservations, databaseNowIso, itemsFor, seedHolds } from '../support/seed';
-import { makeTestBed, type TestBed } from '../support/testbed';
+import { type TestBed } from '../support/testbed';
 
 /**
  * Issue 7 item 18: what a message says is data, not a name the worker trusts.
@@ -24,19 +23,8 @@ describe('worker: names from messages', () => {
   let broker: TestBroker;
   let names: ReturnType<typeof brokerNames>;
 
-  before(async () => {
-    bed = await makeTestBed('worker_untrusted_names');
-    const env = bed.env();
-    worker = await startWorker(env, loadPolicies(env.policiesPath), pino({ level: process.env.TEST_LOG_LEVEL ?? 'silent' }));
-    broker = await openTestBroker(bed.amqpUrl);
-    names = brokerNames(bed.prefix);
-  });
-
-  after(async () => {
-    await broker?.close();
-    await worker?.stop();
-    await bed?.close();
-  });
+  before(async () => ({ bed, broker, names, worker } = await openWorkerWorld('worker_untrusted_names')));
+  after(() => closeWorkerWorld({ bed, broker, worker }));
 
   /** Every value the `policy` label takes in these metrics. */
   async function policyLabels(): Promise<Set<string>> {
@@ -74,10 +62,7 @@ describe('worker: names from messages', () => {
     const labels = await policyLabels();
     for (const policy of invented) assert.equal(labels.has(policy), false, `no label value "${policy}" (got ${[...labels].join(', ')})`);
     assert.ok(labels.has(UNKNOWN_POLICY_LABEL), `counted under ${UNKNOWN_POLICY_LABEL}`);
-    const counted = (await worker.metrics.registry.getSingleMetric('reaper_batches_total')!.get()).values.filter(
-      (value) => value.labels.policy === UNKNOWN_POLICY_LABEL && value.labels.outcome === 'dead-lettered',
-    );
-    assert.equal(counted[0]?.value, invented.length);
+    assert.equal(await counterTotal(worker.metrics.registry, 'reaper_batches_total', { policy: UNKNOWN_POLICY_LABEL, outcome: 'dead-lettered' }), invented.length);
     assert.equal(await countReservations(bed.pool, seeded.expiredHeld), 1, 'nothing deleted');
   });
 

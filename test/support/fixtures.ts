@@ -1,9 +1,12 @@
 import assert from 'node:assert/strict';
-import { afterEach } from 'node:test';
+import { after, afterEach, before } from 'node:test';
 import { randomUUID } from 'node:crypto';
 import type pg from 'pg';
+import pino, { type Logger } from 'pino';
 import type { Registry } from 'prom-client';
+import { startWorker, type WorkerHandle } from '../../services/worker/worker';
 import { brokerNames, type BrokerNames } from '../../shared/amqp/topology';
+import { loadPolicies } from '../../shared/config/policies';
 import { encodeBatch, makeBatchId, type BatchV1 } from '../../shared/contracts/batch';
 import { openTestBroker, type TestBroker } from './broker';
 import { eventually } from './eventually';
@@ -278,14 +281,37 @@ export async function openBedAndBroker(label: string, policiesYaml?: string): Pr
  * The matching after(): `first` (e.g. releasing held locks), then a failure when a test leaked a
  * reaper process; the broker client and the bed are closed whatever failed before.
  */
-export async function closeBedAndBroker(world: Partial<BedAndBroker>, first?: () => Promise<void>): Promise<void> {
+export async function closeBedAndBroker(
+  world: Partial<BedAndBroker>,
+  first?: () => Promise<void>,
+  /** The file's own resources (proxies, admin connections), closed before the broker client and the bed. */
+  alsoClose: ReadonlyArray<() => Promise<unknown>> = [],
+): Promise<void> {
   try {
     await first?.();
     await assertNoLeakedProcesses();
   } finally {
+    for (const close of alsoClose) await close();
     await world.broker?.close();
     await world.bed?.close();
   }
+}
+
+/**
+ * openBedAndBroker/closeBedAndBroker as the before()/after() of the calling describe(): the world
+ * returned is filled in before its first test runs (read it inside tests and hooks, not at
+ * describe time). `first` and `alsoClose` are closeBedAndBroker's.
+ */
+export function bedAndBrokerSuite(
+  label: string,
+  options: { policiesYaml?: string; first?: () => Promise<void>; alsoClose?: ReadonlyArray<() => Promise<unknown>> } = {},
+): BedAndBroker {
+  const world: Partial<BedAndBroker> = {};
+  before(async () => {
+    Object.assign(world, await openBedAndBroker(label, options.policiesYaml));
+  });
+  after(() => closeBedAndBroker(world, options.first, options.alsoClose));
+  return world as BedAndBroker;
 }
 
 /** `reaper trigger <policy> --json`, which must succeed: the new run's id. */
@@ -311,4 +337,79 @@ export function startReaperStoppedAfterEach(): typeof startReaper {
     running.push(started);
     return started;
   };
+}
+
+/** The crew of most row-delete fault tests: one scheduler and its workers, started as a group. */
+export interface RunCrew {
+  group: ServiceGroup;
+  scheduler: ReaperProcess;
+  workers: ReaperProcess[];
+  services: ReaperProcess[];
+}
+
+export function startSchedulerAndWorkers(
+  bed: TestBed,
+  crew: { scheduler: string; workers: readonly string[]; workerEnv?: Record<string, string> },
+  why?: string,
+): RunCrew {
+  const group = startServices(
+    bed,
+    [{ label: crew.scheduler, kind: 'scheduler' }, ...crew.workers.map((label) => ({ label, kind: 'worker' as const, env: crew.workerEnv }))],
+    why,
+  );
+  const [scheduler, ...workers] = group.services as [ReaperProcess, ...ReaperProcess[]];
+  return { group, scheduler, workers, services: group.services };
+}
+
+/** Waits (failing at once if a service died) for a run to complete; a timeout shows the run row and its receipts. */
+export async function runCompleted(group: ServiceGroup, pool: pg.Pool, runId: string, timeoutMs: number): Promise<void> {
+  await group.eventuallyAlive('the run to complete', async () => (await runRow(pool, runId)).state === 'completed', {
+    timeoutMs,
+    intervalMs: 250,
+    describe: async () => ({ run: await runRow(pool, runId), receipts: await runReceipts(pool, runId) }),
+  });
+}
+
+/** A counter of an in-process service summed over every sample whose labels include `labels` (0 when none). */
+export async function counterTotal(registry: Registry, name: string, labels: Record<string, string>): Promise<number> {
+  const metric = registry.getSingleMetric(name);
+  assert.ok(metric, `metric ${name} is registered`);
+  const { values } = await metric.get();
+  return values.filter((value) => Object.entries(labels).every(([key, label]) => value.labels[key] === label)).reduce((sum, value) => sum + value.value, 0);
+}
+
+/** The batch's receipt as deleted/noop counts; undefined until the batch committed. */
+export async function batchReceipt(pool: pg.Pool, batchId: string): Promise<{ deleted: number; noop: number } | undefined> {
+  return (await pool.query<{ deleted: number; noop: number }>('SELECT deleted, noop FROM cleanup_batches WHERE batch_id = $1', [batchId])).rows[0];
+}
+
+/** Logs of in-process services: silent unless TEST_LOG_LEVEL asks. */
+export const testLog: Logger = pino({ level: process.env.TEST_LOG_LEVEL ?? 'silent' });
+
+/** A worker running in the test's own process on the bed's current policies file (its metrics readable directly). */
+export function startInProcessWorker(bed: TestBed, envOverrides: Record<string, string> = {}, log: Logger = testLog): Promise<WorkerHandle> {
+  const env = bed.env(envOverrides);
+  return startWorker(env, loadPolicies(env.policiesPath), log);
+}
+
+/** A file whose batches an in-process worker takes: the bed, a broker client and the worker. */
+export interface WorkerWorld extends BedAndBroker {
+  worker: WorkerHandle;
+}
+
+export async function openWorkerWorld(label: string, options: { policiesYaml?: string; env?: Record<string, string> } = {}): Promise<WorkerWorld> {
+  const world = await openBedAndBroker(label, options.policiesYaml);
+  try {
+    return { ...world, worker: await startInProcessWorker(world.bed, options.env) };
+  } catch (error) {
+    await closeBedAndBroker(world); // after() never sees this world: nothing else would drop it
+    throw error;
+  }
+}
+
+/** The matching after(): the worker stops first, then closeBedAndBroker. */
+export async function closeWorkerWorld(world: Partial<WorkerWorld>): Promise<void> {
+  await closeBedAndBroker(world, async () => {
+    await world.worker?.stop();
+  });
 }

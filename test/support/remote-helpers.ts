@@ -1,6 +1,8 @@
 import assert from 'node:assert/strict';
+import { after, before } from 'node:test';
 import type pg from 'pg';
 import { startMediaApi, type MediaApi, type MediaApiCall, type MediaApiOptions } from '../../tools/media-api/server';
+import { eventually } from './eventually';
 import { assertNoLeakedProcesses, startReaper, stopLeftovers, type ReaperProcess } from './processes';
 import { makeTestBed, type TestBed } from './testbed';
 
@@ -149,6 +151,23 @@ export async function started(process: ReaperProcess, kind: 'worker' | 'schedule
   await process.waitForLine(`${kind} started`, (line) => line.msg === `${kind} started`);
 }
 
+/** The services of a remote test: a scheduler and its workers, each started (logged "<kind> started"); `all` for stopAllCleanly. */
+export interface RemoteServices {
+  scheduler: ReaperProcess;
+  workers: ReaperProcess[];
+  all: ReaperProcess[];
+}
+
+export async function startRemoteServices(
+  bed: TestBed,
+  services: { scheduler: string; workers: readonly string[]; schedulerEnv?: Record<string, string>; workerEnv?: Record<string, string> },
+): Promise<RemoteServices> {
+  const scheduler = startSchedulerProcess(bed, services.scheduler, services.schedulerEnv);
+  const workers = services.workers.map((label) => startWorkerProcess(bed, label, services.workerEnv));
+  await Promise.all([started(scheduler, 'scheduler'), ...workers.map((worker) => started(worker, 'worker'))]);
+  return { scheduler, workers, all: [scheduler, ...workers] };
+}
+
 /** Log lines at error level or above, for "nothing went wrong" checks. */
 export function errorsLogged(processes: readonly ReaperProcess[]): string[] {
   return processes.flatMap((p) => p.lines.filter((line) => Number(line.level) >= 50).map((line) => `${p.label}: ${String(line.msg)} ${JSON.stringify(line)}`));
@@ -214,4 +233,23 @@ export async function closeRemoteWorld(world: Partial<RemoteWorld> | undefined):
     await world?.api?.close();
     await world?.bed?.close();
   }
+}
+
+/** openRemoteWorld/closeRemoteWorld as the before()/after() of the calling describe(); the world is filled in before its first test runs. */
+export function remoteWorldSuite(label: string, policy: Omit<MediaPolicyOptions, 'baseUrl'>, stand: MediaApiOptions & { slowMs?: number } = {}): RemoteWorld {
+  const world: Partial<RemoteWorld> = {};
+  before(async () => {
+    Object.assign(world, await openRemoteWorld(label, policy, stand));
+  });
+  after(() => closeRemoteWorld(world));
+  return world as RemoteWorld;
+}
+
+/** Waits until `count` operations of the media policy are confirmed; a timeout shows the open ones and how many calls were made. */
+export async function allConfirmed(world: RemoteWorld, count: number, timeoutMs: number, what = `all ${count} operations confirmed`): Promise<void> {
+  await eventually(what, async () => (await ledgerSummary(world.bed.pool))['done/confirmed'] === count, {
+    timeoutMs,
+    intervalMs: 250,
+    describe: async () => ({ ...(await ledgerDiagnosis(world.bed.pool)), calls: world.api.calls.length }),
+  });
 }

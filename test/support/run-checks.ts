@@ -2,7 +2,7 @@ import assert from 'node:assert/strict';
 import type pg from 'pg';
 import type { TestBroker } from './broker';
 import { eventually } from './eventually';
-import { readyAtRest, stopAllCleanly } from './fixtures';
+import { readyAtRest, runReceipts, stopAllCleanly, type BedAndBroker } from './fixtures';
 import type { ReaperProcess } from './processes';
 import { countReservations } from './seed';
 
@@ -12,27 +12,28 @@ import { countReservations } from './seed';
  * once, counted it once, touched nothing else, left no message behind (checked once no consumer
  * holds any), and every service drains, exits 0 and logged no error.
  */
-export async function assertRunDeletedExactlyOnce(check: {
-  pool: pg.Pool;
-  broker: TestBroker;
-  workQueue: string;
-  deadLetterQueue: string;
-  runId: string;
-  seeded: { expiredHeld: string[]; futureHeld: string[]; expiredConfirmed: string[] };
-  scheduler: ReaperProcess;
-  workers: readonly ReaperProcess[];
-  services: readonly ReaperProcess[];
-  diagnosis?: Record<string, unknown>;
-  /** Error-level log lines this fault is expected to cause (matched against "<label>: <msg> <json>"). */
-  allowErrors?: RegExp;
-}): Promise<void> {
-  const { pool, seeded } = check;
-  const receipts = (
-    await pool.query<{ batches: number; deleted: number; noop: number }>(
-      'SELECT count(*)::int AS batches, coalesce(sum(deleted), 0)::int AS deleted, coalesce(sum(noop), 0)::int AS noop FROM cleanup_batches WHERE run_id = $1',
-      [check.runId],
-    )
-  ).rows[0]!;
+export async function assertRunDeletedExactlyOnce(
+  world: BedAndBroker,
+  check: {
+    runId: string;
+    seeded: { expiredHeld: string[]; futureHeld: string[]; expiredConfirmed: string[] };
+    scheduler: ReaperProcess;
+    workers: readonly ReaperProcess[];
+    /** Default: the scheduler and the workers. */
+    services?: readonly ReaperProcess[];
+    /** The run's policy, whose work queue must end empty (default seat-holds). */
+    policy?: string;
+    diagnosis?: Record<string, unknown>;
+    /** Error-level log lines this fault is expected to cause (matched against "<label>: <msg> <json>"). */
+    allowErrors?: RegExp;
+  },
+): Promise<void> {
+  const pool = world.bed.pool;
+  const { seeded } = check;
+  const broker = world.broker;
+  const workQueue = world.names.workQueue(check.policy ?? 'seat-holds');
+  const services = check.services ?? [check.scheduler, ...check.workers];
+  const receipts = await runReceipts(pool, check.runId);
   const remaining = await countReservations(pool, seeded.expiredHeld);
   const diagnosis = JSON.stringify({
     ...check.diagnosis,
@@ -46,11 +47,11 @@ export async function assertRunDeletedExactlyOnce(check: {
   assert.equal(receipts.deleted, seeded.expiredHeld.length, `the receipts add up to the seeded expired count; ${diagnosis}`);
   assert.equal(await countReservations(pool, seeded.futureHeld), seeded.futureHeld.length, 'no hold that had not expired is gone');
   assert.equal(await countReservations(pool, seeded.expiredConfirmed), seeded.expiredConfirmed.length, 'no confirmed reservation is gone');
-  await eventually('the work queue to be empty', async () => (await check.broker.messageCount(check.workQueue)) === 0);
-  assert.equal((await check.broker.drain(check.deadLetterQueue)).length, 0, 'nothing dead-lettered');
-  await stopAllCleanly(check.services, { allowErrors: check.allowErrors });
+  await eventually('the work queue to be empty', async () => (await broker.messageCount(workQueue)) === 0);
+  assert.equal((await broker.drain(world.names.deadLetterQueue)).length, 0, 'nothing dead-lettered');
+  await stopAllCleanly(services, { allowErrors: check.allowErrors });
   // Nothing comes back once the workers are gone: every batch was acked, not merely in a worker's hands.
-  assert.equal(await readyAtRest(check.broker, check.workQueue), 0, 'no batch returned to the work queue after the services stopped');
+  assert.equal(await readyAtRest(broker, workQueue), 0, 'no batch returned to the work queue after the services stopped');
 }
 
 /**
