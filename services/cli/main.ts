@@ -12,6 +12,7 @@ import { addRolesCommand } from './roles';
 import { registerRunListCommands } from './run-list';
 import { registerRunCommands } from './runs';
 import { registerServiceCommands } from './services';
+import { registerSqlCommands } from './sql';
 import { registerStatusCommand } from './status';
 
 /**
@@ -36,6 +37,7 @@ export function makeProgram(): Command {
   registerHoldCommands(program);
   registerAuditCommand(program);
   registerAdmissionCommands(program);
+  registerSqlCommands(program);
 
   addRolesCommand(program);
 

@@ -23,7 +23,7 @@ import { assertNoLeakedProcesses } from '../support/processes';
 import { combinedPoliciesYaml, rowDeletePolicyYaml } from '../support/fixtures';
 
 const suffix = randomBytes(4).toString('hex');
-const roles: DbRoleNames = { migrator: `reaper_migrator_${suffix}`, scheduler: `reaper_scheduler_${suffix}`, worker: `reaper_worker_${suffix}` };
+const roles: DbRoleNames = { migrator: `reaper_migrator_${suffix}`, scheduler: `reaper_scheduler_${suffix}`, worker: `reaper_worker_${suffix}`, operator: `reaper_operator_${suffix}` };
 const TARGETS = ['seat_reservations', 'media_assets'];
 
 let bed: TestBed;
