@@ -84,7 +84,7 @@ after(async () => {
 
 test('`reaper roles --print` emits SQL that applies cleanly, twice, and names every table the migrations create', async () => {
   const printed = await runReaperCli(
-    ['roles', '--print', '--policies', policiesPath, '--migrator', roles.migrator, '--scheduler', roles.scheduler, '--worker', roles.worker],
+    ['roles', '--print', '--policies', policiesPath, '--migrator', roles.migrator, '--scheduler', roles.scheduler, '--worker', roles.worker, '--operator', roles.operator],
     { PATH: process.env.PATH },
   );
   assert.equal(printed.code, 0, printed.stdout);

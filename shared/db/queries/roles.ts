@@ -57,7 +57,7 @@ export type ReaperTableGrants = Readonly<Record<string, { scheduler: readonly Db
  * --execute` executes a run as the scheduler does).
  */
 export const REAPER_TABLE_GRANTS: ReaperTableGrants = {
-  reaper_schema_migrations: { scheduler: ['SELECT'], worker: ['SELECT'], operator: ['SELECT'] }, // assertSchemaCurrent at start-up
+  reaper_schema_migrations: { scheduler: ['SELECT'], worker: ['SELECT'] }, // assertSchemaCurrent at start-up (the CLI does not check)
   cleanup_runs: { scheduler: ['SELECT', 'INSERT', 'UPDATE'], worker: [], operator: ['SELECT', 'INSERT', 'UPDATE'] },
   cleanup_run_batches: { scheduler: ['SELECT', 'INSERT'], worker: [], operator: ['SELECT', 'INSERT'] },
   cleanup_batches: { scheduler: ['SELECT'], worker: ['SELECT', 'INSERT'], operator: ['SELECT'] },
