@@ -5,7 +5,8 @@
  *    at the end of every run, so a table a later migration creates is usable by the scheduler and
  *    the worker as soon as the migrator applied it, without re-running `roles --print`;
  *  - reaper_operator runs every operator command (trigger, execute, approve, reject, pause, resume,
- *    hold, admission, dlq, audit, plan, status) as real CLI processes, and cannot ALTER or DROP.
+ *    hold, admission, dlq, audit, plan, status) as real CLI processes, and cannot ALTER or DROP;
+ *  - the migrator owns the live views (`migrate --views`) and reads the targets for them.
  */
 import { test, before, after } from 'node:test';
 import assert from 'node:assert/strict';
@@ -144,4 +145,14 @@ test('reaper_operator cannot ALTER, DROP, create, or delete rows', async () => {
   ]) {
     assert.equal(await sqlStateAsRole(roles.operator, sql), INSUFFICIENT_PRIVILEGE, sql);
   }
+});
+
+test('the migrator owns the live views it creates; a role granted one reads through it', async () => {
+  const created = await runReaperCli(['migrate', '--views', '--grant-to', roles.operator], bed.processEnv({ DATABASE_URL: urlAs(roles.migrator) }));
+  assert.equal(created.code, 0, created.stdout);
+  const owner = await bed.pool.query<{ owner: string }>(`SELECT viewowner AS owner FROM pg_views WHERE viewname = 'seat_reservations_live'`);
+  assert.equal(owner.rows[0]?.owner, roles.migrator);
+  // The view reads the table and the holds with the migrator's rights (roles --print grants it SELECT on the targets).
+  assert.equal(await sqlStateAsRole(roles.operator, 'SELECT count(*) FROM seat_reservations_live'), undefined);
+  assert.equal(await sqlStateAsRole(roles.worker, 'SELECT count(*) FROM seat_reservations_live'), INSUFFICIENT_PRIVILEGE, 'only the roles named');
 });
