@@ -13,6 +13,7 @@ import { addRolesCommand } from './roles';
 import { registerRunListCommands } from './run-list';
 import { registerRunCommands } from './runs';
 import { registerServiceCommands } from './services';
+import { registerSqlCommands } from './sql';
 import { registerStatusCommand } from './status';
 
 /**
@@ -38,6 +39,7 @@ export function makeProgram(): Command {
   registerAuditCommand(program);
   registerAdmissionCommands(program);
   registerRestoreCommand(program);
+  registerSqlCommands(program);
 
   addRolesCommand(program);
 

@@ -13,16 +13,17 @@ import { DEFAULT_DB_ROLE_NAMES, rolesSql } from '../../shared/db/queries/roles';
 export function addRolesCommand(program: Command): void {
   program
     .command('roles')
-    .description('print the SQL for the least-privilege PostgreSQL roles (migrator, scheduler, worker) of a policies file')
+    .description('print the SQL for the least-privilege PostgreSQL roles (migrator, scheduler, worker, operator) of a policies file')
     .requiredOption('--print', 'print the SQL to stdout (review it, then apply it with psql as a superuser)')
     .option('--policies <file>', 'policies file (default: REAPER_POLICIES, else the demo policies)')
     .option('--migrator <role>', 'role that owns reaper\'s tables', DEFAULT_DB_ROLE_NAMES.migrator)
     .option('--scheduler <role>', 'role of the scheduler', DEFAULT_DB_ROLE_NAMES.scheduler)
     .option('--worker <role>', 'role of the workers', DEFAULT_DB_ROLE_NAMES.worker)
-    .action((options: { print: boolean; policies?: string; migrator: string; scheduler: string; worker: string }) => {
+    .option('--operator <role>', 'role of the operators running the CLI (trigger, approve, hold, ...)', DEFAULT_DB_ROLE_NAMES.operator)
+    .action((options: { print: boolean; policies?: string; migrator: string; scheduler: string; worker: string; operator: string }) => {
       // Only the policies are needed: no database or broker URL has to be set to print the SQL.
       const policies = policiesForRoles(options.policies ?? process.env.REAPER_POLICIES ?? DEMO_POLICIES_PATH);
-      process.stdout.write(rolesSql(policies, { migrator: options.migrator, scheduler: options.scheduler, worker: options.worker }));
+      process.stdout.write(rolesSql(policies, { migrator: options.migrator, scheduler: options.scheduler, worker: options.worker, operator: options.operator }));
     });
 }
 

@@ -3,10 +3,14 @@ import { loadEnv } from '../../shared/config/env';
 import { topologyFor, topologyAsDefinitions } from '../../shared/amqp/topology';
 import { migrate } from '../../shared/db/migrate';
 import { demoTablesCreate } from '../../shared/db/queries/demo-tables';
+import { liveViewsCreate } from '../../shared/db/queries/live-views';
+import { DEFAULT_DB_ROLE_NAMES } from '../../shared/db/queries/roles';
+import { loadPolicies } from '../../shared/config/policies';
 import { makeLogger } from '../../shared/observability/logger';
 import { startScheduler } from '../scheduler/scheduler';
 import { startWorker } from '../worker/worker';
-import { context, withPool } from './common';
+import { context, UsageError, withPool } from './common';
+import { roleList } from './sql';
 import { printResult } from './output';
 
 /** `reaper migrate`, `scheduler`, `worker`, `topology` and `demo`: running and setting up reaper itself. */
@@ -35,19 +39,34 @@ export function registerServiceCommands(program: Command): void {
 
   program
     .command('migrate')
-    .description('apply database migrations (safe to run from several processes at once)')
+    .description('apply database migrations (safe to run from several processes at once), then grant reaper\'s tables to the service roles')
     .option('--with-demo-tables', "also create the demo's own tables seat_reservations and media_assets if missing (local stack, demo)")
+    .option('--views', "also create (or replace) each policy table's live view <table>_live (reaper sql live-view), owned by this role")
+    .option('--grant-to <roles>', 'with --views: comma-separated roles that get SELECT on the live views', roleList, [] as string[])
+    .option('--scheduler <role>', 'role granted the scheduler\'s privileges on reaper\'s tables (if it exists)', DEFAULT_DB_ROLE_NAMES.scheduler)
+    .option('--worker <role>', 'role granted the workers\' privileges on reaper\'s tables (if it exists)', DEFAULT_DB_ROLE_NAMES.worker)
+    .option('--operator <role>', 'role granted the operator\'s privileges on reaper\'s tables (if it exists)', DEFAULT_DB_ROLE_NAMES.operator)
     .addOption(json())
-    .action(async (options: { json?: boolean; withDemoTables?: boolean }) => {
+    .action(async (options: { json?: boolean; withDemoTables?: boolean; views?: boolean; grantTo: string[]; scheduler: string; worker: string; operator: string }) => {
       const env = loadEnv();
+      if (options.grantTo.length > 0 && !options.views) throw new UsageError('--grant-to: only with --views');
+      // Policies only when views are asked for: a migrate Job without them still migrates.
+      const policies = options.views ? loadPolicies(env.policiesPath) : undefined;
       // Progress on stderr as each file starts (not with --json, whose reader wants one document):
       // a long migration is visibly running, and the last line names the file that failed.
       const announce = options.json ? undefined : (name: string) => process.stderr.write(`applying ${name} ...\n`);
-      const result = await migrate(env.databaseUrl, { onApplying: announce });
+      const grantTo = { scheduler: options.scheduler, worker: options.worker, operator: options.operator };
+      const migrated = await migrate(env.databaseUrl, { onApplying: announce, grantTo });
       // Production databases never get them: they are the demo policies' targets, not reaper's.
       if (options.withDemoTables) await withPool(env, (pool) => demoTablesCreate(pool));
+      const views = policies ? await withPool(env, (pool) => liveViewsCreate(pool, policies, options.grantTo)) : [];
+      const result = { ...migrated, views };
       printResult(!!options.json, result, () =>
-        result.applied.length ? `applied ${result.applied.join(', ')}; schema version ${result.current}` : `up to date (version ${result.current})`,
+        [
+          result.applied.length ? `applied ${result.applied.join(', ')}; schema version ${result.current}` : `up to date (version ${result.current})`,
+          result.granted.roles.length ? `granted ${result.granted.tables.length} tables to ${result.granted.roles.join(', ')}` : 'no service roles exist: nothing granted',
+          ...(views.length ? [`live views: ${views.join(', ')}${options.grantTo.length ? ` (SELECT to ${options.grantTo.join(', ')})` : ''}`] : []),
+        ].join('\n'),
       );
     });
 

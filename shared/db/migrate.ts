@@ -1,6 +1,7 @@
 import { existsSync, readdirSync, readFileSync } from 'node:fs';
 import path from 'node:path';
 import pg from 'pg';
+import { DEFAULT_DB_ROLE_NAMES, reaperTablesGrant, type DbRoleNames, type GranteeRole, type ReaperTableGrants } from './queries/roles';
 
 /**
  * Forward-only migrations: numbered plain SQL files, each applied in its own transaction. An
@@ -29,10 +30,19 @@ export function listMigrations(dir = migrationsDirectory()): Migration[] {
     .map((file) => ({ version: Number(file.slice(0, 4)), name: file, sql: readFileSync(path.join(dir, file), 'utf8') }));
 }
 
+export interface MigrateOptions {
+  onApplying?: (name: string) => void;
+  /** Roles granted REAPER_TABLE_GRANTS at the end of the run (those that exist). Default: the default role names. */
+  grantTo?: Pick<DbRoleNames, GranteeRole>;
+  /** Tests only: more migration directories (a later release's migrations) and their grants. */
+  extraDirectories?: readonly string[];
+  tableGrants?: ReaperTableGrants;
+}
+
 export async function migrate(
   connectionString: string,
-  hooks: { onApplying?: (name: string) => void } = {},
-): Promise<{ applied: string[]; current: number }> {
+  options: MigrateOptions = {},
+): Promise<{ applied: string[]; current: number; granted: { tables: string[]; roles: string[] } }> {
   const client = new pg.Client({ connectionString, application_name: 'reaper-migrate' });
   await client.connect();
   try {
@@ -44,9 +54,10 @@ export async function migrate(
     );
     const applied: string[] = [];
     let current = Math.max(0, ...done);
-    for (const migration of listMigrations()) {
+    const migrations = [migrationsDirectory(), ...(options.extraDirectories ?? [])].flatMap((dir) => listMigrations(dir));
+    for (const migration of migrations.sort((a, b) => a.version - b.version)) {
       if (done.has(migration.version)) continue;
-      hooks.onApplying?.(migration.name);
+      options.onApplying?.(migration.name);
       await client.query('BEGIN');
       try {
         await client.query(migration.sql);
@@ -59,7 +70,18 @@ export async function migrate(
       applied.push(migration.name);
       current = migration.version;
     }
-    return { applied, current };
+    // Every run, not only one that applied something: a table a release added is usable by the
+    // services as soon as this commits, and a re-run repairs grants somebody changed by hand.
+    await client.query('BEGIN');
+    let granted: { tables: string[]; roles: string[] };
+    try {
+      granted = await reaperTablesGrant(client, options.grantTo ?? DEFAULT_DB_ROLE_NAMES, options.tableGrants);
+      await client.query('COMMIT');
+    } catch (error) {
+      await client.query('ROLLBACK');
+      throw new Error(`granting reaper's tables failed: ${(error as Error).message}`);
+    }
+    return { applied, current, granted };
   } finally {
     await client.query('SELECT pg_advisory_unlock($1)', [MIGRATION_LOCK]).catch(() => undefined);
     await client.end();

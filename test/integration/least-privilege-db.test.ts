@@ -21,21 +21,17 @@ import { countReservations, seedHolds } from '../support/seed';
 import { makeTestBed, type TestBed } from '../support/testbed';
 import { assertNoLeakedProcesses } from '../support/processes';
 import { combinedPoliciesYaml, rowDeletePolicyYaml } from '../support/fixtures';
+import { databaseUrlAs, dropTestRoles } from '../support/db-roles';
 
 const suffix = randomBytes(4).toString('hex');
-const roles: DbRoleNames = { migrator: `reaper_migrator_${suffix}`, scheduler: `reaper_scheduler_${suffix}`, worker: `reaper_worker_${suffix}` };
+const roles: DbRoleNames = { migrator: `reaper_migrator_${suffix}`, scheduler: `reaper_scheduler_${suffix}`, worker: `reaper_worker_${suffix}`, operator: `reaper_operator_${suffix}` };
 const TARGETS = ['seat_reservations', 'media_assets'];
 
 let bed: TestBed;
 let api: MediaApi;
 let policiesPath: string;
 
-function urlAs(role: string): string {
-  const url = new URL(bed.databaseUrl);
-  url.username = role;
-  url.password = '';
-  return url.toString();
-}
+const urlAs = (role: string) => databaseUrlAs(bed.databaseUrl, role);
 
 async function asRole<T>(role: string, work: (client: pg.Client) => Promise<T>): Promise<T> {
   const client = new pg.Client({ connectionString: urlAs(role) });
@@ -75,16 +71,7 @@ before(async () => {
 
 after(async () => {
   const failures: unknown[] = [];
-  const dropRoles = async () => {
-    // Roles outlive databases: hand back what they own here, then drop them.
-    for (const role of Object.values(roles)) {
-      const exists = await bed.pool.query('SELECT 1 FROM pg_roles WHERE rolname = $1', [role]);
-      if (exists.rowCount === 0) continue;
-      await bed.pool.query(`REASSIGN OWNED BY ${pg.escapeIdentifier(role)} TO CURRENT_USER`);
-      await bed.pool.query(`DROP OWNED BY ${pg.escapeIdentifier(role)}`);
-      await bed.pool.query(`DROP ROLE ${pg.escapeIdentifier(role)}`);
-    }
-  };
+  const dropRoles = () => dropTestRoles(bed.pool, Object.values(roles));
   // Every step runs whatever an earlier one did: a leftover role or server would outlive the file.
   for (const step of [() => stopStarted(), () => assertNoLeakedProcesses(), dropRoles, () => api?.close(), () => bed?.close()]) {
     try {
@@ -98,7 +85,7 @@ after(async () => {
 
 test('`reaper roles --print` emits SQL that applies cleanly, twice, and names every table the migrations create', async () => {
   const printed = await runReaperCli(
-    ['roles', '--print', '--policies', policiesPath, '--migrator', roles.migrator, '--scheduler', roles.scheduler, '--worker', roles.worker],
+    ['roles', '--print', '--policies', policiesPath, '--migrator', roles.migrator, '--scheduler', roles.scheduler, '--worker', roles.worker, '--operator', roles.operator],
     { PATH: process.env.PATH },
   );
   assert.equal(printed.code, 0, printed.stdout);

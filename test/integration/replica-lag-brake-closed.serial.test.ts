@@ -37,7 +37,7 @@ describe('replica-lag brake: unknown lag is not lag 0', () => {
   let names: ReturnType<typeof brokerNames>;
   const suffix = randomBytes(4).toString('hex');
   const slot = `reaper_test_gone_standby_${suffix}`;
-  const roles = { migrator: `reaper_migrator_brake_${suffix}`, scheduler: `reaper_scheduler_brake_${suffix}`, worker: `reaper_worker_brake_${suffix}` };
+  const roles = { migrator: `reaper_migrator_brake_${suffix}`, scheduler: `reaper_scheduler_brake_${suffix}`, worker: `reaper_worker_brake_${suffix}`, operator: `reaper_operator_brake_${suffix}` };
 
   before(async () => {
     bed = await makeTestBed('replica_lag_closed');

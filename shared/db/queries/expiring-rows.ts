@@ -122,6 +122,22 @@ export function guardSql(target: ResolvedTarget, firstParameter: number): string
   return target.guardColumns.map((column, index) => ` AND t.${column} = $${firstParameter + index}`).join('');
 }
 
+/** What expiringRowsExpiredSql needs of a target: its quoted names (no catalog look-up). */
+export type ExpiredPredicateTarget = Pick<ResolvedTarget, 'key' | 'expiresAt' | 'guardColumns'>;
+
+/**
+ * THE condition "reaper would delete this row (alias `t`) now": expired at or before `cutoff`
+ * (finite), the guard holds, no active hold of `policy`. The scan binds it to parameters, the live
+ * view (shared/db/queries/live-views.ts) to literals and statement_timestamp(): one definition, so
+ * the view hides exactly what the scan finds. Arguments are SQL expressions; `guard` in the order
+ * of target.guardColumns.
+ */
+export function expiringRowsExpiredSql(target: ExpiredPredicateTarget, at: { cutoff: string; policy: string; guard: readonly string[] }): string {
+  const guard = target.guardColumns.map((column, index) => ` AND t.${column} = ${at.guard[index]}`).join('');
+  return `t.${target.expiresAt} <= ${at.cutoff} AND t.${target.expiresAt} > '-infinity'::timestamptz${guard}
+       AND ${noActiveHold(at.policy, `t.${target.key}`)}`;
+}
+
 /**
  * One page of the keyset scan (the caller cuts it into batches): rows that satisfy the guard and expired at or before the cutoff,
  * strictly after `after`, in (expiry, key) order. Memory stays bounded by `limit` whatever the backlog.
@@ -156,8 +172,7 @@ export async function expiringRowsScanPage(
   const result = await db.query<{ id: string; observed_expiry: string }>(
     `SELECT t.${key}::text AS id, reaper_iso(t.${expiresAt}) AS observed_expiry
      FROM ${table} t
-     WHERE t.${expiresAt} <= $1::timestamptz AND t.${expiresAt} > '-infinity'::timestamptz${afterClause}${guardSql(target, guardFrom)}${unrecordedClause}
-       AND ${noActiveHold(`$${policyParameter}`, `t.${key}`)}
+     WHERE ${expiringRowsExpiredSql(target, { cutoff: '$1::timestamptz', policy: `$${policyParameter}`, guard: target.guardValues.map((_, index) => `$${guardFrom + index}`) })}${afterClause}${unrecordedClause}
      ORDER BY t.${expiresAt}, t.${key}
      LIMIT $2`,
     params,

@@ -1,20 +1,27 @@
+import type pg from 'pg';
 import type { PolicySet } from '../../config/policies';
+import type { Db } from '../pool';
 import { quoteIdentifier } from '../pool';
 
 /**
- * Least privilege in PostgreSQL, as SQL: three roles and exactly the grants each needs.
+ * Least privilege in PostgreSQL, as SQL: four roles and exactly the grants each needs.
  *
- *  - the migrator owns reaper's own tables and may create new ones (the migrate Job);
+ *  - the migrator owns reaper's own tables and may create new ones (the migrate Job), and owns
+ *    the live views (`reaper migrate --views`), so it reads the targets;
  *  - the scheduler reads the targets (keyset scans, webhooks), writes runs, records ledger
  *    candidates from webhooks;
  *  - the worker deletes rows of row-delete targets, settles rows of remote-delete targets (DELETE,
- *    or UPDATE when the policy has `markConfirmed`), writes receipts, the ledger and admission.
+ *    or UPDATE when the policy has `markConfirmed`), writes receipts, the ledger and admission;
+ *  - the operator runs the CLI's commands (trigger, approve, reject, pause, hold, admission, dlq,
+ *    audit, plan, status): it records and decides runs, places holds and overrides, reads the rest.
  *
  * Nobody else gets anything: the worker can neither drop a table nor delete from a table that no
  * policy names (test/integration/least-privilege-db.test.ts). The SQL is idempotent: it creates what
  * is missing and revokes before it grants, so re-running it after a policy or a migration changed
  * leaves exactly the new set. Run it as a superuser or the owner of every table involved (the
- * targets belong to their application), after `reaper migrate`.
+ * targets belong to their application), after `reaper migrate`. Later migrations need no re-run for
+ * reaper's own tables: `reaper migrate` re-applies REAPER_TABLE_GRANTS at the end of every run
+ * (reaperTablesGrant), so a table a release adds is usable by the services the moment it exists.
  */
 
 export type DbPrivilege = 'SELECT' | 'INSERT' | 'UPDATE' | 'DELETE';
@@ -24,41 +31,61 @@ export interface DbRoleNames {
   migrator: string;
   scheduler: string;
   worker: string;
+  operator: string;
 }
 
-export const DEFAULT_DB_ROLE_NAMES: DbRoleNames = { migrator: 'reaper_migrator', scheduler: 'reaper_scheduler', worker: 'reaper_worker' };
+export const DEFAULT_DB_ROLE_NAMES: DbRoleNames = {
+  migrator: 'reaper_migrator',
+  scheduler: 'reaper_scheduler',
+  worker: 'reaper_worker',
+  operator: 'reaper_operator',
+};
+
+/** The roles that get grants on reaper's tables (the migrator owns them). */
+export type GranteeRole = 'scheduler' | 'worker' | 'operator';
+const GRANTEES: readonly GranteeRole[] = ['scheduler', 'worker', 'operator'];
+
+/** Per table, what each grantee may do (the operator: nothing unless named). */
+export type ReaperTableGrants = Readonly<Record<string, { scheduler: readonly DbPrivilege[]; worker: readonly DbPrivilege[]; operator?: readonly DbPrivilege[] }>>;
 
 /**
  * reaper's own tables and what each service does with them, read off shared/db/queries/ (SELECT
  * ... FOR UPDATE needs UPDATE; INSERT ... ON CONFLICT DO UPDATE needs UPDATE). A migration that
  * adds a table must add it here: test/integration/least-privilege-db.test.ts compares this list
- * with the tables the migrations create.
+ * with the tables the migrations create, and `reaper migrate` grants what is listed here.
+ * The operator's column is what the CLI's operator commands run (the same statements: `trigger
+ * --execute` executes a run as the scheduler does).
  */
-export const REAPER_TABLE_GRANTS: Readonly<Record<string, { scheduler: readonly DbPrivilege[]; worker: readonly DbPrivilege[] }>> = {
-  reaper_schema_migrations: { scheduler: ['SELECT'], worker: ['SELECT'] }, // assertSchemaCurrent at start-up
-  cleanup_runs: { scheduler: ['SELECT', 'INSERT', 'UPDATE'], worker: [] },
-  cleanup_run_batches: { scheduler: ['SELECT', 'INSERT'], worker: [] },
-  cleanup_batches: { scheduler: ['SELECT'], worker: ['SELECT', 'INSERT'] },
-  cleanup_ledger: { scheduler: ['SELECT', 'INSERT', 'UPDATE'], worker: ['SELECT', 'INSERT', 'UPDATE'] },
-  // the scheduler's backlog gauges read the pause switch and the 429 block
-  cleanup_admission: { scheduler: ['SELECT'], worker: ['SELECT', 'INSERT', 'UPDATE'] },
+export const REAPER_TABLE_GRANTS: ReaperTableGrants = {
+  reaper_schema_migrations: { scheduler: ['SELECT'], worker: ['SELECT'] }, // assertSchemaCurrent at start-up (the CLI does not check)
+  cleanup_runs: { scheduler: ['SELECT', 'INSERT', 'UPDATE'], worker: [], operator: ['SELECT', 'INSERT', 'UPDATE'] },
+  cleanup_run_batches: { scheduler: ['SELECT', 'INSERT'], worker: [], operator: ['SELECT', 'INSERT'] },
+  cleanup_batches: { scheduler: ['SELECT'], worker: ['SELECT', 'INSERT'], operator: ['SELECT'] },
+  cleanup_ledger: { scheduler: ['SELECT', 'INSERT', 'UPDATE'], worker: ['SELECT', 'INSERT', 'UPDATE'], operator: ['SELECT'] },
+  // the scheduler's backlog gauges read the pause switch and the 429 block; `reaper pause` sets it
+  cleanup_admission: { scheduler: ['SELECT'], worker: ['SELECT', 'INSERT', 'UPDATE'], operator: ['SELECT', 'INSERT', 'UPDATE'] },
   // kept bodies of remote batches until their receipt; the ledger sweeper republishes them
   cleanup_remote_batches: { scheduler: [], worker: ['SELECT', 'INSERT', 'UPDATE', 'DELETE'] },
   // webhook signatures accepted once, pruned by age
   cleanup_webhook_signatures: { scheduler: ['SELECT', 'INSERT', 'DELETE'], worker: [] },
   // legal holds: read by the scan, the brake and every deleting statement; placed by operators
-  cleanup_holds: { scheduler: ['SELECT'], worker: ['SELECT'] },
+  cleanup_holds: { scheduler: ['SELECT'], worker: ['SELECT'], operator: ['SELECT', 'INSERT', 'UPDATE', 'DELETE'] },
   // audit rows: written by the deleting statements, kept to retainDays by the scheduler
-  cleanup_audit: { scheduler: ['SELECT', 'DELETE'], worker: ['INSERT'] },
+  cleanup_audit: { scheduler: ['SELECT', 'DELETE'], worker: ['INSERT'], operator: ['SELECT'] },
   // archived rows (archive.enabled): written by the deleting statement, kept to retainDays by the
-  // scheduler; `reaper restore` (an operator's connection) reads and marks them
-  cleanup_archive: { scheduler: ['SELECT', 'DELETE'], worker: ['INSERT'] },
+  // scheduler; `reaper restore` runs as a role that may insert into the policy's table (the
+  // migrator or the application's own role): reaper_operator only reads them
+  cleanup_archive: { scheduler: ['SELECT', 'DELETE'], worker: ['INSERT'], operator: ['SELECT'] },
   // the restore log: written by `reaper restore` only
-  cleanup_restores: { scheduler: [], worker: [] },
+  cleanup_restores: { scheduler: [], worker: [], operator: ['SELECT'] },
   // `reaper admission set`: live overrides every worker reads (set by operators)
-  cleanup_admission_overrides: { scheduler: ['SELECT'], worker: ['SELECT'] },
+  cleanup_admission_overrides: { scheduler: ['SELECT'], worker: ['SELECT'], operator: ['SELECT', 'INSERT', 'UPDATE', 'DELETE'] },
   // each process records a heartbeat (and forgets old ones); the scheduler reads the workers' versions
-  service_heartbeats: { scheduler: ['SELECT', 'INSERT', 'UPDATE', 'DELETE'], worker: ['SELECT', 'INSERT', 'UPDATE', 'DELETE'] },
+  service_heartbeats: {
+    scheduler: ['SELECT', 'INSERT', 'UPDATE', 'DELETE'],
+    worker: ['SELECT', 'INSERT', 'UPDATE', 'DELETE'],
+    operator: ['SELECT'], // `trigger` warns when no scheduler is running
+  },
 };
 
 /** reaper's functions, owned by the migrator with its tables. */
@@ -79,9 +106,10 @@ export const DEFAULT_DB_ROLE_TIMEOUTS: Readonly<Record<keyof DbRoleNames, DbRole
   // services also send per session; the role defaults cover any other client using the role.
   scheduler: { statementTimeoutMs: 60_000, lockTimeoutMs: 5_000, idleInTransactionSessionTimeoutMs: 60_000 },
   worker: { statementTimeoutMs: 60_000, lockTimeoutMs: 5_000, idleInTransactionSessionTimeoutMs: 60_000 },
+  operator: { statementTimeoutMs: 60_000, lockTimeoutMs: 5_000, idleInTransactionSessionTimeoutMs: 60_000 },
 };
 
-/** What each role gets on each policy's table, by policy kind. */
+/** What each role gets on each policy's table, by policy kind (the migrator and the operator: SELECT). */
 export function targetGrants(policies: PolicySet): Map<string, { scheduler: Set<DbPrivilege>; worker: Set<DbPrivilege> }> {
   const grants = new Map<string, { scheduler: Set<DbPrivilege>; worker: Set<DbPrivilege> }>();
   for (const policy of policies.values()) {
@@ -113,28 +141,73 @@ function targetSchemas(tables: Iterable<string>): string[] {
 }
 
 /**
+ * Revoke-then-grant for one of reaper's own tables, to the grantees given (those that exist): run
+ * by the table's owner, in one transaction, so no session sees the table without its grants.
+ */
+function reaperTableGrantSql(table: string, grants: ReaperTableGrants[string], grantees: Partial<Record<GranteeRole, string>>): string[] {
+  const q = (name: string) => quoteIdentifier(name);
+  const roles = GRANTEES.filter((role) => grantees[role] !== undefined);
+  const lines = [`REVOKE ALL ON ${q(table)} FROM ${['PUBLIC', ...roles.map((role) => q(grantees[role]!))].join(', ')};`];
+  for (const role of roles) {
+    const privileges = grants[role] ?? [];
+    if (privileges.length > 0) lines.push(`GRANT ${privileges.join(', ')} ON ${q(table)} TO ${q(grantees[role]!)};`);
+  }
+  return lines;
+}
+
+/**
+ * `reaper migrate` ends every run with this: REAPER_TABLE_GRANTS applied to each of reaper's tables
+ * that exists and that the migrating role owns (or may act as the owner of), for each grantee role
+ * that exists. A release whose migration adds a table lists it in REAPER_TABLE_GRANTS, and the
+ * services can use it as soon as the migration committed: no `roles --print` to re-run. Roles that
+ * do not exist (a local stack without least-privilege roles) are skipped. Returns what it granted.
+ */
+export async function reaperTablesGrant(
+  db: Db | pg.Client,
+  names: Pick<DbRoleNames, GranteeRole>,
+  grants: ReaperTableGrants = REAPER_TABLE_GRANTS,
+): Promise<{ tables: string[]; roles: string[] }> {
+  const existing = await db.query<{ name: string }>('SELECT rolname AS name FROM pg_roles WHERE rolname = ANY($1::text[])', [GRANTEES.map((role) => names[role])]);
+  const present = new Set(existing.rows.map((row) => row.name));
+  const grantees: Partial<Record<GranteeRole, string>> = {};
+  for (const role of GRANTEES) if (present.has(names[role])) grantees[role] = names[role];
+  if (Object.keys(grantees).length === 0) return { tables: [], roles: [] };
+  const owned = await db.query<{ name: string }>(
+    `SELECT n.name FROM unnest($1::text[]) AS n(name)
+     JOIN pg_class c ON c.oid = to_regclass(quote_ident(n.name))
+     WHERE pg_has_role(current_user, c.relowner, 'USAGE') ORDER BY n.name`,
+    [Object.keys(grants)],
+  );
+  const tables = owned.rows.map((row) => row.name);
+  if (tables.length > 0) await db.query(tables.flatMap((table) => reaperTableGrantSql(table, grants[table]!, grantees)).join('\n'));
+  return { tables, roles: Object.values(grantees) };
+}
+
+/**
  * The SQL that creates the roles (LOGIN, no password: set it with `ALTER ROLE ... PASSWORD` or use
  * your platform's authentication), sets their defaults and grants exactly what each needs.
  */
 export function rolesSql(policies: PolicySet, names: DbRoleNames = DEFAULT_DB_ROLE_NAMES, timeouts = DEFAULT_DB_ROLE_TIMEOUTS): string {
   const q = (name: string) => quoteIdentifier(name);
-  const { migrator, scheduler, worker } = { migrator: q(names.migrator), scheduler: q(names.scheduler), worker: q(names.worker) };
+  const { migrator, scheduler, worker, operator } = { migrator: q(names.migrator), scheduler: q(names.scheduler), worker: q(names.worker), operator: q(names.operator) };
+  const all = ['migrator', 'scheduler', 'worker', 'operator'] as const;
   const lines: string[] = [
-    `-- reaper: least-privilege roles (${names.migrator}, ${names.scheduler}, ${names.worker}).`,
+    `-- reaper: least-privilege roles (${all.map((role) => names[role]).join(', ')}).`,
     '-- Run after `reaper migrate`, as a superuser or the owner of every table below; safe to run again.',
     '-- Passwords are not set here: ALTER ROLE <role> PASSWORD ..., or your platform\'s authentication.',
     'BEGIN;',
     '',
     '-- The roles: log in, nothing else (no superuser, no CREATEROLE, no CREATEDB, no RLS bypass).',
   ];
-  for (const role of [names.migrator, names.scheduler, names.worker]) {
+  for (const key of all) {
+    const role = names[key];
     lines.push(
       `DO $$ BEGIN IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = ${literal(role)}) THEN CREATE ROLE ${q(role)}; END IF; END $$;`,
       `ALTER ROLE ${q(role)} LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS INHERIT;`,
     );
   }
   lines.push('', '-- Role defaults: every session of the role starts with these limits.');
-  for (const key of ['migrator', 'scheduler', 'worker'] as const) {
+  for (const key of all) {
     const limits = timeouts[key];
     const role = q(names[key]);
     lines.push(
@@ -151,27 +224,32 @@ export function rolesSql(policies: PolicySet, names: DbRoleNames = DEFAULT_DB_RO
   const targets = targetGrants(policies);
   lines.push(
     '',
-    '-- The database and the schema: the migrator creates tables, the services only look them up.',
-    `DO $$ BEGIN EXECUTE format('GRANT CONNECT ON DATABASE %I TO %I, %I, %I', current_database(), ${literal(names.migrator)}, ${literal(names.scheduler)}, ${literal(names.worker)}); END $$;`,
+    '-- The database and the schema: the migrator creates tables, the others only look them up.',
+    `DO $$ BEGIN EXECUTE format('GRANT CONNECT ON DATABASE %I TO %I, %I, %I, %I', current_database(), ${all.map((role) => literal(names[role])).join(', ')}); END $$;`,
     `GRANT USAGE, CREATE ON SCHEMA public TO ${migrator};`,
-    `GRANT USAGE ON SCHEMA public TO ${scheduler}, ${worker};`,
-    ...targetSchemas(targets.keys()).map((schema) => `GRANT USAGE ON SCHEMA ${q(schema)} TO ${scheduler}, ${worker};`),
+    `GRANT USAGE ON SCHEMA public TO ${scheduler}, ${worker}, ${operator};`,
+    ...targetSchemas(targets.keys()).map((schema) => `GRANT USAGE ON SCHEMA ${q(schema)} TO ${migrator}, ${scheduler}, ${worker}, ${operator};`),
     '',
     "-- reaper's own tables: owned by the migrator (later migrations alter them), then exactly the",
-    '-- statements each service runs (shared/db/queries/).',
+    '-- statements each role runs (shared/db/queries/). `reaper migrate` re-applies these grants at the',
+    '-- end of every run, so a table a later release adds needs no re-run of this file.',
   );
   for (const [table, grants] of Object.entries(REAPER_TABLE_GRANTS)) {
-    lines.push(`ALTER TABLE ${q(table)} OWNER TO ${migrator};`, `REVOKE ALL ON ${q(table)} FROM PUBLIC, ${scheduler}, ${worker};`);
-    if (grants.scheduler.length > 0) lines.push(`GRANT ${grants.scheduler.join(', ')} ON ${q(table)} TO ${scheduler};`);
-    if (grants.worker.length > 0) lines.push(`GRANT ${grants.worker.join(', ')} ON ${q(table)} TO ${worker};`);
+    lines.push(`ALTER TABLE ${q(table)} OWNER TO ${migrator};`, ...reaperTableGrantSql(table, grants, names));
   }
   for (const fn of REAPER_FUNCTIONS) lines.push(`ALTER FUNCTION ${fn} OWNER TO ${migrator};`);
-  lines.push('', '-- The policies\' tables (they belong to their application): per policy kind, see README "Deploying".');
+  lines.push(
+    '',
+    '-- The policies\' tables (they belong to their application): per policy kind, see README "Deploying".',
+    '-- The operator reads them (plan, status, trigger --execute); the migrator reads them for the live',
+    '-- views it owns (`reaper migrate --views`: a view reads its tables with its owner\'s rights).',
+  );
   for (const [table, grants] of targets) {
     lines.push(
-      `REVOKE ALL ON ${q(table)} FROM ${scheduler}, ${worker};`,
+      `REVOKE ALL ON ${q(table)} FROM ${migrator}, ${scheduler}, ${worker}, ${operator};`,
       `GRANT ${[...grants.scheduler].join(', ')} ON ${q(table)} TO ${scheduler};`,
       `GRANT ${[...grants.worker].join(', ')} ON ${q(table)} TO ${worker};`,
+      `GRANT SELECT ON ${q(table)} TO ${migrator}, ${operator};`,
     );
   }
   lines.push('', 'COMMIT;', '');
