@@ -6,7 +6,7 @@ import {
   grantStillGood,
   type AdmissionGrant,
 } from '../../../shared/admission/controller';
-import { policyVersion, type RemoteDeletePolicy } from '../../../shared/config/policies';
+import { eventsEnabled, policyVersion, type RemoteDeletePolicy } from '../../../shared/config/policies';
 import { auditRecordConfirmed } from '../../../shared/db/queries/audit';
 import { encodeBatch } from '../../../shared/contracts/batch';
 import { withTransaction } from '../../../shared/db/pool';
@@ -285,6 +285,7 @@ async function callAndRecord(
             assetId: operation.assetId,
             observedExpiry: observedExpiryOf(key, policy.name, operation.assetId),
             markConfirmed: policy.markConfirmed,
+            events: eventsEnabled(policy) ? { policyVersion: policyVersion(policy) } : null,
           });
         }
         return finished;

@@ -1,6 +1,7 @@
 import type { Db } from '../pool';
 import { quoteIdentifier } from '../pool';
 import { noActiveHold } from './holds';
+import { outboxInsertForRemovedSql } from './outbox';
 
 /**
  * SQL over a policy's own table ("the target"): the keyset scan the scheduler runs and the
@@ -196,7 +197,8 @@ export interface GroupBatchOutcome {
  * The row-delete step, ONE statement for one batch or several batches of one policy (a worker's
  * deliveries in hand): a conditional DELETE over all their items (each item checked against ITS batch's cutoff: key, exact observed expiry, expiry <=
  * least(cutoff, now), guard, no active hold, no receipt for its batch yet), one receipt per batch
- * counting the rows deleted for it, and the audit rows (with each row's own run and batch id).
+ * counting the rows deleted for it, and the audit rows (with each row's own run and batch id) and
+ * expiry-event outbox rows (shared/db/queries/outbox.ts) when those are on.
  * Batch ids must be distinct (the caller counts a repeated one as a duplicate no-op). A row named
  * by two batches of the group is deleted once and counted once, for one of them, as two statements
  * in a row would. The statement commits or fails as a whole.
@@ -209,6 +211,8 @@ export async function expiringRowsDeleteGroupIfStillExpired(
     batches: readonly GroupBatch[];
     workerId: string;
     audit?: { policyVersion: string } | null;
+    /** Expiry events on: one cleanup_outbox row per deleted row, in this statement. */
+    events?: { policyVersion: string } | null;
   },
 ): Promise<{ batches: GroupBatchOutcome[]; lagSeconds: number[] }> {
   const { table, key, expiresAt, keyType } = target;
@@ -218,6 +222,7 @@ export async function expiringRowsDeleteGroupIfStillExpired(
        SELECT $9, r.key, r.expiry, r.run_id, r.batch_id, $11 FROM removed r
      )`
     : '';
+  const outboxed = group.events ? outboxInsertForRemovedSql({ policy: '$9', policyVersion: '$11' }) : '';
   const ids: string[] = [];
   const expiries: string[] = [];
   const ordinals: number[] = [];
@@ -255,7 +260,7 @@ export async function expiringRowsDeleteGroupIfStillExpired(
        SELECT c.batch_id, c.run_id, $9, c.items, c.deleted, c.items - c.deleted, $8 FROM counted c ORDER BY c.ord
        ON CONFLICT (batch_id) DO NOTHING
        RETURNING batch_id
-     )${audited}
+     )${audited}${outboxed}
      SELECT c.batch_id, EXISTS (SELECT 1 FROM receipt r WHERE r.batch_id = c.batch_id) AS receipt_written, c.deleted, c.lag_seconds,
        -- $10 and $11 are named here so their types are known whichever CTEs are left out
        $10::int AS batches, $11::text AS policy_version
@@ -271,7 +276,7 @@ export async function expiringRowsDeleteGroupIfStillExpired(
       group.workerId,
       group.policy,
       group.batches.length,
-      group.audit?.policyVersion ?? null,
+      (group.audit ?? group.events)?.policyVersion ?? null,
       ...target.guardValues,
     ],
   );

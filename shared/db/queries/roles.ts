@@ -50,6 +50,9 @@ export const REAPER_TABLE_GRANTS: Readonly<Record<string, { scheduler: readonly 
   cleanup_holds: { scheduler: ['SELECT'], worker: ['SELECT'] },
   // audit rows: written by the deleting statements, kept to retainDays by the scheduler
   cleanup_audit: { scheduler: ['SELECT', 'DELETE'], worker: ['INSERT'] },
+  // expiry events: written by the deleting statements (the worker reads its size for the limit);
+  // `reaper relay` (scheduler role) publishes and deletes them, the scheduler's gauge reads their age
+  cleanup_outbox: { scheduler: ['SELECT', 'DELETE'], worker: ['SELECT', 'INSERT'] },
   // `reaper admission set`: live overrides every worker reads (set by operators)
   cleanup_admission_overrides: { scheduler: ['SELECT'], worker: ['SELECT'] },
   // each process records a heartbeat (and forgets old ones); the scheduler reads the workers' versions
