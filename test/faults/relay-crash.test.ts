@@ -3,10 +3,10 @@ import { after, before, beforeEach, describe, test } from 'node:test';
 import amqp, { type Channel, type ChannelModel, type GetMessage } from 'amqplib';
 import { EVENT_CAUSE_EXPIRY, EVENT_CAUSE_HEADER, type ExpiryEventV1 } from '../../shared/contracts/expiry-event';
 import { policyVersion, parsePolicies } from '../../shared/config/policies';
-import { closeBedAndBroker, makeRowBatch, openBedAndBroker, publishBatch, rowDeletePolicyYaml, type BedAndBroker } from '../support/fixtures';
+import { closeBedAndBroker, combinedPoliciesYaml, makeRowBatch, openBedAndBroker, publishBatch, rowDeletePolicyYaml, type BedAndBroker } from '../support/fixtures';
 import { eventually } from '../support/eventually';
-import { startReaper, type ReaperProcess } from '../support/processes';
-import { seedHolds } from '../support/seed';
+import { runReaperCli, startReaper, type ReaperProcess } from '../support/processes';
+import { countReservations, seedHolds } from '../support/seed';
 
 /**
  * Expiry events through the transactional outbox (README "Expiry events"): the deleting statement
@@ -16,19 +16,21 @@ import { seedHolds } from '../support/seed';
  */
 describe('expiry events: outbox and relay crashes', () => {
   const POLICY_YAML = rowDeletePolicyYaml({ batchSize: 100, events: true });
+  // The same rows under a second policy whose outbox limit is 3 (the pause test).
+  const SMALL_YAML = rowDeletePolicyYaml({ name: 'seat-holds-small', batchSize: 100, events: { maxOutbox: 3 } });
   let world: BedAndBroker;
   let consumer: ChannelModel;
   let channel: Channel;
   const queue = () => `${world.bed.prefix}.events-consumer`;
 
   before(async () => {
-    world = await openBedAndBroker('fault_relay_crash', POLICY_YAML);
+    world = await openBedAndBroker('fault_relay_crash', combinedPoliciesYaml(POLICY_YAML, SMALL_YAML));
     consumer = await amqp.connect(world.bed.amqpUrl);
     channel = await consumer.createChannel();
     // A consumer's own queue: the exchange as the topology declares it, the policy's routing key.
     await channel.assertExchange(world.names.eventsExchange, 'topic', { durable: true });
     await channel.assertQueue(queue(), { exclusive: true });
-    await channel.bindQueue(queue(), world.names.eventsExchange, 'seat-holds.expired');
+    for (const policy of ['seat-holds', 'seat-holds-small']) await channel.bindQueue(queue(), world.names.eventsExchange, `${policy}.expired`);
   });
 
   after(() => closeBedAndBroker(world, () => consumer.close()));
@@ -181,5 +183,42 @@ describe('expiry events: outbox and relay crashes', () => {
       await fresh.stop();
     }
     assert.equal((await drainEvents()).length, 0, 'each event once after the restart');
+  });
+
+  test('past events.maxOutbox the policy deletes nothing until the relay catches up, and `reaper status` says so', async () => {
+    const seeded = await seedHolds(world.bed.pool, { expiredHeld: 5 });
+    const first = seeded.expiredHeld.slice(0, 3);
+    const second = seeded.expiredHeld.slice(3);
+    const worker = startReaper('worker-limit', ['worker'], env({ REAPER_WORKER_ID: 'events-limit' }));
+    let relay: ReaperProcess | null = null;
+    try {
+      await worker.waitForLine('worker consuming', (line) => line.msg === 'worker consuming', 30_000);
+      const batchA = await makeRowBatch(world.bed.pool, first, { policy: 'seat-holds-small' });
+      await publishBatch(world.broker, world.names, batchA);
+      await worker.waitForLine('the first batch to settle', (line) => line.msg === 'batch settled' && line.batchId === batchA.batchId, 30_000);
+      assert.equal((await outboxKeys()).length, 3, 'the outbox is at its limit');
+
+      const batchB = await makeRowBatch(world.bed.pool, second, { policy: 'seat-holds-small' });
+      await publishBatch(world.broker, world.names, batchB);
+      const delayed = await worker.waitForLine('the second batch to be delayed', (line) => line.msg === 'batch delayed' && line.batchId === batchB.batchId, 30_000);
+      assert.equal(delayed.reason, 'outbox-full');
+      assert.equal(await countReservations(world.bed.pool, second), 2, 'nothing deleted while the outbox is full');
+
+      const status = await runReaperCli(['status', '--json'], env());
+      assert.equal(status.code, 0, status.stdout);
+      const row = (JSON.parse(status.stdout) as { policies: Array<{ policy: string; events: { outbox: number; maxOutbox: number; paused: boolean } | null }> }).policies.find(
+        (entry) => entry.policy === 'seat-holds-small',
+      );
+      assert.deepEqual({ outbox: row!.events!.outbox, maxOutbox: row!.events!.maxOutbox, paused: row!.events!.paused }, { outbox: 3, maxOutbox: 3, paused: true });
+
+      relay = startReaper('relay-limit', ['relay'], env());
+      await eventsArriving(3);
+      // The delayed batch comes back from its tier and, the outbox drained, deletes its rows.
+      await eventually('the paused batch to delete once the relay drained the outbox', async () => (await countReservations(world.bed.pool, second)) === 0, { timeoutMs: 40_000 });
+      await eventsArriving(2);
+    } finally {
+      await relay?.stop();
+      await worker.stop();
+    }
   });
 });

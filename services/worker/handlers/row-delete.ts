@@ -49,7 +49,7 @@ export type BatchGroupHandler = (batches: readonly BatchV1[], context: GroupCont
 export function makeRowDeleteGroupHandler(policy: RowDeletePolicy, target: ResolvedTarget): BatchGroupHandler {
   const audit = policy.audit?.enabled ? { policyVersion: policyVersion(policy) } : null;
   const events = eventsEnabled(policy) ? { policyVersion: policyVersion(policy) } : null;
-  const outboxOverLimit = makeOutboxLimitCheck(policy);
+  const outboxLimit = makeOutboxLimitCheck(policy);
 
   async function runInTransaction(batches: readonly BatchV1[], context: GroupContext, concurrency: number | null, holdUntil: number): Promise<GroupBatchOutcome[] | 'no-slot'> {
     const outcome = await untilRowSlot(
@@ -73,6 +73,7 @@ export function makeRowDeleteGroupHandler(policy: RowDeletePolicy, target: Resol
     );
     if (outcome === 'no-slot') return outcome;
     context.failpoint('after-commit');
+    outboxLimit.deleted(outcome.batches.reduce((sum, batch) => sum + batch.deleted, 0));
     for (const lag of outcome.lagSeconds) context.metrics.deletionLagSeconds.observe({ policy: policy.name }, lag);
     return outcome.batches;
   }
@@ -94,7 +95,7 @@ export function makeRowDeleteGroupHandler(policy: RowDeletePolicy, target: Resol
       else firstIndex.set(batch.batchId, index);
     });
     // Expiry events: past the outbox limit the policy deletes nothing until the relay catches up.
-    if (await outboxOverLimit(context.pool)) {
+    if (await outboxLimit.over(context.pool)) {
       context.log.warn({ policy: policy.name, maxOutbox: policy.events?.maxOutbox }, 'expiry-event outbox over its limit: deletions paused, batches go to a delay tier');
       for (const index of firstIndex.values()) results[index] = { kind: 'retry', delayMs: OUTBOX_FULL_RETRY_MS, reason: OUTBOX_FULL_REASON };
       return results.map((result) => result!);
