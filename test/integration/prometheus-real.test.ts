@@ -60,6 +60,7 @@ describe('a real Prometheus evaluates every dashboard and alert expression', () 
     expiresAt: expires_at
     guard: { status: held }
     batchSize: 2
+    events: { enabled: true }
   - name: media-assets
     kind: remote-delete
     schedule: "0 0 1 1 *"
