@@ -24,14 +24,20 @@ export interface OutboxLimitCheck {
  * own deletions since would reach the limit: the overshoot is what OTHER workers delete within
  * one TTL. A policy without events is never over.
  */
-export function makeOutboxLimitCheck(policy: Policy, now: () => number = () => performance.now()): OutboxLimitCheck {
+export function makeOutboxLimitCheck(
+  policy: Policy,
+  // Time and the count are inputs, so the unit test drives the cache without a clock or a database.
+  inputs: { now?: () => number; countUpTo?: (db: Db, policy: string, cap: number) => Promise<number> } = {},
+): OutboxLimitCheck {
+  const now = inputs.now ?? (() => performance.now());
+  const countUpTo = inputs.countUpTo ?? outboxCountUpTo;
   const limit = policy.events?.maxOutbox;
   if (!eventsEnabled(policy) || limit === undefined) return { over: () => Promise.resolve(false), deleted: () => undefined };
   let known: { count: number; deletedSince: number; at: number } | null = null;
   return {
     async over(db) {
       if (known && now() - known.at < OUTBOX_CHECK_TTL_MS && known.count + known.deletedSince < limit) return false;
-      const count = await outboxCountUpTo(db, policy.name, limit);
+      const count = await countUpTo(db, policy.name, limit);
       known = { count, deletedSince: 0, at: now() };
       return count >= limit;
     },
