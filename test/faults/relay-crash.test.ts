@@ -221,4 +221,36 @@ describe('expiry events: outbox and relay crashes', () => {
       await worker.stop();
     }
   });
+
+  test("the relay's database connection killed between the confirm and the outbox delete: nothing lost, the same ids again", async () => {
+    const seeded = await seedHolds(world.bed.pool, { expiredHeld: 4 });
+    await deleteThroughWorker(seeded.expiredHeld);
+    // A SHARE lock on the outbox lets the relay take and publish its batch (FOR UPDATE is ROW
+    // SHARE) but makes its DELETE wait: the relay is held after the confirm, before the delete.
+    const lock = await world.bed.pool.connect();
+    let relay: ReaperProcess | null = null;
+    try {
+      await lock.query('BEGIN');
+      await lock.query('LOCK TABLE cleanup_outbox IN SHARE MODE');
+      relay = startReaper('relay-db-lost', ['relay'], env());
+      const first = await eventsArriving(4);
+      const waiting = await eventually('the relay DELETE to wait on the outbox lock', async () => {
+        const found = await world.bed.pool.query<{ pid: number }>(
+          `SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND application_name LIKE 'reaper-relay%' AND wait_event_type = 'Lock'`,
+        );
+        return found.rows[0]?.pid;
+      });
+      await world.bed.pool.query('SELECT pg_terminate_backend($1)', [waiting]);
+      await lock.query('COMMIT');
+      const again = await eventsArriving(4);
+      assert.deepEqual(again.map(idOf).sort(), first.map(idOf).sort(), 'republished with the same message ids');
+      await eventually('the outbox to be empty', async () => (await outboxKeys()).length === 0);
+      const stopped = await relay.stop();
+      assert.equal(stopped.code, 0, 'the relay survived the lost connection and drains cleanly');
+    } finally {
+      await lock.query('ROLLBACK').catch(() => undefined); // already committed unless the test failed first
+      lock.release();
+      await relay?.stop();
+    }
+  });
 });
