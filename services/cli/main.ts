@@ -49,7 +49,7 @@ export function makeProgram(): Command {
   // Commands that publish a run themselves (`execute`, `trigger`/`replay --execute`) handle Ctrl-C
   // on their own: they stop at the next window boundary and hand the run back (services/cli/runs.ts).
   program.hook('preAction', (_program, action) => {
-    const drainsItself = ['scheduler', 'worker', 'execute'].includes(action.name()) || action.opts().execute === true;
+    const drainsItself = ['scheduler', 'worker', 'relay', 'execute'].includes(action.name()) || action.opts().execute === true;
     if (!drainsItself) stopOnSignals();
   });
 

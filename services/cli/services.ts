@@ -7,6 +7,7 @@ import { liveViewsCreate } from '../../shared/db/queries/live-views';
 import { DEFAULT_DB_ROLE_NAMES } from '../../shared/db/queries/roles';
 import { loadPolicies } from '../../shared/config/policies';
 import { makeLogger } from '../../shared/observability/logger';
+import { startRelay } from '../relay/relay';
 import { startScheduler } from '../scheduler/scheduler';
 import { startWorker } from '../worker/worker';
 import { context, UsageError, withPool } from './common';
@@ -16,10 +17,11 @@ import { printResult } from './output';
 /** `reaper migrate`, `scheduler`, `worker`, `topology` and `demo`: running and setting up reaper itself. */
 
 /** Runs a service in the foreground until SIGTERM/SIGINT, then drains and exits 0. */
-async function runService(kind: 'scheduler' | 'worker'): Promise<void> {
+async function runService(kind: 'scheduler' | 'worker' | 'relay'): Promise<void> {
   const { env, policies } = context();
   const log = makeLogger({ level: env.logLevel, service: kind, workerId: env.workerId });
-  const handle = kind === 'scheduler' ? await startScheduler(env, policies, log) : await startWorker(env, policies, log);
+  const start = { scheduler: startScheduler, worker: startWorker, relay: startRelay }[kind];
+  const handle = await start(env, policies, log);
   log.info({ httpPort: handle.httpPort, policies: [...policies.keys()] }, `${kind} started`);
   await new Promise<void>((resolve) => {
     const shutdown = (signal: string) => {
@@ -72,6 +74,10 @@ export function registerServiceCommands(program: Command): void {
 
   program.command('scheduler').description('run the scheduler in the foreground').action(() => runService('scheduler'));
   program.command('worker').description('run a worker in the foreground').action(() => runService('worker'));
+  program
+    .command('relay')
+    .description('publish expiry events from the outbox to <prefix>.events in the foreground (several may run)')
+    .action(() => runService('relay'));
 
   program
     .command('topology')

@@ -1,11 +1,13 @@
 import { Command, Option } from 'commander';
 import type { Env } from '../../shared/config/env';
-import type { Policy, PolicySet } from '../../shared/config/policies';
+import { eventsEnabled, type Policy, type PolicySet } from '../../shared/config/policies';
 import { connectAny } from '../../shared/amqp/connection';
 import { brokerNames, DELAY_TIERS_MS } from '../../shared/amqp/topology';
 import { admissionList, replicationLagRead } from '../../shared/db/queries/admission';
 import { admissionViews } from '../../shared/admission/overrides';
 import { ledgerCountsByPolicy } from '../../shared/db/queries/ledger';
+import { outboxCountUpTo, outboxOldestAges } from '../../shared/db/queries/outbox';
+import type { Db } from '../../shared/db/pool';
 import { ELIGIBLE_ROWS_CAP } from '../../shared/db/queries/backlog';
 import { targetResolve, type ResolvedTarget } from '../../shared/db/queries/expiring-rows';
 import { runsListSummaries } from '../../shared/db/queries/runs';
@@ -32,6 +34,7 @@ async function collectStatus(env: Env, policies: PolicySet) {
     const replication = await replicationLagRead(pool);
     const recent = await runsListSummaries(pool, { limit: 500 });
     const depths = await queueDepths(env, [...policies.keys()]);
+    const events = await eventsStatus(pool, [...policies.values()]);
     const brokerError = depths.error;
     const now = new Date();
     return {
@@ -72,6 +75,9 @@ async function collectStatus(env: Env, policies: PolicySet) {
           confirmed: counts?.confirmed ?? 0,
           rejected: counts?.rejected ?? 0,
           gaveUp: counts?.gaveUp ?? 0,
+          // Expiry events (null when off): unpublished events (counted up to the limit) and whether
+          // the policy's deletions are paused because the outbox reached events.maxOutbox.
+          events: events.get(policy.name) ?? null,
         };
       }),
       deadLetters: depths.deadLetters,
@@ -88,6 +94,19 @@ function scheduleWindowStatus(window: Policy['window'], now: Date) {
   return state.open
     ? { window: describeWindow(window), open: true, closesAt: state.closesAt!.toISOString(), opensAt: null, summary: `open (${describeWindow(window)}), closes at ${state.closesAt!.toISOString()}` }
     : { window: describeWindow(window), open: false, closesAt: null, opensAt: state.opensAt.toISOString(), summary: outsideWindowMessage(window, state.opensAt) };
+}
+
+/** Per policy with expiry events: its outbox as the workers' limit check sees it (services/worker/outbox-limit.ts). */
+async function eventsStatus(pool: Db, policies: readonly Policy[]) {
+  const withEvents = policies.filter(eventsEnabled);
+  const ages = new Map((await outboxOldestAges(pool, withEvents.map((policy) => policy.name))).map((row) => [row.policy, row.oldestAgeSeconds]));
+  const result = new Map<string, { outbox: number; maxOutbox: number; oldestAgeSeconds: number; paused: boolean }>();
+  for (const policy of withEvents) {
+    const maxOutbox = policy.events!.maxOutbox;
+    const outbox = await outboxCountUpTo(pool, policy.name, maxOutbox);
+    result.set(policy.name, { outbox, maxOutbox, oldestAgeSeconds: roundSeconds(ages.get(policy.name) ?? 0), paused: outbox >= maxOutbox });
+  }
+  return result;
 }
 
 /** Ages to the millisecond: enough for an operator, and stable in JSON. */
@@ -174,12 +193,19 @@ export function registerStatusCommand(program: Command): void {
               lag: row.lastCompletedLagSeconds === null ? null : `${row.lastCompletedLagSeconds}s`,
               admission: `${describeAdmission(row.admission.inForce, row.admission.rateUnit)}${row.admission.override ? ` (override by ${row.admission.override.setBy})` : ''}`,
               window: row.window?.summary ?? null,
+              events:
+                row.events === null
+                  ? null
+                  : `${row.events.paused ? 'PAUSED (outbox full) ' : ''}outbox ${row.events.outbox}${row.events.paused ? '+' : ''}/${row.events.maxOutbox}, oldest ${row.events.oldestAgeSeconds}s`,
               brake: row.brake === null ? null : `${row.brake.engaged ? 'ENGAGED' : 'off'} (lag ${row.brake.lagSeconds}s, max ${row.brake.maxReplicationLagSeconds}s)`,
             })),
-            ['policy', 'kind', 'window', 'paused', 'admission', 'brake', 'oldestEligible', 'oldestLeased', 'waiting', 'lastCompleted', 'lag', 'lastRun', 'lastRunState', 'lastRunCounted', 'lastRunApproved', 'lastRunError', 'queued', 'pending', 'inFlight', 'confirmed', 'rejected', 'gaveUp'],
+            ['policy', 'kind', 'window', 'paused', 'admission', 'brake', 'events', 'oldestEligible', 'oldestLeased', 'waiting', 'lastCompleted', 'lag', 'lastRun', 'lastRunState', 'lastRunCounted', 'lastRunApproved', 'lastRunError', 'queued', 'pending', 'inFlight', 'confirmed', 'rejected', 'gaveUp'],
           ),
           `delay tiers (retries waiting): ${status.delayed ?? 'unknown'} message(s)`,
           `dead-letter queue: ${status.deadLetters ?? 'unknown'} message(s)`,
+          ...status.policies
+            .filter((row) => row.events?.paused)
+            .map((row) => `${row.policy}: deletions paused: ${row.events!.outbox}+ expiry events unpublished (events.maxOutbox ${row.events!.maxOutbox}); is \`reaper relay\` running, and a queue bound to the events exchange?`),
           ...(status.brokerError ? [`broker not reachable, queue counts unknown: ${status.brokerError}`] : []),
         ].join('\n'),
       );

@@ -1,6 +1,6 @@
 import { createTask } from 'node-cron';
 import type { Logger } from 'pino';
-import type { Policy, PolicySet } from '../../shared/config/policies';
+import { eventsEnabled, type Policy, type PolicySet } from '../../shared/config/policies';
 import type { Db } from '../../shared/db/pool';
 import {
   admissionGaugeRead,
@@ -15,6 +15,7 @@ import {
   type TargetBacklog,
 } from '../../shared/db/queries/backlog';
 import type { ResolvedTarget } from '../../shared/db/queries/expiring-rows';
+import { outboxOldestAges } from '../../shared/db/queries/outbox';
 import { KNOWN_LABELS, type Metrics } from '../../shared/observability/metrics';
 import { CRON_TIMEZONE } from './ticks';
 
@@ -93,6 +94,7 @@ export function startBacklogGauges(deps: {
   const policies = [...deps.policies.values()];
   const names = policies.map((policy) => policy.name);
   const remoteNames = policies.filter((policy) => policy.kind === 'remote-delete').map((policy) => policy.name);
+  const eventNames = policies.filter(eventsEnabled).map((policy) => policy.name);
   for (const policy of policies) {
     metrics.scheduleIntervalSeconds.set({ policy: policy.name }, scheduleIntervalSeconds(policy.schedule));
     if (policy.kind !== 'remote-delete') continue;
@@ -123,6 +125,7 @@ export function startBacklogGauges(deps: {
     const runs = await runStateCounts(db, names);
     const ledger = remoteNames.length > 0 ? await ledgerStateCounts(db, remoteNames) : [];
     const admission = remoteNames.length > 0 ? await admissionGaugeRead(db, remoteNames) : [];
+    const outbox = eventNames.length > 0 ? await outboxOldestAges(db, eventNames) : [];
     // Everything read: set the gauges in one synchronous step, so a scrape sees one pass, not half of two.
     for (const entry of backlog) {
       const policy = entry.policy;
@@ -146,6 +149,7 @@ export function startBacklogGauges(deps: {
       metrics.admissionPaused.set({ policy: row.policy }, row.paused ? 1 : 0);
       metrics.admissionBlockedUntilTimestampSeconds.set({ policy: row.policy }, row.blockedUntilSeconds);
     }
+    for (const row of outbox) metrics.outboxOldestAgeSeconds.set({ policy: row.policy }, row.oldestAgeSeconds);
     metrics.backlogRefreshTimestampSeconds.set(Date.now() / 1000);
   }
 

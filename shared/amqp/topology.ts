@@ -8,7 +8,7 @@ import type { Channel } from 'amqplib';
 
 export interface ExchangeSpec {
   name: string;
-  type: 'direct' | 'headers';
+  type: 'direct' | 'headers' | 'topic';
   options: Options.AssertExchange;
 }
 export interface QueueSpec {
@@ -34,6 +34,8 @@ export interface BrokerNames {
   workExchange: string;
   delayExchange: string;
   deadLetterQueue: string;
+  /** Expiry events (`reaper relay`), routing key `<policy>.expired` (shared/contracts/expiry-event.ts). */
+  eventsExchange: string;
   workQueue(policy: string): string;
   delayQueue(ms: number): string;
   /**
@@ -49,6 +51,7 @@ export function brokerNames(prefix: string): BrokerNames {
     workExchange: `${prefix}.cleanup`,
     delayExchange: `${prefix}.delay`,
     deadLetterQueue: `${prefix}.dead-letter`,
+    eventsExchange: `${prefix}.events`,
     workQueue: (policy) => `${prefix}.cleanup.${policy}`,
     delayQueue: (ms) => `${prefix}.delay.${ms}`,
     presenceQueue: (policy, instanceId) => `${prefix}.presence.${policy}.${instanceId}`,
@@ -72,6 +75,10 @@ export function makeTopology(options: { prefix: string; policies: readonly strin
     // A headers exchange picks the tier from DELAY_HEADER while the routing key stays the policy
     // name, so the expired message dead-letters back to the work exchange under its own key.
     { name: names.delayExchange, type: 'headers', options: { durable: true } },
+    // Expiry events: consumers bind their own queues (`<policy>.expired`, `#.expired`); reaper
+    // declares none, and the relay publishes `mandatory`, so with no queue bound the events stay
+    // in the outbox instead of being dropped.
+    { name: names.eventsExchange, type: 'topic', options: { durable: true } },
   ];
   const queues: QueueSpec[] = [
     { name: names.deadLetterQueue, options: { durable: true, arguments: { 'x-queue-type': 'quorum', ...replicas } } },

@@ -72,6 +72,18 @@ const common = {
       retainDays: z.number().int().min(1).max(3650).default(90),
     })
     .optional(),
+  /**
+   * Expiry events through the transactional outbox (README "Expiry events"): one cleanup_outbox row
+   * per deletion, in the deleting transaction, published by `reaper relay`. `maxOutbox`: past this
+   * many unpublished events the policy's deletions pause (a broker outage only lets the outbox grow
+   * up to here). Optional, not defaulted at the top: an absent key keeps the policy version unchanged.
+   */
+  events: z
+    .strictObject({
+      enabled: z.boolean().default(true),
+      maxOutbox: z.number().int().min(1).max(100_000_000).default(100_000),
+    })
+    .optional(),
 };
 
 const rowDeletePolicy = z.strictObject({
@@ -146,6 +158,11 @@ const remotePolicy = z.strictObject({
 
 /** limits.approvalTolerance when the file does not set it: an approved run publishes at most 10 % more than was counted. */
 export const DEFAULT_APPROVAL_TOLERANCE = 0.1;
+
+/** Whether a policy writes expiry events (events.enabled; off when the key is absent). */
+export function eventsEnabled(policy: Policy): boolean {
+  return policy.events?.enabled === true;
+}
 
 /** leaseMs >= remote.timeoutMs + this (README "Configuration"): the margin a claim needs beyond the request itself. */
 export const LEASE_MARGIN_MS = 10_000;

@@ -179,6 +179,12 @@ export function makeMetrics(policies: readonly MetricPolicy[] = []) {
       labelNames: ['policy'] as const,
       registers: [registry],
     }),
+    outboxOldestAgeSeconds: new Gauge({
+      name: 'reaper_outbox_oldest_age_seconds',
+      help: 'Expiry events: now minus the deletion time of the oldest event not yet published by `reaper relay` (0 when none)',
+      labelNames: ['policy'] as const,
+      registers: [registry],
+    }),
     oldestRunnableAgeSeconds: new Gauge({
       name: 'reaper_oldest_runnable_age_seconds',
       help: 'remote-delete: now minus not_before of the oldest pending operation that is due (0 when none)',

@@ -32,15 +32,23 @@ export const SCHEDULER_FAILPOINTS = [
   'scheduler-after-checkpoint',
 ] as const;
 
+/** `reaper relay`'s points, in the order a batch of outbox rows reaches them (services/relay/relay.ts). */
+export const RELAY_FAILPOINTS = [
+  /** The batch of outbox rows is taken (locked); nothing of it is published yet. */
+  'relay-before-publish',
+  /** Every event of the batch is confirmed by the broker; the outbox rows are not deleted yet. */
+  'relay-after-confirm',
+] as const;
+
 /** The CLI's points (services/cli). */
 export const CLI_FAILPOINTS = [
   /** `reaper restore`: a batch of rows is restored and committed; the next batch is not started. */
   'restore-after-batch',
 ] as const;
 
-export type FailpointName = (typeof WORKER_FAILPOINTS)[number] | (typeof SCHEDULER_FAILPOINTS)[number] | (typeof CLI_FAILPOINTS)[number];
+export type FailpointName = (typeof WORKER_FAILPOINTS)[number] | (typeof SCHEDULER_FAILPOINTS)[number] | (typeof RELAY_FAILPOINTS)[number] | (typeof CLI_FAILPOINTS)[number];
 
-const KNOWN: ReadonlySet<string> = new Set<string>([...WORKER_FAILPOINTS, ...SCHEDULER_FAILPOINTS, ...CLI_FAILPOINTS]);
+const KNOWN: ReadonlySet<string> = new Set<string>([...WORKER_FAILPOINTS, ...SCHEDULER_FAILPOINTS, ...RELAY_FAILPOINTS, ...CLI_FAILPOINTS]);
 
 /** The variable as read once: null when unarmed; `unknown` holds the refusal of a name that is no point. */
 let armed: { point: string | null; unknown: Error | null } | undefined;

@@ -54,7 +54,7 @@ describe('a real Prometheus evaluates every dashboard and alert expression', () 
     folder = mkdtempSync(path.join(tmpdir(), 'reaper-test-prometheus-'));
     bed.writePolicies(
       combinedPoliciesYaml(
-        rowDeletePolicyYaml({ batchSize: 2 }),
+        rowDeletePolicyYaml({ batchSize: 2, events: true }),
         mediaPolicyYaml({ baseUrl: api.url, ratePerSecond: 20, burst: 5, concurrency: 2, batchSize: 2 }),
       ),
     );

@@ -36,6 +36,8 @@ export interface RowDeletePolicyOptions {
   archiveRetainDays?: number;
   /** The blast-radius brake's `limits` (written as given). */
   limits?: { maxPerRun?: number; maxFractionPerRun?: number; approvalTolerance?: number };
+  /** Turn expiry events on (`true`), or with this outbox limit. */
+  events?: true | { maxOutbox: number };
 }
 
 /** A row-delete policies file (one policy; seat_reservations' held rows unless told otherwise). */
@@ -54,6 +56,7 @@ export function rowDeletePolicyYaml(options: RowDeletePolicyOptions = {}): strin
   if (options.batchSize !== undefined) lines.push(`    batchSize: ${options.batchSize}`);
   if (options.audit) lines.push('    audit: { enabled: true, retainDays: 30 }');
   if (options.archiveRetainDays !== undefined) lines.push(`    archive: { enabled: true, retainDays: ${options.archiveRetainDays} }`);
+  if (options.events) lines.push(`    events: { enabled: true${options.events === true ? '' : `, maxOutbox: ${options.events.maxOutbox}`} }`);
   if (options.limits) lines.push(`    limits: { ${Object.entries(options.limits).map(([limit, value]) => `${limit}: ${value}`).join(', ')} }`);
   return `${lines.join('\n')}\n`;
 }

@@ -6,7 +6,7 @@ import {
   grantStillGood,
   type AdmissionGrant,
 } from '../../../shared/admission/controller';
-import { policyVersion, type RemoteDeletePolicy } from '../../../shared/config/policies';
+import { eventsEnabled, policyVersion, type RemoteDeletePolicy } from '../../../shared/config/policies';
 import { auditRecordConfirmed } from '../../../shared/db/queries/audit';
 import { encodeBatch } from '../../../shared/contracts/batch';
 import { withTransaction } from '../../../shared/db/pool';
@@ -24,6 +24,7 @@ import {
   type ClaimedOperation,
 } from '../../../shared/db/queries/ledger';
 import type { RemoteCleanupClient, RemoteOutcome } from '../../../shared/remote/client';
+import { makeOutboxLimitCheck, OUTBOX_FULL_REASON, OUTBOX_FULL_RETRY_MS } from '../outbox-limit';
 import type { BatchHandler, HandlerContext } from './types';
 
 /** Upper bound of the random extra wait added to a Retry-After (bounded jitter, never negative). */
@@ -85,7 +86,13 @@ const sleep = (ms: number) => new Promise<void>((resolve) => setTimeout(resolve,
  */
 export function makeRemoteDeleteHandler(policy: RemoteDeletePolicy, target: ResolvedTarget, remote: RemoteCleanupClient): BatchHandler {
   const rate = bucketShape(policy.admission.ratePerSecond, policy.admission.burst).ratePerSecond;
+  const outboxLimit = makeOutboxLimitCheck(policy);
   return async (batch, context) => {
+    // Expiry events: past the outbox limit no remote call is made for the policy (no deletion) until the relay catches up.
+    if (await outboxLimit.over(context.pool)) {
+      context.log.warn({ policy: policy.name, maxOutbox: policy.events?.maxOutbox }, 'expiry-event outbox over its limit: deletions paused, batch goes to a delay tier');
+      return { kind: 'retry', delayMs: OUTBOX_FULL_RETRY_MS, reason: OUTBOX_FULL_REASON };
+    }
     const recorded = await withTransaction(context.pool, async (client) => {
       const candidates = await ledgerRecordCandidates(client, target, {
         policy: policy.name,
@@ -285,6 +292,7 @@ async function callAndRecord(
             assetId: operation.assetId,
             observedExpiry: observedExpiryOf(key, policy.name, operation.assetId),
             markConfirmed: policy.markConfirmed,
+            events: eventsEnabled(policy) ? { policyVersion: policyVersion(policy) } : null,
           });
         }
         return finished;

@@ -1,10 +1,11 @@
 import { overrideFor, rowAdmissionWith } from '../../../shared/admission/overrides';
 import { admitRows, takeRowSlot, untilRowSlot } from '../../../shared/admission/rows';
-import { policyVersion, type RowDeletePolicy } from '../../../shared/config/policies';
+import { eventsEnabled, policyVersion, type RowDeletePolicy } from '../../../shared/config/policies';
 import type { BatchV1 } from '../../../shared/contracts/batch';
 import { withTransaction } from '../../../shared/db/pool';
 import { expiringRowsDeleteGroupIfStillExpired, type GroupBatchOutcome, type ResolvedTarget } from '../../../shared/db/queries/expiring-rows';
 import { classifyHandlerError } from '../errors';
+import { makeOutboxLimitCheck, OUTBOX_FULL_REASON, OUTBOX_FULL_RETRY_MS } from '../outbox-limit';
 import type { BatchResult } from '../results';
 import type { BatchHandler, HandlerContext } from './types';
 
@@ -48,6 +49,8 @@ export type BatchGroupHandler = (batches: readonly BatchV1[], context: GroupCont
 export function makeRowDeleteGroupHandler(policy: RowDeletePolicy, target: ResolvedTarget): BatchGroupHandler {
   const audit = policy.audit?.enabled ? { policyVersion: policyVersion(policy) } : null;
   const archive = policy.archive?.enabled ? { policyVersion: policyVersion(policy) } : null;
+  const events = eventsEnabled(policy) ? { policyVersion: policyVersion(policy) } : null;
+  const outboxLimit = makeOutboxLimitCheck(policy);
 
   async function runInTransaction(batches: readonly BatchV1[], context: GroupContext, concurrency: number | null, holdUntil: number): Promise<GroupBatchOutcome[] | 'no-slot'> {
     const outcome = await untilRowSlot(
@@ -62,6 +65,7 @@ export function makeRowDeleteGroupHandler(policy: RowDeletePolicy, target: Resol
               workerId: context.workerId,
               audit,
               archive,
+              events,
             });
           },
           // Between the statement and COMMIT: a crash here loses the transaction, never half of it.
@@ -71,6 +75,7 @@ export function makeRowDeleteGroupHandler(policy: RowDeletePolicy, target: Resol
     );
     if (outcome === 'no-slot') return outcome;
     context.failpoint('after-commit');
+    outboxLimit.deleted(outcome.batches.reduce((sum, batch) => sum + batch.deleted, 0));
     for (const lag of outcome.lagSeconds) context.metrics.deletionLagSeconds.observe({ policy: policy.name }, lag);
     return outcome.batches;
   }
@@ -91,6 +96,12 @@ export function makeRowDeleteGroupHandler(policy: RowDeletePolicy, target: Resol
       if (firstIndex.has(batch.batchId)) results[index] = { kind: 'done', deleted: 0, noop: batch.items.length, duplicate: true };
       else firstIndex.set(batch.batchId, index);
     });
+    // Expiry events: past the outbox limit the policy deletes nothing until the relay catches up.
+    if (await outboxLimit.over(context.pool)) {
+      context.log.warn({ policy: policy.name, maxOutbox: policy.events?.maxOutbox }, 'expiry-event outbox over its limit: deletions paused, batches go to a delay tier');
+      for (const index of firstIndex.values()) results[index] = { kind: 'retry', delayMs: OUTBOX_FULL_RETRY_MS, reason: OUTBOX_FULL_REASON };
+      return results.map((result) => result!);
+    }
     // Throttled: a group takes at most one bucket (the burst) or one batch, so any second sees at
     // most the rate plus one batch; unthrottled, the whole group goes as one statement.
     const inForce = rowAdmissionWith(policy, await overrideFor(context.pool, policy.name));

@@ -2,6 +2,7 @@ import type { Db } from '../pool';
 import { quoteIdentifier } from '../pool';
 import { archivedCte } from './archive';
 import { noActiveHold } from './holds';
+import { outboxInsertForRemovedSql } from './outbox';
 
 /**
  * SQL over a policy's own table ("the target"): the keyset scan the scheduler runs and the
@@ -212,8 +213,9 @@ export interface GroupBatchOutcome {
  * The row-delete step, ONE statement for one batch or several batches of one policy (a worker's
  * deliveries in hand): a conditional DELETE over all their items (each item checked against ITS batch's cutoff: key, exact observed expiry, expiry <=
  * least(cutoff, now), guard, no active hold, no receipt for its batch yet), one receipt per batch
- * counting the rows deleted for it, the audit rows (with each row's own run and batch id) and the
- * archived rows (archivedCte, shared/db/queries/archive.ts).
+ * counting the rows deleted for it, the audit rows (with each row's own run and batch id), the
+ * archived rows (archivedCte, shared/db/queries/archive.ts) and the expiry-event outbox rows
+ * (shared/db/queries/outbox.ts) when those are on.
  * Batch ids must be distinct (the caller counts a repeated one as a duplicate no-op). A row named
  * by two batches of the group is deleted once and counted once, for one of them, as two statements
  * in a row would. The statement commits or fails as a whole.
@@ -228,6 +230,8 @@ export async function expiringRowsDeleteGroupIfStillExpired(
     audit?: { policyVersion: string } | null;
     /** Copy each deleted row into cleanup_archive (archive.enabled), with this policy version. */
     archive?: { policyVersion: string } | null;
+    /** Expiry events on: one cleanup_outbox row per deleted row, in this statement. */
+    events?: { policyVersion: string } | null;
   },
 ): Promise<{ batches: GroupBatchOutcome[]; lagSeconds: number[] }> {
   const { table, key, expiresAt, keyType } = target;
@@ -238,6 +242,7 @@ export async function expiringRowsDeleteGroupIfStillExpired(
      )`
     : '';
   const archived = archivedCte(!!group.archive);
+  const outboxed = group.events ? outboxInsertForRemovedSql({ policy: '$9', policyVersion: '$11' }) : '';
   const ids: string[] = [];
   const expiries: string[] = [];
   const ordinals: number[] = [];
@@ -275,7 +280,7 @@ export async function expiringRowsDeleteGroupIfStillExpired(
        SELECT c.batch_id, c.run_id, $9, c.items, c.deleted, c.items - c.deleted, $8 FROM counted c ORDER BY c.ord
        ON CONFLICT (batch_id) DO NOTHING
        RETURNING batch_id
-     )${audited}${archived.cte}
+     )${audited}${archived.cte}${outboxed}
      SELECT c.batch_id, EXISTS (SELECT 1 FROM receipt r WHERE r.batch_id = c.batch_id) AS receipt_written, c.deleted, c.lag_seconds,
        -- $10 and $11 are named here so their types are known whichever CTEs are left out
        $10::int AS batches, $11::text AS policy_version
@@ -291,7 +296,7 @@ export async function expiringRowsDeleteGroupIfStillExpired(
       group.workerId,
       group.policy,
       group.batches.length,
-      (group.audit ?? group.archive)?.policyVersion ?? null,
+      (group.audit ?? group.archive ?? group.events)?.policyVersion ?? null,
       ...target.guardValues,
     ],
   );

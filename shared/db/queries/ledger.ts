@@ -1,6 +1,7 @@
 import { quoteIdentifier, type Db } from '../pool';
 import { guardSql, type ExpiringItem, type ResolvedTarget } from './expiring-rows';
 import { noActiveHold } from './holds';
+import { outboxInsertForSettledSql } from './outbox';
 
 /**
  * The remote-delete ledger (cleanup_ledger): the record of remote work. Every transition is
@@ -359,7 +360,13 @@ export async function ledgerDatabaseNow(db: Db): Promise<string> {
 export async function targetSettleConfirmed(
   db: Db,
   target: ResolvedTarget,
-  settle: { assetId: string; observedExpiry: string; markConfirmed: Readonly<Record<string, string | number | boolean>> | undefined },
+  settle: {
+    assetId: string;
+    observedExpiry: string;
+    markConfirmed: Readonly<Record<string, string | number | boolean>> | undefined;
+    /** Expiry events on: a settled row gets one cleanup_outbox row, in this statement. */
+    events?: { policyVersion: string } | null;
+  },
 ): Promise<'settled' | 'held' | 'changed'> {
   const { table, key, expiresAt, keyType } = target;
   const guard = guardSql(target, 4);
@@ -374,6 +381,11 @@ export async function targetSettleConfirmed(
     statement = `UPDATE ${table} t SET ${assignments.join(', ')} WHERE ${decision} AND ${notHeld}`;
   } else {
     statement = `DELETE FROM ${table} t WHERE ${decision} AND ${notHeld}`;
+  }
+  if (settle.events) {
+    params.push(settle.events.policyVersion);
+    const settled = `${statement} RETURNING t.${key}::text AS key, t.${expiresAt} AS expiry`;
+    statement = `WITH settled AS (${settled})${outboxInsertForSettledSql({ policy: '$3', policyVersion: `$${params.length}` })} SELECT 1 FROM settled`;
   }
   if (((await db.query(statement, params)).rowCount ?? 0) > 0) return 'settled';
   // Not settled: held, or the row changed. The operation is found by the row's canonical key.

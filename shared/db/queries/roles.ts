@@ -78,6 +78,9 @@ export const REAPER_TABLE_GRANTS: ReaperTableGrants = {
   cleanup_archive: { scheduler: ['SELECT', 'DELETE'], worker: ['INSERT'], operator: ['SELECT'] },
   // the restore log: written by `reaper restore` only
   cleanup_restores: { scheduler: [], worker: [], operator: ['SELECT'] },
+  // expiry events: written by the deleting statements (the worker reads its size for the limit);
+  // `reaper relay` (scheduler role) publishes and deletes them, the scheduler's gauge reads their age
+  cleanup_outbox: { scheduler: ['SELECT', 'DELETE'], worker: ['SELECT', 'INSERT'], operator: ['SELECT'] },
   // `reaper admission set`: live overrides every worker reads (set by operators)
   cleanup_admission_overrides: { scheduler: ['SELECT'], worker: ['SELECT'], operator: ['SELECT', 'INSERT', 'UPDATE', 'DELETE'] },
   // each process records a heartbeat (and forgets old ones); the scheduler reads the workers' versions

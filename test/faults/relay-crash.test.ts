@@ -1,0 +1,256 @@
+import assert from 'node:assert/strict';
+import { after, before, beforeEach, describe, test } from 'node:test';
+import amqp, { type Channel, type ChannelModel, type GetMessage } from 'amqplib';
+import { EVENT_CAUSE_EXPIRY, EVENT_CAUSE_HEADER, type ExpiryEventV1 } from '../../shared/contracts/expiry-event';
+import { policyVersion, parsePolicies } from '../../shared/config/policies';
+import { closeBedAndBroker, combinedPoliciesYaml, makeRowBatch, openBedAndBroker, publishBatch, rowDeletePolicyYaml, type BedAndBroker } from '../support/fixtures';
+import { eventually } from '../support/eventually';
+import { runReaperCli, startReaper, type ReaperProcess } from '../support/processes';
+import { countReservations, seedHolds } from '../support/seed';
+
+/**
+ * Expiry events through the transactional outbox (README "Expiry events"): the deleting statement
+ * writes one outbox row per deletion that happened, and `reaper relay` deletes a row only after the
+ * broker confirmed its event. The relay is really killed (SIGKILL, by its own failpoint) before it
+ * publishes and after the confirm; what a consumer bound to `<prefix>.events` receives is checked.
+ */
+describe('expiry events: outbox and relay crashes', () => {
+  const POLICY_YAML = rowDeletePolicyYaml({ batchSize: 100, events: true });
+  // The same rows under a second policy whose outbox limit is 3 (the pause test).
+  const SMALL_YAML = rowDeletePolicyYaml({ name: 'seat-holds-small', batchSize: 100, events: { maxOutbox: 3 } });
+  let world: BedAndBroker;
+  let consumer: ChannelModel;
+  let channel: Channel;
+  const queue = () => `${world.bed.prefix}.events-consumer`;
+
+  before(async () => {
+    world = await openBedAndBroker('fault_relay_crash', combinedPoliciesYaml(POLICY_YAML, SMALL_YAML));
+    consumer = await amqp.connect(world.bed.amqpUrl);
+    channel = await consumer.createChannel();
+    // A consumer's own queue: the exchange as the topology declares it, the policy's routing key.
+    await channel.assertExchange(world.names.eventsExchange, 'topic', { durable: true });
+    await channel.assertQueue(queue(), { exclusive: true });
+    for (const policy of ['seat-holds', 'seat-holds-small']) await channel.bindQueue(queue(), world.names.eventsExchange, `${policy}.expired`);
+  });
+
+  after(() => closeBedAndBroker(world, () => consumer.close()));
+
+  const env = (extra: Record<string, string> = {}) => world.bed.processEnv(extra);
+
+  async function drainEvents(): Promise<GetMessage[]> {
+    const messages: GetMessage[] = [];
+    for (;;) {
+      const message = await channel.get(queue(), { noAck: false });
+      if (message === false) return messages;
+      messages.push(message);
+      channel.ack(message);
+    }
+  }
+
+  /** Events until `count` arrived (they may come in several relay passes). */
+  async function eventsArriving(count: number): Promise<GetMessage[]> {
+    const got: GetMessage[] = [];
+    await eventually(`${count} events to arrive`, async () => {
+      got.push(...(await drainEvents()));
+      return got.length >= count;
+    });
+    return got;
+  }
+
+  const outboxKeys = async (): Promise<string[]> =>
+    (await world.bed.pool.query<{ key: string }>('SELECT key FROM cleanup_outbox ORDER BY key')).rows.map((row) => row.key);
+
+  /** Deletes `ids` through a real worker (one crafted batch); returns the worker's settled line. */
+  async function deleteThroughWorker(ids: string[], beforePublish: () => Promise<void> = async () => undefined) {
+    const batch = await makeRowBatch(world.bed.pool, ids);
+    const worker = startReaper('worker', ['worker'], env({ REAPER_WORKER_ID: 'events-worker' }));
+    try {
+      await worker.waitForLine('worker consuming', (line) => line.msg === 'worker consuming', 30_000);
+      await beforePublish();
+      await publishBatch(world.broker, world.names, batch);
+      const settled = await worker.waitForLine('the batch to settle', (line) => line.msg === 'batch settled' && line.batchId === batch.batchId, 30_000);
+      return { batch, settled };
+    } finally {
+      await worker.stop();
+    }
+  }
+
+  async function diedAtFailpoint(relay: ReaperProcess): Promise<void> {
+    let exit: { code: number | null; signal: NodeJS.Signals | null } | undefined;
+    void relay.exited.then((result) => (exit = result));
+    const result = await eventually('the relay to die at its failpoint', () => exit, { timeoutMs: 30_000, describe: () => relay.output.slice(-8) });
+    assert.deepEqual(result, { code: null, signal: 'SIGKILL' }, 'the relay must die by SIGKILL at its failpoint');
+  }
+
+  const idOf = (message: GetMessage) => message.properties.messageId as string;
+
+  // Each test starts from an empty outbox and queue, whatever an earlier one left.
+  beforeEach(async () => {
+    await world.bed.pool.query('DELETE FROM cleanup_outbox');
+    await drainEvents();
+  });
+
+  test('one outbox row per deletion that happened: none for a no-op, a renewal race or a held row', async () => {
+    const seeded = await seedHolds(world.bed.pool, { expiredHeld: 10 });
+    const [renewed, held, gone, ...deleted] = seeded.expiredHeld;
+    await world.bed.pool.query(`INSERT INTO cleanup_holds (policy, key, reason, created_by) VALUES ('seat-holds', $1, 'legal', 'test')`, [held]);
+    // The renewal race: the row is renewed in a transaction that still holds its lock when the
+    // worker's DELETE reaches it; the DELETE waits, then re-checks the renewed row and skips it.
+    const renewal = await world.bed.pool.connect();
+    try {
+      await renewal.query('BEGIN');
+      await renewal.query(`UPDATE seat_reservations SET expires_at = now() + interval '1 day' WHERE reservation_id = $1`, [renewed]);
+      let committed: Promise<void> = Promise.resolve();
+      const { settled } = await deleteThroughWorker(seeded.expiredHeld, async () => {
+        // Deleted by someone else after the scan: a no-op for the worker.
+        await world.bed.pool.query('DELETE FROM seat_reservations WHERE reservation_id = $1', [gone]);
+        committed = commitOnceWaitedOn();
+      });
+      await committed;
+      assert.equal(settled.deleted, 7);
+      assert.equal(settled.noop, 3);
+    } finally {
+      renewal.release();
+    }
+    async function commitOnceWaitedOn(): Promise<void> {
+      await eventually('the worker DELETE to wait on the renewed row', async () => {
+        const waiting = await world.bed.pool.query<{ n: number }>(
+          `SELECT count(*)::int AS n FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock' AND query LIKE '%DELETE FROM%'`,
+        );
+        return waiting.rows[0]!.n > 0;
+      });
+      await renewal.query('COMMIT');
+    }
+    assert.deepEqual(await outboxKeys(), [...deleted!].sort(), 'exactly the deleted rows have an outbox row');
+
+    const relay = startReaper('relay', ['relay'], env());
+    try {
+      const events = await eventsArriving(7);
+      const version = policyVersion(parsePolicies(POLICY_YAML, 'test').get('seat-holds')!);
+      for (const message of events) {
+        const body = JSON.parse(message.content.toString()) as ExpiryEventV1;
+        assert.equal(body.version, 1);
+        assert.equal(body.policy, 'seat-holds');
+        assert.equal(body.policyVersion, version);
+        assert.equal(idOf(message), `seat-holds:${body.key}:${body.observedExpiry}`, 'message id = the stable operation key');
+        assert.equal(message.properties.headers?.[EVENT_CAUSE_HEADER], EVENT_CAUSE_EXPIRY);
+        assert.equal(message.properties.deliveryMode, 2, 'persistent');
+        assert.equal(message.fields.routingKey, 'seat-holds.expired');
+        for (const field of ['cutoff', 'runId', 'batchId', 'deletedAt'] as const) assert.ok(body[field], `${field} is set`);
+      }
+      assert.deepEqual(events.map((message) => (JSON.parse(message.content.toString()) as ExpiryEventV1).key).sort(), [...deleted!].sort());
+      await eventually('the outbox to be empty', async () => (await outboxKeys()).length === 0);
+    } finally {
+      await relay.stop();
+    }
+  });
+
+  test('relay killed after the confirm, before the outbox delete: the event arrives again with the same id', async () => {
+    const seeded = await seedHolds(world.bed.pool, { expiredHeld: 5 });
+    await deleteThroughWorker(seeded.expiredHeld);
+    assert.equal((await outboxKeys()).length, 5);
+
+    const doomed = startReaper('relay-doomed', ['relay'], env({ REAPER_TEST_FAILPOINT: 'relay-after-confirm' }));
+    await diedAtFailpoint(doomed);
+    const first = await eventsArriving(5);
+    assert.equal((await outboxKeys()).length, 5, 'no outbox row is deleted without its confirm being followed by the delete');
+
+    const fresh = startReaper('relay-fresh', ['relay'], env());
+    try {
+      const again = await eventsArriving(5);
+      assert.deepEqual(again.map(idOf).sort(), first.map(idOf).sort(), 'the same events, with the same message ids');
+      await eventually('the outbox to be empty', async () => (await outboxKeys()).length === 0);
+    } finally {
+      await fresh.stop();
+    }
+  });
+
+  test('relay killed before it publishes: nothing is published, all is published after a restart', async () => {
+    const seeded = await seedHolds(world.bed.pool, { expiredHeld: 5 });
+    await deleteThroughWorker(seeded.expiredHeld);
+
+    const doomed = startReaper('relay-doomed-early', ['relay'], env({ REAPER_TEST_FAILPOINT: 'relay-before-publish' }));
+    await diedAtFailpoint(doomed);
+    assert.equal((await drainEvents()).length, 0, 'nothing was published');
+    assert.equal((await outboxKeys()).length, 5);
+
+    const fresh = startReaper('relay-after-restart', ['relay'], env());
+    try {
+      const events = await eventsArriving(5);
+      assert.deepEqual(events.map((message) => (JSON.parse(message.content.toString()) as ExpiryEventV1).key).sort(), [...seeded.expiredHeld].sort());
+      await eventually('the outbox to be empty', async () => (await outboxKeys()).length === 0);
+    } finally {
+      await fresh.stop();
+    }
+    assert.equal((await drainEvents()).length, 0, 'each event once after the restart');
+  });
+
+  test('past events.maxOutbox the policy deletes nothing until the relay catches up, and `reaper status` says so', async () => {
+    const seeded = await seedHolds(world.bed.pool, { expiredHeld: 5 });
+    const first = seeded.expiredHeld.slice(0, 3);
+    const second = seeded.expiredHeld.slice(3);
+    const worker = startReaper('worker-limit', ['worker'], env({ REAPER_WORKER_ID: 'events-limit' }));
+    let relay: ReaperProcess | null = null;
+    try {
+      await worker.waitForLine('worker consuming', (line) => line.msg === 'worker consuming', 30_000);
+      const batchA = await makeRowBatch(world.bed.pool, first, { policy: 'seat-holds-small' });
+      await publishBatch(world.broker, world.names, batchA);
+      await worker.waitForLine('the first batch to settle', (line) => line.msg === 'batch settled' && line.batchId === batchA.batchId, 30_000);
+      assert.equal((await outboxKeys()).length, 3, 'the outbox is at its limit');
+
+      const batchB = await makeRowBatch(world.bed.pool, second, { policy: 'seat-holds-small' });
+      await publishBatch(world.broker, world.names, batchB);
+      const delayed = await worker.waitForLine('the second batch to be delayed', (line) => line.msg === 'batch delayed' && line.batchId === batchB.batchId, 30_000);
+      assert.equal(delayed.reason, 'outbox-full');
+      assert.equal(await countReservations(world.bed.pool, second), 2, 'nothing deleted while the outbox is full');
+
+      const status = await runReaperCli(['status', '--json'], env());
+      assert.equal(status.code, 0, status.stdout);
+      const row = (JSON.parse(status.stdout) as { policies: Array<{ policy: string; events: { outbox: number; maxOutbox: number; paused: boolean } | null }> }).policies.find(
+        (entry) => entry.policy === 'seat-holds-small',
+      );
+      assert.deepEqual({ outbox: row!.events!.outbox, maxOutbox: row!.events!.maxOutbox, paused: row!.events!.paused }, { outbox: 3, maxOutbox: 3, paused: true });
+
+      relay = startReaper('relay-limit', ['relay'], env());
+      await eventsArriving(3);
+      // The delayed batch comes back from its tier and, the outbox drained, deletes its rows.
+      await eventually('the paused batch to delete once the relay drained the outbox', async () => (await countReservations(world.bed.pool, second)) === 0, { timeoutMs: 40_000 });
+      await eventsArriving(2);
+    } finally {
+      await relay?.stop();
+      await worker.stop();
+    }
+  });
+
+  test("the relay's database connection killed between the confirm and the outbox delete: nothing lost, the same ids again", async () => {
+    const seeded = await seedHolds(world.bed.pool, { expiredHeld: 4 });
+    await deleteThroughWorker(seeded.expiredHeld);
+    // A SHARE lock on the outbox lets the relay take and publish its batch (FOR UPDATE is ROW
+    // SHARE) but makes its DELETE wait: the relay is held after the confirm, before the delete.
+    const lock = await world.bed.pool.connect();
+    let relay: ReaperProcess | null = null;
+    try {
+      await lock.query('BEGIN');
+      await lock.query('LOCK TABLE cleanup_outbox IN SHARE MODE');
+      relay = startReaper('relay-db-lost', ['relay'], env());
+      const first = await eventsArriving(4);
+      const waiting = await eventually('the relay DELETE to wait on the outbox lock', async () => {
+        const found = await world.bed.pool.query<{ pid: number }>(
+          `SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND application_name LIKE 'reaper-relay%' AND wait_event_type = 'Lock'`,
+        );
+        return found.rows[0]?.pid;
+      });
+      await world.bed.pool.query('SELECT pg_terminate_backend($1)', [waiting]);
+      await lock.query('COMMIT');
+      const again = await eventsArriving(4);
+      assert.deepEqual(again.map(idOf).sort(), first.map(idOf).sort(), 'republished with the same message ids');
+      await eventually('the outbox to be empty', async () => (await outboxKeys()).length === 0);
+      const stopped = await relay.stop();
+      assert.equal(stopped.code, 0, 'the relay survived the lost connection and drains cleanly');
+    } finally {
+      await lock.query('ROLLBACK').catch(() => undefined); // already committed unless the test failed first
+      lock.release();
+      await relay?.stop();
+    }
+  });
+});
