@@ -34,8 +34,8 @@ export function brokerPermissions(prefix: string): Record<BrokerRole, BrokerPerm
   // delay exchanges and queues, the dead-letter queue), which every service asserts at start;
   // the worker alone also declares its presence queues (<prefix>.presence.<policy>.<id>), so no
   // other login can delete them.
-  const shared = `^${prefix}\\.(cleanup|delay|dead-letter)(\\..+)?$`;
-  const sharedAndPresence = `^${prefix}\\.(cleanup|delay|dead-letter|presence)(\\..+)?$`;
+  const shared = `^${prefix}\\.(cleanup|delay|dead-letter|events)(\\..+)?$`;
+  const sharedAndPresence = `^${prefix}\\.(cleanup|delay|dead-letter|events|presence)(\\..+)?$`;
   return {
     scheduler: { configure: shared, write: own, read: own },
     worker: { configure: sharedAndPresence, write: ownAndDefault, read: own },
