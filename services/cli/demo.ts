@@ -8,7 +8,7 @@ import { demoTablesCreate } from '../../shared/db/queries/demo-tables';
 import { migrate } from '../../shared/db/migrate';
 import { makeTopology } from '../../shared/amqp/topology';
 import { runsGetSummary, runsInsertIfAbsent, type Run, type RunSummary } from '../../shared/db/queries/runs';
-import { startMediaApi, type MediaApi } from '../../tools/media-api/server';
+import type { MediaApi } from '../../tools/media-api/server';
 
 /**
  * `npm run demo`: both demo policies end to end on the real servers, in a database of their own.
@@ -31,8 +31,22 @@ function say(text: string): void {
   process.stdout.write(`${text}\n`);
 }
 
+/**
+ * The stand-in, loaded on demand: the `runtime` image target leaves tools/ out (only the `demo`
+ * target of infra/Dockerfile carries it), so a static import would break every command there.
+ */
+function loadStandIn(): typeof import('../../tools/media-api/server') {
+  try {
+    return require('../../tools/media-api/server') as typeof import('../../tools/media-api/server');
+  } catch (error) {
+    if ((error as NodeJS.ErrnoException).code !== 'MODULE_NOT_FOUND') throw error;
+    throw new Error('demo: this image has no stand-in media API; build the demo target (docker build -f infra/Dockerfile --target demo .) or run `npm run demo` from the source tree');
+  }
+}
+
 export async function runDemo(): Promise<number> {
   const started = Date.now();
+  const { startMediaApi } = loadStandIn(); // before any side effect: fails at once in the runtime image
   const env = loadEnv();
   const demoUrl = new URL(env.databaseUrl);
   demoUrl.pathname = `/${DEMO_DATABASE}`;

@@ -12,7 +12,7 @@ import {
   type RestoredRow,
 } from '../../shared/db/queries/archive';
 import { targetResolve, type ResolvedTarget } from '../../shared/db/queries/expiring-rows';
-import { failpoint } from '../../shared/testing/failpoints';
+import { failpoint } from '../../shared/observability/failpoint-hook';
 import { context, NotFoundError, operatorName, UsageError, withPool } from './common';
 import { printResult } from './output';
 import { makeProgressLine } from './progress';

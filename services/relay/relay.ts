@@ -14,7 +14,7 @@ import {
 } from '../../shared/contracts/expiry-event';
 import { makePool, withTransaction, type Pool } from '../../shared/db/pool';
 import { outboxDeletePublished, outboxTakeOldest } from '../../shared/db/queries/outbox';
-import { failpoint } from '../../shared/testing/failpoints';
+import { failpoint } from '../../shared/observability/failpoint-hook';
 
 /**
  * `reaper relay`: publishes the expiry-event outbox (cleanup_outbox) to `<prefix>.events`.

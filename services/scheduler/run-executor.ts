@@ -21,7 +21,7 @@ import {
   type RunClaim,
 } from '../../shared/db/queries/runs';
 import type { Metrics } from '../../shared/observability/metrics';
-import { failpoint } from '../../shared/testing/failpoints';
+import { failpoint } from '../../shared/observability/failpoint-hook';
 import { classifyRunError } from './run-errors';
 import { windowStateAt } from '../../shared/schedule/window';
 

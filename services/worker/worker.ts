@@ -19,7 +19,7 @@ import { classifyHandlerError } from './errors';
 import { assertBrakeReadable } from '../../shared/admission/rows';
 import { makeRowDeleteGroupHandler, type BatchGroupHandler } from './handlers/row-delete';
 import { makeCoalescer, type Coalescer } from './coalescer';
-import { failpoint } from '../../shared/testing/failpoints';
+import { failpoint } from '../../shared/observability/failpoint-hook';
 import type { BatchV1 } from '../../shared/contracts/batch';
 import type { BatchHandler, HandlerContext } from './handlers/types';
 import type { BatchResult } from './results';

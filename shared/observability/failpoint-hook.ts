@@ -1,0 +1,31 @@
+import type { FailpointName } from '../testing/failpoints';
+
+/**
+ * The product's side of the test-only crash points (shared/testing/failpoints.ts). The runtime
+ * image leaves shared/testing out (infra/Dockerfile), so product code must not import it
+ * statically: this hook is a no-op while REAPER_TEST_FAILPOINT is unset (every production
+ * process) and loads the test module only when a test arms a point, then delegates every check to
+ * it (its semantics: an unknown name is refused at every check, the armed one kills the process).
+ * The variable set in an image without the module is refused loudly, never ignored.
+ */
+const VARIABLE = 'REAPER_TEST_FAILPOINT';
+
+let check: ((name: FailpointName) => void) | undefined;
+
+export function failpoint(name: FailpointName): void {
+  if (check === undefined) {
+    const value = process.env[VARIABLE];
+    if (value === undefined || value === '') {
+      check = () => {};
+    } else {
+      try {
+        // Lazy on purpose: the module exists in the source tree and test runs, not in the runtime image.
+        check = (require('../testing/failpoints') as typeof import('../testing/failpoints')).failpoint;
+      } catch (error) {
+        if ((error as NodeJS.ErrnoException).code !== 'MODULE_NOT_FOUND') throw error;
+        throw new Error(`${VARIABLE} is test-only; this image has no failpoints (${VARIABLE}=${JSON.stringify(value)})`);
+      }
+    }
+  }
+  check(name);
+}
