@@ -1,6 +1,11 @@
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
+import { spawnSync } from 'node:child_process';
+import { cpSync, mkdtempSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import path from 'node:path';
 import { failpoint, TEST_FAILPOINT_VARIABLE } from '../../shared/testing/failpoints';
+import { failpoint as productFailpoint } from '../../shared/observability/failpoint-hook';
 
 /**
  * A failpoint name that is not a known point (a typo in a crash test) must fail EVERY check, not
@@ -14,5 +19,28 @@ test('an unknown REAPER_TEST_FAILPOINT fails every check, not only the first', (
   for (const check of [1, 2, 3]) {
     assert.throws(() => failpoint('before-commit'), /names no failpoint/, `check ${check} refuses the unknown name`);
     assert.throws(() => failpoint('after-commit'), /names no failpoint/, `check ${check}, another point, refuses it too`);
+  }
+});
+
+test('the product hook delegates to the test module: an unknown name fails every check through it too', () => {
+  process.env[TEST_FAILPOINT_VARIABLE] = 'before-comit';
+  for (const check of [1, 2, 3]) assert.throws(() => productFailpoint('before-commit'), /names no failpoint/, `check ${check}`);
+});
+
+test('without shared/testing (the runtime image) the hook is a no-op when unarmed and refuses an armed variable', () => {
+  // The compiled shared/ tree minus shared/testing, as infra/Dockerfile's runtime target copies it.
+  const dist = path.resolve(__dirname, '..', '..');
+  const image = mkdtempSync(path.join(tmpdir(), 'reaper-image-'));
+  try {
+    cpSync(path.join(dist, 'shared'), path.join(image, 'shared'), { recursive: true, filter: (source) => !source.startsWith(path.join(dist, 'shared', 'testing')) });
+    const script = `require(${JSON.stringify(path.join(image, 'shared', 'observability', 'failpoint-hook.js'))}).failpoint('before-commit'); process.stdout.write('returned')`;
+    const unarmed = spawnSync(process.execPath, ['-e', script], { env: { PATH: process.env.PATH }, encoding: 'utf8' });
+    assert.equal(unarmed.status, 0, unarmed.stderr);
+    assert.equal(unarmed.stdout, 'returned');
+    const armed = spawnSync(process.execPath, ['-e', script], { env: { PATH: process.env.PATH, [TEST_FAILPOINT_VARIABLE]: 'before-commit' }, encoding: 'utf8' });
+    assert.notEqual(armed.status, 0);
+    assert.match(armed.stderr, /REAPER_TEST_FAILPOINT is test-only; this image has no failpoints/);
+  } finally {
+    rmSync(image, { recursive: true, force: true });
   }
 });
