@@ -18,6 +18,7 @@ import { promisify } from 'node:util';
 import amqp from 'amqplib';
 import { brokerNames, makeTopology, assertTopology } from '../../shared/amqp/topology';
 import { findServers } from '../support/servers';
+import { brokerAnswerAt } from '../support/broker';
 
 const run = promisify(execFile);
 const rabbitmqctl = async (...args: string[]) => {
@@ -52,21 +53,7 @@ async function answer(role: Role, work: (channel: amqp.Channel) => Promise<unkno
   url.username = userOf(role);
   url.password = passwords.get(role)!;
   url.pathname = `/${encodeURIComponent(vhost)}`;
-  const connection = await amqp.connect(url.toString());
-  try {
-    const channel = await connection.createChannel();
-    channel.on('error', () => undefined);
-    try {
-      await work(channel);
-      await channel.close();
-      return 'ok';
-    } catch (error) {
-      const message = String((error as Error).message);
-      return message.includes('ACCESS_REFUSED') ? 'ACCESS_REFUSED' : message;
-    }
-  } finally {
-    await connection.close().catch(() => undefined);
-  }
+  return brokerAnswerAt(url.toString(), work);
 }
 
 test('definitions.json imports with its users; the scheduler cannot declare or delete the worker presence queues', { timeout: 240_000 }, async () => {

@@ -21,6 +21,7 @@ import { assetStatuses, errorsLogged, mediaPolicyYaml, seedAssets, started, star
 import { countReservations, seedHolds } from '../support/seed';
 import { makeTestBed, type TestBed } from '../support/testbed';
 import { combinedPoliciesYaml, rowDeletePolicyYaml } from '../support/fixtures';
+import { brokerAnswerAt } from '../support/broker';
 
 const run = promisify(execFile);
 const rabbitmqctl = (...args: string[]) => run('rabbitmqctl', ['-q', ...args], { timeout: 60_000 });
@@ -48,20 +49,7 @@ function amqpUrlAs(role: BrokerRole): string {
 
 /** What the broker answers when a channel operation is refused (the channel closes with it). */
 async function brokerAnswer(role: BrokerRole, work: (channel: amqp.Channel) => Promise<unknown>): Promise<string> {
-  const connection = await amqp.connect(amqpUrlAs(role));
-  try {
-    const channel = await connection.createChannel();
-    channel.on('error', () => undefined);
-    try {
-      await work(channel);
-      await channel.close();
-      return 'ok';
-    } catch (error) {
-      return String((error as Error).message).includes('ACCESS_REFUSED') ? 'ACCESS_REFUSED' : String((error as Error).message);
-    }
-  } finally {
-    await connection.close().catch(() => undefined);
-  }
+  return brokerAnswerAt(amqpUrlAs(role), work);
 }
 
 before(async () => {

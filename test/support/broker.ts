@@ -111,3 +111,26 @@ export async function deleteBrokerNames(amqpUrl: string, objects: BrokerObjects)
     await connection.close().catch(() => undefined); // already closed by the broker: nothing left to release
   }
 }
+
+/**
+ * What the broker answers when `work` runs on a fresh channel of a connection to `amqpUrl`: 'ok',
+ * 'ACCESS_REFUSED' (the channel closes with it), or the broker's other message. For the
+ * least-privilege tests, which log in as each reaper user and try what it may and may not do.
+ */
+export async function brokerAnswerAt(amqpUrl: string, work: (channel: amqp.Channel) => Promise<unknown>): Promise<string> {
+  const connection = await amqp.connect(amqpUrl);
+  try {
+    const channel = await connection.createChannel();
+    channel.on('error', () => undefined); // the refusal is the answer; it is returned below
+    try {
+      await work(channel);
+      await channel.close();
+      return 'ok';
+    } catch (error) {
+      const message = String((error as Error).message);
+      return message.includes('ACCESS_REFUSED') ? 'ACCESS_REFUSED' : message;
+    }
+  } finally {
+    await connection.close().catch(() => undefined);
+  }
+}
