@@ -482,19 +482,21 @@ test('compose: policies are the demo policies with the media API pointing at the
   assert.deepEqual([...seen].map(rel), [path.join('infra', 'compose', 'policies.yaml')]);
 });
 
-test('compose: the scheduler does not mount the media API token (it never calls the API); its policies file still resolves', () => {
-  const scheduler = services['scheduler'] as Obj;
-  const tokenFile = path.resolve(ROOT, (compose.secrets as Obj)['media-api-token'].file as string);
-  const token = readFileSync(tokenFile, 'utf8');
-  const { policiesFile } = composeEnv('scheduler', scheduler);
-  for (const file of policyInputs(readFileSync(policiesFile!, 'utf8'), rel(policiesFile!)).files) {
-    const mounted = composeFileAt('scheduler', scheduler, file);
-    assert.notEqual(mounted, tokenFile, `${file} in the scheduler is not the token's file`);
-    assert.notEqual(readFileSync(mounted, 'utf8'), token, `${file} in the scheduler does not hold the token`);
-  }
-  const sources = ((scheduler.secrets ?? []) as (string | Obj)[]).map((entry) => (typeof entry === 'string' ? entry : (entry.source as string)));
-  assert.ok(!sources.includes('media-api-token'), `the scheduler's secrets: ${sources.join(', ')}`);
-});
+for (const service of ['scheduler', 'cli'] as const) {
+  test(`compose: the ${service} does not mount the media API token (it never calls the API); its policies file still resolves`, () => {
+    const definition = services[service] as Obj;
+    const tokenFile = path.resolve(ROOT, (compose.secrets as Obj)['media-api-token'].file as string);
+    const token = readFileSync(tokenFile, 'utf8');
+    const { policiesFile } = composeEnv(service, definition);
+    for (const file of policyInputs(readFileSync(policiesFile!, 'utf8'), rel(policiesFile!)).files) {
+      const mounted = composeFileAt(service, definition, file);
+      assert.notEqual(mounted, tokenFile, `${file} in the ${service} is not the token's file`);
+      assert.notEqual(readFileSync(mounted, 'utf8'), token, `${file} in the ${service} does not hold the token`);
+    }
+    const sources = ((definition.secrets ?? []) as (string | Obj)[]).map((entry) => (typeof entry === 'string' ? entry : (entry.source as string)));
+    assert.ok(!sources.includes('media-api-token'), `the ${service}'s secrets: ${sources.join(', ')}`);
+  });
+}
 
 test('a malformed DATABASE_URL is refused at start naming the variable, its value (a password) hidden', () => {
   for (const [url, reason] of [
