@@ -1,6 +1,7 @@
 import { Command, Option } from 'commander';
 import { loadEnv } from '../../shared/config/env';
-import { topologyFor, topologyAsDefinitions } from '../../shared/amqp/topology';
+import { stringify as toYaml } from 'yaml';
+import { kedaTriggers, topologyFor, topologyAsDefinitions } from '../../shared/amqp/topology';
 import { migrate } from '../../shared/db/migrate';
 import { demoTablesCreate } from '../../shared/db/queries/demo-tables';
 import { liveViewsCreate } from '../../shared/db/queries/live-views';
@@ -83,11 +84,17 @@ export function registerServiceCommands(program: Command): void {
     .command('topology')
     .description('print the broker topology (exchanges, queues, bindings) the services assert')
     .option('--definitions', 'print it as a RabbitMQ definitions file (JSON) to pre-declare it')
+    .option('--keda-triggers', "print the workers' KEDA ScaledObject triggers (YAML), one per policy's work queue")
     .addOption(json())
-    .action((options: { json?: boolean; definitions?: boolean }) => {
+    .action((options: { json?: boolean; definitions?: boolean; kedaTriggers?: boolean }) => {
       const { env, policies } = context();
       const topology = topologyFor(env, [...policies.keys()]);
       if (options.definitions) return printResult(true, topologyAsDefinitions(topology), () => '');
+      if (options.kedaTriggers) {
+        // The numbers infra/k8s/overlays/prod/worker-autoscaling.yaml explains.
+        const triggers = kedaTriggers(env, [...policies.keys()], { queueLengthPerWorker: 20, authenticationRef: 'reaper-rabbitmq' });
+        return printResult(!!options.json, triggers, () => toYaml({ triggers }).trimEnd());
+      }
       printResult(!!options.json, topology, () =>
         [
           ...topology.exchanges.map((e) => `exchange ${e.name} (${e.type})`),

@@ -144,6 +144,21 @@ export function topologyFor(settings: TopologySettings, policies: readonly strin
   return makeTopology({ prefix: settings.amqpPrefix, policies, deliveryLimit: settings.deliveryLimit, quorumGroupSize: settings.quorumGroupSize });
 }
 
+/**
+ * KEDA's rabbitmq triggers for the workers' ScaledObject, one per work queue: what
+ * `reaper topology --keda-triggers` prints for an overlay's own policies (infra/k8s/overlays/prod
+ * ships them for the demo policies' names). `value` is ready batches per worker; the AMQP URL
+ * comes from the TriggerAuthentication, never from the manifest.
+ */
+export function kedaTriggers(settings: Pick<TopologySettings, 'amqpPrefix'>, policies: readonly string[], options: { queueLengthPerWorker: number; authenticationRef: string }) {
+  const names = brokerNames(settings.amqpPrefix);
+  return policies.map((policy) => ({
+    type: 'rabbitmq',
+    metadata: { protocol: 'amqp', queueName: names.workQueue(policy), mode: 'QueueLength', value: String(options.queueLengthPerWorker) },
+    authenticationRef: { name: options.authenticationRef },
+  }));
+}
+
 export async function assertTopology(channel: Channel, topology: Topology): Promise<void> {
   for (const exchange of topology.exchanges) await channel.assertExchange(exchange.name, exchange.type, exchange.options);
   for (const queue of topology.queues) await channel.assertQueue(queue.name, queue.options);

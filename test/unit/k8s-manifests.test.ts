@@ -14,7 +14,7 @@ import { copyFileSync, mkdirSync, mkdtempSync, readFileSync, rmSync, symlinkSync
 import { tmpdir } from 'node:os';
 import path from 'node:path';
 import { parse as parseYaml } from 'yaml';
-import { brokerNames } from '../../shared/amqp/topology';
+import { brokerNames, kedaTriggers } from '../../shared/amqp/topology';
 import { loadEnv, type Env } from '../../shared/config/env';
 import { type PolicySet } from '../../shared/config/policies';
 import {
@@ -544,6 +544,8 @@ test('k8s overlays: images, replicas; prod pins its tag, matches the version lab
     policyNames.map((policy) => names.workQueue(policy)).sort(),
     'one rabbitmq trigger per work queue of the deployed policies',
   );
+  // What `reaper topology --keda-triggers` prints for these policies is what the overlay ships.
+  assert.deepEqual(kedaTriggers(env, policyNames, { queueLengthPerWorker: 20, authenticationRef: 'reaper-rabbitmq' }), triggers);
   for (const trigger of triggers) {
     assert.equal(trigger.type, 'rabbitmq');
     assert.equal(trigger.metadata.mode, 'QueueLength', 'scales on ready messages');
