@@ -7,6 +7,7 @@
  *   npm run bench -- --smoke      CI: small sizes; exits 1 if any count is wrong (never on speed)
  *   add --profile                 one extra end-to-end run under --cpu-prof (scheduler, worker 1), summarised
  *   add --only remote-backlog     figure 5b alone (with --full: its sizes), e.g. while tuning the ledger
+ *   add --only events-archive     figure 8 alone: expiry events and archive on ÷ off, relay throughput
  *
  * It needs PostgreSQL and RabbitMQ (DATABASE_URL / AMQP_URL, defaults 127.0.0.1). It creates and
  * drops its own databases (reaper_bench_<random>, reaper_bench_<random>_seed: two runs at once never
@@ -23,6 +24,7 @@ import { runPgBoss, type PgBossOptions, type PgBossResult } from './contenders/p
 import { runRawDelete } from './contenders/raw';
 import { runForeground } from './figures/foreground';
 import { runLatency } from './figures/latency';
+import { EVENTS_ARCHIVE_CANDIDATES, runEventsArchive } from './figures/events-archive';
 import { runRemoteBacklog, runRemoteDelete } from './figures/remote-delete';
 import { runReaperEndToEnd, runStageSplit, type ReaperRun } from './figures/row-delete';
 import { BenchBroker } from './lib/broker';
@@ -40,7 +42,7 @@ const PGBOSS_BATCH: Omit<PgBossOptions, 'batchSize'> = { mode: 'batch', workers:
 const PGBOSS_ROW: Omit<PgBossOptions, 'batchSize'> = { mode: 'row', workers: 2, loopsPerWorker: 4, fetchSize: 100 };
 
 /** Figures that can be measured alone (--only). */
-const ONLY = ['remote-backlog'] as const;
+const ONLY = ['remote-backlog', 'events-archive'] as const;
 type Only = (typeof ONLY)[number];
 
 function parseMode(): { config: ModeConfig; profile: boolean; only: Only | null } {
@@ -176,6 +178,14 @@ async function measureRemoteBacklog(context: BenchContext, config: ModeConfig, r
   report.remoteBacklog = await runRemoteBacklog(context, b);
 }
 
+/** Figure 8 (issue 19): on a seed of its own size (the relay drains every event of each events run). */
+async function measureEventsArchive(context: BenchContext, config: ModeConfig, report: BenchReport): Promise<void> {
+  const candidates = EVENTS_ARCHIVE_CANDIDATES[config.mode];
+  context.progress(`events and archive: ${candidates.toLocaleString('en-US')} candidates, ${config.repeats} rounds`);
+  const seed = await context.databases.seed(candidates);
+  report.eventsArchive = await runEventsArchive(context, seed, { batchSize: config.batchSize, repeats: config.repeats });
+}
+
 async function measureAll(context: BenchContext, config: ModeConfig, report: BenchReport, profile: boolean): Promise<void> {
   for (const [index, candidates] of config.sizes.entries()) {
     // Every figure copies the bench database from this size's seed afresh: the seed never changes.
@@ -197,6 +207,7 @@ async function measureAll(context: BenchContext, config: ModeConfig, report: Ben
   context.progress(`remote-delete: R=${remote.ratePerSecond}, backlog ${backlog}`);
   report.remote = await runRemoteDelete(context, { ...remote, backlog });
   if (config.remoteBacklog) await measureRemoteBacklog(context, config, report);
+  await measureEventsArchive(context, config, report);
 }
 
 async function main(): Promise<number> {
@@ -260,7 +271,8 @@ async function main(): Promise<number> {
       // Every figure copies the bench database from a seed: a tiny one is enough for this figure.
       await context.databases.seed(2);
       await measureRemoteBacklog(context, config, report);
-    } else await measureAll(context, config, report, profile);
+    } else if (only === 'events-archive') await measureEventsArchive(context, config, report);
+    else await measureAll(context, config, report, profile);
   } finally {
     await cleanUp();
   }

@@ -17,7 +17,11 @@
  * under a legal hold while still unexpired; media assets (remote-delete) likewise, renewed or held
  * while unexpired. Both policies run every 10 s.
  *
- * Faults (one every 6-15 s, chosen by the seed): worker or scheduler SIGKILLed (and started
+ * Expiry events are on for both policies and `reaper relay` runs beside them; a consumer's queue
+ * bound to `<prefix>.events` collects what it publishes, and the checker's `events` column counts
+ * deletions whose event never arrived and events for no deletion.
+ *
+ * Faults (one every 6-15 s, chosen by the seed): worker, scheduler or relay SIGKILLed (and started
  * again), a worker SIGSTOPped past its lease, PostgreSQL restarted (immediate), a worker's
  * backend terminated, PostgreSQL or broker links reset, stalled for a few seconds, slowed by
  * latency, a 429 storm from the API, the broker closing the services' connections, the broker's
@@ -30,12 +34,13 @@ import { randomInt } from 'node:crypto';
 import { mkdirSync, writeFileSync } from 'node:fs';
 import path from 'node:path';
 import { parseArgs } from 'node:util';
+import amqp from 'amqplib';
 import { brokerNames } from '../../shared/amqp/topology';
 import { openTestBroker } from '../../test/support/broker';
 import { startMediaApi, type MediaApi } from '../../tools/media-api/server';
 import { runReaperCli, startReaper, type ReaperProcess } from '../../test/support/processes';
 import { rabbitmqctl } from '../../test/support/rabbitmqctl';
-import { formatChecker, measureRecovery, runChecker, type Recovery } from '../../test/support/run-checks';
+import { eventViolations, formatChecker, measureRecovery, runChecker, type Recovery } from '../../test/support/run-checks';
 import { ensurePostgresUp, restartPostgresImmediately, restoreMemoryWatermark, setMemoryWatermark } from '../../test/support/server-control';
 import { TcpProxy } from '../../test/support/tcp-proxy';
 import { makeTestBed, type TestBed } from '../../test/support/testbed';
@@ -47,6 +52,7 @@ const RESULTS_DIR = path.resolve(__dirname, '..', '..', '..', 'bench', 'results'
 type FaultKind =
   | 'sigkill-worker'
   | 'sigkill-scheduler'
+  | 'sigkill-relay'
   | 'sigstop-worker'
   | 'pg-restart'
   | 'backend-terminated'
@@ -63,6 +69,7 @@ type FaultKind =
 const WEIGHTS: Record<FaultKind, number> = {
   'sigkill-worker': 3,
   'sigkill-scheduler': 1,
+  'sigkill-relay': 2,
   'sigstop-worker': 2,
   'pg-restart': 1,
   'backend-terminated': 3,
@@ -131,6 +138,7 @@ function policiesYaml(apiUrl: string): string {
     guard: { status: held }
     batchSize: 50
     audit: { enabled: true }
+    events: { enabled: true }
   - name: ${ASSETS}
     kind: remote-delete
     schedule: "5-59/10 * * * * *"
@@ -147,6 +155,7 @@ function policiesYaml(apiUrl: string): string {
     admission: { ratePerSecond: 40, burst: 20, concurrency: 8 }
     retry: { maxAttempts: 1000 }
     leaseMs: ${REMOTE_LEASE_MS}
+    events: { enabled: true }
 `;
 }
 
@@ -327,7 +336,8 @@ async function main(): Promise<number> {
     REAPER_PREFETCH: '2',
     LOG_LEVEL: 'info',
   };
-  const services = new Services((label) => startReaper(label, [label.startsWith('scheduler') ? 'scheduler' : 'worker'], bed.processEnv({ ...serviceEnv, REAPER_WORKER_ID: label })));
+  const command = (label: string) => (label.startsWith('scheduler') ? 'scheduler' : label.startsWith('relay') ? 'relay' : 'worker');
+  const services = new Services((label) => startReaper(label, [command(label)], bed.processEnv({ ...serviceEnv, REAPER_WORKER_ID: label })));
   emergencyStops.push(async () => {
     for (const process of services.all.values()) process.signal('SIGKILL');
     await Promise.all([...services.all.values()].map((process) => process.exited));
@@ -336,8 +346,11 @@ async function main(): Promise<number> {
     await bed.close().catch(() => undefined);
   });
   const workers = ['worker-1', 'worker-2', 'worker-3'];
+  // The consumer of the expiry events, bound before anything is published (an unroutable event is not confirmed).
+  const eventsQueue = await bindEventsConsumer(bed);
   services.launch('scheduler');
   for (const label of workers) services.launch(label);
+  services.launch('relay');
 
   const load = new Load(bed, prng(options.seed ^ 0x5eed));
   const faults: FaultRecord[] = [];
@@ -361,10 +374,12 @@ async function main(): Promise<number> {
         services.launch(label);
         return { target: label, durationMs: Date.now() - t0 };
       }
-      case 'sigkill-scheduler': {
-        await services.kill('scheduler');
-        services.launch('scheduler');
-        return { target: 'scheduler', durationMs: Date.now() - t0 };
+      case 'sigkill-scheduler':
+      case 'sigkill-relay': {
+        const label = kind === 'sigkill-scheduler' ? 'scheduler' : 'relay';
+        await services.kill(label);
+        services.launch(label);
+        return { target: label, durationMs: Date.now() - t0 };
       }
       case 'sigstop-worker': {
         const label = pick(workers);
@@ -535,6 +550,8 @@ async function main(): Promise<number> {
   const openOperations = async () =>
     (await bed.pool.query<{ n: number }>(`SELECT count(*)::int AS n FROM cleanup_ledger WHERE state <> 'done'`)).rows[0]!.n;
   while ((await openOperations()) > 0 && Date.now() < settleDeadline) await wait(500);
+  const unpublished = async () => (await bed.pool.query<{ n: number }>('SELECT count(*)::int AS n FROM cleanup_outbox')).rows[0]!.n;
+  while ((await unpublished()) > 0 && Date.now() < settleDeadline) await wait(500);
   const settledAt = (await bed.pool.query<{ now: string }>('SELECT reaper_iso(clock_timestamp()) AS now')).rows[0]!.now;
   await Promise.all(recoveries);
   problems.push(...(await services.stopAll()));
@@ -558,6 +575,7 @@ async function main(): Promise<number> {
     },
     recoveries: faults.map((fault) => ({ fault: fault.kind, ms: fault.recoveryMs })),
     runsCreatedBefore: settledAt,
+    events: { delivered: (await broker.drain(eventsQueue)).map((message) => String(message.properties.messageId)) },
   });
   const rowsDeleted = (await bed.pool.query<{ n: number }>('SELECT coalesce(sum(deleted), 0)::int AS n FROM cleanup_batches WHERE policy = $1', [ROWS])).rows[0]!.n;
   const assetsDeleted = (await bed.pool.query<{ n: number }>(`SELECT count(*)::int AS n FROM media_assets WHERE status = 'deleted'`)).rows[0]!.n;
@@ -574,7 +592,7 @@ async function main(): Promise<number> {
   log('');
   log(formatChecker(report));
   if (problems.length > 0) log(`\nproblems:\n  ${problems.join('\n  ')}`);
-  const violations = report.lost + report.wrongful + report.doubled + report.stuck;
+  const violations = report.lost + report.wrongful + report.doubled + report.stuck + eventViolations(report);
   if (violations > 0) log(`\nchecker details: ${JSON.stringify(report.details)}`);
   if (violations > 0 || problems.length > 0) exitCode = 1;
   log(`\nseed ${options.seed}: ${exitCode === 0 ? 'all zeros' : 'VIOLATIONS'}`);
@@ -592,7 +610,8 @@ async function main(): Promise<number> {
         byKind,
         rows: { created: load.rowsCreated, deleted: rowsDeleted, ...load.counts },
         assets: { created: load.assetsCreated, deletedRemotely: assetsDeleted, apiCalls: api.calls.length },
-        checker: { lost: report.lost, wrongful: report.wrongful, doubled: report.doubled, stuck: report.stuck, details: report.details },
+        checker: { lost: report.lost, wrongful: report.wrongful, doubled: report.doubled, stuck: report.stuck, events: eventViolations(report), details: report.details },
+        events: report.events ?? null,
         longestRecoveryMs: longest?.recoveryMs ?? null,
         problems,
       },
@@ -608,6 +627,25 @@ async function main(): Promise<number> {
   await broker.close();
   await bed.close();
   return exitCode;
+}
+
+/**
+ * A consumer's own durable queue for every policy's expiry events (`*.expired` on `<prefix>.events`),
+ * named under the bed's prefix so the bed's close deletes it. Read once, after the services stopped.
+ */
+async function bindEventsConsumer(bed: TestBed): Promise<string> {
+  const names = brokerNames(bed.prefix);
+  const queue = `${bed.prefix}.events-consumer`;
+  const connection = await amqp.connect(bed.amqpUrl);
+  try {
+    const channel = await connection.createChannel();
+    await channel.assertExchange(names.eventsExchange, 'topic', { durable: true });
+    await channel.assertQueue(queue, { durable: true });
+    await channel.bindQueue(queue, names.eventsExchange, '*.expired');
+  } finally {
+    await connection.close();
+  }
+  return queue;
 }
 
 /** What a crash of the tool itself must still undo (services killed, servers restored, database dropped). */

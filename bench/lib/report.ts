@@ -1,4 +1,5 @@
 import type { PgBossResult } from '../contenders/pgboss';
+import { eventsArchiveRows, type EventsArchiveFigure } from '../figures/events-archive';
 import type { ForegroundFigure, ForegroundPhase } from '../figures/foreground';
 import type { LatencyFigure } from '../figures/latency';
 import type { RemoteBacklogFigure, RemoteFigure } from '../figures/remote-delete';
@@ -24,6 +25,8 @@ export interface BenchReport {
   remoteBacklog?: RemoteBacklogFigure | null;
   /** Figure 7 (issue 12): foreground impact of each cleanup. */
   foreground?: ForegroundFigure | null;
+  /** Figure 8 (issue 19): expiry events and archive on ÷ off, relay throughput, outbox age. */
+  eventsArchive?: EventsArchiveFigure | null;
   profiles: ProfileSummary[];
   checks: CountCheck[];
   countsOk: boolean;
@@ -150,6 +153,7 @@ function rows(report: BenchReport): Row[] {
     add('5b', 'backlog: admission lock wait p50 / p99 (bucket bounds)', `${number(b.lockWait.p50Ms, 1)} ms / ${number(b.lockWait.p99Ms, 1)} ms over ${count(b.lockWait.grants)} grants`);
   }
   if (report.foreground) foregroundRows(report.foreground, add);
+  if (report.eventsArchive) for (const row of eventsArchiveRows(report.eventsArchive)) add(...row);
   // The ratio compares claimed-to-completed: the claim poll's random wait (up to 1 s) is noise here.
   const base = report.sweep.find((entry) => entry.batchSize === 100);
   for (const entry of report.sweep) {
@@ -253,6 +257,9 @@ export function renderMarkdown(report: BenchReport): string {
     '- Latency: rows expiring over the next seconds while the policy runs on the seconds cron shown; an AFTER DELETE statement trigger in the bench database stamps each deletion with clock_timestamp().',
     '- Audit cost (issue 9): in every round, right after reaper end to end, the same run again on the same data with `audit: { enabled: true, retainDays: 30 }` on the policy (one cleanup_audit row per deleted row, written by the deleting statement; the count is checked); the ratio compares the fastest round of each.',
     '- Foreground impact (figure 7, issue 12): pgbench (custom scripts, `-R` fixed rate, per-transaction `--log`; with -R each latency runs from the scheduled start, so a stall counts for every transaction it delays) runs 40% renewals of unexpired holds (UPDATE by key), 10% confirmations (UPDATE by key, only of an unexpired hold) and 50% point reads (SELECT by key) of random rows of the same seed, alone for the seconds just before each cleanup (baseline: whatever that cleanup needs, reaper\'s idle processes included, already started, so each ratio compares one moment of the shared machine with the next) and then during each cleanup of the same first n candidates (a cutoff at the n-th expiry, each on a fresh copy): reaper (scheduler + 2 workers, batch 500) unthrottled and with its row-delete admission, one `DELETE ... WHERE expires_at <= cutoff AND status = \'held\'` (what a pg_cron job runs; pg_cron itself is not installed: it needs shared_preload_libraries and a restart of a shared server), and a loop of `DELETE ... WHERE key IN (SELECT ... LIMIT 1000)` on one connection. Percentiles are over the transactions that ended while the cleanup ran. Lock wait: pg_locks.waitstart of the foreground\'s backends sampled every 50 ms (heavyweight locks), next to the longest renewal (an UPDATE by key: any row-lock wait is inside it). WAL: a CHECKPOINT before each cleanup, then pg_walinspect over the cleanup\'s LSN range, counting the bench database\'s records on every relation but seat_reservations, and only heap DELETE records there (the foreground writes only UPDATEs); full-page images included (also shown without). Rows/s: rows deleted ÷ the cleanup\'s wall time (reaper: trigger to completed).',
+    ...(report.eventsArchive
+      ? ['- Events and archive (figure 8, issue 19): on a seed of its own size, each round runs reaper end to end three times on fresh copies: the policy as is, with `events: { enabled: true }` and one `reaper relay` running beside it (publishing to a queue bound to `<prefix>.events`; its CPU competes with the deletion), and with `archive: { enabled: true, retainDays: 30 }`; each reports its fastest round. Relay throughput: the events run once more without a relay, then one relay started on the full outbox, events ÷ seconds until the outbox is empty. Outbox oldest age: the gauge\'s query sampled every 250 ms from the trigger until the relay drained the outbox.']
+      : []),
     '- Remote: the stand-in media API (tools/media-api/server.ts) in the bench process, limiting to R with the same burst; 3 workers share the admission budget through PostgreSQL. Achieved rate = executed deletions per second from the first to the last one.',
     '',
   ];

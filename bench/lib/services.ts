@@ -23,7 +23,8 @@ export interface ReaperEnvironment {
 }
 
 export interface ServiceSpec {
-  kind: 'scheduler' | 'worker';
+  /** A relay has no readiness endpoint: start it with ReaperService.start, not startServices. */
+  kind: 'scheduler' | 'worker' | 'relay';
   id: string;
   prefetch?: number;
   poolSize?: number;

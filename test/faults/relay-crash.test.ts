@@ -4,6 +4,7 @@ import amqp, { type Channel, type ChannelModel, type GetMessage } from 'amqplib'
 import { EVENT_CAUSE_EXPIRY, EVENT_CAUSE_HEADER, type ExpiryEventV1 } from '../../shared/contracts/expiry-event';
 import { policyVersion, parsePolicies } from '../../shared/config/policies';
 import { closeBedAndBroker, combinedPoliciesYaml, makeRowBatch, openBedAndBroker, publishBatch, rowDeletePolicyYaml, type BedAndBroker } from '../support/fixtures';
+import { drainQueue } from '../support/broker';
 import { eventually } from '../support/eventually';
 import { runReaperCli, startReaper, type ReaperProcess } from '../support/processes';
 import { countReservations, seedHolds } from '../support/seed';
@@ -37,15 +38,7 @@ describe('expiry events: outbox and relay crashes', () => {
 
   const env = (extra: Record<string, string> = {}) => world.bed.processEnv(extra);
 
-  async function drainEvents(): Promise<GetMessage[]> {
-    const messages: GetMessage[] = [];
-    for (;;) {
-      const message = await channel.get(queue(), { noAck: false });
-      if (message === false) return messages;
-      messages.push(message);
-      channel.ack(message);
-    }
-  }
+  const drainEvents = () => drainQueue(channel, queue());
 
   /** Events until `count` arrived (they may come in several relay passes). */
   async function eventsArriving(count: number): Promise<GetMessage[]> {

@@ -1,5 +1,5 @@
 import amqp from 'amqplib';
-import type { ChannelModel, ConfirmChannel, GetMessage, Options } from 'amqplib';
+import type { Channel, ChannelModel, ConfirmChannel, GetMessage, Options } from 'amqplib';
 import { rabbitmqctl } from './rabbitmqctl';
 
 /** A plain AMQP client for tests: publish what a test crafts, read what landed in a queue. */
@@ -13,6 +13,17 @@ export interface TestBroker {
   close(): Promise<void>;
 }
 
+/** Takes (and acks) every message now in the queue, on the caller's channel (one that may read an exclusive queue). */
+export async function drainQueue(channel: Channel, queue: string): Promise<GetMessage[]> {
+  const messages: GetMessage[] = [];
+  for (;;) {
+    const message = await channel.get(queue, { noAck: false });
+    if (message === false) return messages;
+    messages.push(message);
+    channel.ack(message);
+  }
+}
+
 export async function openTestBroker(amqpUrl: string): Promise<TestBroker> {
   const connection: ChannelModel = await amqp.connect(amqpUrl, { noDelay: true });
   const channel: ConfirmChannel = await connection.createConfirmChannel();
@@ -22,15 +33,7 @@ export async function openTestBroker(amqpUrl: string): Promise<TestBroker> {
       channel.publish(exchange, routingKey, body, { persistent: true, contentType: 'application/json', ...options });
       await channel.waitForConfirms();
     },
-    async drain(queue) {
-      const messages: GetMessage[] = [];
-      for (;;) {
-        const message = await channel.get(queue, { noAck: false });
-        if (message === false) return messages;
-        messages.push(message);
-        channel.ack(message);
-      }
-    },
+    drain: (queue) => drainQueue(channel, queue),
     async messageCount(queue) {
       return (await channel.checkQueue(queue)).messageCount;
     },

@@ -23,6 +23,8 @@ export interface MediaPolicyOptions {
   leaseMs?: number;
   maxAttempts?: number;
   batchSize?: number;
+  /** Turn expiry events on with this outbox limit. */
+  events?: { maxOutbox: number };
 }
 
 /** The demo's media-assets policy with the given limits; the schedule never fires (runs are triggered). */
@@ -44,7 +46,7 @@ export function mediaPolicyYaml(options: MediaPolicyOptions): string {
     admission: { ratePerSecond: ${options.ratePerSecond}, burst: ${options.burst}, concurrency: ${options.concurrency} }
     retry: { maxAttempts: ${options.maxAttempts ?? 10} }
     leaseMs: ${options.leaseMs ?? 12000}
-`;
+${options.events ? `    events: { enabled: true, maxOutbox: ${options.events.maxOutbox} }\n` : ''}`;
 }
 
 /**

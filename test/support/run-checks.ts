@@ -70,6 +70,12 @@ export async function assertRunDeletedExactlyOnce(
  * - stuck: a message still in a work queue or the dead-letter queue once no consumer holds it; a
  *   run not finished (pending, scanning, published) after settling; an operation in flight with an
  *   expired lease.
+ *
+ * With `events` (expiry events on for the policies checked), a fifth count, `events`: a deletion
+ * whose event (message id `<policy>:<key>:<observed expiry>`) was never delivered (missing; its
+ * outbox row may still be there), and a delivered event id that is no deletion's (spurious). A
+ * row-delete deletion is its audit row (the policy must have `audit` on); a remote-delete one is
+ * its asset marked `deleted`. Duplicates (the same id delivered again) are allowed and counted.
  */
 export interface CheckerCounts {
   lost: number;
@@ -82,6 +88,23 @@ export interface CheckerReport extends CheckerCounts {
   /** What each count is made of, for the failure message. */
   details: Record<string, unknown>;
   recoveries: Recovery[];
+  /** Expiry events, when the input had them. */
+  events?: EventsCheck;
+}
+
+export interface EventsCheck {
+  /** Deletions (each one event id) checked. */
+  deletions: number;
+  delivered: number;
+  distinct: number;
+  /** Deliveries of an id already delivered (allowed: at-least-once). */
+  duplicates: number;
+  /** Deletions whose event never arrived (a violation). */
+  missing: number;
+  /** Delivered ids that are no deletion's (a violation). */
+  spurious: number;
+  /** Outbox rows still unpublished when checked. */
+  outboxLeft: number;
 }
 
 export interface Recovery {
@@ -105,6 +128,8 @@ export interface CheckerInput {
   ignoreRuns?: readonly string[];
   /** Only runs created before this instant (ISO) count as stuck: a schedule may start one while the services stop. */
   runsCreatedBefore?: string;
+  /** Expiry events on for `rows` (with audit) and `assets` (with markConfirmed status 'deleted'): every message id a consumer of `<prefix>.events` received. */
+  events?: { delivered: readonly string[] };
 }
 
 export async function runChecker(input: CheckerInput): Promise<CheckerReport> {
@@ -218,25 +243,68 @@ export async function runChecker(input: CheckerInput): Promise<CheckerReport> {
     stuck += count;
   }
   details.stuck = { unfinishedRuns: unfinished, queued };
-  return { lost, wrongful, doubled, stuck, details, recoveries: input.recoveries ?? [] };
+  const events = input.events ? await checkEvents(pool, input, input.events.delivered) : undefined;
+  if (events) details.events = events.sample;
+  return { lost, wrongful, doubled, stuck, details, recoveries: input.recoveries ?? [], ...(events ? { events: events.check } : {}) };
+}
+
+/** The `events` count (see CheckerCounts): each deletion's event id against the ids delivered. */
+async function checkEvents(pool: pg.Pool, input: CheckerInput, deliveredIds: readonly string[]): Promise<{ check: EventsCheck; sample: Record<string, string[]> }> {
+  const expected = (
+    await pool.query<{ id: string }>(
+      `SELECT policy || ':' || key || ':' || reaper_iso(observed_expiry) AS id FROM cleanup_audit WHERE policy = $1 AND operation_key IS NULL
+       UNION ALL
+       SELECT $2 || ':' || asset_id || ':' || reaper_iso(retention_expires_at) FROM media_assets WHERE $2::text IS NOT NULL AND status = 'deleted'`,
+      [input.rows?.policy ?? null, input.assets?.policy ?? null],
+    )
+  ).rows.map((row) => row.id);
+  const deletions = new Set(expected);
+  const delivered = new Set(deliveredIds);
+  const missing = [...deletions].filter((id) => !delivered.has(id));
+  const spurious = [...delivered].filter((id) => !deletions.has(id));
+  const outboxLeft = (await pool.query<{ n: number }>('SELECT count(*)::int AS n FROM cleanup_outbox')).rows[0]!.n;
+  return {
+    check: {
+      deletions: deletions.size,
+      delivered: deliveredIds.length,
+      distinct: delivered.size,
+      duplicates: deliveredIds.length - delivered.size,
+      missing: missing.length,
+      spurious: spurious.length,
+      outboxLeft,
+    },
+    sample: { missing: missing.slice(0, 5), spurious: spurious.slice(0, 5) },
+  };
+}
+
+/** The events count that must be zero (missing + spurious); 0 when events were not checked. */
+export function eventViolations(report: CheckerReport): number {
+  return report.events ? report.events.missing + report.events.spurious : 0;
 }
 
 /** The checker table as printed by the fault tests and the chaos run. */
 export function formatChecker(report: CheckerReport): string {
   const recovered = report.recoveries.filter((r) => r.ms !== null).map((r) => r.ms!);
+  const events = report.events;
   const lines = [
-    '| lost | wrongful | doubled | stuck | faults | longest recovery |',
-    '|-----:|---------:|--------:|------:|-------:|-----------------:|',
-    `| ${report.lost} | ${report.wrongful} | ${report.doubled} | ${report.stuck} | ${report.recoveries.length} | ${recovered.length ? `${(Math.max(...recovered) / 1000).toFixed(1)} s` : '-'} |`,
+    `| lost | wrongful | doubled | stuck |${events ? ' events |' : ''} faults | longest recovery |`,
+    `|-----:|---------:|--------:|------:|${events ? '-------:|' : ''}-------:|-----------------:|`,
+    `| ${report.lost} | ${report.wrongful} | ${report.doubled} | ${report.stuck} |${events ? ` ${eventViolations(report)} |` : ''} ${report.recoveries.length} | ${recovered.length ? `${(Math.max(...recovered) / 1000).toFixed(1)} s` : '-'} |`,
   ];
+  if (events) {
+    lines.push(
+      `events: ${events.deletions} deletions, ${events.delivered} delivered (${events.distinct} distinct ids, ${events.duplicates} duplicates), ` +
+        `${events.missing} missing, ${events.spurious} spurious, ${events.outboxLeft} left in the outbox`,
+    );
+  }
   return lines.join('\n');
 }
 
 /** Fails with the table and what each count is made of unless all four are zero. */
 export function assertCheckerZero(report: CheckerReport): void {
   assert.deepEqual(
-    { lost: report.lost, wrongful: report.wrongful, doubled: report.doubled, stuck: report.stuck },
-    { lost: 0, wrongful: 0, doubled: 0, stuck: 0 },
+    { lost: report.lost, wrongful: report.wrongful, doubled: report.doubled, stuck: report.stuck, events: eventViolations(report) },
+    { lost: 0, wrongful: 0, doubled: 0, stuck: 0, events: 0 },
     `checker:\n${formatChecker(report)}\n${JSON.stringify(report.details)}`,
   );
 }

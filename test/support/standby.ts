@@ -1,11 +1,11 @@
 import { execFile, spawnSync } from 'node:child_process';
-import { appendFileSync, chownSync, existsSync, mkdtempSync, rmSync, writeFileSync } from 'node:fs';
-import { createServer } from 'node:net';
+import { appendFileSync, mkdtempSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir, userInfo } from 'node:os';
 import path from 'node:path';
 import { promisify } from 'node:util';
 import pg from 'pg';
 import { eventually } from './eventually';
+import { freePort, ownedByPostgres, runPostgresTool } from './private-postgres';
 import { atTestProcessExit } from './processes';
 import { findExecutable, POSTGRES_BIN_DIRS } from './requirements';
 import { dropSlotSql, postmasterPid, stampedSuffix, stopPostmaster } from './sweeper';
@@ -35,22 +35,6 @@ export interface Standby {
   close(): Promise<void>;
 }
 
-function binDir(): string {
-  for (const dir of POSTGRES_BIN_DIRS) if (existsSync(path.join(dir, 'pg_ctl'))) return dir;
-  return ''; // on PATH
-}
-
-async function freePort(): Promise<number> {
-  return new Promise((resolve, reject) => {
-    const server = createServer();
-    server.once('error', reject);
-    server.listen(0, '127.0.0.1', () => {
-      const { port } = server.address() as { port: number };
-      server.close(() => resolve(port));
-    });
-  });
-}
-
 /** A standby's name (its slot's too: stamped, for the sweeper) and its folder, made now. */
 export function standbyPlace(label: string): { name: string; dir: string } {
   const name = `reaper_standby_${label}_${stampedSuffix()}`.replace(/[^a-z0-9_]/gi, '_').toLowerCase();
@@ -72,9 +56,7 @@ export function removeStandbyNow(primaryUrl: string, name: string, dir: string):
 export async function startStandby(primaryUrl: string, label: string): Promise<Standby> {
   const primary = new URL(primaryUrl);
   const asRoot = userInfo().uid === 0;
-  const tool = (name: string) => (binDir() ? path.join(binDir(), name) : name);
-  const exec = (name: string, args: string[], timeoutMs = 120_000) =>
-    asRoot ? run('runuser', ['-u', 'postgres', '--', tool(name), ...args], { timeout: timeoutMs }) : run(tool(name), args, { timeout: timeoutMs });
+  const exec = runPostgresTool;
   const { name, dir } = standbyPlace(label);
   const data = path.join(dir, 'data');
   const port = await freePort();
@@ -93,7 +75,7 @@ export async function startStandby(primaryUrl: string, label: string): Promise<S
     }
   };
   try {
-    if (asRoot) chownSync(dir, Number((await run('id', ['-u', 'postgres'])).stdout.trim()), Number((await run('id', ['-g', 'postgres'])).stdout.trim()));
+    await ownedByPostgres(dir);
     await settings.connect();
     // A hot standby needs these at least as high as on the primary.
     const values = new Map(

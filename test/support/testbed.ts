@@ -40,16 +40,19 @@ export interface TestBedOptions {
   migrate?: (databaseUrl: string) => Promise<unknown>;
   /** Replaces the broker URL used by close() (tests of the test bed itself make it unreachable). */
   cleanupAmqpUrl?: string;
+  /** Makes the database on this PostgreSQL instead of the shared one (a test's own cluster: test/support/private-postgres.ts). */
+  adminDatabaseUrl?: string;
 }
 
 export async function makeTestBed(label: string, options: TestBedOptions = {}): Promise<TestBed> {
   const servers = await findServers();
+  const adminDatabaseUrl = options.adminDatabaseUrl ?? servers.databaseUrl;
   const suffix = stampedSuffix();
   const safeLabel = label.replace(/[^a-z0-9]/gi, '_').toLowerCase();
   const database = `reaper_test_${safeLabel}_${suffix}`;
   const prefix = `test-${safeLabel.replace(/_/g, '-')}-${suffix}`;
   const dropDatabase = async () => {
-    const admin = new pg.Client({ connectionString: servers.databaseUrl });
+    const admin = new pg.Client({ connectionString: adminDatabaseUrl });
     await admin.connect();
     try {
       await admin.query(`DROP DATABASE IF EXISTS ${pg.escapeIdentifier(database)} WITH (FORCE)`);
@@ -57,14 +60,14 @@ export async function makeTestBed(label: string, options: TestBedOptions = {}): 
       await admin.end();
     }
   };
-  const admin = new pg.Client({ connectionString: servers.databaseUrl });
+  const admin = new pg.Client({ connectionString: adminDatabaseUrl });
   await admin.connect();
   try {
     await admin.query(`CREATE DATABASE ${pg.escapeIdentifier(database)}`);
   } finally {
     await admin.end();
   }
-  const url = new URL(servers.databaseUrl);
+  const url = new URL(adminDatabaseUrl);
   url.pathname = `/${database}`;
   const databaseUrl = url.toString();
   try {

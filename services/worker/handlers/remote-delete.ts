@@ -193,6 +193,8 @@ export function makeRemoteDeleteHandler(policy: RemoteDeletePolicy, target: Reso
       await Promise.all(inProgress);
     }
     const tally = countResults(results);
+    // Each confirmation wrote an outbox row (events on): the limit check counts them before its next reading.
+    outboxLimit.deleted(tally.confirmed ?? 0);
     for (const [result, count] of Object.entries(tally)) context.metrics.operationsTotal.inc({ policy: policy.name, result }, count);
     // The delivery's result is the failure's (a lock timeout is retried, an outage pauses consumption);
     // the operation stays in flight under a lease that expires, then it is claimed and called again.
