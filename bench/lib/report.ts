@@ -14,7 +14,7 @@ export interface BenchReport {
   mode: Mode;
   startedAt: string;
   seconds: number;
-  machine: { cores: number; node: string; postgres: string; rabbitmq: string; loadAverageAtStart: number[] };
+  machine: { cores: number; node: string; postgres: string; rabbitmq: string; loadAverageAtStart: number[]; /** --pin: which processes ran on which CPU. */ pinned?: string };
   settings: Record<string, unknown>;
   sizes: SizeResult[];
   schedulerMemory: Array<{ candidates: number; peakRssMb: number; restRssMb: number }>;
@@ -183,24 +183,28 @@ function foregroundRows(f: ForegroundFigure, add: (figure: string, measure: stri
         return `reaper, batch ${f.reaperBatchSize}, unthrottled`;
       case 'reaper throttled':
         return `reaper, batch ${f.reaperBatchSize}, admission ${number(f.throttle.rowsPerSecond)} rows/s, concurrency ${f.throttle.concurrency}`;
+      case 'reaper adaptive':
+        return `reaper, batch ${f.reaperBatchSize}, adaptive admission, no rate set (the default)`;
       case 'single DELETE':
         return "one DELETE ... WHERE expires_at <= cutoff AND status = 'held' (a pg_cron job)";
       case 'batched DELETE loop':
         return `batched DELETE loop, ${f.loopBatchSize} per statement, 1 connection`;
     }
   };
+  const at = (phase: ForegroundPhase): string => (phase.ratePerSecond === f.ratePerSecond ? '' : ` [foreground ${phase.ratePerSecond}/s]`);
   for (const phase of f.phases) {
-    add('7', `${describe(phase)}: cleanup rate (${count(phase.cleanup.rows)} rows in ${number(phase.cleanup.seconds, 1)} s)`, rate({ ...phase.cleanup, bounded: false }));
+    add('7', `${describe(phase)}${at(phase)}: cleanup rate (${count(phase.cleanup.rows)} rows in ${number(phase.cleanup.seconds, 1)} s)`, rate({ ...phase.cleanup, bounded: false }));
     if (phase.foreground && phase.baseline) {
       const p50 = phase.foreground.p50Ms / phase.baseline.p50Ms;
       const p99 = phase.foreground.p99Ms / phase.baseline.p99Ms;
-      const throttled = phase.name === 'reaper throttled';
+      // Issue 12's target for the fixed rate; issue 18's for adaptive at the busy foreground rate.
+      const throttled = phase.name === 'reaper throttled' || (phase.name === 'reaper adaptive' && phase.ratePerSecond === f.ratePerSecond);
       add('7', `  foreground p50 / alone just before (${number(phase.foreground.p50Ms, 2)} / ${number(phase.baseline.p50Ms, 2)} ms; ${phase.foreground.transactions} / ${phase.baseline.transactions} tx)`, '', ratio(p50));
       add('7', `  foreground p99 / alone just before (${number(phase.foreground.p99Ms, 2)} / ${number(phase.baseline.p99Ms, 2)} ms)`, '', ratio(p99), throttled ? '<= 1.25' : '(reported)', throttled ? verdict(p99 <= 1.25) : '');
       const waits = Object.entries(phase.waitSamples).map(([type, n]) => `${type} ${n}`).join(', ') || 'none';
       add('7', `  longest lock wait of the foreground: pg_locks sampled / longest renewal (samples with a wait, of ${phase.samples}: ${waits})`, `${number(phase.lockWaitMaxMs)} ms / ${number(phase.foreground.renewalMaxMs, 1)} ms`);
     }
-    const reaper = phase.name === 'reaper unthrottled' || phase.name === 'reaper throttled';
+    const reaper = phase.name.startsWith('reaper');
     const walRatio = single && single.walBytesPerRow > 0 ? phase.walBytesPerRow / single.walBytesPerRow : NaN;
     add(
       '7',
@@ -210,6 +214,14 @@ function foregroundRows(f: ForegroundFigure, add: (figure: string, measure: stri
       reaper ? '<= 1.3' : '',
       reaper && Number.isFinite(walRatio) ? verdict(walRatio <= 1.3) : '',
     );
+  }
+  // Issue 18: adaptive with no rate set is fast when the database is quiet.
+  const quiet = (name: ForegroundPhase['name']) => f.phases.find((phase) => phase.name === name && phase.ratePerSecond === f.quietRatePerSecond && f.quietRatePerSecond !== f.ratePerSecond);
+  const adaptiveQuiet = quiet('reaper adaptive');
+  const unthrottledQuiet = quiet('reaper unthrottled');
+  if (adaptiveQuiet && unthrottledQuiet && unthrottledQuiet.cleanup.rowsPerSecond > 0) {
+    const r = adaptiveQuiet.cleanup.rowsPerSecond / unthrottledQuiet.cleanup.rowsPerSecond;
+    add('7', `reaper adaptive / reaper unthrottled, cleanup rate with the foreground at ${f.quietRatePerSecond}/s`, '', ratio(r), '>= 0.5', verdict(r >= 0.5));
   }
 }
 
@@ -238,6 +250,7 @@ export function renderMarkdown(report: BenchReport): string {
       `Took ${number(report.seconds)} s. Every ratio compares figures measured in this same run: absolute rows/s drift by ±20% or more on a shared machine, ratios much less.`,
     '',
     ...(report.mode === 'smoke' ? ['Smoke mode checks counts; at this size start-up costs dominate and its speeds say nothing.', ''] : []),
+    ...(m.pinned ? [`Pinned (--pin): ${m.pinned}.`, ''] : []),
     table,
     '',
     '## How each figure was measured',
