@@ -7,6 +7,7 @@ import { runsInsertIfAbsent, type RunState } from '../../shared/db/queries/runs'
 import { check, checkFinished, reaperEnvironment, type BenchContext } from '../lib/context';
 import { cutoffAfterCandidates, type Seed } from '../lib/database';
 import { seatHoldsPolicy, writePolicies } from '../lib/policies';
+import { onDatabaseCpu } from '../lib/pin';
 import { startServices, stopServices, type ReaperService } from '../lib/services';
 import { pollUntil, sleep } from '../lib/wait';
 
@@ -154,7 +155,8 @@ class Pgbench {
     const connection = pgbenchConnection(url);
     const args = ['-n', ...scripts.flatMap((script) => ['-f', script]), '-R', String(options.ratePerSecond), '-c', String(options.clients), '-j', '1'];
     args.push('-T', String(Math.ceil(maxSeconds)), '--log', `--log-prefix=${logPrefix}`, ...connection.args);
-    this.child = spawn('pgbench', args, { env: { PATH: process.env.PATH, HOME: process.env.HOME, ...connection.env }, stdio: ['ignore', 'ignore', 'pipe'] });
+    const [command, commandArgs] = onDatabaseCpu('pgbench', args); // --pin: beside the database, apart from reaper's Node processes
+    this.child = spawn(command, commandArgs, { env: { PATH: process.env.PATH, HOME: process.env.HOME, ...connection.env }, stdio: ['ignore', 'ignore', 'pipe'] });
     this.child.stderr!.on('data', (chunk: Buffer) => {
       this.stderr = (this.stderr + chunk.toString()).slice(-2000);
     });

@@ -37,8 +37,15 @@ export const ADAPTIVE = {
   ratioWeight: 0.5,
   /** Smoothing of the others-waiting count, per admission sample. */
   waitingWeight: 0.2,
-  /** How much pressure one other backend waiting (on average) adds: pressure = max(latency ratio, 1 + this x waiting). */
-  waitingPressure: 1,
+  /**
+   * How much pressure one other backend waiting (on average) adds: pressure = max(latency ratio, 1 +
+   * this x waiting). Half: an application's own commits wait for their WAL flush too, reaper or not
+   * (bench figure 7: about one foreground backend in IO or LWLock wait at 300 statements/s on a
+   * loaded machine), so it takes more than that to back off.
+   */
+  waitingPressure: 0.5,
+  /** No rate set: one deleting statement takes at most what the adaptive rate admits in this long (at least one batch), so a low rate means small statements, not rare big ones. */
+  statementSeconds: 0.1,
   /** A latency above the baseline becomes the new baseline with this time constant (seconds): a lasting change of the table is learnt, a load is not. */
   baselineRiseSeconds: 120,
   /** A latency below the baseline moves it this far down at once (not all the way: one lucky statement is not the quiet time). */

@@ -160,6 +160,17 @@ export function noteRowStatement(pool: Pool, policy: RowDeletePolicy, sample: { 
 }
 
 /**
+ * The most rows one deleting statement (a chunk of a coalesced group) may take: throttled, one
+ * bucket (the burst); adaptive with no rate set, what the shared rate admits in
+ * ADAPTIVE.statementSeconds as this worker last read it (at least one batch); otherwise no limit.
+ */
+export function maxRowsPerStatement(pool: Pool, policy: RowDeletePolicy, inForce: RowAdmission): number {
+  if (inForce.rowsPerSecond !== null) return inForce.burst;
+  const seen = adaptiveAdmission(policy) ? observers.get(pool)?.get(policy.name)?.seen : null;
+  return seen ? Math.max(policy.batchSize, seen.state.rate * ADAPTIVE.statementSeconds) : Number.POSITIVE_INFINITY;
+}
+
+/**
  * The adaptive part of a take: a step proposal when the last step (of any worker) is at least
  * ADAPTIVE.stepMs old and this worker has a new statement to judge by; the take stores it only if
  * no other worker stepped since (adapted_at).

@@ -4,7 +4,8 @@ import { after, before, describe, test } from 'node:test';
 import pino from 'pino';
 import type pg from 'pg';
 import { ADAPTIVE } from '../../shared/admission/adaptive';
-import { admitRows, noteRowStatement } from '../../shared/admission/rows';
+import { rowAdmissionWith } from '../../shared/admission/overrides';
+import { admitRows, maxRowsPerStatement, noteRowStatement } from '../../shared/admission/rows';
 import { parsePolicies, type RowDeletePolicy } from '../../shared/config/policies';
 import { makeBatchId, type BatchV1 } from '../../shared/contracts/batch';
 import { makePool } from '../../shared/db/pool';
@@ -74,6 +75,9 @@ describe('adaptive row-delete admission: one shared rate', () => {
       { timeoutMs: 15_000, intervalMs: 50 },
     );
     assert.ok((await metricValue(metricsA.registry, 'reaper_row_admission_latency_ratio', { policy: policy.name }))! > ADAPTIVE.backOffAbove, 'the signal is shown');
+    // A lower rate means smaller statements (what the rate admits in 100 ms), not rare big ones.
+    const perStatement = maxRowsPerStatement(a, policy, rowAdmissionWith(policy, null));
+    assert.equal(perStatement, Math.max(policy.batchSize, lowered * ADAPTIVE.statementSeconds));
 
     // Worker B (its own pool, no statement of its own yet) admits at the same, lowered rate.
     await take(b, metricsB.registry);

@@ -1,5 +1,5 @@
 import { overrideFor, rowAdmissionWith } from '../../../shared/admission/overrides';
-import { admitRows, noteRowStatement, takeRowSlot, untilRowSlot } from '../../../shared/admission/rows';
+import { admitRows, maxRowsPerStatement, noteRowStatement, takeRowSlot, untilRowSlot } from '../../../shared/admission/rows';
 import { eventsEnabled, policyVersion, type RowDeletePolicy } from '../../../shared/config/policies';
 import type { BatchV1 } from '../../../shared/contracts/batch';
 import { withTransaction } from '../../../shared/db/pool';
@@ -107,9 +107,9 @@ export function makeRowDeleteGroupHandler(policy: RowDeletePolicy, target: Resol
       return results.map((result) => result!);
     }
     // Throttled: a group takes at most one bucket (the burst) or one batch, so any second sees at
-    // most the rate plus one batch; unthrottled, the whole group goes as one statement.
+    // most the rate plus one batch; unthrottled, the whole group goes as one statement (adaptive: maxRowsPerStatement).
     const inForce = rowAdmissionWith(policy, await overrideFor(context.pool, policy.name));
-    const maxRows = inForce.rowsPerSecond === null ? Number.POSITIVE_INFINITY : inForce.burst;
+    const maxRows = maxRowsPerStatement(context.pool, policy, inForce);
     const chunks: BatchV1[][] = [];
     let rowsInChunk = 0;
     for (const index of firstIndex.values()) {
