@@ -8,6 +8,8 @@
  *   add --profile                 one extra end-to-end run under --cpu-prof (scheduler, worker 1), summarised
  *   add --only remote-backlog     figure 5b alone (with --full: its sizes), e.g. while tuning the ledger
  *   add --only events-archive     figure 8 alone: expiry events and archive on ÷ off, relay throughput
+ *   add --only foreground         figure 7 alone (on the mode's first seed size)
+ *   add --pin                     root only: PostgreSQL on CPU 0, everything else on CPU 1 (taskset; restored afterwards)
  *
  * It needs PostgreSQL and RabbitMQ (DATABASE_URL / AMQP_URL, defaults 127.0.0.1). It creates and
  * drops its own databases (reaper_bench_<random>, reaper_bench_<random>_seed: two runs at once never
@@ -34,6 +36,7 @@ import { MODES, type Mode, type ModeConfig } from './lib/modes';
 import { summariseProfile } from './lib/profile';
 import { renderMarkdown, renderText, type BenchReport, type SizeResult } from './lib/report';
 import { killLeftoverServices } from './lib/services';
+import { assertCanPin, pinDatabaseApart, type Pinning } from './lib/pin';
 
 const RESULTS_DIR = path.resolve(__dirname, '..', '..', 'bench', 'results');
 
@@ -42,19 +45,20 @@ const PGBOSS_BATCH: Omit<PgBossOptions, 'batchSize'> = { mode: 'batch', workers:
 const PGBOSS_ROW: Omit<PgBossOptions, 'batchSize'> = { mode: 'row', workers: 2, loopsPerWorker: 4, fetchSize: 100 };
 
 /** Figures that can be measured alone (--only). */
-const ONLY = ['remote-backlog', 'events-archive'] as const;
+const ONLY = ['remote-backlog', 'events-archive', 'foreground'] as const;
 type Only = (typeof ONLY)[number];
 
-function parseMode(): { config: ModeConfig; profile: boolean; only: Only | null } {
+function parseMode(): { config: ModeConfig; profile: boolean; only: Only | null; pin: boolean } {
   const { values } = parseArgs({
-    options: { quick: { type: 'boolean' }, full: { type: 'boolean' }, smoke: { type: 'boolean' }, profile: { type: 'boolean' }, only: { type: 'string' } },
+    options: { quick: { type: 'boolean' }, full: { type: 'boolean' }, smoke: { type: 'boolean' }, profile: { type: 'boolean' }, only: { type: 'string' }, pin: { type: 'boolean' } },
     strict: true,
   });
   if (values.only !== undefined && !(ONLY as readonly string[]).includes(values.only)) throw new Error(`--only takes one of: ${ONLY.join(', ')}`);
   const chosen = (['quick', 'full', 'smoke'] as const).filter((mode) => values[mode]);
   if (chosen.length > 1) throw new Error('give one of --quick, --full, --smoke');
   const mode: Mode = chosen[0] ?? 'quick';
-  return { config: MODES[mode], profile: !!values.profile, only: (values.only as Only | undefined) ?? null };
+  if (values.pin) assertCanPin(); // refuse before anything is seeded
+  return { config: MODES[mode], profile: !!values.profile, only: (values.only as Only | undefined) ?? null, pin: !!values.pin };
 }
 
 async function serverVersions(adminUrl: string): Promise<{ postgres: string; rabbitmq: string }> {
@@ -186,6 +190,12 @@ async function measureEventsArchive(context: BenchContext, config: ModeConfig, r
   report.eventsArchive = await runEventsArchive(context, seed, { batchSize: config.batchSize, repeats: config.repeats });
 }
 
+async function measureForeground(context: BenchContext, config: ModeConfig, seed: Seed, report: BenchReport): Promise<void> {
+  const f = config.foreground;
+  context.progress(`foreground impact: ${f.foreground ? `pgbench at ${f.ratePerSecond}/s (and ${f.quietRatePerSecond}/s) on ${f.clients} connections, ` : 'counts only, '}throttle ${f.throttle.rowsPerSecond} rows/s`);
+  report.foreground = await runForeground(context, seed, f);
+}
+
 async function measureAll(context: BenchContext, config: ModeConfig, report: BenchReport, profile: boolean): Promise<void> {
   for (const [index, candidates] of config.sizes.entries()) {
     // Every figure copies the bench database from this size's seed afresh: the seed never changes.
@@ -193,11 +203,7 @@ async function measureAll(context: BenchContext, config: ModeConfig, report: Ben
     report.sizes.push(size);
     report.schedulerMemory.push({ candidates, peakRssMb: size.stages.schedulerPeakRssMb, restRssMb: size.stages.schedulerRestRssMb });
     if (index === 0) await measureFirstSizeExtras(context, config, seed, size, report, profile);
-    if (index === 0) {
-      const f = config.foreground;
-      context.progress(`foreground impact: ${f.foreground ? `pgbench at ${f.ratePerSecond}/s on ${f.clients} connections, ` : 'counts only, '}throttle ${f.throttle.rowsPerSecond} rows/s`);
-      report.foreground = await runForeground(context, seed, f);
-    }
+    if (index === 0) await measureForeground(context, config, seed, report);
   }
   const latency = config.latency;
   context.progress(`latency: ${latency.rows} rows expiring over ${latency.spreadSeconds} s, schedule "${latency.schedule}"`);
@@ -211,7 +217,7 @@ async function measureAll(context: BenchContext, config: ModeConfig, report: Ben
 }
 
 async function main(): Promise<number> {
-  const { config, profile, only } = parseMode();
+  const { config, profile, only, pin } = parseMode();
   const started = Date.now();
   const env = loadEnv();
   const workDir = mkdtempSync(path.join(tmpdir(), 'reaper-bench-'));
@@ -225,7 +231,9 @@ async function main(): Promise<number> {
     requireFinished: config.mode === 'smoke',
     progress: (text) => process.stderr.write(`[bench ${((Date.now() - started) / 1000).toFixed(0).padStart(4)} s] ${text}\n`),
   };
+  let pinning: Pinning | null = null;
   const cleanUp = async (): Promise<void> => {
+    pinning?.restore();
     killLeftoverServices();
     await context.broker.deleteAll().catch((error: Error) => context.progress(`broker cleanup failed: ${error.message}`));
     await context.databases.dropAll().catch((error: Error) => context.progress(`database cleanup failed: ${error.message}`));
@@ -267,7 +275,13 @@ async function main(): Promise<number> {
   };
   context.progress(`${config.mode} mode; databases ${context.databases.name}(_seed); broker prefix ${context.broker.prefix}`);
   try {
-    if (only === 'remote-backlog') {
+    if (pin) {
+      pinning = await pinDatabaseApart(env.databaseUrl);
+      report.machine.pinned = pinning.describe;
+      context.progress(`pinned: ${pinning.describe}`);
+    }
+    if (only === 'foreground') await measureForeground(context, config, await context.databases.seed(config.sizes[0]!), report);
+    else if (only === 'remote-backlog') {
       // Every figure copies the bench database from a seed: a tiny one is enough for this figure.
       await context.databases.seed(2);
       await measureRemoteBacklog(context, config, report);
@@ -280,7 +294,7 @@ async function main(): Promise<number> {
   report.seconds = (Date.now() - started) / 1000;
   report.countsOk = context.checks.every((entry) => entry.ok);
   mkdirSync(RESULTS_DIR, { recursive: true });
-  const base = path.join(RESULTS_DIR, `${report.date}-${config.mode}${only ? `-${only}` : ''}`);
+  const base = path.join(RESULTS_DIR, `${report.date}-${config.mode}${only ? `-${only}` : ''}${pin ? '-pinned' : ''}`);
   writeFileSync(`${base}.json`, `${JSON.stringify(report, null, 2)}\n`);
   writeFileSync(`${base}.md`, renderMarkdown(report));
   process.stdout.write(`\n${renderText(report)}\n\nwrote ${path.relative(process.cwd(), base)}.json and .md (${report.seconds.toFixed(0)} s)\n`);

@@ -7,6 +7,7 @@ import { runsInsertIfAbsent, type RunState } from '../../shared/db/queries/runs'
 import { check, checkFinished, reaperEnvironment, type BenchContext } from '../lib/context';
 import { cutoffAfterCandidates, type Seed } from '../lib/database';
 import { seatHoldsPolicy, writePolicies } from '../lib/policies';
+import { onDatabaseCpu } from '../lib/pin';
 import { startServices, stopServices, type ReaperService } from '../lib/services';
 import { pollUntil, sleep } from '../lib/wait';
 
@@ -42,6 +43,11 @@ export interface ForegroundOptions {
   /** Run the pgbench workload (quick, full); smoke runs the cleanups and checks their counts only. */
   foreground: boolean;
   ratePerSecond: number;
+  /**
+   * Issue 18: the foreground rate of a quiet database, where reaper unthrottled and reaper adaptive
+   * (no rate set) run once more: adaptive should be nearly as fast there (fast when quiet, gentle when busy).
+   */
+  quietRatePerSecond: number;
   clients: number;
   baselineSeconds: number;
   /** reaper's batch size here: the product default. */
@@ -65,7 +71,9 @@ export interface ForegroundLatency {
 }
 
 export interface ForegroundPhase {
-  name: 'reaper unthrottled' | 'reaper throttled' | 'single DELETE' | 'batched DELETE loop';
+  name: 'reaper unthrottled' | 'reaper throttled' | 'reaper adaptive' | 'single DELETE' | 'batched DELETE loop';
+  /** The foreground's statements/s during this phase (ForegroundOptions.ratePerSecond, or the quiet rate). */
+  ratePerSecond: number;
   cleanup: { rows: number; seconds: number; rowsPerSecond: number };
   /** The foreground alone during the `baselineSeconds` just before this cleanup (null in smoke). */
   baseline: ForegroundLatency | null;
@@ -84,6 +92,7 @@ export interface ForegroundPhase {
 
 export interface ForegroundFigure {
   ratePerSecond: number;
+  quietRatePerSecond: number;
   clients: number;
   candidates: number;
   reaperBatchSize: number;
@@ -146,7 +155,8 @@ class Pgbench {
     const connection = pgbenchConnection(url);
     const args = ['-n', ...scripts.flatMap((script) => ['-f', script]), '-R', String(options.ratePerSecond), '-c', String(options.clients), '-j', '1'];
     args.push('-T', String(Math.ceil(maxSeconds)), '--log', `--log-prefix=${logPrefix}`, ...connection.args);
-    this.child = spawn('pgbench', args, { env: { PATH: process.env.PATH, HOME: process.env.HOME, ...connection.env }, stdio: ['ignore', 'ignore', 'pipe'] });
+    const [command, commandArgs] = onDatabaseCpu('pgbench', args); // --pin: beside the database, apart from reaper's Node processes
+    this.child = spawn(command, commandArgs, { env: { PATH: process.env.PATH, HOME: process.env.HOME, ...connection.env }, stdio: ['ignore', 'ignore', 'pipe'] });
     this.child.stderr!.on('data', (chunk: Buffer) => {
       this.stderr = (this.stderr + chunk.toString()).slice(-2000);
     });
@@ -405,7 +415,9 @@ async function runPhase(
   name: ForegroundPhase['name'],
   cleanup: Cleanup,
   reaperPolicy: Parameters<typeof seatHoldsPolicy>[3] | null,
+  ratePerSecond: number,
 ): Promise<ForegroundPhase> {
+  const label = `${name.replace(/\W+/g, '-')}-${ratePerSecond}`;
   await context.databases.fresh();
   if (reaperPolicy) await context.broker.preparePhase([FOREGROUND_POLICY]);
   const pool = context.databases.pool(2, 'bench-observer');
@@ -416,17 +428,16 @@ async function runPhase(
   let pgbench: Pgbench | null = null;
   try {
     if (reaperPolicy) {
-      const label = `foreground-${name.replace(/\W+/g, '-')}`;
-      const policiesPath = writePolicies(context.workDir, label, [seatHoldsPolicy(FOREGROUND_POLICY, options.reaperBatchSize, undefined, reaperPolicy)]);
+      const policiesPath = writePolicies(context.workDir, `foreground-${label}`, [seatHoldsPolicy(FOREGROUND_POLICY, options.reaperBatchSize, undefined, reaperPolicy)]);
       services = await startServices(reaperEnvironment(context, policiesPath), [
         { kind: 'scheduler', id: 'bench-scheduler' },
         { kind: 'worker', id: 'bench-worker-1' },
         { kind: 'worker', id: 'bench-worker-2' },
       ]);
     }
-    const logPrefix = path.join(context.workDir, `pgbench-${name.replace(/\W+/g, '-')}`);
+    const logPrefix = path.join(context.workDir, `pgbench-${label}`);
     if (options.foreground) {
-      pgbench = new Pgbench(logPrefix, context.databases.url, scripts, options, pgbenchMaxSeconds(context, options));
+      pgbench = new Pgbench(logPrefix, context.databases.url, scripts, { ...options, ratePerSecond }, pgbenchMaxSeconds(context, options));
       sampler.start();
       await sleep(WARM_UP_MS);
       pgbench.assertRunning();
@@ -457,10 +468,11 @@ async function runPhase(
     }
     await stopServices(services);
     const seconds = (endedMs - startedMs) / 1000;
-    const figure = `foreground: ${name}, ${options.rows} of ${seed.candidates} candidates`;
+    const figure = `foreground: ${name} (foreground ${ratePerSecond}/s), ${options.rows} of ${seed.candidates} candidates`;
     if (checkFinished(context, figure, result.finished)) await checkCounts(context, figure, seed, pool, options.rows, result.rows);
     return {
       name,
+      ratePerSecond,
       cleanup: { rows: result.rows, seconds, rowsPerSecond: seconds > 0 ? result.rows / seconds : 0 },
       baseline,
       foreground,
@@ -489,21 +501,30 @@ export async function runForeground(context: BenchContext, seed: Seed, options: 
         ? `foreground p50 ${phase.foreground.p50Ms.toFixed(1)} ms, p99 ${phase.foreground.p99Ms.toFixed(1)} ms (${phase.foreground.transactions} tx; alone just before: ${phase.baseline.p50Ms.toFixed(1)} / ${phase.baseline.p99Ms.toFixed(1)} ms); `
         : '';
     const cleanup = `${Math.round(phase.cleanup.rowsPerSecond)} rows/s, ${phase.walBytesPerRow.toFixed(0)} WAL B/row; `;
-    context.progress(`    ${phase.name}: ${cleanup}${fg}lock wait max ${phase.lockWaitMaxMs.toFixed(0)} ms`);
+    context.progress(`    ${phase.name} (foreground ${phase.ratePerSecond}/s): ${cleanup}${fg}lock wait max ${phase.lockWaitMaxMs.toFixed(0)} ms`);
   };
-  const plans: Array<[ForegroundPhase['name'], Cleanup, Parameters<typeof seatHoldsPolicy>[3] | null]> = [
-    ['reaper unthrottled', reaperCleanup(context), {}],
-    ['reaper throttled', reaperCleanup(context), { admission: options.throttle }],
-    ['single DELETE', singleDelete, null],
-    ['batched DELETE loop', batchedLoop(context, options.loopBatchSize), null],
+  // Adaptive admission is the product default (issue 18): the unthrottled and the fixed-rate
+  // contenders turn it off; "reaper adaptive" is the default policy with no rate set.
+  const busy = options.ratePerSecond;
+  const plans: Array<[ForegroundPhase['name'], Cleanup, Parameters<typeof seatHoldsPolicy>[3] | null, number]> = [
+    ['reaper unthrottled', reaperCleanup(context), { admission: { adaptive: false } }, busy],
+    ['reaper throttled', reaperCleanup(context), { admission: { ...options.throttle, adaptive: false } }, busy],
+    ['reaper adaptive', reaperCleanup(context), {}, busy],
+    ['single DELETE', singleDelete, null, busy],
+    ['batched DELETE loop', batchedLoop(context, options.loopBatchSize), null, busy],
   ];
-  for (const [name, cleanup, policy] of plans) {
-    const phase = await runPhase(context, seed, options, scripts, name, cleanup, policy);
+  if (options.foreground) {
+    plans.push(['reaper unthrottled', reaperCleanup(context), { admission: { adaptive: false } }, options.quietRatePerSecond]);
+    plans.push(['reaper adaptive', reaperCleanup(context), {}, options.quietRatePerSecond]);
+  }
+  for (const [name, cleanup, policy, ratePerSecond] of plans) {
+    const phase = await runPhase(context, seed, options, scripts, name, cleanup, policy, ratePerSecond);
     phases.push(phase);
     show(phase);
   }
   return {
     ratePerSecond: options.ratePerSecond,
+    quietRatePerSecond: options.quietRatePerSecond,
     clients: options.clients,
     candidates: options.rows,
     reaperBatchSize: options.reaperBatchSize,

@@ -38,6 +38,7 @@ const LATENCY_TICK = { schedule: '*/2 * * * * *', tickSeconds: 2 };
 const FOREGROUND: ForegroundOptions = {
   foreground: true,
   ratePerSecond: 300,
+  quietRatePerSecond: 30,
   clients: 4,
   baselineSeconds: 4,
   reaperBatchSize: 500,

@@ -24,8 +24,8 @@ export interface RowDeletePolicyInput {
   expiresAt: string;
   guard: Record<string, string>;
   batchSize: number;
-  /** The global row-delete throttle (absent: unthrottled). */
-  admission?: { rowsPerSecond: number; concurrency: number };
+  /** The global row-delete throttle (absent: adaptive, no rate set; `adaptive: false` and no rate: unthrottled). */
+  admission?: { rowsPerSecond?: number; concurrency?: number; adaptive?: boolean };
   /** The audit trail (absent: off). */
   audit?: { enabled: boolean; retainDays: number };
 }

@@ -15,7 +15,7 @@ export interface BenchReport {
   mode: Mode;
   startedAt: string;
   seconds: number;
-  machine: { cores: number; node: string; postgres: string; rabbitmq: string; loadAverageAtStart: number[] };
+  machine: { cores: number; node: string; postgres: string; rabbitmq: string; loadAverageAtStart: number[]; /** --pin: which processes ran on which CPU. */ pinned?: string };
   settings: Record<string, unknown>;
   sizes: SizeResult[];
   schedulerMemory: Array<{ candidates: number; peakRssMb: number; restRssMb: number }>;
@@ -187,24 +187,28 @@ function foregroundRows(f: ForegroundFigure, add: (figure: string, measure: stri
         return `reaper, batch ${f.reaperBatchSize}, unthrottled`;
       case 'reaper throttled':
         return `reaper, batch ${f.reaperBatchSize}, admission ${number(f.throttle.rowsPerSecond)} rows/s, concurrency ${f.throttle.concurrency}`;
+      case 'reaper adaptive':
+        return `reaper, batch ${f.reaperBatchSize}, adaptive admission, no rate set (the default)`;
       case 'single DELETE':
         return "one DELETE ... WHERE expires_at <= cutoff AND status = 'held' (a pg_cron job)";
       case 'batched DELETE loop':
         return `batched DELETE loop, ${f.loopBatchSize} per statement, 1 connection`;
     }
   };
+  const at = (phase: ForegroundPhase): string => (phase.ratePerSecond === f.ratePerSecond ? '' : ` [foreground ${phase.ratePerSecond}/s]`);
   for (const phase of f.phases) {
-    add('7', `${describe(phase)}: cleanup rate (${count(phase.cleanup.rows)} rows in ${number(phase.cleanup.seconds, 1)} s)`, rate({ ...phase.cleanup, bounded: false }));
+    add('7', `${describe(phase)}${at(phase)}: cleanup rate (${count(phase.cleanup.rows)} rows in ${number(phase.cleanup.seconds, 1)} s)`, rate({ ...phase.cleanup, bounded: false }));
     if (phase.foreground && phase.baseline) {
       const p50 = phase.foreground.p50Ms / phase.baseline.p50Ms;
       const p99 = phase.foreground.p99Ms / phase.baseline.p99Ms;
-      const throttled = phase.name === 'reaper throttled';
+      // Issue 12's target for the fixed rate; issue 18's for adaptive at the busy foreground rate.
+      const throttled = phase.name === 'reaper throttled' || (phase.name === 'reaper adaptive' && phase.ratePerSecond === f.ratePerSecond);
       add('7', `  foreground p50 / alone just before (${number(phase.foreground.p50Ms, 2)} / ${number(phase.baseline.p50Ms, 2)} ms; ${phase.foreground.transactions} / ${phase.baseline.transactions} tx)`, '', ratio(p50));
       add('7', `  foreground p99 / alone just before (${number(phase.foreground.p99Ms, 2)} / ${number(phase.baseline.p99Ms, 2)} ms)`, '', ratio(p99), throttled ? '<= 1.25' : '(reported)', throttled ? verdict(p99 <= 1.25) : '');
       const waits = Object.entries(phase.waitSamples).map(([type, n]) => `${type} ${n}`).join(', ') || 'none';
       add('7', `  longest lock wait of the foreground: pg_locks sampled / longest renewal (samples with a wait, of ${phase.samples}: ${waits})`, `${number(phase.lockWaitMaxMs)} ms / ${number(phase.foreground.renewalMaxMs, 1)} ms`);
     }
-    const reaper = phase.name === 'reaper unthrottled' || phase.name === 'reaper throttled';
+    const reaper = phase.name.startsWith('reaper');
     const walRatio = single && single.walBytesPerRow > 0 ? phase.walBytesPerRow / single.walBytesPerRow : NaN;
     add(
       '7',
@@ -214,6 +218,14 @@ function foregroundRows(f: ForegroundFigure, add: (figure: string, measure: stri
       reaper ? '<= 1.3' : '',
       reaper && Number.isFinite(walRatio) ? verdict(walRatio <= 1.3) : '',
     );
+  }
+  // Issue 18: adaptive with no rate set is fast when the database is quiet.
+  const quiet = (name: ForegroundPhase['name']) => f.phases.find((phase) => phase.name === name && phase.ratePerSecond === f.quietRatePerSecond && f.quietRatePerSecond !== f.ratePerSecond);
+  const adaptiveQuiet = quiet('reaper adaptive');
+  const unthrottledQuiet = quiet('reaper unthrottled');
+  if (adaptiveQuiet && unthrottledQuiet && unthrottledQuiet.cleanup.rowsPerSecond > 0) {
+    const r = adaptiveQuiet.cleanup.rowsPerSecond / unthrottledQuiet.cleanup.rowsPerSecond;
+    add('7', `reaper adaptive / reaper unthrottled, cleanup rate with the foreground at ${f.quietRatePerSecond}/s`, '', ratio(r), '>= 0.5', verdict(r >= 0.5));
   }
 }
 
@@ -242,6 +254,7 @@ export function renderMarkdown(report: BenchReport): string {
       `Took ${number(report.seconds)} s. Every ratio compares figures measured in this same run: absolute rows/s drift by ±20% or more on a shared machine, ratios much less.`,
     '',
     ...(report.mode === 'smoke' ? ['Smoke mode checks counts; at this size start-up costs dominate and its speeds say nothing.', ''] : []),
+    ...(m.pinned ? [`Pinned (--pin): ${m.pinned}.`, ''] : []),
     table,
     '',
     '## How each figure was measured',
@@ -256,7 +269,7 @@ export function renderMarkdown(report: BenchReport): string {
     '- Memory: VmHWM (peak resident set) of each process read from /proc just before it is stopped.',
     '- Latency: rows expiring over the next seconds while the policy runs on the seconds cron shown; an AFTER DELETE statement trigger in the bench database stamps each deletion with clock_timestamp().',
     '- Audit cost (issue 9): in every round, right after reaper end to end, the same run again on the same data with `audit: { enabled: true, retainDays: 30 }` on the policy (one cleanup_audit row per deleted row, written by the deleting statement; the count is checked); the ratio compares the fastest round of each.',
-    '- Foreground impact (figure 7, issue 12): pgbench (custom scripts, `-R` fixed rate, per-transaction `--log`; with -R each latency runs from the scheduled start, so a stall counts for every transaction it delays) runs 40% renewals of unexpired holds (UPDATE by key), 10% confirmations (UPDATE by key, only of an unexpired hold) and 50% point reads (SELECT by key) of random rows of the same seed, alone for the seconds just before each cleanup (baseline: whatever that cleanup needs, reaper\'s idle processes included, already started, so each ratio compares one moment of the shared machine with the next) and then during each cleanup of the same first n candidates (a cutoff at the n-th expiry, each on a fresh copy): reaper (scheduler + 2 workers, batch 500) unthrottled and with its row-delete admission, one `DELETE ... WHERE expires_at <= cutoff AND status = \'held\'` (what a pg_cron job runs; pg_cron itself is not installed: it needs shared_preload_libraries and a restart of a shared server), and a loop of `DELETE ... WHERE key IN (SELECT ... LIMIT 1000)` on one connection. Percentiles are over the transactions that ended while the cleanup ran. Lock wait: pg_locks.waitstart of the foreground\'s backends sampled every 50 ms (heavyweight locks), next to the longest renewal (an UPDATE by key: any row-lock wait is inside it). WAL: a CHECKPOINT before each cleanup, then pg_walinspect over the cleanup\'s LSN range, counting the bench database\'s records on every relation but seat_reservations, and only heap DELETE records there (the foreground writes only UPDATEs); full-page images included (also shown without). Rows/s: rows deleted ÷ the cleanup\'s wall time (reaper: trigger to completed).',
+    '- Foreground impact (figure 7, issue 12): pgbench (custom scripts, `-R` fixed rate, per-transaction `--log`; with -R each latency runs from the scheduled start, so a stall counts for every transaction it delays) runs 40% renewals of unexpired holds (UPDATE by key), 10% confirmations (UPDATE by key, only of an unexpired hold) and 50% point reads (SELECT by key) of random rows of the same seed, alone for the seconds just before each cleanup (baseline: whatever that cleanup needs, reaper\'s idle processes included, already started, so each ratio compares one moment of the shared machine with the next) and then during each cleanup of the same first n candidates (a cutoff at the n-th expiry, each on a fresh copy): reaper (scheduler + 2 workers, batch 500) unthrottled and at a fixed admission rate (both `adaptive: false`) and with its default adaptive admission and no rate set (issue 18; it and unthrottled reaper run once more with the foreground at the quiet rate, 30 statements/s), one `DELETE ... WHERE expires_at <= cutoff AND status = \'held\'` (what a pg_cron job runs; pg_cron itself is not installed: it needs shared_preload_libraries and a restart of a shared server), and a loop of `DELETE ... WHERE key IN (SELECT ... LIMIT 1000)` on one connection. Percentiles are over the transactions that ended while the cleanup ran. Lock wait: pg_locks.waitstart of the foreground\'s backends sampled every 50 ms (heavyweight locks), next to the longest renewal (an UPDATE by key: any row-lock wait is inside it). WAL: a CHECKPOINT before each cleanup, then pg_walinspect over the cleanup\'s LSN range, counting the bench database\'s records on every relation but seat_reservations, and only heap DELETE records there (the foreground writes only UPDATEs); full-page images included (also shown without). Rows/s: rows deleted ÷ the cleanup\'s wall time (reaper: trigger to completed).',
     ...(report.eventsArchive
       ? ['- Events and archive (figure 8, issue 19): on a seed of its own size, each round runs reaper end to end three times on fresh copies: the policy as is, with `events: { enabled: true }` and one `reaper relay` running beside it (publishing to a queue bound to `<prefix>.events`; its CPU competes with the deletion), and with `archive: { enabled: true, retainDays: 30 }`; each reports its fastest round. Relay throughput: the events run once more without a relay, then one relay started on the full outbox, events ÷ seconds until the outbox is empty. Outbox oldest age: the gauge\'s query sampled every 250 ms from the trigger until the relay drained the outbox.']
       : []),

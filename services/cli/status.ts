@@ -5,6 +5,7 @@ import { connectAny } from '../../shared/amqp/connection';
 import { brokerNames, DELAY_TIERS_MS } from '../../shared/amqp/topology';
 import { admissionList, replicationLagRead } from '../../shared/db/queries/admission';
 import { admissionViews } from '../../shared/admission/overrides';
+import { adaptiveAdmission } from '../../shared/admission/rows';
 import { ledgerCountsByPolicy } from '../../shared/db/queries/ledger';
 import { outboxCountUpTo, outboxOldestAges } from '../../shared/db/queries/outbox';
 import type { Db } from '../../shared/db/pool';
@@ -57,6 +58,12 @@ async function collectStatus(env: Env, policies: PolicySet) {
           window: scheduleWindowStatus(policy.window, now),
           // Live admission (file values, `reaper admission set` override with who and when, in force).
           admission: inForce.get(policy.name)!,
+          // Adaptive row-delete admission (null when off): the shared rate (null until its first
+          // admission) and the pressure its last step reacted to (1: quiet-time latency).
+          adaptive:
+            policy.kind === 'row-delete' && adaptiveAdmission(policy)
+              ? { rowsPerSecond: admission.get(policy.name)?.adaptiveRate ?? null, pressure: admission.get(policy.name)?.adaptivePressure ?? null, steppedAt: admission.get(policy.name)?.adaptedAt ?? null }
+              : null,
           // row-delete replica-lag brake: engaged while a standby's replay lag is over the maximum.
           brake:
             policy.kind === 'row-delete' && policy.brake
@@ -197,9 +204,15 @@ export function registerStatusCommand(program: Command): void {
                 row.events === null
                   ? null
                   : `${row.events.paused ? 'PAUSED (outbox full) ' : ''}outbox ${row.events.outbox}${row.events.paused ? '+' : ''}/${row.events.maxOutbox}, oldest ${row.events.oldestAgeSeconds}s`,
+              adaptive:
+                row.adaptive === null
+                  ? null
+                  : row.adaptive.rowsPerSecond === null
+                    ? 'on (not started)'
+                    : `${Math.round(row.adaptive.rowsPerSecond)} rows/s${row.adaptive.pressure === null ? '' : ` (pressure ${row.adaptive.pressure.toFixed(2)})`}`,
               brake: row.brake === null ? null : `${row.brake.engaged ? 'ENGAGED' : 'off'} (lag ${row.brake.lagSeconds}s, max ${row.brake.maxReplicationLagSeconds}s)`,
             })),
-            ['policy', 'kind', 'window', 'paused', 'admission', 'brake', 'events', 'oldestEligible', 'oldestLeased', 'waiting', 'lastCompleted', 'lag', 'lastRun', 'lastRunState', 'lastRunCounted', 'lastRunApproved', 'lastRunError', 'queued', 'pending', 'inFlight', 'confirmed', 'rejected', 'gaveUp'],
+            ['policy', 'kind', 'window', 'paused', 'admission', 'adaptive', 'brake', 'events', 'oldestEligible', 'oldestLeased', 'waiting', 'lastCompleted', 'lag', 'lastRun', 'lastRunState', 'lastRunCounted', 'lastRunApproved', 'lastRunError', 'queued', 'pending', 'inFlight', 'confirmed', 'rejected', 'gaveUp'],
           ),
           `delay tiers (retries waiting): ${status.delayed ?? 'unknown'} message(s)`,
           `dead-letter queue: ${status.deadLetters ?? 'unknown'} message(s)`,

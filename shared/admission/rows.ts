@@ -1,8 +1,9 @@
 import { Gauge, type Registry } from 'prom-client';
 import type { RowDeletePolicy } from '../config/policies';
 import type { Db, Pool } from '../db/pool';
-import { admissionRowsEnsure, admissionRowsSlotTry, admissionRowsTake } from '../db/queries/admission';
+import { admissionRowsEnsure, admissionRowsSlotTry, admissionRowsTake, type AdaptiveRowsState, type AdaptiveRowsTake } from '../db/queries/admission';
 import { replicationLagRead, replicationLagReadable } from '../db/queries/replication';
+import { adaptiveStartRate, adaptRate, ADAPTIVE, latencyObserve, NO_READING, othersWaitingObserve, pressureOf, type LatencyReading } from './adaptive';
 import { overrideFor, rowAdmissionWith, type RowAdmission } from './overrides';
 
 /**
@@ -11,6 +12,11 @@ import { overrideFor, rowAdmissionWith, type RowAdmission } from './overrides';
  * statements running at once (advisory slots taken inside the deleting transaction), and the
  * replica-lag brake (no admission while a standby's replay lag is over the policy's maximum).
  * A group of batches takes tokens for its item count before its transaction begins.
+ *
+ * Adaptive admission (issue 18, on unless `admission: { adaptive: false }`): the bucket's rate is
+ * the shared adaptive rate kept in the same row (at most rowsPerSecond when set), stepped by the
+ * control law in adaptive.ts from what each worker sees of its own statements (noteRowStatement)
+ * and of the other backends' waits (read by the take itself).
  */
 
 /** Longest wait between two asks while the bucket is empty, the policy paused or the brake on. */
@@ -36,6 +42,9 @@ interface Gauges {
   lag: Gauge<never>;
   unknown: Gauge<never>;
   braked: Gauge<'policy'>;
+  rate: Gauge<'policy'>;
+  latencyRatio: Gauge<'policy'>;
+  othersWaiting: Gauge<'policy'>;
 }
 const gaugesByRegistry = new WeakMap<Registry, Gauges>();
 
@@ -53,6 +62,24 @@ export function brakeGauges(registry: Registry): Gauges {
       braked: new Gauge({
         name: 'reaper_replication_brake_engaged',
         help: 'row-delete: 1 while the replica-lag brake stops admission (lag over brake.maxReplicationLagSeconds)',
+        labelNames: ['policy'],
+        registers: [registry],
+      }),
+      rate: new Gauge({
+        name: 'reaper_row_admission_rate',
+        help: "row-delete: rows/s the policy's global bucket refills at, as this worker last read it (adaptive: the shared adaptive rate, at most admission.rowsPerSecond; fixed: rowsPerSecond)",
+        labelNames: ['policy'],
+        registers: [registry],
+      }),
+      latencyRatio: new Gauge({
+        name: 'reaper_row_admission_latency_ratio',
+        help: "row-delete adaptive admission: this worker's smoothed latency of its deleting transactions / their quiet-time latency (1: quiet; the rate backs off at 1.6)",
+        labelNames: ['policy'],
+        registers: [registry],
+      }),
+      othersWaiting: new Gauge({
+        name: 'reaper_row_admission_others_waiting',
+        help: 'row-delete adaptive admission: smoothed count of other client backends of the database seen waiting on a lock or on IO at admission (pg_stat_activity)',
         labelNames: ['policy'],
         registers: [registry],
       }),
@@ -101,9 +128,68 @@ export async function assertBrakeReadable(pool: Pool, policy: RowDeletePolicy): 
   }
 }
 
+/** Adaptive admission is the default: `admission: { adaptive: false }` turns it off. */
+export function adaptiveAdmission(policy: RowDeletePolicy): boolean {
+  return policy.admission?.adaptive !== false;
+}
+
+/** One worker's view of the adaptive rate, per pool and policy: its reading of its statements, and the shared state its last take saw. */
+interface Observer {
+  reading: LatencyReading;
+  seen: { state: AdaptiveRowsState; at: number } | null;
+}
+const observers = new WeakMap<Pool, Map<string, Observer>>();
+
+function observerFor(pool: Pool, policy: string): Observer {
+  let byPolicy = observers.get(pool);
+  if (!byPolicy) observers.set(pool, (byPolicy = new Map()));
+  let observer = byPolicy.get(policy);
+  if (!observer) byPolicy.set(policy, (observer = { reading: NO_READING, seen: null }));
+  return observer;
+}
+
+/**
+ * The row-delete handler reports each committed deleting transaction here: `ms` from BEGIN to
+ * COMMIT for `rows` rows. The next admission of this worker judges the database by it. No-op when
+ * the policy's admission is not adaptive. `at`: the caller's performance.now() (tests move it).
+ */
+export function noteRowStatement(pool: Pool, policy: RowDeletePolicy, sample: { ms: number; rows: number; at?: number }): void {
+  if (!adaptiveAdmission(policy)) return;
+  const observer = observerFor(pool, policy.name);
+  observer.reading = latencyObserve(observer.reading, { ms: sample.ms, rows: sample.rows, at: sample.at ?? performance.now() });
+}
+
+/**
+ * The most rows one deleting statement (a chunk of a coalesced group) may take: throttled, one
+ * bucket (the burst); adaptive with no rate set, what the shared rate admits in
+ * ADAPTIVE.statementSeconds as this worker last read it (at least one batch); otherwise no limit.
+ */
+export function maxRowsPerStatement(pool: Pool, policy: RowDeletePolicy, inForce: RowAdmission): number {
+  if (inForce.rowsPerSecond !== null) return inForce.burst;
+  const seen = adaptiveAdmission(policy) ? observers.get(pool)?.get(policy.name)?.seen : null;
+  return seen ? Math.max(policy.batchSize, seen.state.rate * ADAPTIVE.statementSeconds) : Number.POSITIVE_INFINITY;
+}
+
+/**
+ * The adaptive part of a take: a step proposal when the last step (of any worker) is at least
+ * ADAPTIVE.stepMs old and this worker has a new statement to judge by; the take stores it only if
+ * no other worker stepped since (adapted_at).
+ */
+function adaptiveTake(observer: Observer, ceiling: number | null, at: number): AdaptiveRowsTake {
+  const startRate = adaptiveStartRate(ceiling);
+  const seen = observer.seen;
+  const pressure = pressureOf(observer.reading);
+  if (!seen || pressure === null) return { startRate, proposal: null };
+  const elapsedSeconds = seen.state.sinceStepSeconds + Math.max(0, at - seen.at) / 1000;
+  if (elapsedSeconds * 1000 < ADAPTIVE.stepMs) return { startRate, proposal: null };
+  const next = adaptRate({ rate: seen.state.rate, pressure, ceiling, elapsedSeconds, admittedRowsPerSecond: seen.state.admittedSinceStep / Math.max(elapsedSeconds, 0.001) });
+  observer.reading = { ...observer.reading, fresh: 0 };
+  return { startRate, proposal: { rate: next.rate, pressure, seenAdaptedAt: seen.state.adaptedAt } };
+}
+
 /**
  * Waits (up to `holdMs`) until the policy may delete `rows` rows: the brake is off, the policy is
- * not paused, and the bucket gave the tokens. Unthrottled and without a brake: admitted at once,
+ * not paused, and the bucket gave the tokens. Not adaptive, unthrottled and without a brake: admitted at once,
  * no query. Refused after `holdMs`: the caller hands the batches back (delay tier).
  */
 export async function admitRows(
@@ -117,12 +203,13 @@ export async function admitRows(
   const maxLag = policy.brake?.maxReplicationLagSeconds ?? null;
   const standbys = policy.brake?.standbys ?? [];
   const gauges = options.registry ? brakeGauges(options.registry) : null;
+  const adaptive = adaptiveAdmission(policy);
   for (;;) {
     const admission = rowAdmissionWith(policy, await overrideFor(pool, policy.name));
-    if (admission.rowsPerSecond === null && maxLag === null) return { admitted: true, admission, waitedMs: performance.now() - started };
+    if (admission.rowsPerSecond === null && maxLag === null && !adaptive) return { admitted: true, admission, waitedMs: performance.now() - started };
     let reason: RowsRefused['reason'];
     let retryInMs: number;
-    if (admission.rowsPerSecond === null) {
+    if (admission.rowsPerSecond === null && !adaptive) {
       // A brake without a rate: only the lag is read.
       const at = now();
       const lag = await replicationLagRead(pool, { standbys });
@@ -144,16 +231,35 @@ export async function admitRows(
       }
       const at = now();
       const unknownBrakes = maxLag !== null && unknownLagBrakes(pool, policy, at);
-      const take = await admissionRowsTake(pool, { policy: policy.name, rowsPerSecond: admission.rowsPerSecond, capacity, rows, maxLagSeconds: maxLag, standbys, unknownBrakes });
+      const observer = adaptive ? observerFor(pool, policy.name) : null;
+      const take = await admissionRowsTake(pool, {
+        policy: policy.name,
+        rowsPerSecond: admission.rowsPerSecond,
+        capacity,
+        rows,
+        maxLagSeconds: maxLag,
+        standbys,
+        unknownBrakes,
+        adaptive: observer ? adaptiveTake(observer, admission.rowsPerSecond, at) : null,
+      });
       if (maxLag !== null) noteUnknownLag(pool, policy.name, take.unknownStandbys, at);
       gauges?.lag.set(take.replicationLagSeconds);
       gauges?.unknown.set(take.unknownStandbys.length);
       gauges?.braked.set({ policy: policy.name }, take.braked ? 1 : 0);
+      let rate = admission.rowsPerSecond ?? ADAPTIVE.maxRowsPerSecond;
+      if (observer && take.adaptive) {
+        observer.seen = { state: take.adaptive, at };
+        observer.reading = othersWaitingObserve(observer.reading, take.adaptive.othersWaiting);
+        rate = Math.min(rate, take.adaptive.rate);
+        gauges?.latencyRatio.set({ policy: policy.name }, observer.reading.ratio ?? 1);
+        gauges?.othersWaiting.set({ policy: policy.name }, observer.reading.othersWaiting ?? 0);
+      }
+      gauges?.rate.set({ policy: policy.name }, rate);
       if (take.admitted) return { admitted: true, admission, waitedMs: performance.now() - started };
       reason = take.braked ? 'replica-lag' : take.paused ? 'paused' : 'throttled';
       // The tokens missing arrive at the rate; ask again then (bounded both ways).
       const missing = Math.min(rows, capacity) - take.tokens;
-      retryInMs = reason === 'throttled' ? Math.min(MAX_ASK_INTERVAL_MS, Math.max(MIN_ASK_INTERVAL_MS, (missing / admission.rowsPerSecond) * 1000)) : MAX_ASK_INTERVAL_MS;
+      retryInMs = reason === 'throttled' ? Math.min(MAX_ASK_INTERVAL_MS, Math.max(MIN_ASK_INTERVAL_MS, (missing / rate) * 1000)) : MAX_ASK_INTERVAL_MS;
     }
     const waitedMs = performance.now() - started;
     if (waitedMs + retryInMs > options.holdMs || options.stopping?.()) return { admitted: false, reason, retryInMs: Math.max(retryInMs, 1000), waitedMs };

@@ -105,12 +105,16 @@ const rowDeletePolicy = z.strictObject({
    * statements running at once, held by the PostgreSQL admission controller (a batch takes tokens
    * for its item count), so adding workers never adds load. `burst`: rows the bucket holds
    * (default: one batch). Absent: unthrottled. Live changes: `reaper admission set`.
+   * `adaptive` (issue 18; absent means true): the rate adapts to how PostgreSQL answers reaper's own
+   * statements (shared/admission/adaptive.ts), at most rowsPerSecond when that is set; false: the
+   * fixed rate only (or none). Optional, not defaulted: an absent key keeps the policy version.
    */
   admission: z
     .strictObject({
-      rowsPerSecond: z.number().positive().max(10_000_000),
-      concurrency: z.number().int().min(1).max(1000),
+      rowsPerSecond: z.number().positive().max(10_000_000).optional(),
+      concurrency: z.number().int().min(1).max(1000).optional(),
       burst: z.number().int().min(1).max(10_000_000).optional(),
+      adaptive: z.boolean().optional(),
     })
     .optional(),
   /**

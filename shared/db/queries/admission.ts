@@ -200,12 +200,23 @@ export async function admissionSetPaused(db: Db, policies: readonly string[], pa
   return changed;
 }
 
-export async function admissionList(db: Db): Promise<Array<{ policy: string; paused: boolean; tokens: number; blockedForMs: number }>> {
-  const result = await db.query<{ policy: string; paused: boolean; tokens: number; blocked_for_ms: number }>(
-    `SELECT policy, paused, tokens, greatest(0, coalesce(extract(epoch FROM blocked_until - clock_timestamp()) * 1000, 0))::float8 AS blocked_for_ms
+export async function admissionList(
+  db: Db,
+): Promise<Array<{ policy: string; paused: boolean; tokens: number; blockedForMs: number; adaptiveRate: number | null; adaptivePressure: number | null; adaptedAt: string | null }>> {
+  const result = await db.query<{ policy: string; paused: boolean; tokens: number; blocked_for_ms: number; adaptive_rate: number | null; adaptive_pressure: number | null; adapted_at: string | null }>(
+    `SELECT policy, paused, tokens, greatest(0, coalesce(extract(epoch FROM blocked_until - clock_timestamp()) * 1000, 0))::float8 AS blocked_for_ms,
+            adaptive_rate, adaptive_pressure, reaper_iso(adapted_at) AS adapted_at
      FROM cleanup_admission ORDER BY policy`,
   );
-  return result.rows.map((row) => ({ policy: row.policy, paused: row.paused, tokens: row.tokens, blockedForMs: row.blocked_for_ms }));
+  return result.rows.map((row) => ({
+    policy: row.policy,
+    paused: row.paused,
+    tokens: row.tokens,
+    blockedForMs: row.blocked_for_ms,
+    adaptiveRate: row.adaptive_rate,
+    adaptivePressure: row.adaptive_pressure,
+    adaptedAt: row.adapted_at,
+  }));
 }
 
 /*
@@ -276,6 +287,34 @@ export interface RowsTakeOutcome {
   unknownStandbys: string[];
   /** The replica-lag brake is on: the lag is over the policy's maximum, or unknown past the grace. */
   braked: boolean;
+  /** Adaptive admission only (null otherwise): the shared rate as stored by this statement. */
+  adaptive: AdaptiveRowsState | null;
+}
+
+/** The adaptive rate's shared state (cleanup_admission, migration 21), as one statement left it. */
+export interface AdaptiveRowsState {
+  /** rows/s the bucket refills at, before the ceiling. */
+  rate: number;
+  /** The step claim: a proposal is stored only by a take that names this value. */
+  adaptedAt: string;
+  /** Seconds since adaptedAt, on the database clock. */
+  sinceStepSeconds: number;
+  /** Rows admitted by every worker since adaptedAt. */
+  admittedSinceStep: number;
+  /** The signal the last step reacted to (null before the first). */
+  pressure: number | null;
+  /** Other client backends of this database waiting on a lock or on IO now (pg_stat_activity; 0 where not readable). */
+  othersWaiting: number;
+}
+
+/**
+ * Adaptive take (shared/admission/adaptive.ts decides, this stores): the rate starts at
+ * `startRate`; a `proposal` replaces it only when the row's adapted_at is still `seenAdaptedAt`
+ * (one step per observed state, the other workers' proposals for the same state are dropped).
+ */
+export interface AdaptiveRowsTake {
+  startRate: number;
+  proposal: { rate: number; pressure: number | null; seenAdaptedAt: string } | null;
 }
 
 /**
@@ -287,29 +326,102 @@ export interface RowsTakeOutcome {
  * unknown lag. A group larger than the capacity leaves
  * the bucket in debt, so the rate over time stays the configured one. The row is locked for this
  * statement only (autocommit): the DELETE that follows never holds it.
+ * Adaptive (`adaptive` given): the bucket refills at least(the shared adaptive rate, rowsPerSecond
+ * when not null), the step proposal is stored under its claim, the admitted rows are counted for
+ * the next step, and the other backends waiting on a lock or IO are counted (the signal beside the
+ * worker's own latency).
  */
 export async function admissionRowsTake(
   db: Db,
-  take: { policy: string; rowsPerSecond: number; capacity: number; rows: number; maxLagSeconds: number | null; standbys: readonly string[]; unknownBrakes: boolean },
+  take: {
+    policy: string;
+    rowsPerSecond: number | null;
+    capacity: number;
+    rows: number;
+    maxLagSeconds: number | null;
+    standbys: readonly string[];
+    unknownBrakes: boolean;
+    adaptive?: AdaptiveRowsTake | null;
+  },
 ): Promise<RowsTakeOutcome> {
-  const result = await db.query<{ admitted: boolean; tokens: number; paused: boolean; lag: number; unknown: string[]; braked: boolean }>(
-    `WITH ${SERVER_STANDBY_LAG_CTES('$6::text[]')}, b AS (
-       SELECT least($2::float8, tokens + greatest(0, extract(epoch FROM clock_timestamp() - refilled_at)) * $3::float8) AS tokens,
-              greatest(clock_timestamp(), refilled_at) AS at, paused,
+  const adaptive = take.adaptive ?? null;
+  const result = await db.query<{
+    admitted: boolean;
+    tokens: number;
+    paused: boolean;
+    lag: number;
+    unknown: string[];
+    braked: boolean;
+    adaptive_rate: number | null;
+    adapted_at: string | null;
+    since_step: number | null;
+    admitted_since: number;
+    pressure: number | null;
+    others_waiting: number;
+  }>(
+    `WITH ${SERVER_STANDBY_LAG_CTES('$6::text[]')}, cur AS (
+       SELECT a.*, clock_timestamp() AS at_now,
+              $8::boolean AND (a.adapted_at IS NULL OR ($10::float8 IS NOT NULL AND a.adapted_at = $11::timestamptz)) AS stepped
+       FROM cleanup_admission a WHERE policy = $1 FOR UPDATE
+     ), rated AS (
+       SELECT cur.*,
+              CASE WHEN NOT $8::boolean THEN cur.adaptive_rate
+                   WHEN cur.stepped AND $10::float8 IS NOT NULL THEN $10::float8
+                   ELSE coalesce(cur.adaptive_rate, $9::float8) END AS next_rate
+       FROM cur
+     ), b AS (
+       SELECT least($2::float8, tokens + greatest(0, extract(epoch FROM at_now - refilled_at))
+                * CASE WHEN $8::boolean THEN least(coalesce($3::float8, 'infinity'::float8), next_rate) ELSE $3::float8 END) AS tokens,
+              greatest(at_now, refilled_at) AS at, at_now, paused, stepped, next_rate, adapted_at, adaptive_admitted, adaptive_pressure,
               $5::float8 IS NOT NULL AND ((SELECT seconds FROM lag) > $5::float8 OR ($7::boolean AND (SELECT cardinality(unknown) FROM lag) > 0)) AS braked
-       FROM cleanup_admission WHERE policy = $1 FOR UPDATE
+       FROM rated
      ), decided AS (
        SELECT b.*, NOT b.paused AND NOT b.braked AND b.tokens >= least($4::float8, $2::float8) AS admitted FROM b
      )
-     UPDATE cleanup_admission a SET tokens = d.tokens - CASE WHEN d.admitted THEN $4::float8 ELSE 0 END, refilled_at = d.at, updated_at = clock_timestamp()
+     UPDATE cleanup_admission a SET tokens = d.tokens - CASE WHEN d.admitted THEN $4::float8 ELSE 0 END, refilled_at = d.at, updated_at = clock_timestamp(),
+       adaptive_rate = d.next_rate,
+       adapted_at = CASE WHEN d.stepped THEN d.at_now ELSE d.adapted_at END,
+       adaptive_admitted = CASE WHEN d.stepped THEN 0 ELSE d.adaptive_admitted END + CASE WHEN $8::boolean AND d.admitted THEN $4::float8 ELSE 0 END,
+       adaptive_pressure = CASE WHEN d.stepped AND $10::float8 IS NOT NULL THEN $12::float8 ELSE d.adaptive_pressure END
      FROM decided d
      WHERE a.policy = $1
-     RETURNING d.admitted, a.tokens, d.paused, (SELECT seconds FROM lag) AS lag, (SELECT unknown FROM lag) AS unknown, d.braked`,
-    [take.policy, take.capacity, take.rowsPerSecond, take.rows, take.maxLagSeconds, take.standbys, take.unknownBrakes],
+     RETURNING d.admitted, a.tokens, d.paused, (SELECT seconds FROM lag) AS lag, (SELECT unknown FROM lag) AS unknown, d.braked,
+       a.adaptive_rate, reaper_iso(a.adapted_at) AS adapted_at, extract(epoch FROM d.at_now - a.adapted_at)::float8 AS since_step,
+       a.adaptive_admitted AS admitted_since, a.adaptive_pressure AS pressure,
+       CASE WHEN $8::boolean THEN (
+         SELECT count(*)::int FROM pg_stat_activity s
+         WHERE s.datname = current_database() AND s.pid <> pg_backend_pid() AND s.backend_type = 'client backend' AND s.state = 'active'
+           AND s.wait_event_type IN ('Lock', 'LWLock', 'IO', 'BufferPin') AND coalesce(s.application_name, '') NOT LIKE 'reaper%'
+       ) ELSE 0 END AS others_waiting`,
+    [
+      take.policy,
+      take.capacity,
+      take.rowsPerSecond,
+      take.rows,
+      take.maxLagSeconds,
+      take.standbys,
+      take.unknownBrakes,
+      adaptive !== null,
+      adaptive?.startRate ?? null,
+      adaptive?.proposal?.rate ?? null,
+      adaptive?.proposal?.seenAdaptedAt ?? null,
+      adaptive?.proposal?.pressure ?? null,
+    ],
   );
   const row = result.rows[0];
-  if (!row) return { admitted: false, tokens: 0, paused: false, replicationLagSeconds: 0, unknownStandbys: [], braked: false };
-  return { admitted: row.admitted, tokens: row.tokens, paused: row.paused, replicationLagSeconds: row.lag, unknownStandbys: row.unknown, braked: row.braked };
+  if (!row) return { admitted: false, tokens: 0, paused: false, replicationLagSeconds: 0, unknownStandbys: [], braked: false, adaptive: null };
+  return {
+    admitted: row.admitted,
+    tokens: row.tokens,
+    paused: row.paused,
+    replicationLagSeconds: row.lag,
+    unknownStandbys: row.unknown,
+    braked: row.braked,
+    adaptive:
+      adaptive !== null && row.adaptive_rate !== null && row.adapted_at !== null
+        ? { rate: row.adaptive_rate, adaptedAt: row.adapted_at, sinceStepSeconds: row.since_step ?? 0, admittedSinceStep: row.admitted_since, pressure: row.pressure, othersWaiting: row.others_waiting }
+        : null,
+  };
 }
 
 /**

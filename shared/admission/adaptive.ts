@@ -1,0 +1,133 @@
+/**
+ * Adaptive row-delete admission (issue 18): the control law, pure. No clock, no database: every
+ * input is an argument, so a test drives it with a signal it controls (docs/design.md "Adaptive
+ * row-delete admission" states the law and why each constant has its value).
+ *
+ * Two halves:
+ *  - a worker's own view of how PostgreSQL answers ITS statements: `latencyObserve` keeps a
+ *    quiet-time baseline of the row-delete transaction's latency per size class and a smoothed ratio
+ *    of recent latencies to it; `othersWaitingObserve` smooths how many other client backends of the
+ *    database were seen waiting on a lock or on IO (pg_stat_activity, sampled by each admission).
+ *  - `adaptRate`: one step of the shared rate (rows/s, kept in the policy's cleanup_admission row,
+ *    so every worker uses and moves the same rate): multiplicative increase while the pressure is at
+ *    the baseline, hold in a band above it, multiplicative decrease above that; never above the
+ *    policy's rowsPerSecond (the ceiling) when one is set, never below a floor.
+ */
+
+export const ADAPTIVE = {
+  /** At most one step of the shared rate per this much database time, whatever the number of workers. */
+  stepMs: 250,
+  /** The rate a policy starts at (or the ceiling, when lower): generous, so a quiet database is not slowed. */
+  startRowsPerSecond: 20_000,
+  /** The rate never goes below this (or the ceiling, when lower): a busy database slows a cleanup, never stops it. */
+  floorRowsPerSecond: 500,
+  /** No ceiling set: the rate never goes above this (the schema's largest rowsPerSecond). */
+  maxRowsPerSecond: 10_000_000,
+  /** Pressure at or below this: raise. */
+  raiseBelow: 1.25,
+  /** Pressure at or above this: back off. Between the two: hold. */
+  backOffAbove: 1.6,
+  /** Raise: the rate doubles per second at baseline (factor 2^elapsed, at most 2 per step). */
+  raisePerSecond: 2,
+  /** Back off: the rate is multiplied by this, once per step. */
+  backOffFactor: 0.7,
+  /** A raise never takes the rate above this multiple of the rows actually admitted per second (or the start rate). */
+  demandHeadroom: 2,
+  /** Smoothing of the latency ratio, per observed statement (exponential moving average weight of the newest). */
+  ratioWeight: 0.5,
+  /** Smoothing of the others-waiting count, per admission sample. */
+  waitingWeight: 0.2,
+  /**
+   * How much pressure one other backend waiting (on average) adds: pressure = max(latency ratio, 1 +
+   * this x waiting). Half: an application's own commits wait for their WAL flush too, reaper or not
+   * (bench figure 7: about one foreground backend in IO or LWLock wait at 300 statements/s on a
+   * loaded machine), so it takes more than that to back off.
+   */
+  waitingPressure: 0.5,
+  /** No rate set: one deleting statement takes at most what the adaptive rate admits in this long (at least one batch), so a low rate means small statements, not rare big ones. */
+  statementSeconds: 0.1,
+  /** A latency above the baseline becomes the new baseline with this time constant (seconds): a lasting change of the table is learnt, a load is not. */
+  baselineRiseSeconds: 120,
+  /** A latency below the baseline moves it this far down at once (not all the way: one lucky statement is not the quiet time). */
+  baselineFallWeight: 0.5,
+} as const;
+
+/** One worker's reading of its own statements. Values, not objects with methods: the caller keeps the latest. */
+export interface LatencyReading {
+  /** Quiet-time latency (ms) per size class (floor(log2(rows))): a statement of 1,000 rows is never compared with one of 10. */
+  baselineMs: ReadonlyMap<number, number>;
+  /** Smoothed latency ÷ baseline of the recent statements; null before the first. */
+  ratio: number | null;
+  /** Smoothed number of other backends seen waiting on a lock or on IO; null before the first sample. */
+  othersWaiting: number | null;
+  /** Statements observed since this worker last proposed a step (a step needs at least one). */
+  fresh: number;
+  /** The caller's clock (ms) at the last statement observed; null before the first. */
+  lastAt: number | null;
+}
+
+export const NO_READING: LatencyReading = { baselineMs: new Map(), ratio: null, othersWaiting: null, fresh: 0, lastAt: null };
+
+const sizeClass = (rows: number): number => Math.floor(Math.log2(Math.max(1, rows)));
+
+/** One row-delete transaction took `ms` for `rows` rows, at `at` (ms, the caller's clock). */
+export function latencyObserve(reading: LatencyReading, sample: { ms: number; rows: number; at: number }): LatencyReading {
+  if (!(sample.ms > 0) || !(sample.rows > 0)) return reading;
+  const size = sizeClass(sample.rows);
+  const before = reading.baselineMs.get(size);
+  let baseline: number;
+  if (before === undefined) baseline = sample.ms;
+  else if (sample.ms < before) baseline = before + (sample.ms - before) * ADAPTIVE.baselineFallWeight;
+  else {
+    const elapsedSeconds = reading.lastAt === null ? 0 : Math.max(0, (sample.at - reading.lastAt) / 1000);
+    baseline = before + (sample.ms - before) * (1 - Math.exp(-elapsedSeconds / ADAPTIVE.baselineRiseSeconds));
+  }
+  const baselineMs = new Map(reading.baselineMs);
+  baselineMs.set(size, baseline);
+  const ratio = sample.ms / baseline;
+  return {
+    ...reading,
+    baselineMs,
+    ratio: reading.ratio === null ? ratio : reading.ratio + (ratio - reading.ratio) * ADAPTIVE.ratioWeight,
+    fresh: reading.fresh + 1,
+    lastAt: sample.at,
+  };
+}
+
+/** An admission saw `count` other client backends of the database waiting on a lock or on IO. */
+export function othersWaitingObserve(reading: LatencyReading, count: number): LatencyReading {
+  const waiting = reading.othersWaiting === null ? count : reading.othersWaiting + (count - reading.othersWaiting) * ADAPTIVE.waitingWeight;
+  return { ...reading, othersWaiting: waiting };
+}
+
+/** The signal the rate reacts to: 1 is the quiet time; null when this worker has no new statement to judge by. */
+export function pressureOf(reading: LatencyReading): number | null {
+  if (reading.fresh === 0 || reading.ratio === null) return null;
+  return Math.max(reading.ratio, 1 + ADAPTIVE.waitingPressure * (reading.othersWaiting ?? 0));
+}
+
+/** The rate a policy starts at: the start rate, or the ceiling when lower. */
+export function adaptiveStartRate(ceiling: number | null): number {
+  return ceiling === null ? ADAPTIVE.startRowsPerSecond : Math.min(ceiling, ADAPTIVE.startRowsPerSecond);
+}
+
+export type AdaptDecision = 'raise' | 'hold' | 'back-off';
+
+/**
+ * One step of the shared rate. `elapsedSeconds`: since the last step (of any worker);
+ * `admittedRowsPerSecond`: rows admitted per second over that time, by every worker; `ceiling`:
+ * the policy's rowsPerSecond (file or `reaper admission set`), null when none is set.
+ */
+export function adaptRate(input: { rate: number; pressure: number | null; ceiling: number | null; elapsedSeconds: number; admittedRowsPerSecond: number }): { rate: number; decision: AdaptDecision } {
+  const top = input.ceiling ?? ADAPTIVE.maxRowsPerSecond;
+  const floor = Math.min(top, ADAPTIVE.floorRowsPerSecond);
+  const clamp = (rate: number): number => Math.min(top, Math.max(floor, rate));
+  const { pressure } = input;
+  if (pressure === null || (pressure > ADAPTIVE.raiseBelow && pressure < ADAPTIVE.backOffAbove)) return { rate: clamp(input.rate), decision: 'hold' };
+  if (pressure >= ADAPTIVE.backOffAbove) return { rate: clamp(input.rate * ADAPTIVE.backOffFactor), decision: 'back-off' };
+  // At baseline: raise, but not past what the workers can use (a rate far above the demand would
+  // take many back-off steps to come down when the database gets busy).
+  const factor = Math.min(ADAPTIVE.raisePerSecond, ADAPTIVE.raisePerSecond ** Math.max(0, input.elapsedSeconds));
+  const demandCap = Math.max(ADAPTIVE.startRowsPerSecond, ADAPTIVE.demandHeadroom * input.admittedRowsPerSecond);
+  return { rate: clamp(Math.max(input.rate, Math.min(input.rate * factor, demandCap))), decision: 'raise' };
+}

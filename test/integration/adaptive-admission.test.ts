@@ -1,0 +1,149 @@
+import assert from 'node:assert/strict';
+import { randomUUID } from 'node:crypto';
+import { after, before, describe, test } from 'node:test';
+import pino from 'pino';
+import type pg from 'pg';
+import { ADAPTIVE } from '../../shared/admission/adaptive';
+import { rowAdmissionWith } from '../../shared/admission/overrides';
+import { admitRows, maxRowsPerStatement, noteRowStatement } from '../../shared/admission/rows';
+import { parsePolicies, type RowDeletePolicy } from '../../shared/config/policies';
+import { makeBatchId, type BatchV1 } from '../../shared/contracts/batch';
+import { makePool } from '../../shared/db/pool';
+import { targetResolve } from '../../shared/db/queries/expiring-rows';
+import { makeMetrics } from '../../shared/observability/metrics';
+import { makeRowDeleteGroupHandler } from '../../services/worker/handlers/row-delete';
+import { eventually } from '../support/eventually';
+import { runReaperCli } from '../support/processes';
+import { makeRowBatch, metricValue, rowDeletePolicyYaml } from '../support/fixtures';
+import { seedHolds } from '../support/seed';
+import { makeTestBed, type TestBed } from '../support/testbed';
+
+/**
+ * Adaptive row-delete admission (issue 18) against the real database: the rate lives in the
+ * policy's cleanup_admission row, so two workers (two pools, as two processes would have) admit at
+ * one shared rate and either one moves it; statements that slow down lower it and statements back
+ * at their quiet-time latency raise it again. The signal is controlled by the test (reported
+ * latencies, or a row lock the test holds), never by the machine's speed: the assertions are
+ * directions (lower, higher, the same on both workers), not speeds.
+ */
+describe('adaptive row-delete admission: one shared rate', () => {
+  let bed: TestBed;
+  const pools: pg.Pool[] = [];
+  const workerPool = (name: string): pg.Pool => {
+    // "reaper-..." like a worker's pool: the others-waiting signal leaves reaper's own backends out.
+    const pool = makePool(bed.databaseUrl, 2, `reaper-adaptive-${name}`);
+    pools.push(pool);
+    return pool;
+  };
+  const policyNamed = (name: string): RowDeletePolicy => parsePolicies(rowDeletePolicyYaml({ name, batchSize: 50 }), 'test', {}).get(name) as RowDeletePolicy;
+  const storedRate = async (policy: string): Promise<number> =>
+    (await bed.pool.query<{ rate: number }>('SELECT adaptive_rate AS rate FROM cleanup_admission WHERE policy = $1', [policy])).rows[0]!.rate;
+
+  before(async () => {
+    bed = await makeTestBed('adaptive_admission');
+  });
+
+  after(async () => {
+    await Promise.all(pools.map((pool) => pool.end()));
+    await bed?.close();
+  });
+
+  test('two workers share the rate: slow statements on one lower it for both, fast statements on the other raise it again', async () => {
+    const policy = policyNamed('shared-rate');
+    const [a, b] = [workerPool('a'), workerPool('b')];
+    const [metricsA, metricsB] = [makeMetrics(), makeMetrics()];
+    const take = async (pool: pg.Pool, registry: typeof metricsA.registry): Promise<void> => {
+      const admitted = await admitRows(pool, policy, 10, { holdMs: 5_000, registry });
+      assert.ok(admitted.admitted, 'a take of 10 rows is admitted at these rates');
+    };
+    const rateSeenBy = (registry: typeof metricsA.registry) => metricValue(registry, 'reaper_row_admission_rate', { policy: policy.name });
+
+    // No rate set: the policy starts at the start rate, stored in the shared row.
+    await take(a, metricsA.registry);
+    assert.equal(await storedRate(policy.name), ADAPTIVE.startRowsPerSecond);
+
+    // Worker A's statements slow down to 10x their quiet time: the rate backs off.
+    noteRowStatement(a, policy, { ms: 10, rows: 10 });
+    const lowered = await eventually(
+      'the shared rate lowered by the slow statements',
+      async () => {
+        noteRowStatement(a, policy, { ms: 100, rows: 10 });
+        await take(a, metricsA.registry);
+        const rate = await storedRate(policy.name);
+        return rate < ADAPTIVE.startRowsPerSecond * 0.8 && rate;
+      },
+      { timeoutMs: 15_000, intervalMs: 50 },
+    );
+    assert.ok((await metricValue(metricsA.registry, 'reaper_row_admission_latency_ratio', { policy: policy.name }))! > ADAPTIVE.backOffAbove, 'the signal is shown');
+    // A lower rate means smaller statements (what the rate admits in 100 ms), not rare big ones.
+    const perStatement = maxRowsPerStatement(a, policy, rowAdmissionWith(policy, null));
+    assert.equal(perStatement, Math.max(policy.batchSize, lowered * ADAPTIVE.statementSeconds));
+
+    // Worker B (its own pool, no statement of its own yet) admits at the same, lowered rate.
+    await take(b, metricsB.registry);
+    const shared = await storedRate(policy.name);
+    assert.ok(shared <= lowered, `B's take left the rate where A put it (${shared} <= ${lowered})`);
+    assert.equal(await rateSeenBy(metricsB.registry), shared, 'B admits at the shared rate');
+
+    // Worker B's statements run at their quiet-time latency: B raises the shared rate again, and A reads it.
+    noteRowStatement(b, policy, { ms: 10, rows: 10 });
+    const raised = await eventually(
+      'the shared rate raised by the fast statements',
+      async () => {
+        noteRowStatement(b, policy, { ms: 10, rows: 10 });
+        await take(b, metricsB.registry);
+        const rate = await storedRate(policy.name);
+        return rate > shared * 1.2 && rate;
+      },
+      { timeoutMs: 15_000, intervalMs: 50 },
+    );
+    await take(a, metricsA.registry);
+    assert.ok((await rateSeenBy(metricsA.registry))! >= raised, 'A admits at the rate B raised');
+
+    // `reaper status` shows the shared rate and the pressure it last reacted to.
+    bed.writePolicies(rowDeletePolicyYaml({ name: policy.name, batchSize: 50 }));
+    const status = await runReaperCli(['status', '--json'], bed.processEnv());
+    assert.equal(status.code, 0, status.stdout);
+    const shown = (JSON.parse(status.stdout) as { policies: Array<{ policy: string; adaptive: { rowsPerSecond: number; pressure: number } | null }> }).policies[0]!;
+    assert.equal(shown.adaptive?.rowsPerSecond, await storedRate(policy.name));
+    assert.ok(shown.adaptive.pressure <= ADAPTIVE.raiseBelow, `the last step reacted to quiet-time latency: ${shown.adaptive.pressure}`);
+  });
+
+  test("a row lock held by the application makes the worker's own DELETE slow: the rate backs off", async () => {
+    const policy = policyNamed('seat-holds');
+    const pool = workerPool('c');
+    const group = makeRowDeleteGroupHandler(policy, await targetResolve(bed.pool, policy));
+    const context = { pool, workerId: 'adaptive-test', log: pino({ level: 'silent' }), metrics: makeMetrics(), deliveryCount: 1, failpoint: () => undefined };
+    const batch = async (): Promise<BatchV1> => {
+      const seeded = await seedHolds(bed.pool, { expiredHeld: 20 });
+      const runId = randomUUID();
+      return makeRowBatch(bed.pool, seeded.expiredHeld, { runId, batchId: makeBatchId(runId, 1), policy: policy.name });
+    };
+    const deleteOne = async (): Promise<void> => {
+      const [result] = await group([await batch()], context);
+      assert.deepEqual(result, { kind: 'done', deleted: 20, noop: 0, duplicate: false });
+    };
+    // Quiet time: a few groups at their own speed.
+    for (let i = 0; i < 5; i++) await deleteOne();
+    const before = await storedRate(policy.name);
+
+    // The application holds one of the next batch's rows for 1.5 s: that DELETE waits for it.
+    const locked = await batch();
+    const holder = await bed.pool.connect();
+    try {
+      await holder.query('BEGIN');
+      await holder.query('SELECT 1 FROM seat_reservations WHERE reservation_id = $1 FOR UPDATE', [locked.items[0]!.id]);
+      const release = setTimeout(() => void holder.query('COMMIT'), 1_500);
+      const [result] = await group([locked], context);
+      clearTimeout(release);
+      assert.deepEqual(result, { kind: 'done', deleted: 20, noop: 0, duplicate: false });
+    } finally {
+      await holder.query('COMMIT').catch(() => undefined);
+      holder.release();
+    }
+    // The next admission judges by it: the shared rate is lower than before the lock.
+    await deleteOne();
+    const after = await storedRate(policy.name);
+    assert.ok(after < before, `rate backed off after the slow DELETE: ${after} < ${before}`);
+  });
+});

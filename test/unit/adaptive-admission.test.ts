@@ -1,0 +1,128 @@
+/**
+ * Unit tests of the adaptive row-delete admission's control law (shared/admission/adaptive.ts),
+ * driven by a signal the test controls: the latency each simulated statement takes is set by the
+ * test, the clock is a number the test moves. Nothing here depends on the machine's speed.
+ */
+import assert from 'node:assert/strict';
+import { test } from 'node:test';
+import { ADAPTIVE, adaptiveStartRate, adaptRate, latencyObserve, NO_READING, othersWaitingObserve, pressureOf, type LatencyReading } from '../../shared/admission/adaptive';
+import { ConfigError } from '../../shared/config/errors';
+import { parsePolicies, type RowDeletePolicy } from '../../shared/config/policies';
+import { adaptiveAdmission } from '../../shared/admission/rows';
+
+/**
+ * A worker and its database in steps of ADAPTIVE.stepMs: each step the workers delete what the
+ * rate allows (at most `demand` rows/s), in statements of 500 rows whose latency the test sets,
+ * then one step of the rate. Returns the rate after every step.
+ */
+function simulate(options: { steps: number; latencyMs: (step: number, rate: number) => number; ceiling?: number | null; demand?: number; start?: { rate: number; reading: LatencyReading } }) {
+  const stepSeconds = ADAPTIVE.stepMs / 1000;
+  let rate = options.start?.rate ?? adaptiveStartRate(options.ceiling ?? null);
+  let reading = options.start?.reading ?? NO_READING;
+  let clock = 0;
+  const rates: number[] = [];
+  for (let step = 0; step < options.steps; step++) {
+    const admitted = Math.min(rate, options.demand ?? Number.POSITIVE_INFINITY) * stepSeconds;
+    const statements = Math.max(1, Math.round(admitted / 500));
+    for (let i = 0; i < statements; i++) {
+      clock += (stepSeconds * 1000) / statements;
+      reading = latencyObserve(reading, { ms: options.latencyMs(step, rate), rows: 500, at: clock });
+    }
+    const next = adaptRate({ rate, pressure: pressureOf(reading), ceiling: options.ceiling ?? null, elapsedSeconds: stepSeconds, admittedRowsPerSecond: admitted / stepSeconds });
+    reading = { ...reading, fresh: 0 };
+    rate = next.rate;
+    rates.push(rate);
+  }
+  return { rates, rate, reading };
+}
+
+test('at quiet-time latency the rate rises multiplicatively from a generous start, up to what the workers use', () => {
+  assert.equal(adaptiveStartRate(null), ADAPTIVE.startRowsPerSecond);
+  const { rates } = simulate({ steps: 20, latencyMs: () => 5, demand: 200_000 });
+  assert.ok(rates[3]! > ADAPTIVE.startRowsPerSecond * 1.5, `raised within a second: ${rates.slice(0, 4).join(', ')}`);
+  for (let i = 1; i < rates.length; i++) assert.ok(rates[i]! >= rates[i - 1]!, 'never lowered at baseline');
+  // It does not run away from the demand: at most demandHeadroom x the rows actually admitted.
+  assert.ok(rates.at(-1)! <= ADAPTIVE.demandHeadroom * 200_000, `capped near the demand: ${rates.at(-1)}`);
+  assert.ok(rates.at(-1)! >= 200_000, `reached the demand: ${rates.at(-1)}`);
+});
+
+test('backs off multiplicatively when its statements slow down, and never below the floor', () => {
+  const quiet = simulate({ steps: 8, latencyMs: () => 5, demand: 100_000 });
+  const slow = simulate({ steps: 40, latencyMs: () => 15, demand: 100_000, start: quiet });
+  assert.ok(slow.rates[0]! <= quiet.rate * ADAPTIVE.backOffFactor + 1e-9, `first slow step backs off: ${quiet.rate} -> ${slow.rates[0]}`);
+  assert.ok(slow.rates[3]! <= quiet.rate * ADAPTIVE.backOffFactor ** 4 * 1.0001, `multiplicatively: ${slow.rates.slice(0, 4).join(', ')}`);
+  for (let i = 1; i < slow.rates.length; i++) assert.ok(slow.rates[i]! <= slow.rates[i - 1]!, 'never raised while slow');
+  assert.equal(slow.rate, ADAPTIVE.floorRowsPerSecond, 'down to the floor, not to zero');
+});
+
+test('recovers when its statements speed up again', () => {
+  const quiet = simulate({ steps: 8, latencyMs: () => 5, demand: 100_000 });
+  const slow = simulate({ steps: 20, latencyMs: () => 20, demand: 100_000, start: quiet });
+  const recovered = simulate({ steps: 60, latencyMs: () => 5, demand: 100_000, start: slow });
+  assert.ok(slow.rate < quiet.rate / 10, `slowed: ${slow.rate}`);
+  assert.ok(recovered.rate >= quiet.rate * 0.9, `back to where it was within ${60 * ADAPTIVE.stepMs} ms: ${recovered.rate} vs ${quiet.rate}`);
+});
+
+test('a latency that follows the rate settles between the two: the rate holds where the database answers at about its quiet time', () => {
+  // The database slows down once the rate passes 30,000 rows/s (latency grows with the excess).
+  const latencyMs = (_step: number, rate: number): number => 5 * Math.max(1, rate / 30_000) ** 2;
+  const { rates } = simulate({ steps: 200, latencyMs, demand: 1_000_000 });
+  const tail = rates.slice(-80);
+  assert.ok(Math.max(...tail) < 60_000 && Math.min(...tail) > 10_000, `oscillates around the knee: ${Math.min(...tail)}..${Math.max(...tail)}`);
+});
+
+test('never exceeds the configured ceiling (admission.rowsPerSecond), and starts at it when it is lower than the start rate', () => {
+  assert.equal(adaptiveStartRate(3_000), 3_000);
+  const { rates } = simulate({ steps: 60, latencyMs: () => 5, ceiling: 3_000, demand: 1_000_000 });
+  assert.ok(rates.every((rate) => rate <= 3_000), `max ${Math.max(...rates)}`);
+  assert.equal(rates.at(-1), 3_000);
+  // A rate stored above a lowered ceiling is brought under it by the next step, whatever the signal.
+  for (const pressure of [null, 1, 1.4, 3]) assert.ok(adaptRate({ rate: 50_000, pressure, ceiling: 3_000, elapsedSeconds: 1, admittedRowsPerSecond: 0 }).rate <= 3_000);
+  // A ceiling under the floor: the ceiling wins.
+  assert.equal(adaptRate({ rate: 100, pressure: 5, ceiling: 100, elapsedSeconds: 1, admittedRowsPerSecond: 0 }).rate, 100);
+});
+
+test('between raise and back-off the rate holds; without a new statement it holds', () => {
+  const hold = adaptRate({ rate: 10_000, pressure: (ADAPTIVE.raiseBelow + ADAPTIVE.backOffAbove) / 2, ceiling: null, elapsedSeconds: 1, admittedRowsPerSecond: 10_000 });
+  assert.deepEqual(hold, { rate: 10_000, decision: 'hold' });
+  assert.deepEqual(adaptRate({ rate: 10_000, pressure: null, ceiling: null, elapsedSeconds: 1, admittedRowsPerSecond: 10_000 }), { rate: 10_000, decision: 'hold' });
+  const reading = latencyObserve(NO_READING, { ms: 5, rows: 500, at: 0 });
+  assert.equal(pressureOf({ ...reading, fresh: 0 }), null, 'a reading already used for a step is not used again');
+});
+
+test('the baseline: a small statement is not judged against a big one; a lasting change is learnt in minutes, a short load is not', () => {
+  let reading = latencyObserve(NO_READING, { ms: 50, rows: 1_000, at: 0 });
+  reading = latencyObserve(reading, { ms: 2, rows: 10, at: 10 });
+  assert.ok(Math.abs(reading.ratio! - 1) < 1e-9, `a first statement of another size is its own baseline: ${reading.ratio}`);
+  // 2x for 10 s: still judged slow.
+  let at = 10;
+  for (let i = 0; i < 100; i++) reading = latencyObserve(reading, { ms: 4, rows: 10, at: (at += 100) });
+  assert.ok(reading.ratio! > ADAPTIVE.backOffAbove, `a 10 s load stays a load: ${reading.ratio}`);
+  // 2x for 10 minutes: the new quiet time.
+  for (let i = 0; i < 6_000; i++) reading = latencyObserve(reading, { ms: 4, rows: 10, at: (at += 100) });
+  assert.ok(reading.ratio! < ADAPTIVE.raiseBelow, `a lasting change is learnt: ${reading.ratio}`);
+  // Faster again: the baseline follows down at once (half way per statement).
+  for (let i = 0; i < 10; i++) reading = latencyObserve(reading, { ms: 2, rows: 10, at: (at += 100) });
+  assert.ok(reading.baselineMs.get(3)! < 2.1, `baseline ${reading.baselineMs.get(3)}`);
+});
+
+test('other backends waiting on locks or IO add pressure: the rate backs off though its own statements are fast', () => {
+  let reading = latencyObserve(NO_READING, { ms: 5, rows: 500, at: 0 });
+  assert.equal(pressureOf(reading), 1);
+  for (let i = 0; i < 20; i++) reading = othersWaitingObserve(reading, 2);
+  assert.ok(pressureOf(reading)! >= ADAPTIVE.backOffAbove, `pressure ${pressureOf(reading)}`);
+  assert.equal(adaptRate({ rate: 10_000, pressure: pressureOf(reading), ceiling: null, elapsedSeconds: 0.25, admittedRowsPerSecond: 10_000 }).decision, 'back-off');
+});
+
+test('policies: adaptive is on unless `admission: { adaptive: false }`; a wrong value is refused naming the field', () => {
+  const policy = (admission: string): RowDeletePolicy =>
+    parsePolicies(`policies:\n  - name: p\n    kind: row-delete\n    schedule: "* * * * *"\n    table: t\n    key: id\n    expiresAt: e\n${admission}`, 'test.yaml', {}).get('p') as RowDeletePolicy;
+  assert.equal(adaptiveAdmission(policy('')), true);
+  assert.equal(adaptiveAdmission(policy('    admission: { rowsPerSecond: 100, concurrency: 1 }\n')), true);
+  assert.equal(adaptiveAdmission(policy('    admission: { adaptive: false }\n')), false);
+  assert.equal(adaptiveAdmission(policy('    admission: { adaptive: true, rowsPerSecond: 100 }\n')), true);
+  assert.throws(
+    () => policy('    admission: { adaptive: "no" }\n'),
+    (error: unknown) => error instanceof ConfigError && /policies\.0\.admission\.adaptive/.test(error.message) && /"no"/.test(error.message),
+  );
+});
