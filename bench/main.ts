@@ -7,6 +7,7 @@
  *   npm run bench -- --smoke      CI: small sizes; exits 1 if any count is wrong (never on speed)
  *   add --profile                 one extra end-to-end run under --cpu-prof (scheduler, worker 1), summarised
  *   add --only remote-backlog     figure 5b alone (with --full: its sizes), e.g. while tuning the ledger
+ *   add --only s3                 figure 8 alone (object storage), written as <date>-s3-<mode>.json and .md
  *
  * It needs PostgreSQL and RabbitMQ (DATABASE_URL / AMQP_URL, defaults 127.0.0.1). It creates and
  * drops its own databases (reaper_bench_<random>, reaper_bench_<random>_seed: two runs at once never
@@ -24,6 +25,7 @@ import { runRawDelete } from './contenders/raw';
 import { runForeground } from './figures/foreground';
 import { runLatency } from './figures/latency';
 import { runRemoteBacklog, runRemoteDelete } from './figures/remote-delete';
+import { runS3Delete } from './figures/s3-delete';
 import { runReaperEndToEnd, runStageSplit, type ReaperRun } from './figures/row-delete';
 import { BenchBroker } from './lib/broker';
 import type { BenchContext, Measured, Throughput } from './lib/context';
@@ -40,7 +42,7 @@ const PGBOSS_BATCH: Omit<PgBossOptions, 'batchSize'> = { mode: 'batch', workers:
 const PGBOSS_ROW: Omit<PgBossOptions, 'batchSize'> = { mode: 'row', workers: 2, loopsPerWorker: 4, fetchSize: 100 };
 
 /** Figures that can be measured alone (--only). */
-const ONLY = ['remote-backlog'] as const;
+const ONLY = ['remote-backlog', 's3'] as const;
 type Only = (typeof ONLY)[number];
 
 function parseMode(): { config: ModeConfig; profile: boolean; only: Only | null } {
@@ -176,6 +178,16 @@ async function measureRemoteBacklog(context: BenchContext, config: ModeConfig, r
   report.remoteBacklog = await runRemoteBacklog(context, b);
 }
 
+/** Figure 8 (object storage): one request a full 1,000 keys, two a second at 2,000 keys/s; the backlog lasts this many seconds at that rate. */
+const S3_FIGURE = { keysPerSecond: 2000, requestsPerSecond: 10, concurrency: 4, maxKeysPerRequest: 1000, workers: 2 };
+const S3_BACKLOG_SECONDS: Record<Mode, number> = { smoke: 3, quick: 10, full: 30 };
+
+async function measureS3(context: BenchContext, config: ModeConfig, report: BenchReport): Promise<void> {
+  const backlogSeconds = S3_BACKLOG_SECONDS[config.mode];
+  context.progress(`object storage: ${S3_FIGURE.keysPerSecond} keys/s, ${S3_FIGURE.requestsPerSecond} requests/s, backlog ${S3_FIGURE.keysPerSecond * backlogSeconds} keys`);
+  report.s3 = await runS3Delete(context, { ...S3_FIGURE, backlogSeconds });
+}
+
 async function measureAll(context: BenchContext, config: ModeConfig, report: BenchReport, profile: boolean): Promise<void> {
   for (const [index, candidates] of config.sizes.entries()) {
     // Every figure copies the bench database from this size's seed afresh: the seed never changes.
@@ -197,6 +209,7 @@ async function measureAll(context: BenchContext, config: ModeConfig, report: Ben
   context.progress(`remote-delete: R=${remote.ratePerSecond}, backlog ${backlog}`);
   report.remote = await runRemoteDelete(context, { ...remote, backlog });
   if (config.remoteBacklog) await measureRemoteBacklog(context, config, report);
+  await measureS3(context, config, report);
 }
 
 async function main(): Promise<number> {
@@ -249,6 +262,7 @@ async function main(): Promise<number> {
     latency: null,
     remote: null,
     remoteBacklog: null,
+    s3: null,
     foreground: null,
     profiles: [],
     checks: context.checks,
@@ -260,6 +274,9 @@ async function main(): Promise<number> {
       // Every figure copies the bench database from a seed: a tiny one is enough for this figure.
       await context.databases.seed(2);
       await measureRemoteBacklog(context, config, report);
+    } else if (only === 's3') {
+      await context.databases.seed(2);
+      await measureS3(context, config, report);
     } else await measureAll(context, config, report, profile);
   } finally {
     await cleanUp();
@@ -268,7 +285,7 @@ async function main(): Promise<number> {
   report.seconds = (Date.now() - started) / 1000;
   report.countsOk = context.checks.every((entry) => entry.ok);
   mkdirSync(RESULTS_DIR, { recursive: true });
-  const base = path.join(RESULTS_DIR, `${report.date}-${config.mode}${only ? `-${only}` : ''}`);
+  const base = path.join(RESULTS_DIR, only === 's3' ? `${report.date}-s3-${config.mode}` : `${report.date}-${config.mode}${only ? `-${only}` : ''}`);
   writeFileSync(`${base}.json`, `${JSON.stringify(report, null, 2)}\n`);
   writeFileSync(`${base}.md`, renderMarkdown(report));
   process.stdout.write(`\n${renderText(report)}\n\nwrote ${path.relative(process.cwd(), base)}.json and .md (${report.seconds.toFixed(0)} s)\n`);

@@ -3,6 +3,7 @@ import type { ForegroundFigure, ForegroundPhase } from '../figures/foreground';
 import type { LatencyFigure } from '../figures/latency';
 import type { RemoteBacklogFigure, RemoteFigure } from '../figures/remote-delete';
 import type { ReaperRun, StageSplit } from '../figures/row-delete';
+import type { S3Figure } from '../figures/s3-delete';
 import type { CountCheck, Measured, Throughput } from './context';
 import type { CpuSplit } from './cpu';
 import type { Mode } from './modes';
@@ -22,6 +23,8 @@ export interface BenchReport {
   latency: LatencyFigure | null;
   remote: RemoteFigure | null;
   remoteBacklog?: RemoteBacklogFigure | null;
+  /** Figure 8 (issue 21): object storage through DeleteObjects. */
+  s3?: S3Figure | null;
   /** Figure 7 (issue 12): foreground impact of each cleanup. */
   foreground?: ForegroundFigure | null;
   profiles: ProfileSummary[];
@@ -150,6 +153,7 @@ function rows(report: BenchReport): Row[] {
     add('5b', 'backlog: admission lock wait p50 / p99 (bucket bounds)', `${number(b.lockWait.p50Ms, 1)} ms / ${number(b.lockWait.p99Ms, 1)} ms over ${count(b.lockWait.grants)} grants`);
   }
   if (report.foreground) foregroundRows(report.foreground, add);
+  if (report.s3) s3Rows(report.s3, add);
   // The ratio compares claimed-to-completed: the claim poll's random wait (up to 1 s) is noise here.
   const base = report.sweep.find((entry) => entry.batchSize === 100);
   for (const entry of report.sweep) {
@@ -211,6 +215,15 @@ function foregroundRows(f: ForegroundFigure, add: (figure: string, measure: stri
       reaper && Number.isFinite(walRatio) ? verdict(walRatio <= 1.3) : '',
     );
   }
+}
+
+/** Figure 8 (issue 21): object storage through DeleteObjects, measured at the S3 stand-in's proxy. */
+function s3Rows(s: S3Figure, add: (figure: string, measure: string, value: string, ratioText?: string, target?: string, met?: string) => void): void {
+  const head = `${s.keysPerSecond} keys/s, ${s.requestsPerSecond} requests/s, ${s.concurrency} at once, ${s.maxKeysPerRequest} keys a request, ${s.workers} workers, backlog ${count(s.backlog)}`;
+  add('8', `object storage: keys/s achieved / keysPerSecond (${head})`, `${number(s.achievedKeysPerSecond, 1)} keys/s${s.bounded ? ' (bounded)' : ''}`, ratio(s.achievedRatio), '>= 0.95', verdict(s.achievedRatio >= 0.95));
+  add('8', 'object storage: most keys in any second / keysPerSecond', String(s.maxKeysInOneSecond), ratio(s.maxWindowRatio), '<= 1.0', verdict(s.maxWindowRatio <= 1));
+  add('8', 'object storage: DeleteObjects requests per 1,000 keys', `${s.requests} requests`, ratio(s.requestsPer1000Keys), '<= 1.1', verdict(s.requestsPer1000Keys <= 1.1));
+  add('8', 'object storage: keys sent in more than one request; throttled answers', `${s.duplicates}; ${s.throttled}`, '', '0', verdict(s.duplicates === 0));
 }
 
 const HEADERS: Row = { figure: 'fig', measure: 'measure', value: 'value', ratio: 'ratio', target: 'target', met: 'met' };

@@ -62,7 +62,11 @@ async function makeHandler(policy: Policy, pool: Pool, log: Logger, metrics: Met
       await assertBrakeReadable(pool, policy); // a brake that cannot read the lag is a start-up error, not lag 0
       return makeRowDeleteGroupHandler(policy, target);
     case 'remote-delete': {
-      if (isS3Policy(policy)) return makeS3DeleteHandler(policy, target, makeObjectStorageClient(policy.remote));
+      if (isS3Policy(policy)) {
+        const storage = makeObjectStorageClient(policy.remote);
+        await storage.warmUp();
+        return makeS3DeleteHandler(policy, target, storage);
+      }
       const remote = withCircuitBreaker(makeHttpRemoteClient(policy.remote, log.child({ policy: policy.name })));
       // reaper_circuit_open: half-open still refuses all but one trial call, so it counts as open.
       remote.breaker.on('open', () => metrics.circuitOpen.set({ policy: policy.name }, 1));

@@ -3,7 +3,7 @@ import { s3RequestKeys, type S3DeletePolicy } from '../config/policies';
 import { withTransaction, type Pool } from '../db/pool';
 import { admissionLock } from '../db/queries/admission';
 import type { ResolvedTarget } from '../db/queries/expiring-rows';
-import { s3AdmissionGrantAndClaim } from '../db/queries/ledger-s3';
+import { admissionChargeKeys, s3AdmissionGrantAndClaim } from '../db/queries/ledger-s3';
 import type { ClaimedOperation } from '../db/queries/ledger';
 import { MIN_ADMISSION_WAIT_MS, type AdmissionVerdict } from './controller';
 import { overrideFor, remoteAdmissionWith } from './overrides';
@@ -27,7 +27,26 @@ export interface S3Grant {
   waitMs: number;
   superseded: number;
   held: number;
+  /** Process clock (ms) when the grant's answer arrived: a request sent later than S3_LATE_GRACE_MS after it charges its lateness. */
+  readAt: number;
+  /** The keys bucket's rate in force (paced), keys per second. */
+  keysPerSecond: number;
 }
+
+/**
+ * A request sent this long after its grant is late: the keys bucket is charged the keys the rate
+ * brought meanwhile, so the next grant moves back as far. Requests then leave at least one
+ * request's worth of keys apart as sent, not only as granted (a worker slowed by a busy machine,
+ * or the SDK's first request in a process, would otherwise send two requests close together).
+ */
+export const S3_LATE_GRACE_MS = 10;
+
+/**
+ * Keys are paced at this fraction of keysPerSecond: whole requests then leave a little more than a
+ * second's worth of keys apart, so a few milliseconds of network jitter never puts more than
+ * keysPerSecond keys into one second at the store (bench: "most keys in any second ÷ limit").
+ */
+export const S3_KEY_PACE = 0.98;
 
 /** The numbers in force: the file's, or what `reaper admission set` put over them (rate = keys/s). */
 export async function s3AdmissionInForce(pool: Pool, policy: S3DeletePolicy): Promise<{ keysPerSecond: number; requestsPerSecond: number; requestKeys: number; requestCapacity: number; concurrency: number }> {
@@ -35,7 +54,7 @@ export async function s3AdmissionInForce(pool: Pool, policy: S3DeletePolicy): Pr
   const keysPerSecond = inForce.ratePerSecond;
   const requestsPerSecond = Math.min(policy.admission.requestsPerSecond, keysPerSecond);
   return {
-    keysPerSecond,
+    keysPerSecond: keysPerSecond * S3_KEY_PACE,
     requestsPerSecond,
     requestKeys: s3RequestKeys(keysPerSecond, policy.remote.maxKeysPerRequest),
     requestCapacity: Math.max(1, Math.floor(requestsPerSecond / 10)),
@@ -84,5 +103,12 @@ export async function admitAndClaimS3(
     const requestMs = ((1 - state.requestTokens) / shape.requestsPerSecond) * 1000;
     waitMs = Math.max(MIN_ADMISSION_WAIT_MS, keysMs, requestMs);
   }
-  return { claimed: state.claimed, requestId, verdict, waitMs, superseded: state.superseded, held: state.held };
+  return { claimed: state.claimed, requestId, verdict, waitMs, superseded: state.superseded, held: state.held, readAt: performance.now(), keysPerSecond: shape.keysPerSecond };
+}
+
+/** Just before a granted request is sent: a late one charges its lateness to the keys bucket (see S3_LATE_GRACE_MS). Returns the lateness in ms. */
+export async function chargeLateSend(pool: Pool, policy: S3DeletePolicy, grant: S3Grant): Promise<number> {
+  const lateMs = performance.now() - grant.readAt;
+  if (lateMs > S3_LATE_GRACE_MS) await admissionChargeKeys(pool, policy.name, (grant.keysPerSecond * lateMs) / 1000);
+  return lateMs;
 }

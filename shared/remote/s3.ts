@@ -41,6 +41,12 @@ export type S3RequestOutcome =
 export interface ObjectStorageClient {
   /** Deletes the given object keys (distinct) in one DeleteObjects request (more with `versions: all`: see below). */
   deleteKeys(objectKeys: readonly string[]): Promise<S3RequestOutcome>;
+  /**
+   * At start-up: resolves the region and the credentials through the SDK's chain (a missing region
+   * or credentials is a start-up error, not a failure of every request), so the first request is
+   * not slowed by it (a late first request would bunch with the next at the store). Never logs them.
+   */
+  warmUp(): Promise<void>;
 }
 
 /** Per-key error codes that are worth the same operation again (S3 "Error responses"); any other is rejected. */
@@ -153,6 +159,19 @@ export function makeObjectStorageClient(remote: S3DeletePolicy['remote'], client
   }
 
   return {
+    async warmUp() {
+      try {
+        await client.config.region();
+      } catch (error) {
+        throw new Error(`remote.region: none set and none found by the SDK (AWS_REGION, the shared config file): ${(error as Error).message}`);
+      }
+      try {
+        await client.config.credentials();
+      } catch (error) {
+        // The chain's own message names the sources it tried; it never contains a secret.
+        throw new Error(`no credentials from the AWS SDK's default chain (environment, web identity, shared files, instance metadata): ${(error as Error).message}`);
+      }
+    },
     async deleteKeys(objectKeys) {
       const signal = AbortSignal.timeout(remote.timeoutMs);
       const results = new Map<string, S3KeyResult>();

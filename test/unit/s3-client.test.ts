@@ -143,3 +143,22 @@ test('the object key puts the row key in place of {id}, as it is', () => {
   assert.equal(objectKeyFor('media/{id}', 'a b/ü%'), 'media/a b/ü%');
   assert.equal(objectKeyFor('tenants/{id}/original-{id}', '7'), 'tenants/7/original-7');
 });
+
+test('warm-up at start-up: no region anywhere is an error naming remote.region; with one, credentials come from the default chain (environment here)', async () => {
+  const saved = { region: process.env.AWS_REGION, defaultRegion: process.env.AWS_DEFAULT_REGION, key: process.env.AWS_ACCESS_KEY_ID, secret: process.env.AWS_SECRET_ACCESS_KEY, config: process.env.AWS_CONFIG_FILE };
+  try {
+    delete process.env.AWS_REGION;
+    delete process.env.AWS_DEFAULT_REGION;
+    process.env.AWS_CONFIG_FILE = '/nonexistent/reaper-test-aws-config';
+    const { region: _region, ...withoutRegion } = remote('current');
+    await assert.rejects(makeObjectStorageClient(withoutRegion).warmUp(), /remote\.region/);
+    process.env.AWS_ACCESS_KEY_ID = 'from-the-environment';
+    process.env.AWS_SECRET_ACCESS_KEY = 'secret-from-the-environment';
+    await makeObjectStorageClient(remote('current')).warmUp();
+  } finally {
+    for (const [name, value] of [['AWS_REGION', saved.region], ['AWS_DEFAULT_REGION', saved.defaultRegion], ['AWS_ACCESS_KEY_ID', saved.key], ['AWS_SECRET_ACCESS_KEY', saved.secret], ['AWS_CONFIG_FILE', saved.config]] as const) {
+      if (value === undefined) delete process.env[name];
+      else process.env[name] = value;
+    }
+  }
+});

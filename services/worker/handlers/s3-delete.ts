@@ -1,4 +1,4 @@
-import { admitAndClaimS3, type S3Grant } from '../../../shared/admission/s3';
+import { admitAndClaimS3, chargeLateSend, type S3Grant } from '../../../shared/admission/s3';
 import { blockAdmission } from '../../../shared/admission/controller';
 import { eventsEnabled, policyVersion, type S3DeletePolicy } from '../../../shared/config/policies';
 import { withTransaction } from '../../../shared/db/pool';
@@ -60,6 +60,7 @@ export function makeS3DeleteHandler(policy: S3DeletePolicy, target: ResolvedTarg
       if (grant.held > 0) context.metrics.remoteOperationsCompletedTotal.inc({ policy: policy.name, outcome: 'held' }, grant.held);
       if (grant.claimed.length > 0) {
         requests += 1;
+        await chargeLateSend(context.pool, policy, grant);
         for (const [result, count] of Object.entries(await sendAndRecord(policy, target, storage, grant.claimed, context))) {
           tally[result as keyof KeyTally] = (tally[result as keyof KeyTally] ?? 0) + count;
         }

@@ -133,6 +133,14 @@ export async function s3AdmissionGrantAndClaim(
   };
 }
 
+/**
+ * Takes `keys` more tokens from the policy's keys bucket (it may go below zero: a debt the refill
+ * pays first), for a request sent late (shared/admission/s3.ts chargeLateSend). One statement.
+ */
+export async function admissionChargeKeys(db: Db, policy: string, keys: number): Promise<void> {
+  await db.query(`UPDATE cleanup_admission SET tokens = tokens - $2, updated_at = clock_timestamp() WHERE policy = $1`, [policy, keys]);
+}
+
 /** One key's outcome to record, under the claim (lease owner + attempt) that sent it. */
 export interface S3KeyOutcomeRow {
   operationKey: string;
