@@ -10,6 +10,7 @@
  *   add --only events-archive     figure 8 alone: expiry events and archive on ÷ off, relay throughput
  *   add --only foreground         figure 7 alone (on the mode's first seed size)
  *   add --pin                     root only: PostgreSQL on CPU 0, everything else on CPU 1 (taskset; restored afterwards)
+ *   add --only s3                 figure 9 alone (object storage), written as <date>-s3-<mode>.json and .md
  *
  * It needs PostgreSQL and RabbitMQ (DATABASE_URL / AMQP_URL, defaults 127.0.0.1). It creates and
  * drops its own databases (reaper_bench_<random>, reaper_bench_<random>_seed: two runs at once never
@@ -28,6 +29,7 @@ import { runForeground } from './figures/foreground';
 import { runLatency } from './figures/latency';
 import { EVENTS_ARCHIVE_CANDIDATES, runEventsArchive } from './figures/events-archive';
 import { runRemoteBacklog, runRemoteDelete } from './figures/remote-delete';
+import { runS3Delete } from './figures/s3-delete';
 import { runReaperEndToEnd, runStageSplit, type ReaperRun } from './figures/row-delete';
 import { BenchBroker } from './lib/broker';
 import type { BenchContext, Measured, Throughput } from './lib/context';
@@ -45,7 +47,7 @@ const PGBOSS_BATCH: Omit<PgBossOptions, 'batchSize'> = { mode: 'batch', workers:
 const PGBOSS_ROW: Omit<PgBossOptions, 'batchSize'> = { mode: 'row', workers: 2, loopsPerWorker: 4, fetchSize: 100 };
 
 /** Figures that can be measured alone (--only). */
-const ONLY = ['remote-backlog', 'events-archive', 'foreground'] as const;
+const ONLY = ['remote-backlog', 'events-archive', 'foreground', 's3'] as const;
 type Only = (typeof ONLY)[number];
 
 function parseMode(): { config: ModeConfig; profile: boolean; only: Only | null; pin: boolean } {
@@ -196,6 +198,16 @@ async function measureForeground(context: BenchContext, config: ModeConfig, seed
   report.foreground = await runForeground(context, seed, f);
 }
 
+/** Figure 9 (object storage): one request a full 1,000 keys, two a second at 2,000 keys/s; the backlog lasts this many seconds at that rate. */
+const S3_FIGURE = { keysPerSecond: 2000, requestsPerSecond: 10, concurrency: 4, maxKeysPerRequest: 1000, workers: 2 };
+const S3_BACKLOG_SECONDS: Record<Mode, number> = { smoke: 3, quick: 10, full: 30 };
+
+async function measureS3(context: BenchContext, config: ModeConfig, report: BenchReport): Promise<void> {
+  const backlogSeconds = S3_BACKLOG_SECONDS[config.mode];
+  context.progress(`object storage: ${S3_FIGURE.keysPerSecond} keys/s, ${S3_FIGURE.requestsPerSecond} requests/s, backlog ${S3_FIGURE.keysPerSecond * backlogSeconds} keys`);
+  report.s3 = await runS3Delete(context, { ...S3_FIGURE, backlogSeconds });
+}
+
 async function measureAll(context: BenchContext, config: ModeConfig, report: BenchReport, profile: boolean): Promise<void> {
   for (const [index, candidates] of config.sizes.entries()) {
     // Every figure copies the bench database from this size's seed afresh: the seed never changes.
@@ -214,6 +226,7 @@ async function measureAll(context: BenchContext, config: ModeConfig, report: Ben
   report.remote = await runRemoteDelete(context, { ...remote, backlog });
   if (config.remoteBacklog) await measureRemoteBacklog(context, config, report);
   await measureEventsArchive(context, config, report);
+  await measureS3(context, config, report);
 }
 
 async function main(): Promise<number> {
@@ -268,6 +281,7 @@ async function main(): Promise<number> {
     latency: null,
     remote: null,
     remoteBacklog: null,
+    s3: null,
     foreground: null,
     profiles: [],
     checks: context.checks,
@@ -286,7 +300,10 @@ async function main(): Promise<number> {
       await context.databases.seed(2);
       await measureRemoteBacklog(context, config, report);
     } else if (only === 'events-archive') await measureEventsArchive(context, config, report);
-    else await measureAll(context, config, report, profile);
+    else if (only === 's3') {
+      await context.databases.seed(2);
+      await measureS3(context, config, report);
+    } else await measureAll(context, config, report, profile);
   } finally {
     await cleanUp();
   }
@@ -294,7 +311,7 @@ async function main(): Promise<number> {
   report.seconds = (Date.now() - started) / 1000;
   report.countsOk = context.checks.every((entry) => entry.ok);
   mkdirSync(RESULTS_DIR, { recursive: true });
-  const base = path.join(RESULTS_DIR, `${report.date}-${config.mode}${only ? `-${only}` : ''}${pin ? '-pinned' : ''}`);
+  const base = path.join(RESULTS_DIR, only === 's3' ? `${report.date}-s3-${config.mode}` : `${report.date}-${config.mode}${only ? `-${only}` : ''}${pin ? '-pinned' : ''}`);
   writeFileSync(`${base}.json`, `${JSON.stringify(report, null, 2)}\n`);
   writeFileSync(`${base}.md`, renderMarkdown(report));
   process.stdout.write(`\n${renderText(report)}\n\nwrote ${path.relative(process.cwd(), base)}.json and .md (${report.seconds.toFixed(0)} s)\n`);

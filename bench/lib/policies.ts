@@ -37,6 +37,14 @@ export interface RemoteDeletePolicyInput extends Omit<RowDeletePolicyInput, 'kin
   retry: { maxAttempts: number };
 }
 
+/** An object storage policy (remote.kind s3, README "Object storage (S3)"). */
+export interface S3PolicyInput extends Omit<RowDeletePolicyInput, 'kind' | 'admission' | 'audit'> {
+  kind: 'remote-delete';
+  remote: { kind: 's3'; bucket: string; key: string; endpoint: string; forcePathStyle: boolean; region: string; maxKeysPerRequest: number; timeoutMs: number };
+  admission: { requestsPerSecond: number; keysPerSecond: number; concurrency: number };
+  retry: { maxAttempts: number };
+}
+
 export function seatHoldsPolicy(
   name: string,
   batchSize: number,
@@ -46,7 +54,7 @@ export function seatHoldsPolicy(
   return { name, kind: 'row-delete', schedule, table: 'seat_reservations', key: 'reservation_id', expiresAt: 'expires_at', guard: { status: 'held' }, batchSize, ...extra };
 }
 
-export function writePolicies(directory: string, label: string, policies: ReadonlyArray<RowDeletePolicyInput | RemoteDeletePolicyInput>): string {
+export function writePolicies(directory: string, label: string, policies: ReadonlyArray<RowDeletePolicyInput | RemoteDeletePolicyInput | S3PolicyInput>): string {
   const text = stringify({ policies });
   const file = path.join(directory, `policies-${label}.yaml`);
   parsePolicies(text, file, {}); // throws with the product's message when the bench wrote something invalid

@@ -4,6 +4,7 @@ import type { ForegroundFigure, ForegroundPhase } from '../figures/foreground';
 import type { LatencyFigure } from '../figures/latency';
 import type { RemoteBacklogFigure, RemoteFigure } from '../figures/remote-delete';
 import type { ReaperRun, StageSplit } from '../figures/row-delete';
+import type { S3Figure } from '../figures/s3-delete';
 import type { CountCheck, Measured, Throughput } from './context';
 import type { CpuSplit } from './cpu';
 import type { Mode } from './modes';
@@ -23,6 +24,8 @@ export interface BenchReport {
   latency: LatencyFigure | null;
   remote: RemoteFigure | null;
   remoteBacklog?: RemoteBacklogFigure | null;
+  /** Figure 9 (issue 21): object storage through DeleteObjects. */
+  s3?: S3Figure | null;
   /** Figure 7 (issue 12): foreground impact of each cleanup. */
   foreground?: ForegroundFigure | null;
   /** Figure 8 (issue 19): expiry events and archive on ÷ off, relay throughput, outbox age. */
@@ -154,6 +157,7 @@ function rows(report: BenchReport): Row[] {
   }
   if (report.foreground) foregroundRows(report.foreground, add);
   if (report.eventsArchive) for (const row of eventsArchiveRows(report.eventsArchive)) add(...row);
+  if (report.s3) s3Rows(report.s3, add);
   // The ratio compares claimed-to-completed: the claim poll's random wait (up to 1 s) is noise here.
   const base = report.sweep.find((entry) => entry.batchSize === 100);
   for (const entry of report.sweep) {
@@ -227,6 +231,15 @@ function foregroundRows(f: ForegroundFigure, add: (figure: string, measure: stri
     const r = adaptiveQuiet.cleanup.rowsPerSecond / unthrottledQuiet.cleanup.rowsPerSecond;
     add('7', `reaper adaptive / reaper unthrottled, cleanup rate with the foreground at ${f.quietRatePerSecond}/s`, '', ratio(r), '>= 0.5', verdict(r >= 0.5));
   }
+}
+
+/** Figure 9 (issue 21): object storage through DeleteObjects, measured at the S3 stand-in's proxy. */
+function s3Rows(s: S3Figure, add: (figure: string, measure: string, value: string, ratioText?: string, target?: string, met?: string) => void): void {
+  const head = `${s.keysPerSecond} keys/s, ${s.requestsPerSecond} requests/s, ${s.concurrency} at once, ${s.maxKeysPerRequest} keys a request, ${s.workers} workers, backlog ${count(s.backlog)}`;
+  add('9', `object storage: keys/s achieved / keysPerSecond (${head})`, `${number(s.achievedKeysPerSecond, 1)} keys/s${s.bounded ? ' (bounded)' : ''}`, ratio(s.achievedRatio), '>= 0.95', verdict(s.achievedRatio >= 0.95));
+  add('9', 'object storage: most keys in any second / keysPerSecond', String(s.maxKeysInOneSecond), ratio(s.maxWindowRatio), '<= 1.0', verdict(s.maxWindowRatio <= 1));
+  add('9', 'object storage: DeleteObjects requests per 1,000 keys', `${s.requests} requests`, ratio(s.requestsPer1000Keys), '<= 1.1', verdict(s.requestsPer1000Keys <= 1.1));
+  add('9', 'object storage: keys sent in more than one request; throttled answers', `${s.duplicates}; ${s.throttled}`, '', '0', verdict(s.duplicates === 0));
 }
 
 const HEADERS: Row = { figure: 'fig', measure: 'measure', value: 'value', ratio: 'ratio', target: 'target', met: 'met' };

@@ -20,6 +20,8 @@ export interface ReaperEnvironment {
   policiesPath: string;
   /** Another build's bin/reaper; default REAPER_BIN. */
   bin?: string;
+  /** More environment for the services (e.g. the object store's credentials for the SDK's default chain). */
+  extraEnv?: Record<string, string>;
 }
 
 export interface ServiceSpec {
@@ -169,6 +171,7 @@ export class ReaperService extends ChildService {
         REAPER_DB_POOL_SIZE: String(spec.poolSize ?? 4),
         LOG_LEVEL: 'warn',
         HTTP_PORT: String(httpPort),
+        ...environment.extraEnv,
       },
       stdio: ['ignore', 'pipe', 'pipe'],
     });

@@ -9,6 +9,7 @@ import { migrate } from '../../shared/db/migrate';
 import { makeTopology } from '../../shared/amqp/topology';
 import { runsGetSummary, runsInsertIfAbsent, type Run, type RunSummary } from '../../shared/db/queries/runs';
 import type { MediaApi } from '../../tools/media-api/server';
+import { OBJECTS_POLICY, startObjectStorageDemo } from './demo-s3';
 
 /**
  * `npm run demo`: both demo policies end to end on the real servers, in a database of their own.
@@ -17,6 +18,8 @@ import type { MediaApi } from '../../tools/media-api/server';
  *  - media-assets (remote-delete): expired assets deleted through a stand-in media API on
  *    127.0.0.1:8081 that enforces its own rate limit, throttles for a moment (429 + Retry-After),
  *    fails a few calls (503) and permanently rejects a few assets (403).
+ *  - media-objects (remote-delete, remote.kind s3; demo-s3.ts): archived assets' objects deleted
+ *    from an in-process S3 server in DeleteObjects batches; the store refuses a few (AccessDenied).
  * One scheduler and two workers run as separate processes. Exits 1 if any count is wrong.
  */
 
@@ -67,6 +70,9 @@ export async function runDemo(): Promise<number> {
   say(`2. seeding ${HOLDS.expiredHeld} expired holds, ${HOLDS.futureHeld} held until tomorrow, ${HOLDS.expiredConfirmed} expired but confirmed;`);
   say(`   ${MEDIA.expiredActive} media assets past retention (${MEDIA.rejected} of which the API will refuse), ${MEDIA.futureActive} still retained`);
   await seed(pool);
+  const objects = await startObjectStorageDemo(DEMO_POLICIES_PATH);
+  await objects?.seed(pool);
+  if (objects) await resetBroker(env.amqpUrl, [OBJECTS_POLICY]);
 
   let api: MediaApi;
   try {
@@ -86,7 +92,8 @@ export async function runDemo(): Promise<number> {
     ...process.env,
     DATABASE_URL: demoUrl.toString(),
     REAPER_AMQP_PREFIX: DEMO_PREFIX,
-    REAPER_POLICIES: DEMO_POLICIES_PATH,
+    REAPER_POLICIES: objects?.policiesPath ?? DEMO_POLICIES_PATH,
+    ...objects?.env,
     LOG_LEVEL: process.env.LOG_LEVEL ?? 'warn',
   };
   const startService = (args: string[], workerId: string): void => {
@@ -97,7 +104,8 @@ export async function runDemo(): Promise<number> {
     startService(['scheduler'], 'demo-scheduler');
     const holdsRun = (await runsInsertIfAbsent(pool, { policy: 'seat-holds', trigger: 'manual', scheduledFor: null, cutoff: null }))!;
     const mediaRun = (await runsInsertIfAbsent(pool, { policy: 'media-assets', trigger: 'manual', scheduledFor: null, cutoff: null }))!;
-    for (const run of [holdsRun, mediaRun]) {
+    const objectsRun = objects ? (await runsInsertIfAbsent(pool, { policy: OBJECTS_POLICY, trigger: 'manual', scheduledFor: null, cutoff: null }))! : null;
+    for (const run of [holdsRun, mediaRun, ...(objectsRun ? [objectsRun] : [])]) {
       const published = await waitFor(pool, run.runId, (r) => r.state !== 'pending' && r.state !== 'scanning', 120_000);
       say(`   ${run.policy}: ${published.candidates} candidates in ${published.batchesConfirmed} batches, confirmed by the broker`);
     }
@@ -118,17 +126,20 @@ export async function runDemo(): Promise<number> {
       lastProgress = progress;
     });
     const remoteSeconds = (Date.now() - remoteStarted) / 1000;
+    const objectsDone = objectsRun ? await waitFor(pool, objectsRun.runId, finished, 120_000) : null;
 
     const holdsOk = await summariseHolds(pool, holdsRun, holdsDone, renewedIds);
     const mediaOk = await summariseMedia(pool, api, media, mediaDone, remoteSeconds);
+    const objectsOk = objects && objectsDone ? await objects.summarise(pool, objectsDone) : true;
     say(`\nseconds in all: ${((Date.now() - started) / 1000).toFixed(1)}`);
-    const ok = holdsOk && mediaOk;
+    const ok = holdsOk && mediaOk && objectsOk;
     say(ok ? 'OK: every expired, unrenewed, unconfirmed hold and every expired asset was deleted, once, and nothing else.' : 'FAILED: see the counts above.');
     return ok ? 0 : 1;
   } finally {
     for (const child of children) child.kill('SIGTERM');
     await Promise.all(children.map((child) => new Promise((resolve) => (child.exitCode !== null ? resolve(null) : child.once('exit', resolve)))));
     await api.close();
+    await objects?.close();
     await pool.end();
   }
 }
@@ -198,10 +209,10 @@ async function summariseHolds(pool: pg.Pool, run: Run, done: RunSummary, renewed
 async function summariseMedia(pool: pg.Pool, api: MediaApi, policy: RemoteDeletePolicy, done: RunSummary, seconds: number): Promise<boolean> {
   const ledger = (
     await pool.query<{ confirmed: number; rejected: number; gave_up: number; retried: number; payload_left: number; still_active_expired: number; future_active: number }>(
-      `SELECT (SELECT count(*) FROM cleanup_ledger WHERE outcome = 'confirmed')::int AS confirmed,
-              (SELECT count(*) FROM cleanup_ledger WHERE outcome = 'rejected')::int AS rejected,
-              (SELECT count(*) FROM cleanup_ledger WHERE outcome = 'gave-up')::int AS gave_up,
-              (SELECT count(*) FROM cleanup_ledger WHERE attempt_count > 1)::int AS retried,
+      `SELECT (SELECT count(*) FROM cleanup_ledger WHERE policy = 'media-assets' AND outcome = 'confirmed')::int AS confirmed,
+              (SELECT count(*) FROM cleanup_ledger WHERE policy = 'media-assets' AND outcome = 'rejected')::int AS rejected,
+              (SELECT count(*) FROM cleanup_ledger WHERE policy = 'media-assets' AND outcome = 'gave-up')::int AS gave_up,
+              (SELECT count(*) FROM cleanup_ledger WHERE policy = 'media-assets' AND attempt_count > 1)::int AS retried,
               (SELECT count(*) FROM cleanup_ledger WHERE outcome = 'confirmed' AND payload IS NOT NULL)::int AS payload_left,
               (SELECT count(*) FROM media_assets WHERE status = 'active' AND retention_expires_at <= now())::int AS still_active_expired,
               (SELECT count(*) FROM media_assets WHERE status = 'active' AND retention_expires_at > now())::int AS future_active`,

@@ -1,5 +1,5 @@
 import { Command, Option } from 'commander';
-import { requirePolicy, type RemoteDeletePolicy } from '../../shared/config/policies';
+import { requirePolicy, type AnyRemoteDeletePolicy } from '../../shared/config/policies';
 import { admissionSetPaused } from '../../shared/db/queries/admission';
 import { context, UsageError, withPool } from './common';
 import { printResult } from './output';
@@ -8,7 +8,7 @@ import { printResult } from './output';
 
 async function setPaused(policyName: string | undefined, paused: boolean, json: boolean): Promise<void> {
   const { env, policies } = context();
-  const remote = [...policies.values()].filter((policy): policy is RemoteDeletePolicy => policy.kind === 'remote-delete');
+  const remote = [...policies.values()].filter((policy): policy is AnyRemoteDeletePolicy => policy.kind === 'remote-delete');
   let chosen = remote;
   if (policyName !== undefined) {
     const policy = requirePolicy(policies, policyName);

@@ -4,7 +4,7 @@ import { Counter, type Registry } from 'prom-client';
 import { overrideFor, remoteAdmissionWith } from '../../shared/admission/overrides';
 import type { ConfirmingPublisher } from '../../shared/amqp/publisher';
 import type { BrokerNames } from '../../shared/amqp/topology';
-import type { RemoteDeletePolicy } from '../../shared/config/policies';
+import type { AnyRemoteDeletePolicy } from '../../shared/config/policies';
 import { encodeBatch, type BatchV1 } from '../../shared/contracts/batch';
 import { windowStateAt } from '../../shared/schedule/window';
 import { withTransaction, type Pool } from '../../shared/db/pool';
@@ -47,7 +47,7 @@ export interface LedgerSweeperDeps {
   pool: Pool;
   publisher: ConfirmingPublisher;
   names: BrokerNames;
-  policies: readonly RemoteDeletePolicy[];
+  policies: readonly AnyRemoteDeletePolicy[];
   log: Logger;
   registry: Registry;
 }
@@ -88,7 +88,7 @@ export function startLedgerSweeper(deps: LedgerSweeperDeps): { stop(): Promise<v
  * than CARRY_STALE_MS. Either way an operation is published again, never lost; a duplicate copy is
  * a counted no-op for workers (the ledger decides).
  */
-export async function sweepPolicy(deps: Omit<LedgerSweeperDeps, 'policies' | 'log'>, policy: RemoteDeletePolicy): Promise<number> {
+export async function sweepPolicy(deps: Omit<LedgerSweeperDeps, 'policies' | 'log'>, policy: AnyRemoteDeletePolicy): Promise<number> {
   // The rate in force: the file's, or what `reaper admission set` put over it (as the claim reads it).
   const { ratePerSecond } = remoteAdmissionWith(policy, await overrideFor(deps.pool, policy.name));
   const messages = await withTransaction(deps.pool, async (client) => {

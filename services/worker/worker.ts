@@ -1,7 +1,7 @@
 import type { Channel, ChannelModel, ConsumeMessage } from 'amqplib';
 import type { Logger } from 'pino';
 import type { Env } from '../../shared/config/env';
-import type { Policy, PolicySet, RemoteDeletePolicy } from '../../shared/config/policies';
+import { isS3Policy, type AnyRemoteDeletePolicy, type Policy, type PolicySet } from '../../shared/config/policies';
 import { ReconnectingConnection, TopologyConflictError } from '../../shared/amqp/connection';
 import { ConfirmingPublisher } from '../../shared/amqp/publisher';
 import { brokerNames, topologyFor } from '../../shared/amqp/topology';
@@ -11,6 +11,8 @@ import { makePool, type Pool } from '../../shared/db/pool';
 import { ledgerReturnExpiredLeases } from '../../shared/db/queries/ledger';
 import { makeHttpRemoteClient, withCircuitBreaker } from '../../shared/remote/client';
 import { makeRemoteDeleteHandler } from './handlers/remote-delete';
+import { makeS3DeleteHandler } from './handlers/s3-delete';
+import { makeObjectStorageClient } from '../../shared/remote/s3';
 import { startLedgerSweeper } from './ledger-sweeper';
 import { targetResolve } from '../../shared/db/queries/expiring-rows';
 import { startHealthServer } from '../../shared/observability/http';
@@ -60,6 +62,11 @@ async function makeHandler(policy: Policy, pool: Pool, log: Logger, metrics: Met
       await assertBrakeReadable(pool, policy); // a brake that cannot read the lag is a start-up error, not lag 0
       return makeRowDeleteGroupHandler(policy, target);
     case 'remote-delete': {
+      if (isS3Policy(policy)) {
+        const storage = makeObjectStorageClient(policy.remote);
+        await storage.warmUp();
+        return makeS3DeleteHandler(policy, target, storage);
+      }
       const remote = withCircuitBreaker(makeHttpRemoteClient(policy.remote, log.child({ policy: policy.name })));
       // reaper_circuit_open: half-open still refuses all but one trial call, so it counts as open.
       remote.breaker.on('open', () => metrics.circuitOpen.set({ policy: policy.name }, 1));
@@ -125,7 +132,7 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
   connection.on('lost', () => metrics.amqpConnected.set(0));
   const publisher = new ConfirmingPublisher(connection);
   // Work waiting in the ledger (its turn, a webhook, a reclaimed lease, a lost delay copy) is sent again from there.
-  const remotePolicies = [...policies.values()].filter((policy): policy is RemoteDeletePolicy => policy.kind === 'remote-delete');
+  const remotePolicies = [...policies.values()].filter((policy): policy is AnyRemoteDeletePolicy => policy.kind === 'remote-delete');
   const sweeper = remotePolicies.length > 0 ? startLedgerSweeper({ pool, publisher, names, policies: remotePolicies, log, registry: metrics.registry }) : null;
   const settleDeps: SettleDeps = { publisher, names, metrics, deliveryLimit: env.deliveryLimit };
   // Accepts every batch version it knows (REAPER_TEST_MAX_BATCH_VERSION caps it, tests only) and announces it.

@@ -1,4 +1,4 @@
-import type { Policy, RemoteDeletePolicy, RowDeletePolicy } from '../config/policies';
+import type { AnyRemoteDeletePolicy, Policy, RemoteDeletePolicy, RowDeletePolicy } from '../config/policies';
 import type { Db, Pool } from '../db/pool';
 import { admissionOverridesRead, type AdmissionOverride } from '../db/queries/admission';
 
@@ -34,7 +34,7 @@ export async function overrideFor(pool: Pool, policy: string): Promise<Admission
 }
 
 /** remote-delete: the file's admission with an override's values over it. */
-export function remoteAdmissionWith(policy: RemoteDeletePolicy, override: AdmissionOverride | null): RemoteDeletePolicy['admission'] {
+export function remoteAdmissionWith(policy: AnyRemoteDeletePolicy, override: AdmissionOverride | null): RemoteDeletePolicy['admission'] {
   return {
     ratePerSecond: override?.rate ?? policy.admission.ratePerSecond,
     burst: override?.burst ?? policy.admission.burst,
@@ -66,7 +66,7 @@ export interface AdmissionView {
   override: AdmissionOverride | null;
   inForce: { rate: number | null; burst: number | null; concurrency: number | null };
   /** What `rate` counts. */
-  rateUnit: 'calls/s' | 'rows/s';
+  rateUnit: 'calls/s' | 'keys/s' | 'rows/s';
 }
 
 export async function admissionViews(db: Db, policies: readonly Policy[]): Promise<AdmissionView[]> {
@@ -81,7 +81,7 @@ export async function admissionViews(db: Db, policies: readonly Policy[]): Promi
         file: { rate: policy.admission.ratePerSecond, burst: policy.admission.burst, concurrency: policy.admission.concurrency },
         override,
         inForce: { rate: inForce.ratePerSecond, burst: inForce.burst, concurrency: inForce.concurrency },
-        rateUnit: 'calls/s',
+        rateUnit: policy.remote.kind === 's3' ? 'keys/s' : 'calls/s',
       };
     }
     const inForce = rowAdmissionWith(policy, override);

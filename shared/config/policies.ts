@@ -138,6 +138,8 @@ const remotePolicy = z.strictObject({
   ...common,
   kind: z.literal('remote-delete'),
   remote: z.strictObject({
+    /** Absent for an HTTP API (remote.kind s3 is read by s3Policy). */
+    kind: z.undefined().optional(),
     baseUrl: z.url({ protocol: /^https?$/ }),
     path: z.string().startsWith('/').includes('{id}', { message: 'must contain {id}' }),
     timeoutMs: z.number().int().min(1).max(120_000).default(5000),
@@ -160,6 +162,92 @@ const remotePolicy = z.strictObject({
   leaseMs: z.number().int().min(1000).max(3_600_000).default(30_000),
 });
 
+/**
+ * Object storage as a remote (README "Object storage (S3)"): a remote-delete policy whose
+ * `remote.kind` is `s3` deletes objects with DeleteObjects requests of up to `maxKeysPerRequest`
+ * keys, credentials from the AWS SDK's default chain (never in this file, never logged).
+ * `admission` counts requests AND keys (S3 guides 3,500 DELETE requests per second per prefix).
+ * The parsed policy's admission also carries `ratePerSecond` (= keysPerSecond: the ledger's unit is
+ * one key) and `burst` (= requestKeys: the keys one request carries at most), so the parts every
+ * remote-delete policy shares (sweeper, pause, plan, `reaper admission set --rate`) read keys.
+ */
+export const S3_MAX_KEYS_PER_REQUEST = 1000; // DeleteObjects takes at most 1,000 keys (S3 API)
+const s3Remote = z.strictObject({
+  kind: z.literal('s3'),
+  bucket: z
+    .string()
+    .regex(/^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$/, 'must be an S3 bucket name: 3 to 63 of a-z 0-9 . - starting and ending with a letter or digit'),
+  /** The object key of a row: `{id}` is the row's key text (not encoded: S3 keys are UTF-8 strings). */
+  key: z.string().min(1).max(1024).includes('{id}', { message: 'must contain {id}' }),
+  region: z.string().regex(/^[a-z0-9-]+$/, 'must be a region name such as "eu-west-1"').optional(),
+  endpoint: z.url({ protocol: /^https?$/ }).optional(),
+  forcePathStyle: z.boolean().optional(),
+  maxKeysPerRequest: z.number().int().min(1).max(S3_MAX_KEYS_PER_REQUEST).default(S3_MAX_KEYS_PER_REQUEST),
+  /** current: delete the current version (a delete marker on a versioned bucket); all: every version of the key. */
+  versions: z.enum(['current', 'all']).default('current'),
+  /** Bounds one whole request (with `versions: all`: the listing too). */
+  timeoutMs: z.number().int().min(1).max(120_000).default(10_000),
+});
+const s3Policy = z
+  .strictObject({
+    ...common,
+    kind: z.literal('remote-delete'),
+    remote: s3Remote,
+    admission: z.strictObject({
+      requestsPerSecond: z.number().positive().max(100_000),
+      keysPerSecond: z.number().positive().max(10_000_000),
+      /** DeleteObjects requests in flight across every worker together. */
+      concurrency: z.number().int().min(1).max(10_000),
+    }),
+    retry: z.strictObject({ maxAttempts: z.number().int().min(1).max(1000).default(10) }).default({ maxAttempts: 10 }),
+    markConfirmed: z.record(identifier, guardValue).optional(),
+    leaseMs: z.number().int().min(1000).max(3_600_000).default(30_000),
+  })
+  .superRefine((policy, ctx) => {
+    if (policy.admission.requestsPerSecond > policy.admission.keysPerSecond) {
+      ctx.addIssue({
+        code: 'custom',
+        path: ['admission', 'requestsPerSecond'],
+        message: `must not exceed admission.keysPerSecond (${policy.admission.keysPerSecond}): every request carries at least one key; got ${policy.admission.requestsPerSecond}`,
+      });
+    }
+  })
+  .transform((policy) => ({
+    ...policy,
+    admission: { ...policy.admission, ratePerSecond: policy.admission.keysPerSecond, burst: s3RequestKeys(policy.admission.keysPerSecond, policy.remote.maxKeysPerRequest) },
+  }));
+
+/**
+ * Keys one request carries at most: maxKeysPerRequest, but never more than a second's worth of
+ * keys, and split evenly when a second holds more than one full request (keysPerSecond 1500 with
+ * 1000 keys a request: 750, two requests a second, not 1000 + 500).
+ */
+export function s3RequestKeys(keysPerSecond: number, maxKeysPerRequest: number): number {
+  const perSecond = Math.max(1, Math.floor(keysPerSecond));
+  return Math.max(1, Math.floor(perSecond / Math.ceil(perSecond / maxKeysPerRequest)));
+}
+
+/**
+ * A policies-file entry: a remote-delete policy whose remote.kind is `s3` is read as an object
+ * storage policy, every other entry by kind. (Not one discriminated union: both remote-delete
+ * shapes share `kind`; dispatching here keeps each shape's errors its own.)
+ */
+const policyEntry = z.unknown().transform((entry, ctx): Policy => {
+  const remoteKind = isRecord(entry) && entry.kind === 'remote-delete' && isRecord(entry.remote) ? entry.remote.kind : undefined;
+  if (remoteKind !== undefined && remoteKind !== 's3') {
+    ctx.addIssue({ code: 'custom', path: ['remote', 'kind'], message: `must be "s3" (or absent for an HTTP API); got ${JSON.stringify(remoteKind)}` });
+    return z.NEVER;
+  }
+  const parsed = (remoteKind === 's3' ? s3Policy : policySchema).safeParse(entry);
+  if (parsed.success) return parsed.data;
+  for (const issue of parsed.error.issues) ctx.addIssue({ ...issue });
+  return z.NEVER;
+});
+
+function isRecord(value: unknown): value is Record<string, unknown> {
+  return value !== null && typeof value === 'object' && !Array.isArray(value);
+}
+
 /** limits.approvalTolerance when the file does not set it: an approved run publishes at most 10 % more than was counted. */
 export const DEFAULT_APPROVAL_TOLERANCE = 0.1;
 
@@ -174,7 +262,7 @@ export const LEASE_MARGIN_MS = 10_000;
 const policySchema = z.discriminatedUnion('kind', [rowDeletePolicy, remotePolicy]);
 
 const policiesFileSchema = z
-  .strictObject({ policies: z.array(policySchema).min(1) })
+  .strictObject({ policies: z.array(policyEntry).min(1) })
   .superRefine((file, ctx) => {
     const seen = new Set<string>();
     file.policies.forEach((policy, index) => {
@@ -196,9 +284,17 @@ const policiesFileSchema = z
     });
   });
 
-export type Policy = z.infer<typeof policySchema>;
+export type Policy = z.infer<typeof policySchema> | S3DeletePolicy;
 export type RowDeletePolicy = z.infer<typeof rowDeletePolicy>;
 export type RemoteDeletePolicy = z.infer<typeof remotePolicy>;
+/** A remote-delete policy against object storage (remote.kind s3). */
+export type S3DeletePolicy = z.output<typeof s3Policy>;
+/** Either remote-delete shape: what the ledger, the sweeper and admission share. */
+export type AnyRemoteDeletePolicy = RemoteDeletePolicy | S3DeletePolicy;
+/** True for a remote-delete policy against object storage. */
+export function isS3Policy(policy: Policy): policy is S3DeletePolicy {
+  return policy.kind === 'remote-delete' && policy.remote.kind === 's3';
+}
 export type PolicySet = ReadonlyMap<string, Policy>;
 
 /**
@@ -213,7 +309,7 @@ export function policyVersion(policy: Policy): string {
         ? Object.fromEntries(Object.keys(value).sort().map((key) => [key, canonical((value as Record<string, unknown>)[key])]))
         : value;
   // Headers carry credentials: rotating a token is not a change of the rule.
-  const rule = policy.kind === 'remote-delete' ? { ...policy, remote: { ...policy.remote, headers: Object.keys(policy.remote.headers).sort() } } : policy;
+  const rule = policy.kind === 'remote-delete' && policy.remote.kind !== 's3' ? { ...policy, remote: { ...policy.remote, headers: Object.keys(policy.remote.headers).sort() } } : policy;
   return createHash('sha256').update(JSON.stringify(canonical(rule))).digest('hex').slice(0, 16);
 }
 

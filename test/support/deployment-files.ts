@@ -108,7 +108,7 @@ export function withoutEnvironmentSpecifics(policies: PolicySet): unknown[] {
 }
 
 export function remoteBaseUrls(policies: PolicySet): string[] {
-  return [...policies.values()].flatMap((policy) => (policy.kind === 'remote-delete' ? [policy.remote.baseUrl] : []));
+  return [...policies.values()].flatMap((policy) => (policy.kind === 'remote-delete' && policy.remote.kind !== 's3' ? [policy.remote.baseUrl] : []));
 }
 
 /** Dummy secret contents that pass loadEnv's validation. */

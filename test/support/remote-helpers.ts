@@ -27,8 +27,8 @@ export interface MediaPolicyOptions {
   events?: { maxOutbox: number };
 }
 
-/** The demo's media-assets policy with the given limits; the schedule never fires (runs are triggered). */
-export function mediaPolicyYaml(options: MediaPolicyOptions): string {
+/** The media-assets policy's first lines (the table side), without a newline at the end; the remote side follows. */
+export function mediaPolicyHead(batchSize: number): string {
   return `policies:
   - name: ${MEDIA_POLICY}
     kind: remote-delete
@@ -38,7 +38,12 @@ export function mediaPolicyYaml(options: MediaPolicyOptions): string {
     expiresAt: retention_expires_at
     guard: { status: active }
     markConfirmed: { status: deleted }
-    batchSize: ${options.batchSize ?? 10}
+    batchSize: ${batchSize}`;
+}
+
+/** The demo's media-assets policy with the given limits; the schedule never fires (runs are triggered). */
+export function mediaPolicyYaml(options: MediaPolicyOptions): string {
+  return `${mediaPolicyHead(options.batchSize ?? 10)}
     remote:
       baseUrl: ${options.baseUrl}
       path: /assets/{id}

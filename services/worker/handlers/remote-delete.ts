@@ -8,23 +8,18 @@ import {
 } from '../../../shared/admission/controller';
 import { eventsEnabled, policyVersion, type RemoteDeletePolicy } from '../../../shared/config/policies';
 import { auditRecordConfirmed } from '../../../shared/db/queries/audit';
-import { encodeBatch } from '../../../shared/contracts/batch';
 import { withTransaction } from '../../../shared/db/pool';
-import { batchesRecordReceipt } from '../../../shared/db/queries/batches';
 import type { ResolvedTarget } from '../../../shared/db/queries/expiring-rows';
 import {
   ledgerDueSummary,
   ledgerFinish,
-  ledgerPark,
-  ledgerRecordCandidates,
   ledgerReschedule,
-  remoteBatchesForget,
-  remoteBatchesKeep,
   targetSettleConfirmed,
   type ClaimedOperation,
 } from '../../../shared/db/queries/ledger';
 import type { RemoteCleanupClient, RemoteOutcome } from '../../../shared/remote/client';
-import { makeOutboxLimitCheck, OUTBOX_FULL_REASON, OUTBOX_FULL_RETRY_MS } from '../outbox-limit';
+import { makeOutboxLimitCheck } from '../outbox-limit';
+import { endRemoteDelivery, outboxFullRetry, recordRemoteBatch, WAIT_IN_BROKER_MAX_MS } from './remote-delivery';
 import type { BatchHandler, HandlerContext } from './types';
 
 /** Upper bound of the random extra wait added to a Retry-After (bounded jitter, never negative). */
@@ -54,7 +49,7 @@ const LINE_CHECK_MAX_MS = 250;
  * (its turn is far, the policy is paused or blocked for long, a backoff) is kept in the ledger
  * only: the message is acked and the ledger sweeper publishes the batch again when its turn is near.
  */
-export const WAIT_IN_BROKER_MAX_MS = 2_000;
+export { WAIT_IN_BROKER_MAX_MS };
 /** Retry-After assumed when a 429 carries none. */
 export const DEFAULT_RETRY_AFTER_MS = 1_000;
 
@@ -89,22 +84,9 @@ export function makeRemoteDeleteHandler(policy: RemoteDeletePolicy, target: Reso
   const outboxLimit = makeOutboxLimitCheck(policy);
   return async (batch, context) => {
     // Expiry events: past the outbox limit no remote call is made for the policy (no deletion) until the relay catches up.
-    if (await outboxLimit.over(context.pool)) {
-      context.log.warn({ policy: policy.name, maxOutbox: policy.events?.maxOutbox }, 'expiry-event outbox over its limit: deletions paused, batch goes to a delay tier');
-      return { kind: 'retry', delayMs: OUTBOX_FULL_RETRY_MS, reason: OUTBOX_FULL_REASON };
-    }
-    const recorded = await withTransaction(context.pool, async (client) => {
-      const candidates = await ledgerRecordCandidates(client, target, {
-        policy: policy.name,
-        runId: batch.runId,
-        batchId: batch.batchId,
-        cutoff: batch.cutoff,
-        items: batch.items,
-        source: 'scan',
-      });
-      if (candidates.known.length > 0) await remoteBatchesKeep(client, { batchId: batch.batchId, policy: policy.name, content: encodeBatch(batch) });
-      return candidates;
-    });
+    const outboxFull = await outboxFullRetry(outboxLimit, policy, context);
+    if (outboxFull) return outboxFull;
+    const recorded = await recordRemoteBatch(policy.name, target, batch, context);
     const lockWait = admissionLockWaitHistogram(context.metrics.registry);
     const results: CallResult[] = [];
     const holdUntil = Date.now() + HOLD_BATCH_MAX_MS;
@@ -209,49 +191,7 @@ export function makeRemoteDeleteHandler(policy: RemoteDeletePolicy, target: Reso
       admitted,
       waitedInWorker,
     };
-    if (remaining.open > 0) {
-      const verdict = grant?.verdict ?? 'none-due';
-      // When can this batch be admitted? Paused: unknown (the sweeper resumes it). Blocked: when the
-      // block ends. Due operations: after the open ones ahead of it, at the admitted rate. Not due
-      // (backoff, someone else's live lease): when the earliest is due.
-      let waitMs: number;
-      if (verdict === 'paused') waitMs = Infinity;
-      else if (remaining.due > 0) waitMs = Math.max(grant?.waitMs ?? 0, verdict === 'blocked' ? 0 : (remaining.ahead / rate) * 1000);
-      else waitMs = remaining.nextInMs ?? WAIT_IN_BROKER_MAX_MS + 1;
-      if (waitMs <= WAIT_IN_BROKER_MAX_MS) {
-        const delayMs = Math.max(waitMs, 100);
-        context.log.debug({ ...detail, open: remaining.open, verdict, delayMs }, 'batch has open operations');
-        return { kind: 'retry', delayMs, reason: `${remaining.open} operations open (${verdict})` };
-      }
-      // A long wait is kept in the ledger only: no message cycles meanwhile.
-      const parked = await ledgerPark(context.pool, { keys: recorded.known, notBeforeMs: 0 });
-      context.log.debug({ ...detail, open: remaining.open, verdict, parked, waitMs }, 'batch parked in the ledger');
-      return {
-        kind: 'done',
-        deleted: tally.confirmed ?? 0,
-        noop: 0,
-        duplicate: false,
-        detail: { ...detail, parked, open: remaining.open },
-      };
-    }
-    // Every operation of the batch is finished: the receipt counts the confirmations made by this
-    // batch's own claims, over all its deliveries (never those another batch made).
-    const receiptWritten = await batchesRecordReceipt(context.pool, {
-      batchId: batch.batchId,
-      runId: batch.runId,
-      policy: policy.name,
-      items: batch.items.length,
-      deleted: remaining.confirmedByBatch,
-      workerId: context.workerId,
-    });
-    await remoteBatchesForget(context.pool, batch.batchId);
-    return {
-      kind: 'done',
-      deleted: tally.confirmed ?? 0,
-      noop: batch.items.length - (tally.confirmed ?? 0),
-      duplicate: !receiptWritten,
-      detail,
-    };
+    return endRemoteDelivery({ policy, batch, context, known: recorded.known, remaining, verdict: grant?.verdict ?? 'none-due', grantWaitMs: grant?.waitMs ?? 0, rate, confirmed: tally.confirmed ?? 0, detail });
   };
 }
 
@@ -354,7 +294,7 @@ async function callAndRecord(
 }
 
 /** The observed expiry is the part of the key after "<policy>:<id>:". */
-function observedExpiryOf(key: string, policy: string, assetId: string): string {
+export function observedExpiryOf(key: string, policy: string, assetId: string): string {
   return key.slice(policy.length + 1 + assetId.length + 1);
 }
 

@@ -40,6 +40,37 @@ export interface GrantOutcome extends AdmissionState {
 }
 
 /**
+ * The CTEs `due`, `superseded` and `held` of a claim (admissionGrantAndClaim, and the object
+ * storage claim in ledger-s3.ts): the batch's due operations locked (SKIP LOCKED), each re-checked
+ * against its row in the claiming statement; those whose row changed finish 'superseded', those
+ * under a legal hold finish 'held'. `due` keeps still_eligible and held for the claim that follows.
+ * Arguments are the statement's parameter names.
+ */
+export function dueRecheckCtes(target: ResolvedTarget, at: { policy: string; keys: string; cutoff: string; guardFrom: number }): string {
+  const stillEligible = stillEligibleSql(target, { id: 'l.asset_id', observed: 'l.observed_expiry', cutoff: at.cutoff, guardFrom: at.guardFrom });
+  return `due AS (
+       -- the batch's due operations, each with the re-check of its row as of this statement
+       SELECT l.operation_key, l.not_before, EXISTS (${stillEligible}) AS still_eligible,
+              ${rowHeldSql(target, { id: 'l.asset_id', policy: at.policy })} AS held
+       FROM cleanup_ledger l
+       WHERE l.operation_key = ANY(${at.keys}::text[])
+         AND ((l.state = 'pending' AND l.not_before <= clock_timestamp()) OR (l.state = 'in_flight' AND l.lease_expires_at < clock_timestamp()))
+       ORDER BY l.not_before, l.operation_key
+       FOR UPDATE OF l SKIP LOCKED
+     ), superseded AS (
+       UPDATE cleanup_ledger l SET state = 'done', outcome = 'superseded', completed_at = clock_timestamp(), updated_at = clock_timestamp(),
+         lease_owner = NULL, lease_expires_at = NULL
+       FROM due d WHERE l.operation_key = d.operation_key AND NOT d.still_eligible
+       RETURNING l.operation_key
+     ), held AS (
+       -- under a legal hold now: no call; a scan or webhook after the hold is removed re-opens it
+       UPDATE cleanup_ledger l SET state = 'done', outcome = 'held', last_result = 'legal hold', completed_at = clock_timestamp(),
+         updated_at = clock_timestamp(), lease_owner = NULL, lease_expires_at = NULL
+       FROM due d WHERE l.operation_key = d.operation_key AND d.still_eligible AND d.held
+       RETURNING l.operation_key`;
+}
+
+/**
  * The grant, in ONE statement once the row is locked (admissionLock): refill the bucket from the
  * database clock read now (after the lock, so the refill never goes backwards), count the live
  * in-flight leases of the policy (the concurrency every worker uses), and take the batch's due
@@ -65,7 +96,6 @@ export async function admissionGrantAndClaim(
     batchId: string;
   },
 ): Promise<GrantOutcome> {
-  const stillEligible = stillEligibleSql(target, { id: 'l.asset_id', observed: 'l.observed_expiry', cutoff: '$8', guardFrom: 10 });
   const result = await db.query<{
     tokens: number;
     refilled_at: string;
@@ -89,26 +119,7 @@ export async function admissionGrantAndClaim(
      ), allowance AS (
        SELECT CASE WHEN b.paused OR b.blocked_for_ms > 0 THEN 0 ELSE greatest(0, least(floor(b.tokens)::int, s.free)) END AS n
        FROM bucket b, slots s
-     ), due AS (
-       -- the batch's due operations, each with the re-check of its row as of this statement
-       SELECT l.operation_key, l.not_before, EXISTS (${stillEligible}) AS still_eligible,
-              ${rowHeldSql(target, { id: 'l.asset_id', policy: '$1' })} AS held
-       FROM cleanup_ledger l
-       WHERE l.operation_key = ANY($5::text[])
-         AND ((l.state = 'pending' AND l.not_before <= clock_timestamp()) OR (l.state = 'in_flight' AND l.lease_expires_at < clock_timestamp()))
-       ORDER BY l.not_before, l.operation_key
-       FOR UPDATE OF l SKIP LOCKED
-     ), superseded AS (
-       UPDATE cleanup_ledger l SET state = 'done', outcome = 'superseded', completed_at = clock_timestamp(), updated_at = clock_timestamp(),
-         lease_owner = NULL, lease_expires_at = NULL
-       FROM due d WHERE l.operation_key = d.operation_key AND NOT d.still_eligible
-       RETURNING l.operation_key
-     ), held AS (
-       -- under a legal hold now: no call; a scan or webhook after the hold is removed re-opens it
-       UPDATE cleanup_ledger l SET state = 'done', outcome = 'held', last_result = 'legal hold', completed_at = clock_timestamp(),
-         updated_at = clock_timestamp(), lease_owner = NULL, lease_expires_at = NULL
-       FROM due d WHERE l.operation_key = d.operation_key AND d.still_eligible AND d.held
-       RETURNING l.operation_key
+     ), ${dueRecheckCtes(target, { policy: '$1', keys: '$5', cutoff: '$8', guardFrom: 10 })}
      ), claimed AS (
        UPDATE cleanup_ledger l SET state = 'in_flight', lease_owner = $6, claim_batch_id = $9, last_delivered_at = clock_timestamp(),
          lease_expires_at = clock_timestamp() + $7 * interval '1 millisecond', attempt_count = l.attempt_count + 1, updated_at = clock_timestamp()

@@ -1,0 +1,194 @@
+import assert from 'node:assert/strict';
+import { after, before, beforeEach, describe, test } from 'node:test';
+import { makeS3DeleteHandler } from '../../services/worker/handlers/s3-delete';
+import type { BatchHandler } from '../../services/worker/handlers/types';
+import { parsePolicies, type S3DeletePolicy } from '../../shared/config/policies';
+import { admissionSetPaused } from '../../shared/db/queries/admission';
+import { targetResolve, type ResolvedTarget } from '../../shared/db/queries/expiring-rows';
+import { holdsAdd } from '../../shared/db/queries/holds';
+import { makeObjectStorageClient } from '../../shared/remote/s3';
+import { startS3StandIn, type S3StandIn } from '../../tools/s3-stand-in/server';
+import { assetStatuses, ledgerRows, MEDIA_POLICY, seedAssets } from '../support/remote-helpers';
+import { auditCounts, batchFor, handlerContext, objectExists, putObjects, s3Environment, s3PolicyYaml } from '../support/s3-helpers';
+import { makeTestBed, type TestBed } from '../support/testbed';
+
+/**
+ * Object storage as a remote (issue 21), against a real S3-protocol server (s3rver, in this
+ * process) behind the stand-in's recording proxy, with the object storage handler run in this
+ * process: DeleteObjects batching, per-key results mapped to the ledger, a whole-request SlowDown
+ * blocking the policy, and the claim's re-check (renewal, legal hold) before a key joins a request.
+ */
+describe('object storage remote (s3rver)', () => {
+  let bed: TestBed;
+  let stand: S3StandIn;
+  let policy: S3DeletePolicy;
+  let target: ResolvedTarget;
+  let handle: BatchHandler;
+  const saved = { ...process.env };
+
+  before(async () => {
+    bed = await makeTestBed('s3_remote');
+    stand = await startS3StandIn({ bucket: 'media-bucket' });
+    // The SDK's default credential chain reads the environment: the stand-in's development pair.
+    Object.assign(process.env, s3Environment(stand));
+    const policies = parsePolicies(
+      s3PolicyYaml({ endpoint: stand.endpoint, requestsPerSecond: 200, keysPerSecond: 5000, concurrency: 4, maxKeysPerRequest: 10, batchSize: 25, maxAttempts: 3 }),
+      'test-policies.yaml',
+      {},
+    );
+    policy = policies.get(MEDIA_POLICY) as S3DeletePolicy;
+    target = await targetResolve(bed.pool, policy);
+    handle = makeS3DeleteHandler(policy, target, makeObjectStorageClient(policy.remote));
+  });
+
+  after(async () => {
+    process.env = saved;
+    await stand?.close();
+    await bed?.close();
+  });
+
+  beforeEach(async () => {
+    stand.calls.length = 0;
+    stand.keyErrors.clear();
+    await bed.pool.query(`UPDATE cleanup_admission SET blocked_until = NULL WHERE policy = $1`, [MEDIA_POLICY]);
+  });
+
+  test('a batch of 25 keys goes out as DeleteObjects requests of at most maxKeysPerRequest (10, 10, 5); each key confirmed, audited once, its row settled', async () => {
+    const ids = await seedAssets(bed.pool, 'batched', 25);
+    await putObjects(stand, ids);
+    const result = await handle(await batchFor(bed.pool, ids), handlerContext(bed.pool));
+    assert.equal(result.kind, 'done', JSON.stringify({ result, ledger: (await bed.pool.query(`SELECT state, last_result, last_error FROM cleanup_ledger WHERE state <> 'done'`)).rows, calls: stand.deleteCalls().map((c) => [c.keys.length, c.status]) }));
+    const requests = stand.deleteCalls();
+    assert.deepEqual(requests.map((call) => call.keys.length), [10, 10, 5], 'three requests for 25 keys, none over 10');
+    assert.deepEqual(requests.flatMap((call) => call.keys).sort(), ids.map((id) => `media/${id}`), 'every key sent exactly once');
+    for (const id of ids) assert.equal(await objectExists(stand, id), false, `${id}: the object is gone`);
+    const rows = await ledgerRows(bed.pool, ids);
+    assert.deepEqual(rows.map((row) => `${row.state}/${row.outcome}/${row.attempt_count}`), ids.map(() => 'done/confirmed/1'));
+    // One request id per DeleteObjects: ten, ten and five operations share one each.
+    const shared = await bed.pool.query<{ n: number }>(`SELECT count(*)::int AS n FROM cleanup_ledger WHERE asset_id = ANY($1::text[]) GROUP BY claim_request_id ORDER BY 1 DESC`, [ids]);
+    assert.deepEqual(shared.rows.map((row) => row.n), [10, 10, 5]);
+    const audits = await auditCounts(bed.pool);
+    for (const id of ids) assert.equal(audits.get(id), 1, `${id}: one audit row`);
+    assert.deepEqual([...(await assetStatuses(bed.pool, ids)).values()], ids.map(() => 'deleted'));
+  });
+
+  test('per-key errors: AccessDenied ends rejected (object and row kept, no audit), InternalError is retried with the same operation, the rest confirmed', async () => {
+    const ids = await seedAssets(bed.pool, 'per-key', 4);
+    await putObjects(stand, ids);
+    const [denied, flaky] = [ids[0]!, ids[1]!];
+    stand.keyErrors.set(`media/${denied}`, 'AccessDenied');
+    stand.keyErrors.set(`media/${flaky}`, 'InternalError');
+    const batch = await batchFor(bed.pool, ids);
+    const first = await handle(batch, handlerContext(bed.pool));
+    assert.notEqual(first.kind, 'unknown', JSON.stringify(first));
+    const rows = new Map((await ledgerRows(bed.pool, ids)).map((row) => [row.asset_id, row]));
+    assert.equal(rows.get(denied)!.outcome, 'rejected');
+    assert.equal(rows.get(denied)!.last_result, 'S3 AccessDenied');
+    assert.equal(rows.get(flaky)!.state, 'pending', 'a retryable key error puts the operation back to pending');
+    assert.equal(rows.get(flaky)!.last_result, 'S3 InternalError');
+    assert.equal(rows.get(flaky)!.attempt_count, 1);
+    for (const id of ids.slice(2)) assert.equal(rows.get(id)!.outcome, 'confirmed');
+    assert.equal(await objectExists(stand, denied), true, 'the refused object is still there');
+    assert.equal((await assetStatuses(bed.pool, [denied])).get(denied), 'active', 'the refused asset row is kept for review');
+    assert.equal((await auditCounts(bed.pool)).get(denied), undefined, 'no audit row for a refused key');
+
+    // The store recovers: the same operation (same key, attempt 2) deletes it; the refused one is never sent again.
+    stand.keyErrors.clear();
+    await bed.pool.query(`UPDATE cleanup_ledger SET not_before = clock_timestamp() WHERE asset_id = $1`, [flaky]);
+    const second = await handle(batch, handlerContext(bed.pool));
+    assert.equal(second.kind, 'done', JSON.stringify(second));
+    const [again] = await ledgerRows(bed.pool, [flaky]);
+    assert.equal(`${again!.state}/${again!.outcome}/${again!.attempt_count}`, 'done/confirmed/2');
+    assert.equal(again!.operation_key, rows.get(flaky)!.operation_key, 'the same operation');
+    const sent = stand.deleteCalls().flatMap((call) => call.keys);
+    assert.equal(sent.filter((key) => key === `media/${denied}`).length, 1, 'the rejected key was sent once, never retried');
+    assert.equal(sent.filter((key) => key === `media/${flaky}`).length, 2, 'the retryable key was sent twice');
+  });
+
+  test('a whole-request 503 SlowDown blocks the policy for every worker (backoff), then the same keys are sent again and confirmed', async () => {
+    const ids = await seedAssets(bed.pool, 'slow-down', 5);
+    await putObjects(stand, ids);
+    stand.slowDown(1);
+    const batch = await batchFor(bed.pool, ids);
+    const first = await handle(batch, handlerContext(bed.pool));
+    assert.notEqual(first.kind, 'unknown', JSON.stringify(first));
+    const block = await bed.pool.query<{ blocked_ms: number }>(
+      `SELECT extract(epoch FROM blocked_until - clock_timestamp()) * 1000 AS blocked_ms FROM cleanup_admission WHERE policy = $1`,
+      [MEDIA_POLICY],
+    );
+    assert.ok(block.rows[0]!.blocked_ms > 0, `the policy is blocked after SlowDown (${block.rows[0]!.blocked_ms} ms left)`);
+    const rows = await ledgerRows(bed.pool, ids);
+    assert.deepEqual(rows.map((row) => `${row.state}/${row.last_result}`), ids.map(() => 'pending/rate-limited'));
+    for (const id of ids) assert.equal(await objectExists(stand, id), true, 'nothing deleted by the throttled request');
+    // While blocked, a delivery sends nothing.
+    const blocked = await handle(batch, handlerContext(bed.pool));
+    assert.notEqual(blocked.kind, 'unknown');
+    assert.equal(stand.deleteCalls().length, 1, 'no request while the policy is blocked');
+
+    await bed.pool.query(`UPDATE cleanup_admission SET blocked_until = clock_timestamp(), tokens = 10, request_tokens = 20 WHERE policy = $1`, [MEDIA_POLICY]);
+    await bed.pool.query(`UPDATE cleanup_ledger SET not_before = clock_timestamp() WHERE asset_id = ANY($1::text[])`, [ids]);
+    const after = await handle(batch, handlerContext(bed.pool));
+    assert.equal(after.kind, 'done', JSON.stringify(after));
+    const calls = stand.deleteCalls();
+    assert.deepEqual(calls.map((call) => [call.status, call.injected]), [[503, 'slow-down'], [200, null]]);
+    assert.deepEqual(calls[1]!.keys.sort(), calls[0]!.keys.sort(), 'the retry carries the same keys');
+    assert.deepEqual((await ledgerRows(bed.pool, ids)).map((row) => row.outcome), ids.map(() => 'confirmed'));
+  });
+
+  test('renewed or held between record and claim: the claim re-checks each row, neither key joins a request, both objects stay', async () => {
+    const ids = await seedAssets(bed.pool, 'recheck', 4);
+    await putObjects(stand, ids);
+    const [renewed, held] = [ids[0]!, ids[1]!];
+    const batch = await batchFor(bed.pool, ids);
+    await admissionSetPaused(bed.pool, [MEDIA_POLICY], true, new Map([[MEDIA_POLICY, 10]]));
+    const recorded = await handle(batch, handlerContext(bed.pool));
+    assert.equal(recorded.kind, 'done', 'paused: recorded and parked');
+    assert.deepEqual((await ledgerRows(bed.pool, ids)).map((row) => row.state), ids.map(() => 'pending'));
+    assert.equal(stand.deleteCalls().length, 0);
+
+    await bed.pool.query(`UPDATE media_assets SET retention_expires_at = now() + interval '30 days' WHERE asset_id = $1`, [renewed]);
+    await holdsAdd(bed.pool, target, { ids: [held], reason: 'litigation', until: null, createdBy: 'test' });
+    await admissionSetPaused(bed.pool, [MEDIA_POLICY], false, new Map([[MEDIA_POLICY, 10]]));
+    await bed.pool.query(`UPDATE cleanup_ledger SET not_before = clock_timestamp() WHERE asset_id = ANY($1::text[])`, [ids]);
+    const result = await handle(batch, handlerContext(bed.pool));
+    assert.equal(result.kind, 'done', JSON.stringify(result));
+    const rows = new Map((await ledgerRows(bed.pool, ids)).map((row) => [row.asset_id, row]));
+    assert.equal(rows.get(renewed)!.outcome, 'superseded');
+    assert.equal(rows.get(held)!.outcome, 'held');
+    assert.equal(rows.get(renewed)!.attempt_count, 0);
+    assert.equal(rows.get(held)!.attempt_count, 0);
+    const sent = stand.deleteCalls().flatMap((call) => call.keys);
+    assert.deepEqual(sent.sort(), ids.slice(2).map((id) => `media/${id}`), 'only the still-eligible keys were sent');
+    assert.equal(await objectExists(stand, renewed), true);
+    assert.equal(await objectExists(stand, held), true);
+  });
+
+  test('a lost answer (transport failure) leaves the keys uncertain; the retry sends the same keys and the ledger ends confirmed, one audit row each', async () => {
+    const ids = await seedAssets(bed.pool, 'lost-answer', 3);
+    await putObjects(stand, ids);
+    const short = parsePolicies(
+      s3PolicyYaml({ endpoint: stand.endpoint, requestsPerSecond: 200, keysPerSecond: 5000, concurrency: 4, maxKeysPerRequest: 10, batchSize: 25, timeoutMs: 300, leaseMs: 10_300 }),
+      'test-policies.yaml',
+      {},
+    ).get(MEDIA_POLICY) as S3DeletePolicy;
+    const shortHandle = makeS3DeleteHandler(short, target, makeObjectStorageClient(short.remote));
+    stand.holdAnswers = true;
+    const batch = await batchFor(bed.pool, ids);
+    const first = await shortHandle(batch, handlerContext(bed.pool));
+    stand.holdAnswers = false;
+    stand.releaseAnswers();
+    assert.notEqual(first.kind, 'unknown', JSON.stringify(first));
+    const rows = await ledgerRows(bed.pool, ids);
+    assert.deepEqual(rows.map((row) => `${row.state}/${row.last_result}`), ids.map(() => 'pending/uncertain'));
+    for (const id of ids) assert.equal(await objectExists(stand, id), false, 'the store did delete them: only the answer was lost');
+    await bed.pool.query(`UPDATE cleanup_ledger SET not_before = clock_timestamp() WHERE asset_id = ANY($1::text[])`, [ids]);
+    const second = await shortHandle(batch, handlerContext(bed.pool));
+    assert.equal(second.kind, 'done', JSON.stringify(second));
+    const calls = stand.deleteCalls();
+    assert.equal(calls.length, 2);
+    assert.deepEqual(calls[1]!.keys.sort(), calls[0]!.keys.sort(), 'retried with the same keys');
+    assert.deepEqual((await ledgerRows(bed.pool, ids)).map((row) => `${row.outcome}/${row.attempt_count}`), ids.map(() => 'confirmed/2'));
+    const audits = await auditCounts(bed.pool);
+    for (const id of ids) assert.equal(audits.get(id), 1, `${id}: one audit row`);
+  });
+});
