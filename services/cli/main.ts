@@ -5,6 +5,7 @@ import { registerApprovalCommands } from './approvals';
 import { registerAuditCommand } from './audit';
 import { NotFoundError, UsageError } from './common';
 import { registerDeadLetterCommands } from './dlq';
+import { registerEventsCommands } from './events';
 import { registerHoldCommands } from './holds';
 import { registerPauseCommands } from './pause';
 import { registerPlanCommand } from './plan';
@@ -40,6 +41,7 @@ export function makeProgram(): Command {
   registerAdmissionCommands(program);
   registerRestoreCommand(program);
   registerSqlCommands(program);
+  registerEventsCommands(program);
 
   addRolesCommand(program);
 

@@ -104,7 +104,7 @@ function scheduleWindowStatus(window: Policy['window'], now: Date) {
 }
 
 /** Per policy with expiry events: its outbox as the workers' limit check sees it (services/worker/outbox-limit.ts). */
-async function eventsStatus(pool: Db, policies: readonly Policy[]) {
+export async function eventsStatus(pool: Db, policies: readonly Policy[]) {
   const withEvents = policies.filter(eventsEnabled);
   const ages = new Map((await outboxOldestAges(pool, withEvents.map((policy) => policy.name))).map((row) => [row.policy, row.oldestAgeSeconds]));
   const result = new Map<string, { outbox: number; maxOutbox: number; oldestAgeSeconds: number; paused: boolean }>();
@@ -114,6 +114,11 @@ async function eventsStatus(pool: Db, policies: readonly Policy[]) {
     result.set(policy.name, { outbox, maxOutbox, oldestAgeSeconds: roundSeconds(ages.get(policy.name) ?? 0), paused: outbox >= maxOutbox });
   }
   return result;
+}
+
+/** The line naming a policy whose deletions the outbox limit paused, and what to check. */
+export function outboxFullLine(policy: string, events: { outbox: number; maxOutbox: number }): string {
+  return `${policy}: deletions paused: ${events.outbox}+ expiry events unpublished (events.maxOutbox ${events.maxOutbox}); is \`reaper relay\` running, and a queue bound to the events exchange?`;
 }
 
 /** Ages to the millisecond: enough for an operator, and stable in JSON. */
@@ -216,9 +221,7 @@ export function registerStatusCommand(program: Command): void {
           ),
           `delay tiers (retries waiting): ${status.delayed ?? 'unknown'} message(s)`,
           `dead-letter queue: ${status.deadLetters ?? 'unknown'} message(s)`,
-          ...status.policies
-            .filter((row) => row.events?.paused)
-            .map((row) => `${row.policy}: deletions paused: ${row.events!.outbox}+ expiry events unpublished (events.maxOutbox ${row.events!.maxOutbox}); is \`reaper relay\` running, and a queue bound to the events exchange?`),
+          ...status.policies.filter((row) => row.events?.paused).map((row) => outboxFullLine(row.policy, row.events!)),
           ...(status.brokerError ? [`broker not reachable, queue counts unknown: ${status.brokerError}`] : []),
         ].join('\n'),
       );

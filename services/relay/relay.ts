@@ -34,19 +34,28 @@ export const RELAY_BATCH_SIZE = 200;
 export const RELAY_IDLE_MS = 500;
 /** Wait after a pass that failed (broker or database trouble) before the next. */
 export const RELAY_FAILURE_BACKOFF_MS = 2_000;
+/**
+ * A draining relay takes each pass after the last row of the one before (see outboxTakeOldest) and
+ * starts again from the oldest row after a pass that reached the end of the outbox, failed, or
+ * after this many passes: a row below the cursor (committed late, skipped while another relay held
+ * it, or left by a failed publish) waits at most that long.
+ */
+export const RELAY_RESCAN_EVERY_PASSES = 25;
 
 export interface RelayPass {
   taken: number;
   published: number;
+  /** The id of the last row taken ('0' when none): where the next pass may start. */
+  lastId: string;
   /** The first refusal of the pass (unroutable, nacked, no confirm), when some publish failed. */
   failure: string | null;
 }
 
 /** One pass over the oldest outbox rows (see the module comment). */
-export async function relayOnce(deps: { pool: Pool; publisher: ConfirmingPublisher; exchange: string; batchSize: number }): Promise<RelayPass> {
+export async function relayOnce(deps: { pool: Pool; publisher: ConfirmingPublisher; exchange: string; batchSize: number; afterId?: string }): Promise<RelayPass> {
   return withTransaction(deps.pool, async (client) => {
-    const entries = await outboxTakeOldest(client, deps.batchSize);
-    if (entries.length === 0) return { taken: 0, published: 0, failure: null };
+    const entries = await outboxTakeOldest(client, deps.batchSize, deps.afterId);
+    if (entries.length === 0) return { taken: 0, published: 0, lastId: '0', failure: null };
     failpoint('relay-before-publish');
     const outcomes = await Promise.allSettled(
       entries.map(({ event }) =>
@@ -62,7 +71,7 @@ export async function relayOnce(deps: { pool: Pool; publisher: ConfirmingPublish
     failpoint('relay-after-confirm');
     await outboxDeletePublished(client, confirmed.map((entry) => entry.outboxId));
     const refused = outcomes.find((outcome): outcome is PromiseRejectedResult => outcome.status === 'rejected');
-    return { taken: entries.length, published: confirmed.length, failure: refused ? String((refused.reason as Error).message ?? refused.reason) : null };
+    return { taken: entries.length, published: confirmed.length, lastId: entries.at(-1)!.outboxId, failure: refused ? String((refused.reason as Error).message ?? refused.reason) : null };
   });
 }
 
@@ -98,15 +107,23 @@ export async function startRelay(env: Env, policies: PolicySet, log: Logger): Pr
     });
 
   const loop = (async () => {
+    // Where the next pass starts (RELAY_RESCAN_EVERY_PASSES): '0' = the oldest row.
+    let afterId = '0';
+    let passesSinceRescan = 0;
     while (!stopping) {
       let pass: RelayPass;
       try {
-        pass = await relayOnce({ pool, publisher, exchange, batchSize: RELAY_BATCH_SIZE });
+        pass = await relayOnce({ pool, publisher, exchange, batchSize: RELAY_BATCH_SIZE, afterId });
       } catch (error) {
+        afterId = '0';
         log.warn({ err: (error as Error).message }, 'relay pass failed; the outbox rows stay and are published again');
         await pause(RELAY_FAILURE_BACKOFF_MS);
         continue;
       }
+      passesSinceRescan += 1;
+      const goOn = pass.failure === null && pass.taken === RELAY_BATCH_SIZE && passesSinceRescan < RELAY_RESCAN_EVERY_PASSES;
+      afterId = goOn ? pass.lastId : '0';
+      if (!goOn) passesSinceRescan = 0;
       if (pass.taken > 0) log.info({ taken: pass.taken, published: pass.published }, 'expiry events published');
       if (pass.failure !== null) {
         log.warn({ failure: pass.failure, unpublished: pass.taken - pass.published }, 'some expiry events were not confirmed; they stay in the outbox');

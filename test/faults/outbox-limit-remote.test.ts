@@ -86,6 +86,11 @@ describe('remote-delete: the expiry-event outbox limit pauses deletions until th
       const text = await runReaperCli(['status'], world.bed.processEnv());
       assert.match(text.stdout, new RegExp(`${MEDIA_POLICY}: deletions paused: ${MAX_OUTBOX}\\+ expiry events unpublished \\(events.maxOutbox ${MAX_OUTBOX}\\)`));
       assert.match(text.stdout, /PAUSED \(outbox full\)/);
+      // The runbook's own view: the outbox per policy, and that no relay is connected.
+      const eventsStatus = await runReaperCli(['events', 'status', '--json'], world.bed.processEnv());
+      assert.equal(eventsStatus.code, 0, eventsStatus.stdout);
+      const outbox = JSON.parse(eventsStatus.stdout) as { relayConnections: number; policies: Array<{ policy: string; outbox: number; maxOutbox: number; paused: boolean; routingKey: string }> };
+      assert.deepEqual(outbox, { relayConnections: 0, policies: [{ ...outbox.policies[0]!, policy: MEDIA_POLICY, outbox: MAX_OUTBOX, maxOutbox: MAX_OUTBOX, paused: true, routingKey: `${MEDIA_POLICY}.expired` }] });
 
       relay = startReaper('outbox-relay', ['relay'], world.bed.processEnv());
       // The relay drains the outbox; the paused batches come back and delete the rest.
@@ -102,6 +107,9 @@ describe('remote-delete: the expiry-event outbox limit pauses deletions until th
       const after = await runReaperCli(['status', '--json'], world.bed.processEnv());
       const resumed = (JSON.parse(after.stdout) as { policies: Array<{ policy: string; events: { paused: boolean } | null }> }).policies.find((entry) => entry.policy === MEDIA_POLICY);
       assert.equal(resumed?.events?.paused, false, 'no longer paused');
+      const drained = JSON.parse((await runReaperCli(['events', 'status', '--json'], world.bed.processEnv())).stdout) as { relayConnections: number; policies: Array<{ outbox: number; paused: boolean }> };
+      assert.deepEqual({ outbox: drained.policies[0]!.outbox, paused: drained.policies[0]!.paused }, { outbox: 0, paused: false });
+      assert.ok(drained.relayConnections >= 1, 'the running relay is seen connected');
       await stopAllCleanly([...all, relay]);
       relay = null;
     } finally {

@@ -13,7 +13,7 @@ import { makeTestBed, type TestBed } from '../support/testbed';
  * violation made on purpose shows up in its column, and a clean state reads zero. (A checker that
  * always says zero would make every fault test pass.)
  */
-describe('the checker (lost, wrongful, doubled, stuck)', () => {
+describe('the checker (lost, wrongful, doubled, stuck, events)', () => {
   let bed: TestBed;
   let broker: TestBroker;
   const policy = 'seat-holds';
@@ -88,5 +88,43 @@ describe('the checker (lost, wrongful, doubled, stuck)', () => {
     report = await check();
     assert.deepEqual([report.lost, report.wrongful, report.doubled, report.stuck], [0, 2, 0, 3], formatChecker(report));
     assert.throws(() => assertCheckerZero(report), /checker:/);
+  });
+
+  test('events: a deletion whose event never arrived is missing, an event for no deletion is spurious; duplicates are allowed', async () => {
+    const names = brokerNames(bed.prefix);
+    const rowsPolicy = 'events-holds';
+    const assetsPolicy = 'events-assets';
+    // Deletions: two audited rows (row-delete) and one asset marked deleted (remote-delete).
+    const audited = await bed.pool.query<{ id: string }>(
+      `INSERT INTO cleanup_audit (policy, key, observed_expiry, policy_version)
+       SELECT $1, 'row-' || i, timestamptz '2026-11-30 10:00:00.123456+00' + i * interval '1 second', 'v' FROM generate_series(1, 2) i
+       RETURNING policy || ':' || key || ':' || reaper_iso(observed_expiry) AS id`,
+      [rowsPolicy],
+    );
+    const asset = await bed.pool.query<{ id: string }>(
+      `INSERT INTO media_assets (asset_id, status, retention_expires_at) VALUES ('events-asset', 'deleted', timestamptz '2026-11-30 10:00:00.654321+00')
+       RETURNING $1 || ':' || asset_id || ':' || reaper_iso(retention_expires_at) AS id`,
+      [assetsPolicy],
+    );
+    const deletions = [...audited.rows, ...asset.rows].map((row) => row.id);
+    const cutoff = await databaseNowIso(bed.pool);
+    const check = async (delivered: string[]) =>
+      (
+        await runChecker({
+          pool: bed.pool,
+          broker,
+          workQueues: [names.workQueue(policy)],
+          deadLetterQueue: names.deadLetterQueue,
+          rows: { policy: rowsPolicy, created: 0, protected: new Map(), cutoff },
+          assets: { policy: assetsPolicy, protected: new Map(), cutoff, executionsByKey: new Map(), executedIds: new Set() },
+          events: { delivered },
+        })
+      ).events!;
+    const all = await check([...deletions, deletions[0]!]);
+    assert.deepEqual({ ...all, outboxLeft: 0 }, { deletions: 3, delivered: 4, distinct: 3, duplicates: 1, missing: 0, spurious: 0, outboxLeft: 0 });
+    const short = await check(deletions.slice(1));
+    assert.deepEqual([short.missing, short.spurious], [1, 0]);
+    const extra = await check([...deletions, `${rowsPolicy}:row-9:2026-11-30T10:00:09.123456Z`, `${rowsPolicy}:row-1:2026-11-30T10:00:01.999999Z`]);
+    assert.deepEqual([extra.missing, extra.spurious], [0, 2], 'an event for a row never deleted, and one with another expiry than the deletion observed');
   });
 });

@@ -41,11 +41,14 @@ export interface OutboxEntry {
 }
 
 /**
- * The relay's batch: the oldest `limit` rows no other relay holds, locked until the caller's
- * transaction ends (SKIP LOCKED: several relays share the work instead of publishing the same rows).
- * Must run inside a transaction that lives until the published rows are deleted.
+ * The relay's batch: the oldest `limit` rows after `afterId` no other relay holds, locked until the
+ * caller's transaction ends (SKIP LOCKED: several relays share the work instead of publishing the
+ * same rows). Must run inside a transaction that lives until the published rows are deleted.
+ * `afterId` lets a draining relay start where its last pass ended: from the start, the index scan
+ * walks every entry its earlier passes deleted until vacuum removes them (slower with each pass
+ * while a long transaction elsewhere holds the cluster's xmin back). '0' = from the oldest.
  */
-export async function outboxTakeOldest(db: Db, limit: number): Promise<OutboxEntry[]> {
+export async function outboxTakeOldest(db: Db, limit: number, afterId = '0'): Promise<OutboxEntry[]> {
   const result = await db.query<{
     outbox_id: string;
     policy: string;
@@ -59,8 +62,8 @@ export async function outboxTakeOldest(db: Db, limit: number): Promise<OutboxEnt
   }>(
     `SELECT outbox_id::text, policy, key, reaper_iso(observed_expiry) AS observed_expiry, reaper_iso(cutoff) AS cutoff,
        run_id::text, batch_id, reaper_iso(deleted_at) AS deleted_at, policy_version
-     FROM cleanup_outbox ORDER BY outbox_id LIMIT $1 FOR UPDATE SKIP LOCKED`,
-    [limit],
+     FROM cleanup_outbox WHERE outbox_id > $2::bigint ORDER BY outbox_id LIMIT $1 FOR UPDATE SKIP LOCKED`,
+    [limit, afterId],
   );
   return result.rows.map((row) => ({
     outboxId: row.outbox_id,
@@ -106,6 +109,14 @@ export async function outboxCountUpTo(db: Db, policy: string, cap: number): Prom
   const result = await db.query<{ n: number }>(
     `SELECT count(*)::int AS n FROM (SELECT 1 FROM cleanup_outbox WHERE policy = $1 ORDER BY outbox_id LIMIT $2) o`,
     [policy, cap],
+  );
+  return result.rows[0]!.n;
+}
+
+/** Connections of `reaper relay` processes to this database now (their pool's application_name): for `reaper events status`. */
+export async function outboxRelayConnections(db: Db): Promise<number> {
+  const result = await db.query<{ n: number }>(
+    `SELECT count(*)::int AS n FROM pg_stat_activity WHERE datname = current_database() AND application_name = 'reaper-relay'`,
   );
   return result.rows[0]!.n;
 }
