@@ -7,6 +7,9 @@
  *   npm run bench -- --smoke      CI: small sizes; exits 1 if any count is wrong (never on speed)
  *   add --profile                 one extra end-to-end run under --cpu-prof (scheduler, worker 1), summarised
  *   add --only remote-backlog     figure 5b alone (with --full: its sizes), e.g. while tuning the ledger
+ *   add --only cost               PostgreSQL CPU per deleted row and scheduler memory alone (bench/figures/cost.ts;
+ *                                 BENCH_COST_BEFORE_BIN=<other build>/bin/reaper measures it A/B in the same rounds,
+ *                                 BENCH_COST_MEMORY_AT=200000,2000000 sets the scheduler-memory sizes)
  *
  * It needs PostgreSQL and RabbitMQ (DATABASE_URL / AMQP_URL, defaults 127.0.0.1). It creates and
  * drops its own databases (reaper_bench_<random>, reaper_bench_<random>_seed: two runs at once never
@@ -21,6 +24,7 @@ import pg from 'pg';
 import { loadEnv } from '../shared/config/env';
 import { runPgBoss, type PgBossOptions, type PgBossResult } from './contenders/pgboss';
 import { runRawDelete } from './contenders/raw';
+import { renderCostMarkdown, runCostFigure, writeCostReport } from './figures/cost';
 import { runForeground } from './figures/foreground';
 import { runLatency } from './figures/latency';
 import { runRemoteBacklog, runRemoteDelete } from './figures/remote-delete';
@@ -40,7 +44,7 @@ const PGBOSS_BATCH: Omit<PgBossOptions, 'batchSize'> = { mode: 'batch', workers:
 const PGBOSS_ROW: Omit<PgBossOptions, 'batchSize'> = { mode: 'row', workers: 2, loopsPerWorker: 4, fetchSize: 100 };
 
 /** Figures that can be measured alone (--only). */
-const ONLY = ['remote-backlog'] as const;
+const ONLY = ['remote-backlog', 'cost'] as const;
 type Only = (typeof ONLY)[number];
 
 function parseMode(): { config: ModeConfig; profile: boolean; only: Only | null } {
@@ -256,7 +260,15 @@ async function main(): Promise<number> {
   };
   context.progress(`${config.mode} mode; databases ${context.databases.name}(_seed); broker prefix ${context.broker.prefix}`);
   try {
-    if (only === 'remote-backlog') {
+    if (only === 'cost') {
+      const memoryAt = process.env.BENCH_COST_MEMORY_AT?.split(',').map(Number);
+      const cost = await runCostFigure(context, { mode: config.mode, sizes: config.sizes, batchSize: config.batchSize, repeats: config.repeats, pgboss: PGBOSS_BATCH, ...(memoryAt ? { memoryAt } : {}) });
+      mkdirSync(RESULTS_DIR, { recursive: true });
+      const base = path.join(RESULTS_DIR, `${cost.date}-cost-${config.mode}${process.env.BENCH_COST_LABEL ? `-${process.env.BENCH_COST_LABEL}` : ''}`);
+      writeCostReport(base, cost);
+      process.stdout.write(`${renderCostMarkdown(cost)}\nwrote ${path.relative(process.cwd(), base)}.md\n`);
+      return context.checks.every((entry) => entry.ok) ? 0 : 1;
+    } else if (only === 'remote-backlog') {
       // Every figure copies the bench database from a seed: a tiny one is enough for this figure.
       await context.databases.seed(2);
       await measureRemoteBacklog(context, config, report);
