@@ -11,6 +11,9 @@
  *   add --only foreground         figure 7 alone (on the mode's first seed size)
  *   add --pin                     root only: PostgreSQL on CPU 0, everything else on CPU 1 (taskset; restored afterwards)
  *   add --only s3                 figure 9 alone (object storage), written as <date>-s3-<mode>.json and .md
+ *   add --only cost               PostgreSQL CPU per deleted row and scheduler memory alone (bench/figures/cost.ts;
+ *                                 BENCH_COST_BEFORE_BIN=<other build>/bin/reaper measures it A/B in the same rounds,
+ *                                 BENCH_COST_MEMORY_AT=200000,2000000 sets the scheduler-memory sizes)
  *
  * It needs PostgreSQL and RabbitMQ (DATABASE_URL / AMQP_URL, defaults 127.0.0.1). It creates and
  * drops its own databases (reaper_bench_<random>, reaper_bench_<random>_seed: two runs at once never
@@ -25,6 +28,7 @@ import pg from 'pg';
 import { loadEnv } from '../shared/config/env';
 import { runPgBoss, type PgBossOptions, type PgBossResult } from './contenders/pgboss';
 import { runRawDelete } from './contenders/raw';
+import { renderCostMarkdown, runCostFigure, writeCostReport } from './figures/cost';
 import { runForeground } from './figures/foreground';
 import { runLatency } from './figures/latency';
 import { EVENTS_ARCHIVE_CANDIDATES, runEventsArchive } from './figures/events-archive';
@@ -47,7 +51,7 @@ const PGBOSS_BATCH: Omit<PgBossOptions, 'batchSize'> = { mode: 'batch', workers:
 const PGBOSS_ROW: Omit<PgBossOptions, 'batchSize'> = { mode: 'row', workers: 2, loopsPerWorker: 4, fetchSize: 100 };
 
 /** Figures that can be measured alone (--only). */
-const ONLY = ['remote-backlog', 'events-archive', 'foreground', 's3'] as const;
+const ONLY = ['remote-backlog', 'events-archive', 'foreground', 's3', 'cost'] as const;
 type Only = (typeof ONLY)[number];
 
 function parseMode(): { config: ModeConfig; profile: boolean; only: Only | null; pin: boolean } {
@@ -294,7 +298,15 @@ async function main(): Promise<number> {
       report.machine.pinned = pinning.describe;
       context.progress(`pinned: ${pinning.describe}`);
     }
-    if (only === 'foreground') await measureForeground(context, config, await context.databases.seed(config.sizes[0]!), report);
+    if (only === 'cost') {
+      const memoryAt = process.env.BENCH_COST_MEMORY_AT?.split(',').map(Number);
+      const cost = await runCostFigure(context, { mode: config.mode, sizes: config.sizes, batchSize: config.batchSize, repeats: config.repeats, pgboss: PGBOSS_BATCH, ...(memoryAt ? { memoryAt } : {}) });
+      mkdirSync(RESULTS_DIR, { recursive: true });
+      const base = path.join(RESULTS_DIR, `${cost.date}-cost-${config.mode}${process.env.BENCH_COST_LABEL ? `-${process.env.BENCH_COST_LABEL}` : ''}`);
+      writeCostReport(base, cost);
+      process.stdout.write(`${renderCostMarkdown(cost)}\nwrote ${path.relative(process.cwd(), base)}.md\n`);
+      return context.checks.every((entry) => entry.ok) ? 0 : 1;
+    } else if (only === 'foreground') await measureForeground(context, config, await context.databases.seed(config.sizes[0]!), report);
     else if (only === 'remote-backlog') {
       // Every figure copies the bench database from a seed: a tiny one is enough for this figure.
       await context.databases.seed(2);

@@ -136,8 +136,16 @@ function rowEnvironment(context: BenchContext, batchSize: number, audit = false)
   return reaperEnvironment(context, writePolicies(context.workDir, `row-${batchSize}${audit ? '-audit' : ''}`, [policy]));
 }
 
-const SCHEDULER: ServiceSpec = { kind: 'scheduler', id: 'bench-scheduler' };
-const workerSpecs = (count: number): ServiceSpec[] => Array.from({ length: count }, (_, i) => ({ kind: 'worker', id: `bench-worker-${i + 1}` }));
+/**
+ * Node flags every reaper service of these figures starts with: a stated heap budget, as a
+ * container's memory limit gives one (Node sizes its heap from the cgroup limit; infra/k8s sets
+ * 96-384 Mi). Without any, V8 sizes the heap for the whole machine (a 4 GB limit here, heap growing
+ * factor 4) and a process's peak RSS creeps up with the length of a run although its live heap stays
+ * ~16 MB (issue 18; README "Performance"). BENCH_SERVICE_NODE_ARGS overrides it ('' for none).
+ */
+export const SERVICE_NODE_ARGS: readonly string[] = (process.env.BENCH_SERVICE_NODE_ARGS ?? '--max-old-space-size=512').split(' ').filter(Boolean);
+const SCHEDULER: ServiceSpec = { kind: 'scheduler', id: 'bench-scheduler', nodeArgs: SERVICE_NODE_ARGS };
+const workerSpecs = (count: number): ServiceSpec[] => Array.from({ length: count }, (_, i) => ({ kind: 'worker', id: `bench-worker-${i + 1}`, nodeArgs: SERVICE_NODE_ARGS }));
 
 /** The run's own bookkeeping must agree with the table: each candidate deleted once, nothing else. */
 function checkRun(context: BenchContext, figure: string, seed: Seed, expected: number, times: RunTimes, counts: Awaited<ReturnType<typeof countSeatRows>>): void {
@@ -162,8 +170,8 @@ export async function runReaperEndToEnd(
   const pool = context.databases.pool(2, 'bench-observer');
   const profile = (name: string): string[] =>
     options.profileDir ? ['--cpu-prof', `--cpu-prof-dir=${options.profileDir}`, `--cpu-prof-name=${name}.cpuprofile`] : [];
-  const specs: ServiceSpec[] = [{ ...SCHEDULER, nodeArgs: profile('scheduler') }, ...workerSpecs(options.workers ?? 2)];
-  specs[1] = { ...specs[1]!, nodeArgs: profile('worker-1') };
+  const specs: ServiceSpec[] = [{ ...SCHEDULER, nodeArgs: [...SERVICE_NODE_ARGS, ...profile('scheduler')] }, ...workerSpecs(options.workers ?? 2)];
+  specs[1] = { ...specs[1]!, nodeArgs: [...SERVICE_NODE_ARGS, ...profile('worker-1')] };
   let services: ReaperService[] = [];
   try {
     services = await startServices(rowEnvironment(context, options.batchSize, options.audit), specs);
@@ -255,6 +263,38 @@ export async function runStageSplit(context: BenchContext, seed: Seed, options: 
       cpu: workersCpuSplit,
     };
     return { candidates: expected, batchSize: options.batchSize, scheduler, workers, queueDepth, schedulerRestRssMb, schedulerPeakRssMb, workerPeakRssMb };
+  } finally {
+    await stopServices(services);
+    await pool.end();
+  }
+}
+
+/**
+ * The scheduler's memory for a run of `candidates` (issue 18): the scheduler alone scans, publishes
+ * and waits for confirms into a queue nobody consumes (as in the stage split), and its peak RSS is
+ * read once the run is published. Nothing is deleted; the queue is purged by the next figure.
+ */
+export async function runSchedulerAlone(
+  context: BenchContext,
+  seed: Seed,
+  options: { batchSize: number; candidates?: number; nodeArgs?: readonly string[] },
+): Promise<{ peakRssMb: number; restRssMb: number }> {
+  await context.databases.fresh();
+  await context.broker.preparePhase([ROW_POLICY]);
+  const pool = context.databases.pool(2, 'bench-observer');
+  const services: ReaperService[] = [];
+  try {
+    services.push(...(await startServices(rowEnvironment(context, options.batchSize), [{ ...SCHEDULER, nodeArgs: options.nodeArgs ?? SERVICE_NODE_ARGS }])));
+    const restRssMb = services[0]!.memory().rssMb;
+    const cutoff = options.candidates === undefined || options.candidates >= seed.candidates ? null : await cutoffAfterCandidates(pool, options.candidates);
+    const run = (await runsInsertIfAbsent(pool, { policy: ROW_POLICY, trigger: 'manual', scheduledFor: null, cutoff }))!;
+    const published = await waitForState(pool, run.runId, ['published', 'completed'], Date.now() + context.boundMs);
+    services[0]!.assertRunning();
+    const figure = `scheduler alone, batch ${options.batchSize}, ${options.candidates ?? seed.candidates} candidates`;
+    if (checkFinished(context, figure, published !== undefined)) {
+      check(context, figure, 'run candidates', options.candidates ?? seed.candidates, (await runTimes(pool, run.runId)).candidates);
+    }
+    return { peakRssMb: services[0]!.memory().peakRssMb, restRssMb };
   } finally {
     await stopServices(services);
     await pool.end();

@@ -14,6 +14,8 @@ export interface CpuSplit {
   wallSeconds: number;
   processSeconds: Record<string, number>;
   postgresBackendSeconds: number;
+  /** postgresBackendSeconds by the backends' application_name (e.g. reaper-scheduler, reaper-worker). */
+  postgresByApplication: Record<string, number>;
   rabbitmqSeconds: number;
   totalSeconds: number;
   /** Shares of the total: node (every Node process of the contender), postgres, rabbitmq. */
@@ -30,12 +32,15 @@ export interface CpuMeterOptions {
   includeRabbitmq?: boolean;
 }
 
-async function backendPids(pool: pg.Pool, pattern: string): Promise<number[]> {
-  const result = await pool.query<{ pid: number }>(
-    `SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND application_name LIKE $1 AND pid <> pg_backend_pid()`,
+/** How often the meter reads its backends' CPU while it runs. */
+const BACKEND_SAMPLE_MS = 250;
+
+async function backendsOf(pool: pg.Pool, pattern: string): Promise<Array<{ pid: number; application: string }>> {
+  const result = await pool.query<{ pid: number; application_name: string }>(
+    `SELECT pid, application_name FROM pg_stat_activity WHERE datname = current_database() AND application_name LIKE $1 AND pid <> pg_backend_pid()`,
     [pattern],
   );
-  return result.rows.map((row) => row.pid);
+  return result.rows.map((row) => ({ pid: row.pid, application: row.application_name }));
 }
 
 function selfSeconds(): number {
@@ -50,6 +55,11 @@ export class CpuMeter {
   private selfStart = 0;
   private rabbitPid: number | null = null;
   private rabbitStart = 0;
+  /** The latest CPU reading of every matching backend seen during the window (see sampleBackends). */
+  private readonly backendLast = new Map<number, number>();
+  private readonly backendApplication = new Map<number, string>();
+  private sampler: NodeJS.Timeout | null = null;
+  private sampling: Promise<void> = Promise.resolve();
 
   constructor(
     private readonly pool: pg.Pool,
@@ -59,11 +69,27 @@ export class CpuMeter {
   /** Call once the contender's connections are open: a backend born later counts from zero, which is right. */
   async start(): Promise<void> {
     for (const service of this.options.services) this.processStart.set(service, service.cpuSeconds());
-    for (const pid of await backendPids(this.pool, this.options.backends)) this.backendStart.set(pid, cpuSecondsOf(pid));
+    for (const { pid } of await backendsOf(this.pool, this.options.backends)) this.backendStart.set(pid, cpuSecondsOf(pid));
     this.rabbitPid = this.options.includeRabbitmq ? rabbitmqServerPid() : null;
     this.rabbitStart = this.rabbitPid === null ? 0 : cpuSecondsOf(this.rabbitPid);
     this.selfStart = selfSeconds();
     this.startedAt = Date.now();
+    this.sampler = setInterval(() => {
+      this.sampling = this.sampling.then(() => this.sampleBackends()).catch(() => undefined);
+    }, BACKEND_SAMPLE_MS);
+  }
+
+  /**
+   * A backend that disconnects during the window (a pool closing an idle connection, a client
+   * replaced after an error) takes its counters with it: sampled every BACKEND_SAMPLE_MS, its CPU
+   * up to the last sample still counts. What it used after that sample is lost (a small undercount).
+   */
+  private async sampleBackends(): Promise<void> {
+    for (const { pid, application } of await backendsOf(this.pool, this.options.backends)) {
+      const seconds = cpuSecondsOf(pid);
+      if (seconds > 0) this.backendLast.set(pid, seconds);
+      this.backendApplication.set(pid, application);
+    }
   }
 
   /** Call before stopping anything: a process or backend that has exited has no counters left to read. */
@@ -71,8 +97,17 @@ export class CpuMeter {
     const processSeconds: Record<string, number> = {};
     for (const [service, before] of this.processStart) processSeconds[service.label] = service.cpuSeconds() - before;
     if (this.options.includeSelf) processSeconds.bench = selfSeconds() - this.selfStart;
+    if (this.sampler) clearInterval(this.sampler);
+    await this.sampling;
+    await this.sampleBackends();
     let postgres = 0;
-    for (const pid of await backendPids(this.pool, this.options.backends)) postgres += cpuSecondsOf(pid) - (this.backendStart.get(pid) ?? 0);
+    const postgresByApplication: Record<string, number> = {};
+    for (const [pid, last] of this.backendLast) {
+      const seconds = last - (this.backendStart.get(pid) ?? 0);
+      postgres += seconds;
+      const application = this.backendApplication.get(pid) ?? 'unknown';
+      postgresByApplication[application] = (postgresByApplication[application] ?? 0) + seconds;
+    }
     const rabbitmq = this.rabbitPid === null ? 0 : cpuSecondsOf(this.rabbitPid) - this.rabbitStart;
     const node = Object.values(processSeconds).reduce((sum, seconds) => sum + seconds, 0);
     const total = node + postgres + rabbitmq;
@@ -81,6 +116,7 @@ export class CpuMeter {
       wallSeconds: (Date.now() - this.startedAt) / 1000,
       processSeconds,
       postgresBackendSeconds: postgres,
+      postgresByApplication,
       rabbitmqSeconds: rabbitmq,
       totalSeconds: total,
       shares: { node: share(node), postgres: share(postgres), rabbitmq: share(rabbitmq) },

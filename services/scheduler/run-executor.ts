@@ -71,9 +71,21 @@ export interface RunExecutorDeps {
  */
 export type RunOutcome = 'published' | 'failed' | 'lost-lease' | 'stopped' | 'awaiting-approval' | 'window-closed';
 
+/**
+ * A batch ready to publish: its id and its encoded message, nothing else. The items are not kept
+ * once encoded: a window's rows then die young (before the window's publish and checkpoint round
+ * trips), instead of surviving into the old generation every window, which grew the scheduler's
+ * peak RSS with the length of the run (issue 18).
+ */
+interface Encoded {
+  batchId: string;
+  content: Buffer;
+  confirmed: boolean;
+}
+
 /** One page of the scan: a batch's worth of rows (more than one batch when a message would be too large). */
 interface Page {
-  batches: Array<{ batch: Batch; content: Buffer; confirmed: boolean }>;
+  batches: Encoded[];
   candidates: number;
   /** Rows read but not publishable (over-long keys): counted, and the cursor moves past them. */
   skipped: number;
@@ -82,7 +94,7 @@ interface Page {
 }
 
 interface Window {
-  batches: Array<{ batch: Batch; content: Buffer; confirmed: boolean }>;
+  batches: Encoded[];
   candidates: number;
   skipped: number;
   /** Rows the scan query returned: 0 means nothing after the cursor, and no checkpoint. */
@@ -215,7 +227,7 @@ async function executeClaimed(context: RunContext, run: Run, policy: Policy, tar
           from: progress.cursor,
           cursor: next.cursor!,
           totals: { candidates: next.candidates, skipped: next.skipped, batchesConfirmed: next.sequence },
-          batchIds: window.batches.map((entry) => entry.batch.batchId),
+          batchIds: window.batches.map((entry) => entry.batchId),
           leaseMs: deps.leaseMs,
         });
       });
@@ -490,7 +502,7 @@ async function scanWindow(
     }
     for (const content of encodeWithinLimit(run, items, version, policyVersion(policy))) {
       const batch: Batch = { ...content, batchId: makeBatchId(run.runId, ++sequence, run.claimCount) };
-      page.batches.push({ batch, content: encodeBatch(batch), confirmed: false });
+      page.batches.push({ batchId: batch.batchId, content: encodeBatch(batch), confirmed: false });
       page.candidates += batch.items.length;
     }
     pages.push(page);
@@ -534,7 +546,8 @@ function encodeWithinLimit(run: Run, items: readonly BatchItem[], version: Batch
   // Version 1 is written exactly as before version 2 existed; 2 adds the scan's policy version.
   const batch: UnnumberedBatch = version === 2 ? { version: 2, ...body, policyVersion: rule } : { version: 1, ...body };
   // The id is at most 200 characters (contract); measure with the longest one it can get.
-  const size = encodeBatch({ ...batch, batchId: makeBatchId(run.runId, 999_999, run.claimCount) }).length;
+  // Measured as text, not encoded into a Buffer that would be thrown away at once.
+  const size = Buffer.byteLength(JSON.stringify({ ...batch, batchId: makeBatchId(run.runId, 999_999, run.claimCount) }), 'utf8');
   if (size <= MAX_MESSAGE_BYTES || items.length === 1) return [batch];
   const half = Math.ceil(items.length / 2);
   return [...encodeWithinLimit(run, items.slice(0, half), version, rule), ...encodeWithinLimit(run, items.slice(half), version, rule)];
@@ -546,7 +559,7 @@ async function publishUnconfirmed(deps: RunExecutorDeps, run: Run, window: Windo
   const results = await Promise.allSettled(
     pending.map(async (entry) => {
       await deps.publisher.publish(deps.names.workExchange, run.policy, entry.content, {
-        messageId: entry.batch.batchId,
+        messageId: entry.batchId,
         contentType: 'application/json',
         headers: { 'x-run-id': run.runId },
       });

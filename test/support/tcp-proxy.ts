@@ -98,7 +98,9 @@ export class TcpProxy {
       let holdAfter = false;
       if (fromClient) {
         for (const message of fromClient.push(chunk)) {
-          if (message.type !== 'P' && message.type !== 'Q') continue;
+          // Parse and simple Query carry the text; Bind carries the statement's name (a named
+          // statement sends its text only at its first execution on a connection).
+          if (message.type !== 'P' && message.type !== 'Q' && message.type !== 'B') continue;
           const text = queryText(message);
           const waiter = this.holdWaiters.find((w) => w.pattern.test(text));
           if (waiter) {
@@ -238,6 +240,7 @@ class PgMessageReader {
 }
 
 /** The SQL text of a Query ('Q': text) or Parse ('P': name, text) message. */
+/** Q: the query; P (name, text, ...): the text; B (portal, statement, ...): the statement's name. */
 function queryText(message: PgMessage): string {
   if (message.type === 'Q') return message.body.toString('utf8', 0, Math.max(0, message.body.length - 1));
   const nameEnd = message.body.indexOf(0);

@@ -3,6 +3,7 @@ import { quoteIdentifier } from '../pool';
 import { archivedCte } from './archive';
 import { noActiveHold } from './holds';
 import { outboxInsertForRemovedSql } from './outbox';
+import { prepared } from './prepared';
 
 /**
  * SQL over a policy's own table ("the target"): the keyset scan the scheduler runs and the
@@ -136,7 +137,20 @@ export type ExpiredPredicateTarget = Pick<ResolvedTarget, 'key' | 'expiresAt' | 
 export function expiringRowsExpiredSql(target: ExpiredPredicateTarget, at: { cutoff: string; policy: string; guard: readonly string[] }): string {
   const guard = target.guardColumns.map((column, index) => ` AND t.${column} = ${at.guard[index]}`).join('');
   return `t.${target.expiresAt} <= ${at.cutoff} AND t.${target.expiresAt} > '-infinity'::timestamptz${guard}
-       AND ${noActiveHold(at.policy, `t.${target.key}`)}`;
+       AND ${noActiveHoldProbedOnlyIfAny(at.policy, `t.${target.key}`)}`;
+}
+
+/**
+ * noActiveHold (shared/db/queries/holds.ts), with the per-row probe skipped when the policy has no
+ * hold row at all (issue 18): the uncorrelated "any hold of this policy?" is evaluated once per
+ * statement (an initplan), in the same statement and snapshot as the rows it guards, so a hold
+ * placed before the statement still wins (docs/design.md invariant 13) and one placed after it
+ * could not have been seen by the per-row probe either. Same answer, without an index probe per
+ * row for the policies that use no holds (nearly all of them, nearly always).
+ */
+export function noActiveHoldProbedOnlyIfAny(policyParameter: string, keyExpression: string): string {
+  return `(NOT EXISTS (SELECT 1 FROM cleanup_holds any_hold WHERE any_hold.policy = ${policyParameter})
+            OR ${noActiveHold(policyParameter, keyExpression)})`;
 }
 
 /**
@@ -170,6 +184,8 @@ export async function expiringRowsScanPage(
     unrecordedClause = ` AND NOT EXISTS (SELECT 1 FROM cleanup_ledger l WHERE l.operation_key = $${params.length} || ':' || t.${key}::text || ':' || reaper_iso(t.${expiresAt})
       AND (l.outcome IS NULL OR l.outcome NOT IN ('held', 'superseded')))`;
   }
+  // Not a named statement: the guard is a parameter, and only a plan made for its value can use a
+  // partial index on the guard (a generic plan would scan and sort).
   const result = await db.query<{ id: string; observed_expiry: string }>(
     `SELECT t.${key}::text AS id, reaper_iso(t.${expiresAt}) AS observed_expiry
      FROM ${table} t
@@ -193,6 +209,12 @@ export async function expiringRowsCountNonFinite(db: Db, target: ResolvedTarget)
   );
   return result.rows[0]!.n;
 }
+
+/**
+ * The row-delete statement is a named (prepared) statement whose name starts
+ * `reaper_row_delete_`: after a connection's first execution only that name travels, not the text.
+ */
+export const ROW_DELETE_STATEMENT_LABEL = 'row_delete';
 
 /** One batch of a coalesced group (expiringRowsDeleteGroupIfStillExpired). */
 export interface GroupBatch {
@@ -253,7 +275,9 @@ export async function expiringRowsDeleteGroupIfStillExpired(
       ordinals.push(index + 1);
     }
   });
-  const result = await db.query<{ batch_id: string; receipt_written: boolean; deleted: number; lag_seconds: number[] | null }>(
+  // Named: parsed and planned once per connection (its text is fixed per policy and settings).
+  const result = await db.query<{ batch_id: string; receipt_written: boolean; deleted: number; lag_seconds: number[] | null }>(prepared(
+    ROW_DELETE_STATEMENT_LABEL,
     `WITH b AS (
        SELECT * FROM unnest($1::text[], $2::uuid[], $3::timestamptz[], $4::int[]) WITH ORDINALITY AS b(batch_id, run_id, cutoff, items, ord)
      ), fresh AS (
@@ -268,7 +292,7 @@ export async function expiringRowsDeleteGroupIfStillExpired(
        WHERE t.${key} = item.id AND t.${expiresAt} = item.observed_expiry
          -- Each batch's own cutoff, never later than now: a future cutoff makes nothing eligible.
          AND t.${expiresAt} <= least(f.cutoff, statement_timestamp())${guardSql(target, 12)}
-         AND ${noActiveHold('$9', `t.${key}`)}
+         AND ${noActiveHoldProbedOnlyIfAny('$9', `t.${key}`)}
        RETURNING f.ord, f.batch_id, f.run_id, t.${key}::text AS key, t.${expiresAt} AS expiry${archived.returning}
      ), counted AS (
        SELECT b.ord, b.batch_id, b.run_id, b.items, coalesce(n.deleted, 0)::int AS deleted, n.lag_seconds
@@ -299,7 +323,7 @@ export async function expiringRowsDeleteGroupIfStillExpired(
       (group.audit ?? group.archive ?? group.events)?.policyVersion ?? null,
       ...target.guardValues,
     ],
-  );
+  ));
   return {
     batches: result.rows.map((row) => ({ batchId: row.batch_id, receiptWritten: row.receipt_written, deleted: row.deleted })),
     lagSeconds: result.rows.flatMap((row) => row.lag_seconds ?? []),

@@ -324,46 +324,80 @@ export interface PublishedRunCheck {
   policy: string;
   state: 'published' | 'completed' | 'incomplete';
   batchesConfirmed: number;
-  batchesMissing: number;
+  /** Batches without a receipt: exact when the run became `incomplete`, 0 when completed, null while it stays published (not counted). */
+  batchesMissing: number | null;
 }
 
 /**
- * The scheduler's completion pass, bounded: it looks at no more than `limit` published runs, the
- * ones checked longest ago first (round robin over the partial index), never at all of them.
- * A run whose checkpointed batches all have a receipt becomes `completed`. A run still missing
- * receipts with none written for `incompleteAfterMs` (counted from publication or the latest
- * receipt) becomes `incomplete`, its counts in `error`: a batch dead-lettered or a delay copy lost
- * would otherwise keep it `published`, and in this pass, forever. Receipts that arrive later still
- * count in the run's totals (deleted, no-op); its state stays `incomplete`.
+ * Batches of one run a completion pass looks at, at most: with COMPLETION_BATCH runs per pass,
+ * a pass's work is bounded whatever the size of the runs (issue 18).
  */
-export async function runsSettlePublished(db: Db, options: { limit: number; incompleteAfterMs: number }): Promise<PublishedRunCheck[]> {
-  const result = await db.query<{ run_id: string; policy: string; state: PublishedRunCheck['state']; batches_confirmed: number; missing: number }>(
+export const COMPLETION_WALK_BATCHES = 2_000;
+
+/**
+ * The scheduler's completion pass, bounded and incremental: it looks at no more than `limit`
+ * published runs, the ones checked longest ago first (round robin over the partial index), never
+ * at all of them; and for each, at no more than `walk` of its batches. Each run keeps a completion
+ * cursor (migration 0023): every batch up to it, in batch id order, has a receipt. A pass walks
+ * the batches after the cursor, moves the cursor over the ones with a receipt up to the first
+ * without, and completes the run when its walk finds every batch left settled. A run's batches are
+ * fixed once it is published, so the cursor never passes a batch that could still be added.
+ *
+ * A run still missing receipts with none written for `incompleteAfterMs` (counted from
+ * publication or the run's latest receipt, one index probe) becomes `incomplete`, its counts in
+ * `error` (counted then, once): a batch dead-lettered or a delay copy lost would otherwise keep it
+ * `published`, and in this pass, forever. Receipts that arrive later still count in the run's
+ * totals (deleted, no-op); its state stays `incomplete`.
+ */
+export async function runsSettlePublished(db: Db, options: { limit: number; incompleteAfterMs: number; walk?: number }): Promise<PublishedRunCheck[]> {
+  const result = await db.query<{ run_id: string; policy: string; state: PublishedRunCheck['state']; batches_confirmed: number; missing: number | null }>(
     `WITH picked AS (
-       SELECT run_id FROM cleanup_runs WHERE state = 'published'
+       SELECT run_id, completion_cursor FROM cleanup_runs WHERE state = 'published'
        ORDER BY completion_checked_at NULLS FIRST, run_id LIMIT $1 FOR UPDATE SKIP LOCKED
+     ), walked AS (
+       -- After the cursor, in batch id order, at most $3 batches (cleanup_run_batches_by_run_batch).
+       SELECT p.run_id, w.batch_id, w.ord,
+         EXISTS (SELECT 1 FROM cleanup_batches b WHERE b.batch_id = w.batch_id) AS done
+       FROM picked p CROSS JOIN LATERAL (
+         SELECT rb.batch_id, row_number() OVER (ORDER BY rb.batch_id) AS ord
+         FROM (SELECT rb.batch_id FROM cleanup_run_batches rb
+               WHERE rb.run_id = p.run_id AND (p.completion_cursor IS NULL OR rb.batch_id > p.completion_cursor)
+               ORDER BY rb.batch_id LIMIT $3) rb
+       ) w
+     ), walk AS (
+       SELECT p.run_id, p.completion_cursor, count(w.batch_id) AS walked, min(w.ord) FILTER (WHERE NOT w.done) AS first_missing
+       FROM picked p LEFT JOIN walked w USING (run_id) GROUP BY p.run_id, p.completion_cursor
      ), measured AS (
-       SELECT r.run_id,
-         (SELECT count(*) FROM cleanup_run_batches rb WHERE rb.run_id = r.run_id
-            AND NOT EXISTS (SELECT 1 FROM cleanup_batches b WHERE b.batch_id = rb.batch_id))::int AS missing,
-         greatest(r.published_at, (SELECT max(b.completed_at) FROM cleanup_batches b WHERE b.run_id = r.run_id)) AS progress_at
-       FROM cleanup_runs r JOIN picked USING (run_id)
+       SELECT k.run_id,
+         -- The settled prefix ends right before the first batch without a receipt.
+         coalesce((SELECT w.batch_id FROM walked w WHERE w.run_id = k.run_id AND w.ord = coalesce(k.first_missing - 1, k.walked)), k.completion_cursor) AS cursor,
+         k.first_missing IS NULL AND k.walked < $3 AS all_done,
+         greatest(r.published_at, (SELECT max(b.completed_at) FROM cleanup_batches b WHERE b.run_id = k.run_id)) AS progress_at
+       FROM walk k JOIN cleanup_runs r USING (run_id)
      ), decided AS (
-       SELECT run_id, missing, progress_at,
-         CASE WHEN missing = 0 THEN 'completed'
+       SELECT run_id, cursor, progress_at,
+         CASE WHEN all_done THEN 'completed'
               WHEN progress_at < clock_timestamp() - $2 * interval '1 millisecond' THEN 'incomplete'
               ELSE 'published' END AS next_state
        FROM measured
      )
-     UPDATE cleanup_runs r SET state = d.next_state,
+     UPDATE cleanup_runs r SET state = d.next_state, completion_cursor = d.cursor,
        finished_at = CASE WHEN d.next_state <> 'published' THEN clock_timestamp() END,
        error = CASE WHEN d.next_state = 'incomplete'
          THEN format('%s of %s batches have no receipt (dead-lettered or lost); nothing completed since %s',
-                     d.missing, r.batches_confirmed, reaper_iso(d.progress_at))
+                     m.missing, r.batches_confirmed, reaper_iso(d.progress_at))
          ELSE r.error END,
        completion_checked_at = clock_timestamp()
-     FROM decided d WHERE r.run_id = d.run_id
-     RETURNING r.run_id, r.policy, r.state, r.batches_confirmed, d.missing`,
-    [options.limit, options.incompleteAfterMs],
+     FROM decided d CROSS JOIN LATERAL (
+       -- Counted only for the message of a run that becomes incomplete (once per run).
+       SELECT CASE WHEN d.next_state = 'incomplete' THEN (
+                SELECT count(*) FROM cleanup_run_batches rb WHERE rb.run_id = d.run_id
+                  AND NOT EXISTS (SELECT 1 FROM cleanup_batches b WHERE b.batch_id = rb.batch_id))::int
+              WHEN d.next_state = 'completed' THEN 0 END AS missing
+     ) m
+     WHERE r.run_id = d.run_id
+     RETURNING r.run_id, r.policy, r.state, r.batches_confirmed, m.missing`,
+    [options.limit, options.incompleteAfterMs, options.walk ?? COMPLETION_WALK_BATCHES],
   );
   return result.rows.map((row) => ({
     runId: row.run_id,
