@@ -73,7 +73,7 @@ export function brakeGauges(registry: Registry): Gauges {
       }),
       latencyRatio: new Gauge({
         name: 'reaper_row_admission_latency_ratio',
-        help: "row-delete adaptive admission: this worker's smoothed latency of its deleting transactions / their quiet-time latency (1: quiet; the rate backs off at 1.6)",
+        help: "row-delete adaptive admission: this worker's smoothed latency of its deleting transactions / their quiet-time latency (1: quiet; the rate backs off at 2)",
         labelNames: ['policy'],
         registers: [registry],
       }),
