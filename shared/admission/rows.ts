@@ -149,8 +149,8 @@ function observerFor(pool: Pool, policy: string): Observer {
 }
 
 /**
- * The row-delete handler reports each committed deleting transaction here: `ms` from BEGIN to
- * COMMIT for `rows` rows. The next admission of this worker judges the database by it. No-op when
+ * The row-delete handler reports each committed deleting transaction here: `ms` from holding its
+ * statement slot to COMMIT (the DELETE and its WAL flush; slot waits left out) for `rows` rows. The next admission of this worker judges the database by it. No-op when
  * the policy's admission is not adaptive. `at`: the caller's performance.now() (tests move it).
  */
 export function noteRowStatement(pool: Pool, policy: RowDeletePolicy, sample: { ms: number; rows: number; at?: number }): void {
