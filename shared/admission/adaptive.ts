@@ -24,9 +24,9 @@ export const ADAPTIVE = {
   /** No ceiling set: the rate never goes above this (the schema's largest rowsPerSecond). */
   maxRowsPerSecond: 10_000_000,
   /** Pressure at or below this: raise. */
-  raiseBelow: 1.25,
+  raiseBelow: 1.4,
   /** Pressure at or above this: back off. Between the two: hold. */
-  backOffAbove: 1.6,
+  backOffAbove: 2,
   /** Raise: the rate doubles per second at baseline (factor 2^elapsed, at most 2 per step). */
   raisePerSecond: 2,
   /** Back off: the rate is multiplied by this, once per step. */
@@ -48,8 +48,12 @@ export const ADAPTIVE = {
   statementSeconds: 0.1,
   /** A latency above the baseline becomes the new baseline with this time constant (seconds): a lasting change of the table is learnt, a load is not. */
   baselineRiseSeconds: 120,
-  /** A latency below the baseline moves it this far down at once (not all the way: one lucky statement is not the quiet time). */
-  baselineFallWeight: 0.5,
+  /**
+   * A latency below the baseline moves it this far down (not all the way: one lucky statement is not
+   * the quiet time; the baseline sits near a low percentile of the quiet latencies, not their minimum,
+   * so the noise of a shared machine does not read as load).
+   */
+  baselineFallWeight: 0.1,
 } as const;
 
 /** One worker's reading of its own statements. Values, not objects with methods: the caller keeps the latest. */

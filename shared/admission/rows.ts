@@ -73,7 +73,7 @@ export function brakeGauges(registry: Registry): Gauges {
       }),
       latencyRatio: new Gauge({
         name: 'reaper_row_admission_latency_ratio',
-        help: "row-delete adaptive admission: this worker's smoothed latency of its deleting transactions / their quiet-time latency (1: quiet; the rate backs off at 1.6)",
+        help: "row-delete adaptive admission: this worker's smoothed latency of its deleting transactions / their quiet-time latency (1: quiet; the rate backs off at 2)",
         labelNames: ['policy'],
         registers: [registry],
       }),
@@ -149,8 +149,8 @@ function observerFor(pool: Pool, policy: string): Observer {
 }
 
 /**
- * The row-delete handler reports each committed deleting transaction here: `ms` from BEGIN to
- * COMMIT for `rows` rows. The next admission of this worker judges the database by it. No-op when
+ * The row-delete handler reports each committed deleting transaction here: `ms` from holding its
+ * statement slot to COMMIT (the DELETE and its WAL flush; slot waits left out) for `rows` rows. The next admission of this worker judges the database by it. No-op when
  * the policy's admission is not adaptive. `at`: the caller's performance.now() (tests move it).
  */
 export function noteRowStatement(pool: Pool, policy: RowDeletePolicy, sample: { ms: number; rows: number; at?: number }): void {

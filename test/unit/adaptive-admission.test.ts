@@ -94,15 +94,15 @@ test('the baseline: a small statement is not judged against a big one; a lasting
   let reading = latencyObserve(NO_READING, { ms: 50, rows: 1_000, at: 0 });
   reading = latencyObserve(reading, { ms: 2, rows: 10, at: 10 });
   assert.ok(Math.abs(reading.ratio! - 1) < 1e-9, `a first statement of another size is its own baseline: ${reading.ratio}`);
-  // 2x for 10 s: still judged slow.
+  // 3x for 10 s: still judged slow.
   let at = 10;
-  for (let i = 0; i < 100; i++) reading = latencyObserve(reading, { ms: 4, rows: 10, at: (at += 100) });
+  for (let i = 0; i < 100; i++) reading = latencyObserve(reading, { ms: 6, rows: 10, at: (at += 100) });
   assert.ok(reading.ratio! > ADAPTIVE.backOffAbove, `a 10 s load stays a load: ${reading.ratio}`);
-  // 2x for 10 minutes: the new quiet time.
-  for (let i = 0; i < 6_000; i++) reading = latencyObserve(reading, { ms: 4, rows: 10, at: (at += 100) });
+  // 3x for 10 minutes: the new quiet time.
+  for (let i = 0; i < 6_000; i++) reading = latencyObserve(reading, { ms: 6, rows: 10, at: (at += 100) });
   assert.ok(reading.ratio! < ADAPTIVE.raiseBelow, `a lasting change is learnt: ${reading.ratio}`);
-  // Faster again: the baseline follows down at once (half way per statement).
-  for (let i = 0; i < 10; i++) reading = latencyObserve(reading, { ms: 2, rows: 10, at: (at += 100) });
+  // Faster again: the baseline follows down within a few dozen statements.
+  for (let i = 0; i < 40; i++) reading = latencyObserve(reading, { ms: 2, rows: 10, at: (at += 100) });
   assert.ok(reading.baselineMs.get(3)! < 2.1, `baseline ${reading.baselineMs.get(3)}`);
 });
 
