@@ -130,6 +130,7 @@ test('reaper_operator runs every operator command', async () => {
   await ok(['audit', '--run', approved]);
   await ok(['runs']);
   await ok(['status']);
+  await ok(['events', 'status']);
   await ok(['dlq', 'list']);
 });
 
