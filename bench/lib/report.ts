@@ -286,6 +286,7 @@ export function renderMarkdown(report: BenchReport): string {
     ...(report.eventsArchive
       ? ['- Events and archive (figure 8, issue 19): on a seed of its own size, each round runs reaper end to end three times on fresh copies: the policy as is, with `events: { enabled: true }` and one `reaper relay` running beside it (publishing to a queue bound to `<prefix>.events`; its CPU competes with the deletion), and with `archive: { enabled: true, retainDays: 30 }`; each reports its fastest round. Relay throughput: the events run once more without a relay, then one relay started on the full outbox, events ÷ seconds until the outbox is empty. Outbox oldest age: the gauge\'s query sampled every 250 ms from the trigger until the relay drained the outbox.']
       : []),
+    '- Object storage (figure 9, issue 21): the S3 stand-in (tools/s3-stand-in: s3rver behind a recording proxy) in the bench process; a scheduler and 2 workers delete a backlog of keys (objects not created first: deleting an absent key succeeds in S3) under the policy\'s admission. At the proxy: keys/s = keys of every request but the last ÷ first to last arrival (a request\'s head); most keys in any second = sliding 1 s window over arrivals; requests per 1,000 keys; keys sent in more than one request.',
     '- Remote: the stand-in media API (tools/media-api/server.ts) in the bench process, limiting to R with the same burst; 3 workers share the admission budget through PostgreSQL. Achieved rate = executed deletions per second from the first to the last one.',
     '',
   ];

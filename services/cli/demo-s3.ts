@@ -128,7 +128,7 @@ export async function startObjectStorageDemo(demoPoliciesPath: string): Promise<
       say(`  refused by the store, kept      ${ledger.rejected}   (expected ${OBJECTS.refused}; AccessDenied, left for review)`);
       say(`  audit rows                      ${ledger.audited}   (one per deleted object)`);
       say(`  DeleteObjects requests / keys   ${requests.length} / ${keys}; ${((requests.length * 1000) / Math.max(1, keys)).toFixed(2)} requests per 1,000 keys; keys sent twice: ${twice}`);
-      say(`  most keys in any second         ${stand.maxKeysInWindow(1000)} (keysPerSecond ${LIMITS.keysPerSecond} + one request ${LIMITS.maxKeysPerRequest})`);
+      say(`  most keys in any second         ${stand.maxKeysInWindow(1000)} (keysPerSecond ${LIMITS.keysPerSecond})`);
       say(`  objects left in the bucket      ${left}   (expected ${OBJECTS.retained + OBJECTS.refused}: retained and refused)`);
       say(`  retained rows, kept             ${ledger.kept} of ${OBJECTS.retained}`);
       return (

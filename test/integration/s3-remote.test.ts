@@ -191,4 +191,32 @@ describe('object storage remote (s3rver)', () => {
     const audits = await auditCounts(bed.pool);
     for (const id of ids) assert.equal(audits.get(id), 1, `${id}: one audit row`);
   });
+
+  test('held or renewed while the request is in flight: the object is gone (confirmed, audited), the held row is kept (outcome held), the renewed row untouched, the rest settled', async () => {
+    const ids = await seedAssets(bed.pool, 'in-flight', 3);
+    await putObjects(stand, ids);
+    const [held, renewed, plain] = [ids[0]!, ids[1]!, ids[2]!];
+    const real = makeObjectStorageClient(policy.remote);
+    const meanwhile = makeS3DeleteHandler(policy, target, {
+      warmUp: () => real.warmUp(),
+      async deleteKeys(keys) {
+        const outcome = await real.deleteKeys(keys);
+        // While the answer travels back: a legal hold on one asset, a renewal of another.
+        await holdsAdd(bed.pool, target, { ids: [held], reason: 'litigation', until: null, createdBy: 'test' });
+        await bed.pool.query(`UPDATE media_assets SET retention_expires_at = now() + interval '30 days' WHERE asset_id = $1`, [renewed]);
+        return outcome;
+      },
+    });
+    const result = await meanwhile(await batchFor(bed.pool, ids), handlerContext(bed.pool));
+    assert.equal(result.kind, 'done', JSON.stringify(result));
+    const rows = new Map((await ledgerRows(bed.pool, ids)).map((row) => [row.asset_id, row]));
+    assert.equal(rows.get(held)!.outcome, 'held', 'the store deleted it, the row is kept under its hold');
+    assert.equal(rows.get(renewed)!.outcome, 'confirmed');
+    assert.equal(rows.get(plain)!.outcome, 'confirmed');
+    const statuses = await assetStatuses(bed.pool, ids);
+    assert.deepEqual([statuses.get(held), statuses.get(renewed), statuses.get(plain)], ['active', 'active', 'deleted']);
+    for (const id of ids) assert.equal(await objectExists(stand, id), false);
+    const audits = await auditCounts(bed.pool);
+    assert.deepEqual(ids.map((id) => audits.get(id)), [1, 1, 1], 'every deleted object audited once');
+  });
 });

@@ -139,11 +139,13 @@ export async function startS3StandIn(options: { bucket: string; port?: number; k
   };
 
   const proxy = createServer((incoming: IncomingMessage, outgoing: ServerResponse) => {
+    // Arrival is when the request's head arrives, not when its body (some 50 KB for 1,000 keys) has been read.
+    const arrivedAt = Date.now();
     void (async () => {
       const body = await readBody(incoming);
       const target = incoming.url ?? '/';
       const isDelete = incoming.method === 'POST' && /[?&]delete(=|&|$)/.test(target);
-      const call: S3Call = { method: incoming.method ?? '', target, keys: isDelete ? keysOfDeleteBody(body.toString('utf8')) : [], arrivedAt: Date.now(), status: null, injected: null };
+      const call: S3Call = { method: incoming.method ?? '', target, keys: isDelete ? keysOfDeleteBody(body.toString('utf8')) : [], arrivedAt, status: null, injected: null };
       calls.push(call);
       if (isDelete && slowDownLeft > 0) {
         slowDownLeft -= 1;

@@ -3,11 +3,12 @@ import { blockAdmission } from '../../../shared/admission/controller';
 import { eventsEnabled, policyVersion, type S3DeletePolicy } from '../../../shared/config/policies';
 import { withTransaction } from '../../../shared/db/pool';
 import type { ResolvedTarget } from '../../../shared/db/queries/expiring-rows';
-import { ledgerDueSummary, targetSettleConfirmed, type ClaimedOperation } from '../../../shared/db/queries/ledger';
+import { ledgerDueSummary, type ClaimedOperation } from '../../../shared/db/queries/ledger';
 import {
   auditRecordS3Deleted,
   ledgerFinishRequestKeys,
   ledgerRescheduleRequestKeys,
+  targetSettleConfirmedMany,
   type S3KeyOutcomeRow,
 } from '../../../shared/db/queries/ledger-s3';
 import { objectKeyFor, type ObjectStorageClient, type S3KeyResult, type S3RequestOutcome } from '../../../shared/remote/s3';
@@ -150,15 +151,14 @@ async function sendAndRecord(
               .map(({ operation, result }) => ({ operationKey: operation.operationKey, versionIds: result.deletedVersionIds })),
           ]);
         }
-        for (const { operation } of deleted) {
-          if (!applied.has(operation.operationKey)) continue;
-          await targetSettleConfirmed(client, target, {
-            assetId: operation.assetId,
-            observedExpiry: observedExpiryOf(operation.operationKey, policy.name, operation.assetId),
-            markConfirmed: policy.markConfirmed,
-            events: eventsEnabled(policy) ? { policyVersion: policyVersion(policy) } : null,
-          });
-        }
+        // The rows themselves now say so (or are gone), where they still hold the decision and are not held.
+        await targetSettleConfirmedMany(client, target, {
+          items: deleted
+            .filter(({ operation }) => applied.has(operation.operationKey))
+            .map(({ operation }) => ({ assetId: operation.assetId, observedExpiry: observedExpiryOf(operation.operationKey, policy.name, operation.assetId) })),
+          markConfirmed: policy.markConfirmed,
+          events: eventsEnabled(policy) ? { policyVersion: policyVersion(policy) } : null,
+        });
         count('confirmed', applied, rows);
         if (applied.size > 0) context.metrics.remoteOperationsCompletedTotal.inc({ policy: policy.name, outcome: 'confirmed' }, applied.size);
         for (const { operation } of deleted) {

@@ -1,6 +1,8 @@
-import type { Db } from '../pool';
+import { quoteIdentifier, type Db } from '../pool';
 import { dueRecheckCtes, type admissionGrantAndClaim } from './admission';
-import type { ResolvedTarget } from './expiring-rows';
+import { guardSql, type ResolvedTarget } from './expiring-rows';
+import { noActiveHold } from './holds';
+import { outboxInsertForSettledSql } from './outbox';
 import type { ClaimedOperation, LedgerOutcome } from './ledger';
 
 /**
@@ -222,4 +224,57 @@ export async function auditRecordS3Deleted(
 export async function auditVersionsOf(db: Db, operationKey: string): Promise<Array<string | null>> {
   const result = await db.query<{ version_id: string | null }>(`SELECT version_id FROM cleanup_audit WHERE operation_key = $1 ORDER BY audit_id`, [operationKey]);
   return result.rows.map((row) => row.version_id);
+}
+
+/**
+ * ledger.targetSettleConfirmed for all the confirmed keys of one request, in two statements
+ * instead of two per key: each policy row that still holds its operation's retention decision
+ * (key, exact observed expiry, guard) and has no active legal hold is marked (markConfirmed) or
+ * deleted, with an outbox row each when events are on; the operations whose row holds the decision
+ * but is held now are turned to outcome 'held' (the object is gone; the row is kept until the hold
+ * is removed, as for the HTTP remote). Rows that changed are left alone. In the confirming transaction.
+ */
+export async function targetSettleConfirmedMany(
+  db: Db,
+  target: ResolvedTarget,
+  settle: {
+    items: ReadonlyArray<{ assetId: string; observedExpiry: string }>;
+    markConfirmed: Readonly<Record<string, string | number | boolean>> | undefined;
+    events?: { policyVersion: string } | null;
+  },
+): Promise<{ settled: number; held: number }> {
+  if (settle.items.length === 0) return { settled: 0, held: 0 };
+  const { table, key, expiresAt, keyType } = target;
+  const decision = `t.${key} = i.id::${keyType} AND t.${expiresAt} = i.observed${guardSql(target, 4)}`;
+  const item = `(SELECT * FROM unnest($1::text[], $2::timestamptz[]) AS u(id, observed)) i`;
+  const notHeld = noActiveHold('$3', `t.${key}`);
+  const params: unknown[] = [settle.items.map((entry) => entry.assetId), settle.items.map((entry) => entry.observedExpiry), target.policy, ...target.guardValues];
+  const base = params.length;
+  let change: string;
+  if (settle.markConfirmed && Object.keys(settle.markConfirmed).length > 0) {
+    const assignments = Object.keys(settle.markConfirmed).map((column, index) => `${quoteIdentifier(column)} = $${base + 1 + index}`);
+    params.push(...Object.values(settle.markConfirmed).map(String));
+    change = `UPDATE ${table} t SET ${assignments.join(', ')} FROM ${item} WHERE ${decision} AND ${notHeld}`;
+  } else {
+    change = `DELETE FROM ${table} t USING ${item} WHERE ${decision} AND ${notHeld}`;
+  }
+  let outbox = '';
+  if (settle.events) {
+    params.push(settle.events.policyVersion);
+    outbox = outboxInsertForSettledSql({ policy: '$3', policyVersion: `$${params.length}` });
+  }
+  const settled = await db.query<{ n: number }>(
+    `WITH settled AS (${change} RETURNING t.${key}::text AS key, t.${expiresAt} AS expiry)${outbox} SELECT count(*)::int AS n FROM settled`,
+    params,
+  );
+  const n = settled.rows[0]!.n;
+  if (n === settle.items.length) return { settled: n, held: 0 };
+  const held = await db.query(
+    `UPDATE cleanup_ledger l SET outcome = 'held', last_result = coalesce(l.last_result, '') || '; row kept: legal hold', updated_at = clock_timestamp()
+     FROM ${table} t, ${item}
+     WHERE ${decision} AND NOT ${notHeld}
+       AND l.operation_key = $3 || ':' || t.${key}::text || ':' || reaper_iso(t.${expiresAt}) AND l.state = 'done' AND l.outcome = 'confirmed'`,
+    params.slice(0, base),
+  );
+  return { settled: n, held: held.rowCount ?? 0 };
 }
