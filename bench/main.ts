@@ -13,7 +13,7 @@
  *   add --only s3                 figure 9 alone (object storage), written as <date>-s3-<mode>.json and .md
  *   add --only cost               PostgreSQL CPU per deleted row and scheduler memory alone (bench/figures/cost.ts;
  *                                 BENCH_COST_BEFORE_BIN=<other build>/bin/reaper measures it A/B in the same rounds,
- *                                 BENCH_COST_MEMORY_AT=200000,2000000 sets the scheduler-memory sizes)
+ *                                 BENCH_COST_MEMORY_AT=200000,2000000 sets the scheduler-memory sizes, =none skips them)
  *
  * It needs PostgreSQL and RabbitMQ (DATABASE_URL / AMQP_URL, defaults 127.0.0.1). It creates and
  * drops its own databases (reaper_bench_<random>, reaper_bench_<random>_seed: two runs at once never
@@ -299,7 +299,8 @@ async function main(): Promise<number> {
       context.progress(`pinned: ${pinning.describe}`);
     }
     if (only === 'cost') {
-      const memoryAt = process.env.BENCH_COST_MEMORY_AT?.split(',').map(Number);
+      // BENCH_COST_MEMORY_AT=none skips the scheduler-memory part.
+      const memoryAt = process.env.BENCH_COST_MEMORY_AT?.split(',').map(Number).filter((n) => Number.isInteger(n) && n > 0);
       const cost = await runCostFigure(context, { mode: config.mode, sizes: config.sizes, batchSize: config.batchSize, repeats: config.repeats, pgboss: PGBOSS_BATCH, ...(memoryAt ? { memoryAt } : {}) });
       mkdirSync(RESULTS_DIR, { recursive: true });
       const base = path.join(RESULTS_DIR, `${cost.date}-cost-${config.mode}${process.env.BENCH_COST_LABEL ? `-${process.env.BENCH_COST_LABEL}` : ''}`);

@@ -409,7 +409,7 @@ async function main(): Promise<number> {
       }
       case 'pg-link-reset': {
         // Mid-commit when a DELETE comes within 2 s, else whatever is open.
-        const link = await Promise.race([pgProxy.holdRepliesAfter(/DELETE FROM|UPDATE cleanup_ledger/), wait(2_000).then(() => null)]);
+        const link = await Promise.race([pgProxy.holdRepliesAfter(/DELETE FROM|reaper_row_delete_|UPDATE cleanup_ledger/), wait(2_000).then(() => null)]);
         if (link) pgProxy.reset(link);
         else pgProxy.resetAll();
         return { target: link ? 'postgres link mid-statement' : 'postgres links', durationMs: Date.now() - t0 };

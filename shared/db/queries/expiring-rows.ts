@@ -265,6 +265,8 @@ export async function expiringRowsDeleteGroupIfStillExpired(
     : '';
   const archived = archivedCte(!!group.archive);
   const outboxed = group.events ? outboxInsertForRemovedSql({ policy: '$9', policyVersion: '$11' }) : '';
+  // Each deleted row's key, run and batch travel on only where audit, archive or events copy them.
+  const copied = !!(group.audit || group.archive || group.events);
   const ids: string[] = [];
   const expiries: string[] = [];
   const ordinals: number[] = [];
@@ -293,7 +295,7 @@ export async function expiringRowsDeleteGroupIfStillExpired(
          -- Each batch's own cutoff, never later than now: a future cutoff makes nothing eligible.
          AND t.${expiresAt} <= least(f.cutoff, statement_timestamp())${guardSql(target, 12)}
          AND ${noActiveHoldProbedOnlyIfAny('$9', `t.${key}`)}
-       RETURNING f.ord, f.batch_id, f.run_id, t.${key}::text AS key, t.${expiresAt} AS expiry${archived.returning}
+       RETURNING f.ord, t.${expiresAt} AS expiry${copied ? `, f.batch_id, f.run_id, t.${key}::text AS key` : ''}${archived.returning}
      ), counted AS (
        SELECT b.ord, b.batch_id, b.run_id, b.items, coalesce(n.deleted, 0)::int AS deleted, n.lag_seconds
        FROM b LEFT JOIN (

@@ -1,5 +1,6 @@
 import { randomUUID } from 'node:crypto';
 import type { Db } from '../pool';
+import { prepared } from './prepared';
 
 /**
  * NOTIFY channel: every new run is announced on commit, so schedulers start it at once instead of
@@ -305,10 +306,14 @@ export async function runsMarkFailed(db: Db, claim: RunClaim, error: string): Pr
   return result.rowCount === 1;
 }
 
-/** Published runs every one of whose confirmed batches has a receipt become completed. */
+/**
+ * Published runs every one of whose confirmed batches has a receipt become completed. Batches up
+ * to the run's completion cursor are known to have one (runsSettlePublished): only those after it are looked at.
+ */
 const COMPLETE_WHERE_ALL_RECEIPTS = `r.state = 'published' AND NOT EXISTS (
     SELECT 1 FROM cleanup_run_batches rb
-    WHERE rb.run_id = r.run_id AND NOT EXISTS (SELECT 1 FROM cleanup_batches b WHERE b.batch_id = rb.batch_id))`;
+    WHERE rb.run_id = r.run_id AND rb.batch_id > coalesce(r.completion_cursor, '')
+      AND NOT EXISTS (SELECT 1 FROM cleanup_batches b WHERE b.batch_id = rb.batch_id))`;
 
 export async function runsCompleteIfAllBatchesDone(db: Db, runId: string): Promise<boolean> {
   const result = await db.query(
@@ -350,33 +355,47 @@ export const COMPLETION_WALK_BATCHES = 2_000;
  * totals (deleted, no-op); its state stays `incomplete`.
  */
 export async function runsSettlePublished(db: Db, options: { limit: number; incompleteAfterMs: number; walk?: number }): Promise<PublishedRunCheck[]> {
-  const result = await db.query<{ run_id: string; policy: string; state: PublishedRunCheck['state']; batches_confirmed: number; missing: number | null }>(
+  // Named: four passes a second per scheduler, planned once per connection.
+  const result = await db.query<{ run_id: string; policy: string; state: PublishedRunCheck['state']; batches_confirmed: number; missing: number | null }>(prepared(
+    'runs_settle_published',
     `WITH picked AS (
        SELECT run_id, completion_cursor FROM cleanup_runs WHERE state = 'published'
        ORDER BY completion_checked_at NULLS FIRST, run_id LIMIT $1 FOR UPDATE SKIP LOCKED
-     ), walked AS (
-       -- After the cursor, in batch id order, at most $3 batches (cleanup_run_batches_by_run_batch).
-       SELECT p.run_id, w.batch_id, w.ord,
-         EXISTS (SELECT 1 FROM cleanup_batches b WHERE b.batch_id = w.batch_id) AS done
-       FROM picked p CROSS JOIN LATERAL (
-         SELECT rb.batch_id, row_number() OVER (ORDER BY rb.batch_id) AS ord
-         FROM (SELECT rb.batch_id FROM cleanup_run_batches rb
-               WHERE rb.run_id = p.run_id AND (p.completion_cursor IS NULL OR rb.batch_id > p.completion_cursor)
-               ORDER BY rb.batch_id LIMIT $3) rb
-       ) w
-     ), walk AS (
-       SELECT p.run_id, p.completion_cursor, count(w.batch_id) AS walked, min(w.ord) FILTER (WHERE NOT w.done) AS first_missing
-       FROM picked p LEFT JOIN walked w USING (run_id) GROUP BY p.run_id, p.completion_cursor
+     ), walked AS MATERIALIZED (
+       -- After the cursor, in batch id order (cleanup_run_batches_by_run_batch; every id is > ''),
+       -- at most $3 batches: the first without a receipt. Rows are pulled one at a time and the walk
+       -- stops there, so a pass probes the batches settled since the last pass plus one, not every
+       -- batch still open. The receipt probe is a scalar subquery (one primary-key probe per row):
+       -- an EXISTS here may be planned as a hash of the whole receipts table.
+       SELECT p.run_id, p.completion_cursor, (
+           SELECT w.batch_id FROM (
+             SELECT rb.batch_id, (SELECT 1 FROM cleanup_batches b WHERE b.batch_id = rb.batch_id) IS NOT NULL AS done
+             FROM cleanup_run_batches rb
+             WHERE rb.run_id = p.run_id AND rb.batch_id > coalesce(p.completion_cursor, '')
+             ORDER BY rb.batch_id LIMIT $3) w
+           WHERE NOT w.done LIMIT 1) AS first_missing
+       FROM picked p
      ), measured AS (
-       SELECT k.run_id,
-         -- The settled prefix ends right before the first batch without a receipt.
-         coalesce((SELECT w.batch_id FROM walked w WHERE w.run_id = k.run_id AND w.ord = coalesce(k.first_missing - 1, k.walked)), k.completion_cursor) AS cursor,
-         k.first_missing IS NULL AND k.walked < $3 AS all_done,
+       SELECT k.run_id, k.first_missing, tail.last_walked, tail.walked,
+         -- The settled prefix ends right before the first batch without a receipt, or, with none
+         -- in the walk, at its last batch.
+         CASE WHEN k.first_missing IS NOT NULL
+              THEN coalesce((SELECT max(rb.batch_id) FROM cleanup_run_batches rb WHERE rb.run_id = k.run_id
+                               AND rb.batch_id > coalesce(k.completion_cursor, '') AND rb.batch_id < k.first_missing), k.completion_cursor)
+              ELSE coalesce(tail.last_walked, k.completion_cursor) END AS cursor,
          greatest(r.published_at, (SELECT max(b.completed_at) FROM cleanup_batches b WHERE b.run_id = k.run_id)) AS progress_at
-       FROM walk k JOIN cleanup_runs r USING (run_id)
+       FROM walked k JOIN cleanup_runs r USING (run_id)
+       -- Only when the walk found every batch settled (a one-time filter otherwise): where it
+       -- ended, and whether anything is left after it.
+       CROSS JOIN LATERAL (
+         SELECT max(x.batch_id) AS last_walked, count(*) AS walked FROM (
+           SELECT rb.batch_id FROM cleanup_run_batches rb
+           WHERE k.first_missing IS NULL AND rb.run_id = k.run_id AND rb.batch_id > coalesce(k.completion_cursor, '')
+           ORDER BY rb.batch_id LIMIT $3) x
+       ) tail
      ), decided AS (
        SELECT run_id, cursor, progress_at,
-         CASE WHEN all_done THEN 'completed'
+         CASE WHEN first_missing IS NULL AND walked < $3 THEN 'completed'
               WHEN progress_at < clock_timestamp() - $2 * interval '1 millisecond' THEN 'incomplete'
               ELSE 'published' END AS next_state
        FROM measured
@@ -398,7 +417,7 @@ export async function runsSettlePublished(db: Db, options: { limit: number; inco
      WHERE r.run_id = d.run_id
      RETURNING r.run_id, r.policy, r.state, r.batches_confirmed, m.missing`,
     [options.limit, options.incompleteAfterMs, options.walk ?? COMPLETION_WALK_BATCHES],
-  );
+  ));
   return result.rows.map((row) => ({
     runId: row.run_id,
     policy: row.policy,
