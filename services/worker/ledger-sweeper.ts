@@ -17,7 +17,9 @@ import { ledgerDatabaseNow, ledgerMarkCarried, ledgerSweepPick, ledgerUnmarkCarr
  * (last_delivered_at NULL or old). Every SWEEP_INTERVAL_MS one worker per policy (advisory lock)
  * publishes batches for the due ones in line order, only as many operations as admission can take
  * within SWEEP_AHEAD_MS minus what copies already carry — so the broker holds a batch again only
- * when it can be admitted soon, and nothing is sent while the policy is paused.
+ * when it can be admitted soon, and nothing is sent while the policy is paused. A kept batch none
+ * of whose operations is open any more (another batch's claims finished them while it was parked)
+ * is sent again too, so that its delivery writes its receipt and its run completes.
  */
 export const SWEEP_INTERVAL_MS = 1_000;
 /** Operations are sent when admission can take them within this time. */
