@@ -8,7 +8,7 @@ import type { AnyRemoteDeletePolicy } from '../../shared/config/policies';
 import { encodeBatch, type BatchV1 } from '../../shared/contracts/batch';
 import { windowStateAt } from '../../shared/schedule/window';
 import { withTransaction, type Pool } from '../../shared/db/pool';
-import { ledgerDatabaseNow, ledgerMarkCarried, ledgerSweepPick, ledgerUnmarkCarried, remoteBatchesKeep, type SweepCandidate } from '../../shared/db/queries/ledger';
+import { ledgerDatabaseNow, ledgerMarkCarried, ledgerSweepPick, ledgerUnmarkCarried, remoteBatchesKeep, remoteBatchesOrphaned, type SweepCandidate } from '../../shared/db/queries/ledger';
 
 /**
  * The ledger sweeper (remote-delete): the ledger, not the broker, is the record of remote work.
@@ -17,7 +17,9 @@ import { ledgerDatabaseNow, ledgerMarkCarried, ledgerSweepPick, ledgerUnmarkCarr
  * (last_delivered_at NULL or old). Every SWEEP_INTERVAL_MS one worker per policy (advisory lock)
  * publishes batches for the due ones in line order, only as many operations as admission can take
  * within SWEEP_AHEAD_MS minus what copies already carry — so the broker holds a batch again only
- * when it can be admitted soon, and nothing is sent while the policy is paused.
+ * when it can be admitted soon, and nothing is sent while the policy is paused. A kept batch none
+ * of whose operations is open any more (another batch's claims finished them while it was parked)
+ * is sent again too, so that its delivery writes its receipt and its run completes.
  */
 export const SWEEP_INTERVAL_MS = 1_000;
 /** Operations are sent when admission can take them within this time. */
@@ -27,6 +29,13 @@ export const SWEEP_AHEAD_MS = 3_000;
  * any wait a carried batch spends in a delay tier (WAIT_IN_BROKER_MAX_MS) plus its hold in a worker.
  */
 export const CARRY_STALE_MS = 30_000;
+/**
+ * Kept batches a pass looks at for orphans (no open operation left, no receipt: remoteBatchesOrphaned),
+ * going round the policy's kept batches in batch id order, so a pass's work stays bounded.
+ */
+export const ORPHAN_LOOK_BATCHES = 200;
+/** Where the orphan look of each policy goes on (this process; any other start point is as good). */
+const orphanCursor = new Map<string, string | null>();
 
 const counters = new WeakMap<Registry, Counter<'policy'>>();
 function publishedCounter(registry: Registry): Counter<'policy'> {
@@ -101,14 +110,20 @@ export async function sweepPolicy(deps: Omit<LedgerSweeperDeps, 'policies' | 'lo
     });
     const messages = new Map<string, { runId: string; content: Buffer }>();
     const loose: SweepCandidate[] = [];
-    if (!pick || pick.picked.length === 0) return messages;
+    if (!pick || pick.paused) return messages;
+    // A parked batch whose operations another batch finished: sent again, its delivery writes the receipt.
+    const look = await remoteBatchesOrphaned(client, {
+      policy: policy.name,
+      after: orphanCursor.get(policy.name) ?? null,
+      limit: ORPHAN_LOOK_BATCHES,
+      keptForMs: CARRY_STALE_MS,
+    });
+    orphanCursor.set(policy.name, look.last);
+    for (const orphan of look.orphans) messages.set(orphan.batchId, { runId: runIdOf(orphan.content), content: orphan.content });
     for (const candidate of pick.picked) {
       if (candidate.batchId && candidate.content) {
         // The batch's own message, as published: same id, run and cutoff; its receipt counts for its run.
-        if (!messages.has(candidate.batchId)) {
-          const { runId } = JSON.parse(candidate.content.toString('utf8')) as Pick<BatchV1, 'runId'>;
-          messages.set(candidate.batchId, { runId, content: candidate.content });
-        }
+        if (!messages.has(candidate.batchId)) messages.set(candidate.batchId, { runId: runIdOf(candidate.content), content: candidate.content });
       } else {
         loose.push(candidate);
       }
@@ -133,7 +148,7 @@ export async function sweepPolicy(deps: Omit<LedgerSweeperDeps, 'policies' | 'lo
         for (const candidate of chunk) adopted.push({ operationKey: candidate.operationKey, batchId: batch.batchId });
       }
     }
-    await ledgerMarkCarried(client, { batchIds: [...messages.keys()], adopted });
+    if (messages.size > 0) await ledgerMarkCarried(client, { batchIds: [...messages.keys()], adopted });
     return messages;
   });
   if (messages.size === 0) return 0;
@@ -154,4 +169,9 @@ export async function sweepPolicy(deps: Omit<LedgerSweeperDeps, 'policies' | 'lo
   }
   publishedCounter(deps.registry).inc({ policy: policy.name }, messages.size);
   return messages.size;
+}
+
+/** The run of a kept batch's message, as published. */
+function runIdOf(content: Buffer): string {
+  return (JSON.parse(content.toString('utf8')) as Pick<BatchV1, 'runId'>).runId;
 }

@@ -259,6 +259,52 @@ export async function remoteBatchesForget(db: Db, batchId: string): Promise<void
   await db.query(`DELETE FROM cleanup_remote_batches WHERE batch_id = $1`, [batchId]);
 }
 
+/**
+ * Kept batches of `policy` that nothing will send again although they have no receipt: every
+ * operation they name is finished, but not by a claim of theirs. A batch is parked (acked, kept
+ * here) while its operations wait; the sweeper sends it again only for an operation that is still
+ * pending, and it receives the operation only if the operation's batch_id is its own. So a parked
+ * batch whose operations another batch finished (two runs published the same row before either
+ * was recorded, a takeover republished a window, a lease held by a frozen worker), or that were
+ * recorded under another batch's id, would stay without a receipt and keep its run `published`.
+ *
+ * Looks at most `limit` kept batches after `after` (batch id order; the caller goes round), kept
+ * or last sent again more than `keptForMs` ago (a delivery in progress writes its own receipt),
+ * naming at least one recorded operation and no open one. Those returned count as sent again now
+ * (created_at moved to now: not returned again for `keptForMs`). `last`: the last batch id looked
+ * at (null: the end was reached).
+ */
+export async function remoteBatchesOrphaned(
+  db: Db,
+  look: { policy: string; after: string | null; limit: number; keptForMs: number },
+): Promise<{ orphans: Array<{ batchId: string; content: Buffer }>; last: string | null }> {
+  const result = await db.query<{ batch_id: string; content: Buffer | null; orphan: boolean }>(
+    `WITH window_ AS (
+       SELECT batch_id, content, created_at FROM cleanup_remote_batches
+       WHERE policy = $1 AND ($2::text IS NULL OR batch_id > $2) ORDER BY batch_id LIMIT $3
+     ), judged AS (
+       SELECT w.batch_id, w.created_at < clock_timestamp() - $4 * interval '1 millisecond' AND ops.recorded > 0 AND ops.open = 0 AS orphan
+       FROM window_ w CROSS JOIN LATERAL (
+         -- the operations the batch names (keys as recorded: policy, canonical id, reaper_iso expiry)
+         SELECT count(l.operation_key) AS recorded, count(*) FILTER (WHERE l.state <> 'done') AS open
+         FROM jsonb_array_elements(convert_from(w.content, 'UTF8')::jsonb -> 'items') AS i(item)
+         JOIN cleanup_ledger l ON l.operation_key = $1 || ':' || (i.item ->> 'id') || ':' || reaper_iso((i.item ->> 'observedExpiry')::timestamptz)
+       ) ops
+     ), resent AS (
+       UPDATE cleanup_remote_batches b SET created_at = clock_timestamp() FROM judged j
+       WHERE b.batch_id = j.batch_id AND j.orphan
+       RETURNING b.batch_id, b.content
+     )
+     SELECT j.batch_id, r.content, j.orphan FROM judged j LEFT JOIN resent r USING (batch_id) ORDER BY j.batch_id`,
+    [look.policy, look.after, look.limit, look.keptForMs],
+  );
+  const rows = result.rows;
+  return {
+    orphans: rows.filter((row) => row.orphan && row.content).map((row) => ({ batchId: row.batch_id, content: row.content! })),
+    last: rows.length < look.limit ? null : rows[rows.length - 1]!.batch_id,
+  };
+}
+
 export interface SweepCandidate {
   operationKey: string;
   assetId: string;
