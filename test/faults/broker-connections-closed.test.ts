@@ -1,7 +1,7 @@
 import assert from 'node:assert/strict';
 import { describe, test } from 'node:test';
 import { bedAndBrokerSuite, rowDeletePolicyYaml, runCompleted, runReceipts, runRow, startSchedulerAndWorkers, triggerRunId } from '../support/fixtures';
-import { handOverCheckpointLock, holdCheckpointLock, releaseHeldLocks, schedulerWaitsOnCheckpoint } from '../support/locks';
+import { handOverCheckpointLock, holdCheckpointLock, releaseHeldLocks, SCHEDULER_HELD_CHECKPOINT_ENV, schedulerWaitsOnCheckpoint } from '../support/locks';
 import { type ReaperProcess } from '../support/processes';
 import { rabbitmqctl } from '../support/rabbitmqctl';
 import { seedHolds } from '../support/seed';
@@ -58,7 +58,7 @@ describe('broker closes the connections mid-run', () => {
     const expectedBatches = Math.ceil(EXPIRED / BATCH_SIZE);
     const crew = startSchedulerAndWorkers(
       world.bed,
-      { scheduler: 'scheduler-1', workers: ['worker-1', 'worker-2'], workerEnv: { REAPER_PREFETCH: '1' } },
+      { scheduler: 'scheduler-1', workers: ['worker-1', 'worker-2'], workerEnv: { REAPER_PREFETCH: '1' }, schedulerEnv: SCHEDULER_HELD_CHECKPOINT_ENV },
       'no service may die when the broker closes its connection',
     );
     const { group, workers, services } = crew;
@@ -132,7 +132,7 @@ describe('broker closes the connections mid-run', () => {
     const seeded = await seedHolds(world.bed.pool, { expiredHeld: FLAP_EXPIRED, futureHeld: FUTURE, expiredConfirmed: CONFIRMED });
     const crew = startSchedulerAndWorkers(
       world.bed,
-      { scheduler: 'scheduler-2', workers: ['worker-3', 'worker-4'], workerEnv: { REAPER_PREFETCH: '1' } },
+      { scheduler: 'scheduler-2', workers: ['worker-3', 'worker-4'], workerEnv: { REAPER_PREFETCH: '1' }, schedulerEnv: SCHEDULER_HELD_CHECKPOINT_ENV },
       'no service may die when the broker closes its connection',
     );
     const { group, scheduler } = crew;

@@ -4,7 +4,7 @@ import { brokerNames } from '../../shared/amqp/topology';
 import { type TestBroker } from '../support/broker';
 import { eventually } from '../support/eventually';
 import { closeBedAndBroker, openBedAndBroker, rowDeletePolicyYaml, runReceipts, runRow, triggerRunId } from '../support/fixtures';
-import { handOverCheckpointLock, holdCheckpointLock, releaseHeldLocks, schedulerWaitsOnCheckpoint, type HeldLock } from '../support/locks';
+import { handOverCheckpointLock, holdCheckpointLock, releaseHeldLocks, SCHEDULER_HELD_CHECKPOINT_ENV, schedulerWaitsOnCheckpoint, type HeldLock } from '../support/locks';
 import { runReaperCli, startReaper, stopLeftovers, type LogLine, type ReaperProcess } from '../support/processes';
 import { assertRunDeletedExactlyOnce } from '../support/run-checks';
 import { seedHolds } from '../support/seed';
@@ -45,7 +45,7 @@ describe('rolling upgrade of the batch contract from version 1 to version 2', ()
 
   after(() => closeBedAndBroker({ bed, broker }, releaseHeldLocks));
 
-  function start(label: string, kind: 'scheduler' | 'worker', env: Record<string, string> = {}): ReaperProcess {
+  function start(label: string, kind: 'scheduler' | 'worker', env: Readonly<Record<string, string>> = {}): ReaperProcess {
     const process = startReaper(label, [kind], bed.processEnv({ REAPER_WORKER_ID: label, ...env }));
     started.push(process);
     return process;
@@ -67,7 +67,7 @@ describe('rolling upgrade of the batch contract from version 1 to version 2', ()
     let passed = false;
     try {
       // 1. The previous release: old scheduler, old workers. The run starts under them.
-      const oldScheduler = start('scheduler-old', 'scheduler');
+      const oldScheduler = start('scheduler-old', 'scheduler', SCHEDULER_HELD_CHECKPOINT_ENV);
       const old1 = start('old-1', 'worker', OLD);
       const old2 = start('old-2', 'worker', OLD);
       await oldScheduler.waitForLine('scheduler started', says('scheduler started'), 60_000);
@@ -82,7 +82,7 @@ describe('rolling upgrade of the batch contract from version 1 to version 2', ()
       await Promise.all([new1, new2].map(consuming));
 
       // 2. The new scheduler replaces the old one and takes the run over from its checkpoint.
-      const newScheduler = start('scheduler-new', 'scheduler', { REAPER_BATCH_VERSION: '2' });
+      const newScheduler = start('scheduler-new', 'scheduler', { ...SCHEDULER_HELD_CHECKPOINT_ENV, REAPER_BATCH_VERSION: '2' });
       await newScheduler.waitForLine('scheduler started', says('scheduler started'), 60_000);
       const oldSchedulerStopped = stopOk(oldScheduler);
       lock = await handOverCheckpointLock(bed.pool, lock);

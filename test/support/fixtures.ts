@@ -352,12 +352,12 @@ export interface RunCrew {
 
 export function startSchedulerAndWorkers(
   bed: TestBed,
-  crew: { scheduler: string; workers: readonly string[]; workerEnv?: Record<string, string> },
+  crew: { scheduler: string; workers: readonly string[]; workerEnv?: Record<string, string>; schedulerEnv?: Readonly<Record<string, string>> },
   why?: string,
 ): RunCrew {
   const group = startServices(
     bed,
-    [{ label: crew.scheduler, kind: 'scheduler' }, ...crew.workers.map((label) => ({ label, kind: 'worker' as const, env: crew.workerEnv }))],
+    [{ label: crew.scheduler, kind: 'scheduler', env: crew.schedulerEnv ? { ...crew.schedulerEnv } : undefined }, ...crew.workers.map((label) => ({ label, kind: 'worker' as const, env: crew.workerEnv }))],
     why,
   );
   const [scheduler, ...workers] = group.services as [ReaperProcess, ...ReaperProcess[]];

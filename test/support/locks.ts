@@ -49,6 +49,14 @@ export async function holdCheckpointLock(pool: pg.Pool): Promise<HeldLock> {
 }
 
 /**
+ * The scheduler's environment in a test that holds its checkpoints: its INSERT must still be
+ * waiting when the test hands the lock over, however long the steps in between take on a loaded
+ * machine. With the default REAPER_LOCK_TIMEOUT_MS (5 s) it gives up meanwhile and the hand-over
+ * finds no waiter.
+ */
+export const SCHEDULER_HELD_CHECKPOINT_ENV: Readonly<Record<string, string>> = { REAPER_LOCK_TIMEOUT_MS: '120000' };
+
+/**
  * Lets exactly one waiting checkpoint through and holds the next one: the next SHARE lock is
  * requested first and queues behind the scheduler's waiting INSERT (a lock request waits behind a
  * conflicting waiter), then `current` is released. The INSERT goes through, and the scheduler's
