@@ -2,6 +2,7 @@ import { brokerNames, DELAY_TIERS_MS } from '../../shared/amqp/topology';
 import { runsInsertIfAbsent } from '../../shared/db/queries/runs';
 import { startMediaApi, type MediaApi } from '../../tools/media-api/server';
 import { check, checkFinished, reaperEnvironment, type BenchContext } from '../lib/context';
+import { seedExpiredAssets } from '../lib/database';
 import { REMOTE_POLICY, NEVER, writePolicies } from '../lib/policies';
 import { startServices, stopServices, type ReaperService } from '../lib/services';
 import { pollUntil } from '../lib/wait';
@@ -51,13 +52,7 @@ export async function runRemoteDelete(
   let api: MediaApi | null = null;
   let services: ReaperService[] = [];
   try {
-    await pool.query(
-      `INSERT INTO media_assets (asset_id, status, retention_expires_at, url)
-       SELECT 'asset-' || i, 'active', now() - interval '1 hour' + i * interval '1 millisecond' + random() * interval '1 millisecond',
-              'https://media.invalid/asset-' || i
-       FROM generate_series(1, $1) i`,
-      [options.backlog],
-    );
+    await seedExpiredAssets(pool, { prefix: 'asset-', count: options.backlog, url: true });
     api = await startMediaApi({ ratePerSecond: options.ratePerSecond, burst: options.burst });
     api.configure({ slowMs: options.slowMs });
     const policiesPath = writePolicies(context.workDir, 'remote', [
@@ -209,13 +204,7 @@ export async function runRemoteBacklog(
   let api: MediaApi | null = null;
   let services: ReaperService[] = [];
   try {
-    await pool.query(
-      `INSERT INTO media_assets (asset_id, status, retention_expires_at, url)
-       SELECT 'asset-' || i, 'active', now() - interval '1 hour' + i * interval '1 millisecond' + random() * interval '1 millisecond',
-              'https://media.invalid/asset-' || i
-       FROM generate_series(1, $1) i`,
-      [options.assets],
-    );
+    await seedExpiredAssets(pool, { prefix: 'asset-', count: options.assets, url: true });
     api = await startMediaApi({ ratePerSecond: options.ratePerSecond, burst: options.burst });
     api.configure({ slowMs: options.slowMs });
     const policiesPath = writePolicies(context.workDir, 'remote-backlog', [

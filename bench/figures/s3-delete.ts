@@ -1,6 +1,7 @@
 import { runsInsertIfAbsent } from '../../shared/db/queries/runs';
 import { startS3StandIn, type S3StandIn } from '../../tools/s3-stand-in/server';
 import { check, checkFinished, reaperEnvironment, type BenchContext } from '../lib/context';
+import { seedExpiredAssets } from '../lib/database';
 import { NEVER, writePolicies } from '../lib/policies';
 import { startServices, stopServices, type ReaperService } from '../lib/services';
 import { pollUntil } from '../lib/wait';
@@ -51,12 +52,7 @@ export async function runS3Delete(
   let stand: S3StandIn | null = null;
   let services: ReaperService[] = [];
   try {
-    await pool.query(
-      `INSERT INTO media_assets (asset_id, status, retention_expires_at, url)
-       SELECT 'object-' || i, 'active', now() - interval '1 hour' + i * interval '1 millisecond' + random() * interval '1 millisecond', NULL
-       FROM generate_series(1, $1) i`,
-      [backlog],
-    );
+    await seedExpiredAssets(pool, { prefix: 'object-', count: backlog, url: false });
     stand = await startS3StandIn({ bucket: 'bench-objects' });
     const policiesPath = writePolicies(context.workDir, 's3', [
       {

@@ -164,3 +164,18 @@ export async function cutoffAfterCandidates(db: pg.Pool, n: number): Promise<str
   if (!result.rows[0]) throw new Error(`fewer than ${n} candidates`);
   return result.rows[0].expiry;
 }
+
+/**
+ * `count` expired, active media assets `<prefix><i>` (expiries an hour ago, one per millisecond with
+ * sub-millisecond jitter), for the remote-delete figures. With `url`, each gets
+ * `https://media.invalid/<asset id>` (the media API's figures); without, none (object storage).
+ */
+export async function seedExpiredAssets(db: pg.Pool, options: { prefix: string; count: number; url: boolean }): Promise<void> {
+  await db.query(
+    `INSERT INTO media_assets (asset_id, status, retention_expires_at, url)
+     SELECT $2 || i, 'active', now() - interval '1 hour' + i * interval '1 millisecond' + random() * interval '1 millisecond',
+            CASE WHEN $3 THEN 'https://media.invalid/' || $2 || i END
+     FROM generate_series(1, $1) i`,
+    [options.count, options.prefix, options.url],
+  );
+}
