@@ -17,6 +17,16 @@ import { overrideFor, remoteAdmissionWith } from './overrides';
  * Shapes. Keys: the bucket holds one request's keys (s3RequestKeys), so whole requests leave at
  * keysPerSecond and a second never carries more than keysPerSecond plus one request. Requests: the
  * bucket holds a tenth of a second's requests (at least one).
+ *
+ * Sending on the bucket's clock. What the store counts is when requests arrive, not when they were
+ * granted, and between the two the worker reads the answer, the SDK serializes, checksums and signs
+ * 1,000 keys (tens of ms, more on a busy machine or a process's first request). So a request is
+ * granted up to S3_SEND_LEAD_MS of keys ahead and at least S3_SEND_MIN_LEAD_MS before it may leave
+ * (the bucket lends the keys: it goes below zero; from a full bucket the minimum's keys are dropped), and the worker holds the prepared request until the moment
+ * the refill has paid for its keys (`sendAt`, ObjectStorageClient.deleteKeys `onSend`): requests
+ * then leave exactly one request's keys apart at the paced rate, whatever the preparation took.
+ * One that still leaves late charges its lateness (chargeLateSend), so the next one moves back as
+ * far when the charge lands first (it is written while the request travels).
  */
 export interface S3Grant {
   claimed: ClaimedOperation[];
@@ -27,19 +37,28 @@ export interface S3Grant {
   waitMs: number;
   superseded: number;
   held: number;
-  /** Process clock (ms) when the grant's answer arrived: a request sent later than S3_LATE_GRACE_MS after it charges its lateness. */
-  readAt: number;
+  /** Process clock (ms, performance.now) when the refill has paid for this request's keys: send it then, not before; one sent later than S3_LATE_GRACE_MS after it charges its lateness. */
+  sendAt: number;
   /** The keys bucket's rate in force (paced), keys per second. */
   keysPerSecond: number;
 }
 
 /**
- * A request sent this long after its grant is late: the keys bucket is charged the keys the rate
+ * A request sent this long after its `sendAt` is late: the keys bucket is charged the keys the rate
  * brought meanwhile, so the next grant moves back as far. Requests then leave at least one
- * request's worth of keys apart as sent, not only as granted (a worker slowed by a busy machine,
- * or the SDK's first request in a process, would otherwise send two requests close together).
+ * request's worth of keys apart as sent, not only as granted (a worker slowed by a busy machine
+ * would otherwise send two requests close together).
  */
-export const S3_LATE_GRACE_MS = 10;
+export const S3_LATE_GRACE_MS = 5;
+
+/**
+ * How far ahead of its keys a request may be granted, and how soon after its grant it may leave at
+ * the earliest (see "Sending on the bucket's clock"): the minimum is longer than the grant's
+ * statement and the SDK's preparation of 1,000 keys take on a busy machine; the difference absorbs
+ * a worker asking a little after the keys allowed it (its poll), without moving the send.
+ */
+export const S3_SEND_LEAD_MS = 300;
+export const S3_SEND_MIN_LEAD_MS = 200;
 
 /**
  * Keys are paced at this fraction of keysPerSecond: whole requests then leave a little more than a
@@ -70,9 +89,9 @@ export async function admitAndClaimS3(
 ): Promise<S3Grant> {
   const shape = await s3AdmissionInForce(pool, policy);
   const requestId = randomUUID();
-  const state = await withTransaction(pool, async (client) => {
+  const { state, readAt } = await withTransaction(pool, async (client) => {
     await admissionLock(client, policy.name, shape.requestKeys);
-    return s3AdmissionGrantAndClaim(client, target, {
+    const outcome = await s3AdmissionGrantAndClaim(client, target, {
       policy: policy.name,
       requestKeys: shape.requestKeys,
       keysPerSecond: shape.keysPerSecond,
@@ -85,7 +104,11 @@ export async function admitAndClaimS3(
       requestCapacity: shape.requestCapacity,
       requestsPerSecond: shape.requestsPerSecond,
       requestId,
+      leadKeys: (shape.keysPerSecond * S3_SEND_LEAD_MS) / 1000,
+      minLeadKeys: (shape.keysPerSecond * S3_SEND_MIN_LEAD_MS) / 1000,
     });
+    // Read before the commit: the answer's bucketAgeMs ties this clock to the bucket's instant.
+    return { state: outcome, readAt: performance.now() };
   });
   let verdict: AdmissionVerdict;
   let waitMs = MIN_ADMISSION_WAIT_MS;
@@ -99,16 +122,38 @@ export async function admitAndClaimS3(
   else {
     verdict = 'no-token';
     // The later of: the keys this request wants, and one request token.
-    const keysMs = ((state.wanted - state.keyTokens) / shape.keysPerSecond) * 1000;
+    const keysMs = ((state.wanted - (shape.keysPerSecond * S3_SEND_LEAD_MS) / 1000 - state.keyTokens) / shape.keysPerSecond) * 1000;
     const requestMs = ((1 - state.requestTokens) / shape.requestsPerSecond) * 1000;
     waitMs = Math.max(MIN_ADMISSION_WAIT_MS, keysMs, requestMs);
   }
-  return { claimed: state.claimed, requestId, verdict, waitMs, superseded: state.superseded, held: state.held, readAt: performance.now(), keysPerSecond: shape.keysPerSecond };
+  // Keys lent ahead (the bucket below zero after this claim) are paid by the refill at keysPerSecond,
+  // counted from the bucket's instant (the statement's start), not from when its answer came back
+  // (a slow statement would otherwise send early). In the past when nothing was lent: late already.
+  const paidAfterMs = (Math.max(0, -state.keyTokens) / shape.keysPerSecond) * 1000 - state.bucketAgeMs;
+  return { claimed: state.claimed, requestId, verdict, waitMs, superseded: state.superseded, held: state.held, sendAt: readAt + paidAfterMs, keysPerSecond: shape.keysPerSecond };
 }
 
-/** Just before a granted request is sent: a late one charges its lateness to the keys bucket (see S3_LATE_GRACE_MS). Returns the lateness in ms. */
+/**
+ * This process's last request of each policy: when it leaves (reserved before it waits) and its
+ * keys. A process's next request leaves no sooner than those keys allow, by this process's clock:
+ * a late send's charge to the bucket can wait behind this process's own grants (its pool is busy
+ * with them), so the bucket alone would let the next request of the same process follow too close.
+ */
+const lastLeaving = new Map<string, { at: number; keys: number }>();
+
+/** Resolves when the grant's request may leave: at its `sendAt`, and not before this process's previous request's keys allow. */
+export function untilSendAt(policy: string, grant: S3Grant): Promise<void> {
+  const previous = lastLeaving.get(policy);
+  const floor = previous ? previous.at + (previous.keys / grant.keysPerSecond) * 1000 : -Infinity;
+  const leaveAt = Math.max(grant.sendAt, floor, performance.now());
+  lastLeaving.set(policy, { at: leaveAt, keys: grant.claimed.length });
+  const waitMs = leaveAt - performance.now();
+  return waitMs > 0 ? new Promise((resolve) => setTimeout(resolve, waitMs)) : Promise.resolve();
+}
+
+/** As a granted request leaves (ObjectStorageClient.deleteKeys `onSend`: after the SDK signed it): a late one charges its lateness to the keys bucket (see S3_LATE_GRACE_MS). Returns the lateness in ms. */
 export async function chargeLateSend(pool: Pool, policy: S3DeletePolicy, grant: S3Grant): Promise<number> {
-  const lateMs = performance.now() - grant.readAt;
+  const lateMs = performance.now() - grant.sendAt;
   if (lateMs > S3_LATE_GRACE_MS) await admissionChargeKeys(pool, policy.name, (grant.keysPerSecond * lateMs) / 1000);
   return lateMs;
 }

@@ -39,8 +39,14 @@ export type S3RequestOutcome =
   | { kind: 'rejected'; status: number; code: string; reason: string };
 
 export interface ObjectStorageClient {
-  /** Deletes the given object keys (distinct) in one DeleteObjects request (more with `versions: all`: see below). */
-  deleteKeys(objectKeys: readonly string[]): Promise<S3RequestOutcome>;
+  /**
+   * Deletes the given object keys (distinct) in one DeleteObjects request (more with `versions: all`: see below).
+   * `onSend` is called once, as the first DeleteObjects is handed to the HTTP handler: after the
+   * SDK has serialized, checksummed and signed it. A caller pacing requests holds the request there
+   * until its moment (the request leaves when the returned promise resolves) and learns when it
+   * really left; a throw or rejection fails the request as uncertain before anything is sent.
+   */
+  deleteKeys(objectKeys: readonly string[], options?: { onSend?: () => Promise<void> | void }): Promise<S3RequestOutcome>;
   /**
    * At start-up: resolves the region and the credentials through the SDK's chain (a missing region
    * or credentials is a start-up error, not a failure of every request), so the first request is
@@ -110,12 +116,23 @@ export function makeS3Client(remote: S3DeletePolicy['remote'], extra: Partial<S3
  * when all of its versions are. The whole exchange is bounded by remote.timeoutMs.
  */
 export function makeObjectStorageClient(remote: S3DeletePolicy['remote'], client: S3Client = makeS3Client(remote)): ObjectStorageClient {
-  async function deleteEntries(entries: ObjectIdentifier[], signal: AbortSignal): Promise<{ deleted: Array<{ key: string; versionId: string | null }>; errors: Array<{ key: string; versionId: string | null; code: string; message: string }> }> {
+  async function deleteEntries(entries: ObjectIdentifier[], signal: AbortSignal, onSend: (() => Promise<void> | void) | undefined): Promise<{ deleted: Array<{ key: string; versionId: string | null }>; errors: Array<{ key: string; versionId: string | null; code: string; message: string }> }> {
     const deleted: Array<{ key: string; versionId: string | null }> = [];
     const errors: Array<{ key: string; versionId: string | null; code: string; message: string }> = [];
     for (let at = 0; at < entries.length; at += ENTRIES_PER_DELETE) {
       const chunk = entries.slice(at, at + ENTRIES_PER_DELETE);
-      const answer = await client.send(new DeleteObjectsCommand({ Bucket: remote.bucket, Delete: { Objects: chunk, Quiet: false } }), { abortSignal: signal });
+      const command = new DeleteObjectsCommand({ Bucket: remote.bucket, Delete: { Objects: chunk, Quiet: false } });
+      if (at === 0 && onSend) {
+        // The innermost step: its `next` is the HTTP handler (signing, checksums and retries run outside it).
+        command.middlewareStack.add(
+          (next) => async (args) => {
+            await onSend();
+            return next(args);
+          },
+          { step: 'deserialize', priority: 'low', name: 'reaperBeforeSend' },
+        );
+      }
+      const answer = await client.send(command, { abortSignal: signal });
       for (const item of answer.Deleted ?? []) if (item.Key !== undefined) deleted.push({ key: item.Key, versionId: item.VersionId ?? null });
       for (const item of answer.Errors ?? []) {
         if (item.Key !== undefined) errors.push({ key: item.Key, versionId: item.VersionId ?? null, code: item.Code ?? 'Error', message: item.Message ?? '' });
@@ -172,7 +189,7 @@ export function makeObjectStorageClient(remote: S3DeletePolicy['remote'], client
         throw new Error(`no credentials from the AWS SDK's default chain (environment, web identity, shared files, instance metadata): ${(error as Error).message}`);
       }
     },
-    async deleteKeys(objectKeys) {
+    async deleteKeys(objectKeys, options = {}) {
       const signal = AbortSignal.timeout(remote.timeoutMs);
       const results = new Map<string, S3KeyResult>();
       try {
@@ -184,7 +201,7 @@ export function makeObjectStorageClient(remote: S3DeletePolicy['remote'], client
         } else {
           entries = objectKeys.map((key) => ({ Key: key }));
         }
-        const answer = entries.length > 0 ? await deleteEntries(entries, signal) : { deleted: [], errors: [] };
+        const answer = entries.length > 0 ? await deleteEntries(entries, signal, options.onSend) : { deleted: [], errors: [] };
         const deletedByKey = new Map<string, Array<string | null>>();
         for (const item of answer.deleted) deletedByKey.set(item.key, [...(deletedByKey.get(item.key) ?? []), remote.versions === 'all' ? item.versionId : null]);
         const errorsByKey = new Map<string, Array<{ code: string; message: string }>>();

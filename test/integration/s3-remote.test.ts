@@ -1,6 +1,8 @@
 import assert from 'node:assert/strict';
 import { after, before, beforeEach, describe, test } from 'node:test';
+import { recordRemoteBatch } from '../../services/worker/handlers/remote-delivery';
 import { makeS3DeleteHandler } from '../../services/worker/handlers/s3-delete';
+import { admitAndClaimS3, S3_KEY_PACE, S3_SEND_LEAD_MS, S3_SEND_MIN_LEAD_MS } from '../../shared/admission/s3';
 import type { BatchHandler } from '../../services/worker/handlers/types';
 import { parsePolicies, type S3DeletePolicy } from '../../shared/config/policies';
 import { admissionSetPaused } from '../../shared/db/queries/admission';
@@ -192,6 +194,70 @@ describe('object storage remote (s3rver)', () => {
     for (const id of ids) assert.equal(audits.get(id), 1, `${id}: one audit row`);
   });
 
+  test('onSend is called once, as the signed DeleteObjects is handed to HTTP, before the store sees it; a throw in it sends nothing (uncertain)', async () => {
+    const client = makeObjectStorageClient(policy.remote);
+    const sendCalls: number[] = [];
+    const outcome = await client.deleteKeys(['media/hook-1', 'media/hook-2'], { onSend: () => void sendCalls.push(Date.now()) });
+    assert.equal(outcome.kind, 'answered', JSON.stringify(outcome));
+    assert.equal(sendCalls.length, 1, 'once per request');
+    const [call] = stand.deleteCalls();
+    assert.ok(call && call.arrivedAt >= sendCalls[0]!, 'the store saw the request after onSend');
+    const refused = await client.deleteKeys(['media/hook-3'], {
+      onSend: () => {
+        throw new Error('not now');
+      },
+    });
+    assert.equal(refused.kind, 'uncertain', JSON.stringify(refused));
+    assert.equal(stand.deleteCalls().length, 1, 'nothing more reached the store');
+  });
+
+  test("sending on the bucket's clock: a grant from a full bucket leaves no sooner than the minimum lead, the next one granted at once a request's keys later, and no more is lent than the lead", async () => {
+    // 100 keys/s, 10 keys a request: 102 ms of keys per request at the pace, a lead of 30 keys.
+    const slow = parsePolicies(
+      s3PolicyYaml({ endpoint: stand.endpoint, requestsPerSecond: 100, keysPerSecond: 100, concurrency: 4, maxKeysPerRequest: 10, batchSize: 30 }),
+      'test-policies.yaml',
+      {},
+    ).get(MEDIA_POLICY) as S3DeletePolicy;
+    await bed.pool.query(`DELETE FROM cleanup_admission WHERE policy = $1`, [MEDIA_POLICY]);
+    const ids = await seedAssets(bed.pool, 'send-clock', 30);
+    const batch = await batchFor(bed.pool, ids);
+    const recorded = await recordRemoteBatch(slow.name, target, batch, handlerContext(bed.pool));
+    const claim = () => admitAndClaimS3(bed.pool, slow, target, { keys: recorded.known, owner: 'test-worker', cutoff: batch.cutoff, batchId: batch.batchId });
+    const asked = performance.now();
+    const first = await claim();
+    const second = await claim();
+    const third = await claim();
+    assert.deepEqual([first.claimed.length, second.claimed.length, third.claimed.length], [10, 10, 0], 'two requests granted ahead, the third waits');
+    assert.equal(third.verdict, 'no-token');
+    assert.ok(first.sendAt - asked >= S3_SEND_MIN_LEAD_MS - 2, `the first may leave ${(first.sendAt - asked).toFixed(1)} ms after it was asked for (minimum lead ${S3_SEND_MIN_LEAD_MS})`);
+    const requestMs = (10 / (100 * S3_KEY_PACE)) * 1000;
+    const apart = second.sendAt - first.sendAt;
+    assert.ok(apart >= requestMs - 3 && apart <= requestMs + 20, `the second leaves ${apart.toFixed(1)} ms after the first (one request's keys: ${requestMs.toFixed(1)} ms)`);
+    assert.ok(second.sendAt - performance.now() <= S3_SEND_LEAD_MS, 'never granted further ahead than the lead');
+    await bed.pool.query(`DELETE FROM cleanup_admission WHERE policy = $1`, [MEDIA_POLICY]);
+    await bed.pool.query(`UPDATE cleanup_ledger SET state = 'done', outcome = 'superseded' WHERE asset_id = ANY($1::text[])`, [ids]);
+  });
+
+  test('a request that leaves late charges its lateness to the keys bucket, so the next grant moves back as far', async () => {
+    const ids = await seedAssets(bed.pool, 'late-send', 3);
+    const real = makeObjectStorageClient(policy.remote);
+    const late = makeS3DeleteHandler(policy, target, {
+      warmUp: () => real.warmUp(),
+      async deleteKeys(keys, options) {
+        // The worker is slow to send (a loaded machine, a long pause): 400 ms between grant and send.
+        await new Promise((resolve) => setTimeout(resolve, 400));
+        return real.deleteKeys(keys, options);
+      },
+    });
+    const result = await late(await batchFor(bed.pool, ids), handlerContext(bed.pool));
+    assert.equal(result.kind, 'done', JSON.stringify(result));
+    // 5,000 keys/s (paced at 0.98) for >= 400 ms late: about 1,960 keys charged against a bucket of
+    // 10; without the charge the bucket would be back near full by now.
+    const { tokens } = (await bed.pool.query<{ tokens: number }>(`SELECT tokens::float8 AS tokens FROM cleanup_admission WHERE policy = $1`, [MEDIA_POLICY])).rows[0]!;
+    assert.ok(tokens < -1000, `keys bucket after a 400 ms late send: ${tokens} (expected a debt of about 1,960 keys)`);
+    await bed.pool.query(`UPDATE cleanup_admission SET tokens = 0 WHERE policy = $1`, [MEDIA_POLICY]);
+  });
+
   test('held or renewed while the request is in flight: the object is gone (confirmed, audited), the held row is kept (outcome held), the renewed row untouched, the rest settled', async () => {
     const ids = await seedAssets(bed.pool, 'in-flight', 3);
     await putObjects(stand, ids);
@@ -199,8 +265,8 @@ describe('object storage remote (s3rver)', () => {
     const real = makeObjectStorageClient(policy.remote);
     const meanwhile = makeS3DeleteHandler(policy, target, {
       warmUp: () => real.warmUp(),
-      async deleteKeys(keys) {
-        const outcome = await real.deleteKeys(keys);
+      async deleteKeys(keys, options) {
+        const outcome = await real.deleteKeys(keys, options);
         // While the answer travels back: a legal hold on one asset, a renewal of another.
         await holdsAdd(bed.pool, target, { ids: [held], reason: 'litigation', until: null, createdBy: 'test' });
         await bed.pool.query(`UPDATE media_assets SET retention_expires_at = now() + interval '30 days' WHERE asset_id = $1`, [renewed]);

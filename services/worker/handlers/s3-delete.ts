@@ -1,4 +1,4 @@
-import { admitAndClaimS3, chargeLateSend, type S3Grant } from '../../../shared/admission/s3';
+import { admitAndClaimS3, chargeLateSend, untilSendAt, type S3Grant } from '../../../shared/admission/s3';
 import { blockAdmission } from '../../../shared/admission/controller';
 import { eventsEnabled, policyVersion, type S3DeletePolicy } from '../../../shared/config/policies';
 import { withTransaction } from '../../../shared/db/pool';
@@ -61,8 +61,7 @@ export function makeS3DeleteHandler(policy: S3DeletePolicy, target: ResolvedTarg
       if (grant.held > 0) context.metrics.remoteOperationsCompletedTotal.inc({ policy: policy.name, outcome: 'held' }, grant.held);
       if (grant.claimed.length > 0) {
         requests += 1;
-        await chargeLateSend(context.pool, policy, grant);
-        for (const [result, count] of Object.entries(await sendAndRecord(policy, target, storage, grant.claimed, context))) {
+        for (const [result, count] of Object.entries(await sendAndRecord(policy, target, storage, grant, context))) {
           tally[result as keyof KeyTally] = (tally[result as keyof KeyTally] ?? 0) + count;
         }
         continue;
@@ -102,12 +101,23 @@ async function sendAndRecord(
   policy: S3DeletePolicy,
   target: ResolvedTarget,
   storage: ObjectStorageClient,
-  claimed: readonly ClaimedOperation[],
+  grant: S3Grant,
   context: HandlerContext,
 ): Promise<KeyTally> {
   const owner = context.workerId;
+  const claimed = grant.claimed;
   const byObjectKey = new Map(claimed.map((operation) => [objectKeyFor(policy.remote.key, operation.assetId), operation]));
-  const outcome: S3RequestOutcome = await storage.deleteKeys([...byObjectKey.keys()]);
+  // The prepared request leaves at its sendAt (admission/s3.ts "Sending on the bucket's clock").
+  // A late-send charge is measured as it leaves and written while it travels: waiting for it
+  // first (another worker's grant may hold the admission row) would itself make the request late,
+  // uncharged. It lands long before the next request's keys are due.
+  let lateCharge: Promise<unknown> = Promise.resolve();
+  const onSend = async () => {
+    await untilSendAt(policy.name, grant);
+    lateCharge = chargeLateSend(context.pool, policy, grant).catch((error: Error) => context.log.warn({ err: error.message }, 'late-send charge not recorded'));
+  };
+  const outcome: S3RequestOutcome = await storage.deleteKeys([...byObjectKey.keys()], { onSend });
+  await lateCharge;
   context.metrics.remoteCallsTotal.inc({ policy: policy.name, outcome: outcome.kind });
   if (outcome.kind === 'throttled') context.metrics.remoteRateLimitedTotal.inc({ policy: policy.name });
   // The request ran (or may have): a crash from here until the outcome is recorded leaves the keys in flight.

@@ -28,6 +28,8 @@ export interface S3GrantOutcome {
   wanted: number;
   superseded: number;
   held: number;
+  /** How long before the statement answered its bucket was read (its refill instant), ms. */
+  bucketAgeMs: number;
 }
 
 /**
@@ -37,8 +39,11 @@ export interface S3GrantOutcome {
  * database clock, count the requests in flight (distinct live claim_request_id), re-check the
  * batch's due operations against their rows (superseded / held finish here), and claim one
  * request's worth: when the policy is neither paused nor blocked, a request token and a request
- * slot are free, and the keys bucket holds min(eligible due operations, requestKeys) whole keys
- * (a request never leaves smaller than waiting a moment would make it). Claimed operations get
+ * slot are free, and the keys bucket holds min(eligible due operations, requestKeys) whole keys,
+ * less `leadKeys` it may lend ahead (a request never leaves smaller than waiting a moment would
+ * make it). A claim leaves the bucket at most -minLeadKeys: the caller sends the request when the
+ * refill has paid its keys, never sooner than that after the grant (time to prepare it), even from
+ * a full bucket (after an idle spell, those keys are not used). Claimed operations get
  * the lease, attempt + 1, the batch and `requestId`. A key is never in two in-flight requests:
  * an operation in flight under a live lease is not due, and SKIP LOCKED keeps two claims apart.
  */
@@ -51,6 +56,10 @@ export async function s3AdmissionGrantAndClaim(
     requestCapacity: number;
     requestsPerSecond: number;
     requestId: string;
+    /** Keys the bucket may lend ahead: a request is granted this many keys before its keys are there, to be sent when they are. */
+    leadKeys: number;
+    /** A claim leaves the bucket at most -minLeadKeys: its keys are paid no sooner than this many keys' time after the grant. */
+    minLeadKeys: number;
   },
 ): Promise<S3GrantOutcome> {
   const result = await db.query<{
@@ -64,6 +73,7 @@ export async function s3AdmissionGrantAndClaim(
     superseded: number;
     held: number;
     claimed: Array<{ operation_key: string; asset_id: string; attempt_count: number }> | null;
+    bucket_age_ms: number;
   }>(
     `WITH bucket AS (
        SELECT least($2::float8, a.tokens + greatest(0, extract(epoch FROM n.at - a.refilled_at)) * $3::float8) AS tokens,
@@ -76,11 +86,11 @@ export async function s3AdmissionGrantAndClaim(
      ), slots AS (
        SELECT $4::int - count(DISTINCT coalesce(claim_request_id, operation_key))::int AS free FROM cleanup_ledger
        WHERE policy = $1 AND state = 'in_flight' AND lease_expires_at >= clock_timestamp()
-     ), ${dueRecheckCtes(target, { policy: '$1', keys: '$5', cutoff: '$8', guardFrom: 13 })}
+     ), ${dueRecheckCtes(target, { policy: '$1', keys: '$5', cutoff: '$8', guardFrom: 15 })}
      ), eligible AS (
        SELECT count(*)::int AS n, least(count(*)::int, $2::int) AS wanted FROM due WHERE still_eligible AND NOT held
      ), allowance AS (
-       SELECT CASE WHEN b.paused OR b.blocked_for_ms > 0 OR b.request_tokens < 1 OR s.free < 1 OR e.wanted = 0 OR floor(b.tokens) < e.wanted THEN 0
+       SELECT CASE WHEN b.paused OR b.blocked_for_ms > 0 OR b.request_tokens < 1 OR s.free < 1 OR e.wanted = 0 OR floor(b.tokens + $13::float8) < e.wanted THEN 0
                    ELSE e.wanted END AS n
        FROM bucket b, slots s, eligible e
      ), claimed AS (
@@ -90,18 +100,20 @@ export async function s3AdmissionGrantAndClaim(
        WHERE l.operation_key IN (SELECT operation_key FROM due WHERE still_eligible AND NOT held ORDER BY not_before, operation_key LIMIT (SELECT n FROM allowance))
        RETURNING l.operation_key, l.asset_id, l.attempt_count
      ), stored AS (
-       UPDATE cleanup_admission a SET tokens = b.tokens - (SELECT count(*) FROM claimed), refilled_at = b.at,
+       UPDATE cleanup_admission a SET tokens = least(b.tokens - (SELECT count(*) FROM claimed), -$14::float8), refilled_at = b.at,
          request_tokens = b.request_tokens - 1, request_refilled_at = b.at, updated_at = clock_timestamp()
        FROM bucket b
        WHERE a.policy = $1 AND EXISTS (SELECT 1 FROM claimed)
        RETURNING 1
      )
-     SELECT b.tokens - (SELECT count(*) FROM claimed) AS tokens,
+     SELECT CASE WHEN EXISTS (SELECT 1 FROM claimed) THEN least(b.tokens - (SELECT count(*) FROM claimed), -$14::float8) ELSE b.tokens END AS tokens,
             b.request_tokens - CASE WHEN EXISTS (SELECT 1 FROM claimed) THEN 1 ELSE 0 END AS request_tokens,
             b.paused, b.blocked_for_ms, s.free, e.n AS eligible, e.wanted,
             (SELECT count(*)::int FROM superseded) AS superseded, (SELECT count(*)::int FROM held) AS held,
             (SELECT json_agg(claimed) FROM claimed) AS claimed,
-            (SELECT count(*) FROM stored) AS stored
+            (SELECT count(*) FROM stored) AS stored,
+            -- Last in the list: read after the claim and the store ran.
+            (extract(epoch FROM clock_timestamp() - b.at) * 1000)::float8 AS bucket_age_ms
      FROM bucket b, slots s, eligible e`,
     [
       grant.policy,
@@ -116,6 +128,8 @@ export async function s3AdmissionGrantAndClaim(
       grant.requestCapacity,
       grant.requestsPerSecond,
       grant.requestId,
+      grant.leadKeys,
+      grant.minLeadKeys,
       ...target.guardValues,
     ],
   );
@@ -132,6 +146,7 @@ export async function s3AdmissionGrantAndClaim(
     wanted: row.wanted,
     superseded: row.superseded,
     held: row.held,
+    bucketAgeMs: row.bucket_age_ms,
   };
 }
 
