@@ -57,6 +57,11 @@ describe('adaptive row-delete admission: one shared rate', () => {
       assert.ok(admitted.admitted, 'a take of 10 rows is admitted at these rates');
     };
     const rateSeenBy = (registry: typeof metricsA.registry) => metricValue(registry, 'reaper_row_admission_rate', { policy: policy.name });
+    // An application shares the database (a connection in a transaction): reaper's latency counts.
+    const application = await bed.pool.connect();
+    await application.query('BEGIN');
+    await application.query('SELECT 1');
+    try {
 
     // No rate set: the policy starts at the start rate, stored in the shared row.
     await take(a, metricsA.registry);
@@ -107,6 +112,33 @@ describe('adaptive row-delete admission: one shared rate', () => {
     const shown = (JSON.parse(status.stdout) as { policies: Array<{ policy: string; adaptive: { rowsPerSecond: number; pressure: number } | null }> }).policies[0]!;
     assert.equal(shown.adaptive?.rowsPerSecond, await storedRate(policy.name));
     assert.ok(shown.adaptive.pressure <= ADAPTIVE.raiseBelow, `the last step reacted to quiet-time latency: ${shown.adaptive.pressure}`);
+    } finally {
+      await application.query('COMMIT');
+      application.release();
+    }
+  });
+
+  test("alone on the database: reaper's own slow statements do not lower the rate, and groups between two probes are admitted without a statement", async () => {
+    const policy = policyNamed('alone');
+    const pool = workerPool('alone');
+    const take = async (): Promise<void> => assert.ok((await admitRows(pool, policy, 10, { holdMs: 5_000 })).admitted);
+    const admittedInRow = async (): Promise<number> =>
+      (await bed.pool.query<{ n: number }>('SELECT adaptive_admitted::float8 AS n FROM cleanup_admission WHERE policy = $1', [policy.name])).rows[0]!.n;
+    await take();
+    // The same slow statements that lower the rate when an application is there (test above).
+    noteRowStatement(pool, policy, { ms: 10, rows: 10 });
+    const until = Date.now() + 2_000;
+    while (Date.now() < until) {
+      noteRowStatement(pool, policy, { ms: 100, rows: 10 });
+      await take();
+      await new Promise((resolve) => setTimeout(resolve, 20));
+    }
+    assert.ok((await storedRate(policy.name)) >= ADAPTIVE.startRowsPerSecond, 'nobody to protect: the rate was not lowered by reaper\'s own latency');
+    // Twenty groups at once: the first is the probe (one statement), the rest go through on it.
+    const before = await admittedInRow();
+    for (let i = 0; i < 20; i++) await take();
+    const counted = (await admittedInRow()) - before;
+    assert.ok(counted <= 20, `the shared row saw ${counted} of the 200 rows: the groups after the probe made no statement`);
   });
 
   test("a row lock held by the application makes the worker's own DELETE slow: the rate backs off", async () => {
@@ -130,6 +162,10 @@ describe('adaptive row-delete admission: one shared rate', () => {
     // The application holds one of the next batch's rows for 1.5 s: that DELETE waits for it.
     const locked = await batch();
     const holder = await bed.pool.connect();
+    // And another connection of the application is in a transaction meanwhile: the database is shared.
+    const application = await bed.pool.connect();
+    await application.query('BEGIN');
+    await application.query('SELECT 1');
     try {
       await holder.query('BEGIN');
       await holder.query('SELECT 1 FROM seat_reservations WHERE reservation_id = $1 FOR UPDATE', [locked.items[0]!.id]);
@@ -141,9 +177,21 @@ describe('adaptive row-delete admission: one shared rate', () => {
       await holder.query('COMMIT').catch(() => undefined);
       holder.release();
     }
-    // The next admission judges by it: the shared rate is lower than before the lock.
-    await deleteOne();
-    const after = await storedRate(policy.name);
-    assert.ok(after < before, `rate backed off after the slow DELETE: ${after} < ${before}`);
+    // The next admissions judge by it: the shared rate goes below where it was before the lock. (After
+    // a quiet time alone the first of them is the probe that sees the application; a step follows
+    // at most every ADAPTIVE.stepMs.)
+    try {
+      await eventually(
+        'the rate backed off after the slow DELETE',
+        async () => {
+          await deleteOne();
+          return (await storedRate(policy.name)) < before;
+        },
+        { timeoutMs: 5_000, intervalMs: 50 },
+      );
+    } finally {
+      await application.query('COMMIT');
+      application.release();
+    }
   });
 });

@@ -5,7 +5,7 @@
  */
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
-import { ADAPTIVE, adaptiveStartRate, adaptRate, latencyObserve, NO_READING, othersWaitingObserve, pressureOf, type LatencyReading } from '../../shared/admission/adaptive';
+import { ADAPTIVE, adaptiveStartRate, adaptRate, latencyObserve, NO_READING, othersPresentObserve, othersWaitingObserve, pressureOf, type LatencyReading } from '../../shared/admission/adaptive';
 import { ConfigError } from '../../shared/config/errors';
 import { parsePolicies, type RowDeletePolicy } from '../../shared/config/policies';
 import { adaptiveAdmission } from '../../shared/admission/rows';
@@ -112,6 +112,19 @@ test('other backends waiting on locks or IO add pressure: the rate backs off tho
   for (let i = 0; i < 20; i++) reading = othersWaitingObserve(reading, 2);
   assert.ok(pressureOf(reading)! >= ADAPTIVE.backOffAbove, `pressure ${pressureOf(reading)}`);
   assert.equal(adaptRate({ rate: 10_000, pressure: pressureOf(reading), ceiling: null, elapsedSeconds: 0.25, admittedRowsPerSecond: 10_000 }).decision, 'back-off');
+});
+
+test("reaper's own latency counts in the measure others share the database: alone it is reaper's own queueing, with an application it is load", () => {
+  let slow = latencyObserve(NO_READING, { ms: 5, rows: 500, at: 0 });
+  for (let i = 1; i <= 5; i++) slow = latencyObserve(slow, { ms: 20, rows: 500, at: i * 100 });
+  assert.ok(pressureOf(slow)! >= ADAPTIVE.backOffAbove, 'no presence read yet: counted in full');
+  let alone = slow;
+  for (let i = 0; i < 50; i++) alone = othersPresentObserve(alone, false);
+  assert.ok(pressureOf(alone)! <= ADAPTIVE.raiseBelow, `nobody else: pressure ${pressureOf(alone)}`);
+  let shared = alone;
+  // An application seen in a few samples of a hundred (about 30 statements/s) is enough to count it in full.
+  for (let i = 0; i < 100; i++) shared = othersPresentObserve(shared, i % 15 === 0);
+  assert.ok(pressureOf(shared)! >= ADAPTIVE.backOffAbove, `an application present: pressure ${pressureOf(shared)}`);
 });
 
 test('policies: adaptive is on unless `admission: { adaptive: false }`; a wrong value is refused naming the field', () => {

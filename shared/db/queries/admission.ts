@@ -316,6 +316,8 @@ export interface AdaptiveRowsState {
   pressure: number | null;
   /** Other client backends of this database waiting on a lock or on IO now (pg_stat_activity; 0 where not readable). */
   othersWaiting: number;
+  /** Other client backends of this database in a statement or a transaction now (not reaper's; 0 where not readable). */
+  othersPresent: number;
 }
 
 /**
@@ -369,6 +371,7 @@ export async function admissionRowsTake(
     admitted_since: number;
     pressure: number | null;
     others_waiting: number;
+    others_present: number;
   }>(
     `WITH ${SERVER_STANDBY_LAG_CTES('$6::text[]')}, cur AS (
        SELECT a.*, clock_timestamp() AS at_now,
@@ -394,16 +397,20 @@ export async function admissionRowsTake(
        adapted_at = CASE WHEN d.stepped THEN d.at_now ELSE d.adapted_at END,
        adaptive_admitted = CASE WHEN d.stepped THEN 0 ELSE d.adaptive_admitted END + CASE WHEN $8::boolean AND d.admitted THEN $4::float8 ELSE 0 END,
        adaptive_pressure = CASE WHEN d.stepped AND $10::float8 IS NOT NULL THEN $12::float8 ELSE d.adaptive_pressure END
-     FROM decided d
+     FROM decided d, LATERAL (
+       -- Other client backends of this database (not reaper's): in a statement or a transaction
+       -- now (present), and waiting on a lock or IO (waiting). Adaptive only.
+       SELECT count(*) FILTER (WHERE s.state = 'active' AND s.wait_event_type IN ('Lock', 'LWLock', 'IO', 'BufferPin'))::int AS waiting,
+              count(*)::int AS present
+       FROM pg_stat_activity s
+       WHERE $8::boolean AND s.datname = current_database() AND s.pid <> pg_backend_pid() AND s.backend_type = 'client backend'
+         AND s.state IN ('active', 'idle in transaction', 'idle in transaction (aborted)') AND coalesce(s.application_name, '') NOT LIKE 'reaper%'
+     ) others
      WHERE a.policy = $1
      RETURNING d.admitted, a.tokens, d.paused, (SELECT seconds FROM lag) AS lag, (SELECT unknown FROM lag) AS unknown, d.braked,
        a.adaptive_rate, reaper_iso(a.adapted_at) AS adapted_at, extract(epoch FROM d.at_now - a.adapted_at)::float8 AS since_step,
        a.adaptive_admitted AS admitted_since, a.adaptive_pressure AS pressure,
-       CASE WHEN $8::boolean THEN (
-         SELECT count(*)::int FROM pg_stat_activity s
-         WHERE s.datname = current_database() AND s.pid <> pg_backend_pid() AND s.backend_type = 'client backend' AND s.state = 'active'
-           AND s.wait_event_type IN ('Lock', 'LWLock', 'IO', 'BufferPin') AND coalesce(s.application_name, '') NOT LIKE 'reaper%'
-       ) ELSE 0 END AS others_waiting`,
+       others.waiting AS others_waiting, others.present AS others_present`,
     [
       take.policy,
       take.capacity,
@@ -430,7 +437,7 @@ export async function admissionRowsTake(
     braked: row.braked,
     adaptive:
       adaptive !== null && row.adaptive_rate !== null && row.adapted_at !== null
-        ? { rate: row.adaptive_rate, adaptedAt: row.adapted_at, sinceStepSeconds: row.since_step ?? 0, admittedSinceStep: row.admitted_since, pressure: row.pressure, othersWaiting: row.others_waiting }
+        ? { rate: row.adaptive_rate, adaptedAt: row.adapted_at, sinceStepSeconds: row.since_step ?? 0, admittedSinceStep: row.admitted_since, pressure: row.pressure, othersWaiting: row.others_waiting, othersPresent: row.others_present }
         : null,
   };
 }
