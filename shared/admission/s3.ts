@@ -147,8 +147,14 @@ export function untilSendAt(policy: string, grant: S3Grant): Promise<void> {
   const floor = previous ? previous.at + (previous.keys / grant.keysPerSecond) * 1000 : -Infinity;
   const leaveAt = Math.max(grant.sendAt, floor, performance.now());
   lastLeaving.set(policy, { at: leaveAt, keys: grant.claimed.length });
-  const waitMs = leaveAt - performance.now();
-  return waitMs > 0 ? new Promise((resolve) => setTimeout(resolve, waitMs)) : Promise.resolve();
+  return untilClock(leaveAt);
+}
+
+/** Resolves once performance.now() has reached `at` (a timer can fire a fraction of a millisecond early: it waits again). */
+async function untilClock(at: number): Promise<void> {
+  for (let waitMs = at - performance.now(); waitMs > 0; waitMs = at - performance.now()) {
+    await new Promise((resolve) => setTimeout(resolve, Math.ceil(waitMs)));
+  }
 }
 
 /** As a granted request leaves (ObjectStorageClient.deleteKeys `onSend`: after the SDK signed it): a late one charges its lateness to the keys bucket (see S3_LATE_GRACE_MS). Returns the lateness in ms. */
