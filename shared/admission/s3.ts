@@ -89,6 +89,7 @@ export async function admitAndClaimS3(
 ): Promise<S3Grant> {
   const shape = await s3AdmissionInForce(pool, policy);
   const requestId = randomUUID();
+  const leadKeys = (shape.keysPerSecond * S3_SEND_LEAD_MS) / 1000;
   const { state, readAt } = await withTransaction(pool, async (client) => {
     await admissionLock(client, policy.name, shape.requestKeys);
     const outcome = await s3AdmissionGrantAndClaim(client, target, {
@@ -104,7 +105,7 @@ export async function admitAndClaimS3(
       requestCapacity: shape.requestCapacity,
       requestsPerSecond: shape.requestsPerSecond,
       requestId,
-      leadKeys: (shape.keysPerSecond * S3_SEND_LEAD_MS) / 1000,
+      leadKeys,
       minLeadKeys: (shape.keysPerSecond * S3_SEND_MIN_LEAD_MS) / 1000,
     });
     // Read before the commit: the answer's bucketAgeMs ties this clock to the bucket's instant.
@@ -122,7 +123,7 @@ export async function admitAndClaimS3(
   else {
     verdict = 'no-token';
     // The later of: the keys this request wants, and one request token.
-    const keysMs = ((state.wanted - (shape.keysPerSecond * S3_SEND_LEAD_MS) / 1000 - state.keyTokens) / shape.keysPerSecond) * 1000;
+    const keysMs = ((state.wanted - leadKeys - state.keyTokens) / shape.keysPerSecond) * 1000;
     const requestMs = ((1 - state.requestTokens) / shape.requestsPerSecond) * 1000;
     waitMs = Math.max(MIN_ADMISSION_WAIT_MS, keysMs, requestMs);
   }
