@@ -13,6 +13,11 @@ import type { BatchResult } from './results';
 /** SQLSTATE classes and codes meaning "the database is not reachable right now". */
 const UNAVAILABLE_CODES = new Set(['57P01', '57P02', '57P03', '53300']);
 const UNAVAILABLE_CLASSES = ['08'];
+/**
+ * A database that refuses new connections (ALLOW_CONNECTIONS false, being dropped or created) says
+ * so at connect time with the general code 55000: only that message means an outage.
+ */
+const NOT_ACCEPTING_CONNECTIONS = /is not currently accepting connections/i;
 /** Node socket errors meaning the same. */
 const UNAVAILABLE_ERRNOS = new Set(['ECONNREFUSED', 'ECONNRESET', 'ETIMEDOUT', 'EPIPE', 'ENOTFOUND', 'EHOSTUNREACH']);
 /** pg-pool's error when no pooled client became free in time (not a failed connect). */
@@ -41,6 +46,7 @@ export function classifyHandlerError(error: unknown): BatchResult {
     UNAVAILABLE_CODES.has(code) ||
     UNAVAILABLE_CLASSES.some((prefix) => code.startsWith(prefix)) ||
     UNAVAILABLE_ERRNOS.has(code) ||
+    (code === '55000' && NOT_ACCEPTING_CONNECTIONS.test(message)) ||
     /Connection terminated|connection timeout|Client has encountered a connection error/i.test(message);
   if (unavailable) return { kind: 'unknown', reason: `database unavailable: ${message}`, databaseUnavailable: true };
   if (code.startsWith('22')) {

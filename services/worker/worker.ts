@@ -293,6 +293,9 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
     // (or the next one) straight back into the freed prefetch slot, and that delivery would fail
     // too. An outage must cost each in-flight batch exactly one delivery.
     if (outage) await stopConsumingForOutage();
+    // Another batch already paused consumption: a batch that failed meanwhile (for any reason) is
+    // given back only once its consumer is cancelled, for the same reason.
+    else if (result.kind === 'unknown' && outagePause) await outagePause;
     await settle(settleDeps, { channel: from, message, policy: label, deliveryCount, log: batchLog }, result);
     if (outage) resumeWhenDatabaseAnswers().catch((error: Error) => log.error({ err: error.message }, 'database pause failed (a bug)'));
     try {

@@ -247,7 +247,9 @@ describe('ack discipline: the failure side', () => {
         const rejects = c.settlements.length - 1;
         assert.equal(c.settlements[c.settlements.length - 1], 'ack', `${c.batch}: acked once the database is back`);
         assert.ok(c.settlements.slice(0, -1).every((s) => s === 'reject+requeue'), `${c.batch}: every failed delivery was a reject with requeue (${c.settlements.join(', ')})`);
-        assert.equal(rejects, promised, `${c.batch}: the outage cost ${rejects} deliveries (promised ${promised}) ${JSON.stringify(cost)}`);
+        // On failure: what the worker logged about each failed delivery (why it failed).
+        const failures = () => worker.output.filter((line) => /"level":(40|50)/.test(line) || /reject|fail|unavailable|resumed|paused/i.test(line)).slice(-30);
+        assert.equal(rejects, promised, `${c.batch}: the outage cost ${rejects} deliveries (promised ${promised}) ${JSON.stringify(cost)}\n${failures().join('\n')}`);
         assert.deepEqual(c.redelivered, c.settlements.map((_, index) => index > 0), `${c.batch}: redelivered after the first delivery`);
       }
       assert.deepEqual(

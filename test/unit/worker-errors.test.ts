@@ -39,6 +39,13 @@ test('pg client messages without a code ("Connection terminated unexpectedly", t
   assertUnavailable(new Error('Client has encountered a connection error and is not queryable'));
 });
 
+test('55000 "database is not currently accepting connections" (ALLOW_CONNECTIONS false) -> database unavailable; other 55000 errors are not', () => {
+  assertUnavailable(coded('55000', 'database "app" is not currently accepting connections'));
+  const other = classifyHandlerError(coded('55000', 'cannot execute DELETE in a read-only transaction'));
+  assert.equal(other.kind, 'unknown', JSON.stringify(other));
+  if (other.kind === 'unknown') assert.equal(other.databaseUnavailable, false);
+});
+
 test('the reason carries the original message', () => {
   const result = classifyHandlerError(coded('ECONNREFUSED', 'connect ECONNREFUSED 10.0.0.5:5432'));
   assert.equal(result.kind, 'unknown');
