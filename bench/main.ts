@@ -16,6 +16,9 @@
  *                                 BENCH_COST_BEFORE_BIN=<other build>/bin/reaper measures it A/B in the same rounds,
  *                                 BENCH_COST_MEMORY_AT=200000,2000000 sets the scheduler-memory sizes, =none skips them)
  *
+ *   BENCH_ECHO=1 prints every reaper process's log lines (prefixed with its name); BENCH_LOG_LEVEL=debug
+ *   sets their LOG_LEVEL (warn otherwise), e.g. to see each object storage request leave and each batch park.
+ *
  * It needs PostgreSQL and RabbitMQ (DATABASE_URL / AMQP_URL, defaults 127.0.0.1). It creates and
  * drops its own databases (reaper_bench_<random>, reaper_bench_<random>_seed: two runs at once never
  * touch each other's) and broker objects under a random prefix, and writes bench/results/<date>-<mode>.json and .md.

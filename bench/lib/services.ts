@@ -169,7 +169,7 @@ export class ReaperService extends ChildService {
         REAPER_WORKER_ID: spec.id,
         REAPER_PREFETCH: String(spec.prefetch ?? 8),
         REAPER_DB_POOL_SIZE: String(spec.poolSize ?? 4),
-        LOG_LEVEL: 'warn',
+        LOG_LEVEL: process.env.BENCH_LOG_LEVEL ?? 'warn',
         HTTP_PORT: String(httpPort),
         ...environment.extraEnv,
       },

@@ -121,9 +121,10 @@ export async function sweepPolicy(deps: Omit<LedgerSweeperDeps, 'policies' | 'lo
     orphanCursor.set(policy.name, look.last);
     for (const orphan of look.orphans) messages.set(orphan.batchId, { runId: runIdOf(orphan.content), content: orphan.content });
     for (const candidate of pick.picked) {
-      if (candidate.batchId && candidate.content) {
+      const content = candidate.batchId === null ? undefined : pick.kept.get(candidate.batchId);
+      if (candidate.batchId !== null && content !== undefined) {
         // The batch's own message, as published: same id, run and cutoff; its receipt counts for its run.
-        if (!messages.has(candidate.batchId)) messages.set(candidate.batchId, { runId: runIdOf(candidate.content), content: candidate.content });
+        if (!messages.has(candidate.batchId)) messages.set(candidate.batchId, { runId: runIdOf(content), content });
       } else {
         loose.push(candidate);
       }

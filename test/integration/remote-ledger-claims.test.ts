@@ -1,12 +1,13 @@
 import assert from 'node:assert/strict';
 import { after, before, beforeEach, describe, test } from 'node:test';
+import pg from 'pg';
 import pino from 'pino';
 import { admitAndClaim } from '../../shared/admission/controller';
 import { parsePolicies, type RemoteDeletePolicy } from '../../shared/config/policies';
-import type { BatchV1 } from '../../shared/contracts/batch';
+import { encodeBatch, type BatchV1 } from '../../shared/contracts/batch';
 import { admissionSetPaused } from '../../shared/db/queries/admission';
 import { targetResolve, type ResolvedTarget } from '../../shared/db/queries/expiring-rows';
-import { ledgerFinish, ledgerReschedule, ledgerSweepPick } from '../../shared/db/queries/ledger';
+import { ledgerFinish, ledgerReschedule, ledgerSweepPick, remoteBatchesKeep } from '../../shared/db/queries/ledger';
 import { makeHttpRemoteClient } from '../../shared/remote/client';
 import { makeMetrics } from '../../shared/observability/metrics';
 import { makeRemoteDeleteHandler } from '../../services/worker/handlers/remote-delete';
@@ -14,6 +15,7 @@ import type { BatchHandler, HandlerContext } from '../../services/worker/handler
 import type { BatchResult } from '../../services/worker/results';
 import { startMediaApi, type MediaApi } from '../../tools/media-api/server';
 import { callsByKey, currentKeyOf, ledgerRows, MEDIA_POLICY, mediaPolicyYaml, seedAssets } from '../support/remote-helpers';
+import { TcpProxy } from '../support/tcp-proxy';
 import { makeTestBed, type TestBed } from '../support/testbed';
 
 /**
@@ -230,5 +232,41 @@ describe('remote-delete: the claim re-checks, fences and counts', () => {
     assert.ok(!(await pick()).includes(lost!), 'a copy carries it: not picked');
     await bed.pool.query(`UPDATE cleanup_ledger SET last_delivered_at = clock_timestamp() - interval '31 seconds' WHERE asset_id = $1`, [lost]);
     assert.ok((await pick()).includes(lost!), 'its copy is presumed lost: picked');
+  });
+
+  test("the sweeper's pick reads a parked batch's message once, however many of its operations it picks (as the wire shows)", async () => {
+    // Its own policy name: the pick sees only this batch's operations.
+    const policyName = 'sweep-pick-once';
+    const assets = await seedAssets(bed.pool, 'kept-once', 400);
+    const batch = { ...(await batchOf(assets)), policy: policyName };
+    const content = encodeBatch(batch);
+    await remoteBatchesKeep(bed.pool, { batchId: batch.batchId, policy: policyName, content });
+    await bed.pool.query(
+      `INSERT INTO cleanup_ledger (operation_key, policy, asset_id, observed_expiry, source, batch_id)
+       SELECT $1 || ':' || asset_id || ':' || reaper_iso(retention_expires_at), $1, asset_id, retention_expires_at, 'scan', $3 FROM media_assets WHERE asset_id = ANY($2::text[])`,
+      [policyName, assets, batch.batchId],
+    );
+    const database = new URL(bed.databaseUrl);
+    const proxy = await TcpProxy.start({ targetHost: database.hostname, targetPort: Number(database.port || 5432), protocol: 'postgres' });
+    const pool = new pg.Pool({ connectionString: proxy.urlFor(bed.databaseUrl), max: 1 });
+    try {
+      const client = await pool.connect();
+      await client.query('BEGIN');
+      const downBefore = [...proxy.links].reduce((sum, link) => sum + link.bytesDown, 0);
+      const pick = await ledgerSweepPick(client, { policy: policyName, ratePerSecond: 10_000, aheadMs: 3000, staleMs: 30_000, limit: 1000 });
+      const down = [...proxy.links].reduce((sum, link) => sum + link.bytesDown, 0) - downBefore;
+      await client.query('ROLLBACK');
+      client.release();
+      // Once: the message plus ~200 bytes an operation's row (~110 KB here). Joined per operation it
+      // was 400 times the message (~11 MB).
+      const bound = 2 * content.length + 400 * 300;
+      assert.ok(down < bound, `the server sent ${down} bytes for a ${content.length}-byte message and 400 operations (bound ${bound})`);
+      assert.equal(pick?.picked.length, 400, 'every operation of the parked batch is picked');
+      assert.deepEqual([...(pick?.kept.keys() ?? [])], [batch.batchId]);
+      assert.ok(pick?.kept.get(batch.batchId)?.equals(content), 'its message as kept');
+    } finally {
+      await pool.end();
+      await proxy.close();
+    }
   });
 });

@@ -114,6 +114,7 @@ async function sendAndRecord(
   let lateCharge: Promise<unknown> = Promise.resolve();
   const onSend = async () => {
     await untilSendAt(policy.name, grant);
+    context.log.debug({ keys: claimed.length, requestId: grant.requestId }, 'object storage request leaves');
     lateCharge = chargeLateSend(context.pool, policy, grant).catch((error: Error) => context.log.warn({ err: error.message }, 'late-send charge not recorded'));
   };
   const outcome: S3RequestOutcome = await storage.deleteKeys([...byObjectKey.keys()], { onSend });
