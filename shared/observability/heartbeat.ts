@@ -25,14 +25,13 @@ export interface HeartbeatHandle {
 export async function startHeartbeat(pool: Pool, beat: Omit<Heartbeat, 'instanceId'>, log: Logger): Promise<HeartbeatHandle> {
   const row: Heartbeat = { ...beat, instanceId: randomUUID() };
   await heartbeatsRecord(pool, row);
-  let beating = false;
+  let beating: Promise<void> | null = null;
   const timer = setInterval(() => {
     if (beating) return;
-    beating = true;
-    heartbeatsRecord(pool, row)
+    beating = heartbeatsRecord(pool, row)
       .catch((error: Error) => log.warn({ err: error.message }, 'heartbeat not recorded; next beat retries'))
       .finally(() => {
-        beating = false;
+        beating = null;
       });
   }, HEARTBEAT_INTERVAL_MS);
   timer.unref();
@@ -40,6 +39,10 @@ export async function startHeartbeat(pool: Pool, beat: Omit<Heartbeat, 'instance
     instanceId: row.instanceId,
     async stop() {
       clearInterval(timer);
+      // A beat still on its way is an upsert: landing after the delete, it would bring the row
+      // back, and a stopped worker would look connected for WORKER_FRESH_SECONDS (the scheduler
+      // then holds the batch version back for an old worker that is gone).
+      await beating;
       // Not deleted (database down): the row goes stale and is read as gone after WORKER_FRESH_SECONDS.
       await heartbeatsForget(pool, row.instanceId).catch((error: Error) => log.warn({ err: error.message }, 'heartbeat row not deleted at stop'));
     },
