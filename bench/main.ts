@@ -10,7 +10,8 @@
  *   add --only events-archive     figure 8 alone: expiry events and archive on ÷ off, relay throughput
  *   add --only foreground         figure 7 alone (on the mode's first seed size)
  *   add --pin                     root only: PostgreSQL on CPU 0, everything else on CPU 1 (taskset; restored afterwards)
- *                                 (BENCH_FOREGROUND_BATCH_SIZE=<n> runs figure 7's reaper contenders at batch n)
+ *                                 (BENCH_FOREGROUND_BATCH_SIZE=<n> runs figure 7's reaper contenders at batch n,
+ *                                 BENCH_FOREGROUND_THROTTLE=<rows/s> its fixed-rate contender at that rate)
  *   add --only s3                 figure 9 alone (object storage), written as <date>-s3-<mode>.json and .md
  *   add --only cost               PostgreSQL CPU per deleted row and scheduler memory alone (bench/figures/cost.ts;
  *                                 BENCH_COST_BEFORE_BIN=<other build>/bin/reaper measures it A/B in the same rounds,
@@ -209,9 +210,20 @@ function foregroundBatchOverride(): number | null {
   return n;
 }
 
+/** BENCH_FOREGROUND_THROTTLE=<rows/s>: figure 7's fixed-rate contender at that rate instead of the mode's (where the foreground's p99 holds). */
+function foregroundThrottleOverride(): number | null {
+  const text = process.env.BENCH_FOREGROUND_THROTTLE;
+  if (text === undefined || text === '') return null;
+  const n = Number(text);
+  if (!Number.isInteger(n) || n < 1 || n > 1_000_000) throw new Error(`BENCH_FOREGROUND_THROTTLE must be a whole number of rows/s from 1 to 1000000, got ${JSON.stringify(text)}`);
+  return n;
+}
+
 async function measureForeground(context: BenchContext, config: ModeConfig, seed: Seed, report: BenchReport): Promise<void> {
   const batchSize = foregroundBatchOverride();
-  const f = batchSize === null ? config.foreground : { ...config.foreground, reaperBatchSize: batchSize };
+  const throttleRate = foregroundThrottleOverride();
+  const sized = batchSize === null ? config.foreground : { ...config.foreground, reaperBatchSize: batchSize };
+  const f = throttleRate === null ? sized : { ...sized, throttle: { ...sized.throttle, rowsPerSecond: throttleRate } };
   context.progress(`foreground impact: ${f.foreground ? `pgbench at ${f.ratePerSecond}/s (and ${f.quietRatePerSecond}/s) on ${f.clients} connections, ` : 'counts only, '}throttle ${f.throttle.rowsPerSecond} rows/s`);
   report.foreground = await runForeground(context, seed, f);
 }
@@ -338,7 +350,7 @@ async function main(): Promise<number> {
   report.seconds = (Date.now() - started) / 1000;
   report.countsOk = context.checks.every((entry) => entry.ok);
   mkdirSync(RESULTS_DIR, { recursive: true });
-  const base = path.join(RESULTS_DIR, only === 's3' ? `${report.date}-s3-${config.mode}` : `${report.date}-${config.mode}${only ? `-${only}` : ''}${only === 'foreground' && foregroundBatchOverride() !== null ? `-batch${foregroundBatchOverride()}` : ''}${pin ? '-pinned' : ''}`);
+  const base = path.join(RESULTS_DIR, only === 's3' ? `${report.date}-s3-${config.mode}` : `${report.date}-${config.mode}${only ? `-${only}` : ''}${only === 'foreground' && foregroundBatchOverride() !== null ? `-batch${foregroundBatchOverride()}` : ''}${only === 'foreground' && foregroundThrottleOverride() !== null ? `-throttle${foregroundThrottleOverride()}` : ''}${pin ? '-pinned' : ''}`);
   writeFileSync(`${base}.json`, `${JSON.stringify(report, null, 2)}\n`);
   writeFileSync(`${base}.md`, renderMarkdown(report));
   process.stdout.write(`\n${renderText(report)}\n\nwrote ${path.relative(process.cwd(), base)}.json and .md (${report.seconds.toFixed(0)} s)\n`);

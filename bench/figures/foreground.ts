@@ -88,6 +88,8 @@ export interface ForegroundPhase {
   /** The cleanup's WAL (cluster-wide without pg_walinspect) per deleted row, full-page images included. */
   walBytesPerRow: number;
   walBytesPerRowWithoutFpi: number;
+  /** Reaper adaptive: its shared rate (rows/s) and the pressure it reacted to (back-off at ADAPTIVE.backOffAbove), sampled every 50 ms; null otherwise. */
+  adaptive: { rateMedian: number; rateLowest: number; pressureMedian: number; pressureHighest: number; samples: number } | null;
 }
 
 export interface ForegroundFigure {
@@ -227,6 +229,9 @@ class WaitSampler {
   lockWaitMaxMs = 0;
   samples = 0;
   readonly waitSamples: Record<string, number> = {};
+  /** Adaptive admission's shared state, sampled with the waits: the rate in force and the pressure its last step reacted to. */
+  readonly adaptiveRates: number[] = [];
+  readonly adaptivePressures: number[] = [];
   private stopped = false;
   private loop: Promise<void> | null = null;
   private active = false;
@@ -250,6 +255,14 @@ class WaitSampler {
             this.waitSamples[type] = (this.waitSamples[type] ?? 0) + 1;
           }
           for (const row of rows) this.lockWaitMaxMs = Math.max(this.lockWaitMaxMs, row.lock_ms ?? 0);
+          const adaptive = (
+            await this.client.query<{ rate: number | null; pressure: number | null }>(
+              `SELECT adaptive_rate AS rate, adaptive_pressure AS pressure FROM cleanup_admission WHERE policy = $1`,
+              [FOREGROUND_POLICY],
+            )
+          ).rows[0];
+          if (adaptive?.rate != null) this.adaptiveRates.push(adaptive.rate);
+          if (adaptive?.pressure != null) this.adaptivePressures.push(adaptive.pressure);
         }
         await sleep(50);
       }
@@ -334,6 +347,11 @@ class WalMeter {
 }
 
 /** Deletes every candidate expiring at or before `cutoff` (ISO, microseconds). */
+const median = (values: readonly number[]): number => {
+  const sorted = [...values].sort((a, b) => a - b);
+  return sorted[Math.floor(sorted.length / 2)]!;
+};
+
 type Cleanup = (pool: pg.Pool, cutoff: string) => Promise<{ rows: number; finished: boolean }>;
 
 /** The first `expected` candidates gone once, nothing else: the rest of the candidates and every non-candidate kept (some confirmed by the foreground). */
@@ -482,6 +500,16 @@ async function runPhase(
       wal: walRead,
       walBytesPerRow: result.rows > 0 ? walBytes / result.rows : 0,
       walBytesPerRowWithoutFpi: result.rows > 0 ? (walBytes - (walRead.cleanupFpiBytes ?? 0)) / result.rows : 0,
+      adaptive:
+        name === 'reaper adaptive' && sampler.adaptiveRates.length > 0
+          ? {
+              rateMedian: median(sampler.adaptiveRates),
+              rateLowest: Math.min(...sampler.adaptiveRates),
+              pressureMedian: sampler.adaptivePressures.length > 0 ? median(sampler.adaptivePressures) : NaN,
+              pressureHighest: sampler.adaptivePressures.length > 0 ? Math.max(...sampler.adaptivePressures) : NaN,
+              samples: sampler.adaptiveRates.length,
+            }
+          : null,
     };
   } finally {
     await pgbench?.stop();

@@ -212,6 +212,10 @@ function foregroundRows(f: ForegroundFigure, add: (figure: string, measure: stri
       const waits = Object.entries(phase.waitSamples).map(([type, n]) => `${type} ${n}`).join(', ') || 'none';
       add('7', `  longest lock wait of the foreground: pg_locks sampled / longest renewal (samples with a wait, of ${phase.samples}: ${waits})`, `${number(phase.lockWaitMaxMs)} ms / ${number(phase.foreground.renewalMaxMs, 1)} ms`);
     }
+    if (phase.adaptive) {
+      const a = phase.adaptive;
+      add('7', `  adaptive: shared rate median / lowest, and the pressure it reacted to, median / highest (back-off at >= 2; ${a.samples} samples)`, `${count(Math.round(a.rateMedian))} / ${count(Math.round(a.rateLowest))} rows/s; ${number(a.pressureMedian, 2)} / ${number(a.pressureHighest, 2)}`);
+    }
     const reaper = phase.name.startsWith('reaper');
     const walRatio = single && single.walBytesPerRow > 0 ? phase.walBytesPerRow / single.walBytesPerRow : NaN;
     add(

@@ -10,7 +10,8 @@ import { makeTestBed, type TestBed } from '../support/testbed';
  * A stopped worker's heartbeat row is gone once stop() returns, even when a beat was on its way:
  * the beat is an upsert, and landing after the delete it would bring the row back, so the stopped
  * worker would look connected for WORKER_FRESH_SECONDS (the scheduler's batch-version gate then
- * holds version 2 back for an old worker that has stopped; test/faults/rolling-upgrade once waited ten windows for two stopped workers, which this explains).
+ * holds version 2 back for an old worker that has stopped;
+ * test/faults/rolling-upgrade once waited ten windows for two stopped workers, which this can explain).
  *
  * The interleaving is made, not waited for: a trigger the test adds holds the beat's insert on an
  * advisory lock the test holds (after the beat started, before it touched the worker's row), while
