@@ -1,6 +1,7 @@
 import { randomUUID } from 'node:crypto';
 import { performance } from 'node:perf_hooks';
 import pg from 'pg';
+import { PLAN_CACHE_MODE } from '../../shared/db/pool';
 import { expiringRowsDeleteGroupIfStillExpired, targetResolve } from '../../shared/db/queries/expiring-rows';
 import { checkFinished, checkSeatRows, throughput, type BenchContext, type Measured } from '../lib/context';
 import { CpuMeter } from '../lib/cpu';
@@ -55,7 +56,11 @@ export async function runRawDelete(
       return outcome.batches[0]!.deleted;
     };
     for (let i = 0; i < options.clients; i++) {
-      clients.push(await deleters.connect());
+      const client = await deleters.connect();
+      // As every reaper session plans it (shared/db/pool.ts): without it this diagnostic measured the
+      // generic plan the workers never use (at 2M, 0.25 of the raw DELETE's rate).
+      if (options.statement === 'reaper') await client.query(`SET plan_cache_mode = ${PLAN_CACHE_MODE}`);
+      clients.push(client);
     }
 
     const cpu = new CpuMeter(pool, { services: [], backends: 'bench-raw', includeSelf: true });

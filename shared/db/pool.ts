@@ -31,6 +31,15 @@ export function clientQueryTimeoutMs(timeouts: SessionTimeouts): number {
   return timeouts.statementTimeoutMs > 0 ? timeouts.statementTimeoutMs + CLIENT_TIMEOUT_MARGIN_MS : 0;
 }
 
+/**
+ * Named statements (the row-delete one) are planned for their values at every execution: after
+ * five runs PostgreSQL may keep a generic plan, and for the row-delete statement that plan cost
+ * 2.4-3x the database CPU per row on a 2M-row backlog (bench, statement alone: 3.4-4.3 CPU s per
+ * 100k rows generic, 1.43 custom, raw DELETE 0.7). Parsing is still saved. Every reaper session
+ * sets it (makePool); the bench's "statement alone" contender sets it too.
+ */
+export const PLAN_CACHE_MODE = 'force_custom_plan';
+
 export function makePool(
   connectionString: string,
   max: number,
@@ -48,11 +57,8 @@ export function makePool(
     lock_timeout: timeouts.lockTimeoutMs,
     // A transaction left open by a bug or a frozen process must not hold locks forever either.
     idle_in_transaction_session_timeout: Math.max(timeouts.statementTimeoutMs, 60_000),
-    // Named statements (the row-delete one) are planned for their values at every execution: after
-    // five runs PostgreSQL may keep a generic plan, and for the row-delete statement that plan cost
-    // 2.4-3x the database CPU per row on a 2M-row backlog (bench, statement alone: 3.4-4.3 CPU s per
-    // 100k rows generic, 1.43 custom, raw DELETE 0.7). Parsing is still saved.
-    options: '-c plan_cache_mode=force_custom_plan',
+    // PLAN_CACHE_MODE: sent as a session parameter at connect time.
+    options: `-c plan_cache_mode=${PLAN_CACHE_MODE}`,
     // A stalled link: see CLIENT_TIMEOUT_MARGIN_MS. A query that times out here leaves its client
     // unusable; withTransaction's ROLLBACK then fails and the client is discarded, and pool.query
     // releases a failed client as broken, so the next query opens a fresh connection.
