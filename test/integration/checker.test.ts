@@ -82,11 +82,15 @@ describe('the checker (lost, wrongful, doubled, stuck, events)', () => {
     assert.equal(report.wrongful, 3, formatChecker(report));
 
     // stuck: a run left scanning, a message left in the work queue and one in the dead-letter queue.
-    await bed.pool.query(`INSERT INTO cleanup_runs (run_id, policy, trigger, scheduled_for, cutoff, state) VALUES ($1, $2, 'manual', now() - interval '1 minute', now(), 'scanning')`, [randomUUID(), policy]);
+    const stuckRun = randomUUID();
+    await bed.pool.query(`INSERT INTO cleanup_runs (run_id, policy, trigger, scheduled_for, cutoff, state) VALUES ($1, $2, 'manual', now() - interval '1 minute', now(), 'scanning')`, [stuckRun, policy]);
     await broker.publish(names.workExchange, policy, '{}');
     await broker.publish('', names.deadLetterQueue, '{}');
     report = await check();
     assert.deepEqual([report.lost, report.wrongful, report.doubled, report.stuck], [0, 2, 0, 3], formatChecker(report));
+    // What the stuck run left behind is in the report (a chaos database is dropped afterwards).
+    const detail = (report.details.stuck as { unfinishedDetail?: Array<{ runId: string; receipts?: number; keptBatches?: unknown[] }> }).unfinishedDetail;
+    assert.deepEqual(detail?.map((run) => [run.runId, run.receipts, run.keptBatches]), [[stuckRun, 0, []]], JSON.stringify(detail));
     assert.throws(() => assertCheckerZero(report), /checker:/);
   });
 

@@ -242,7 +242,7 @@ export async function runChecker(input: CheckerInput): Promise<CheckerReport> {
     if (count > 0) queued[queue] = count;
     stuck += count;
   }
-  details.stuck = { unfinishedRuns: unfinished, queued };
+  details.stuck = { unfinishedRuns: unfinished, queued, ...(unfinished.length > 0 ? { unfinishedDetail: await describeUnfinished(pool, unfinished.slice(0, 3)) } : {}) };
   const events = input.events ? await checkEvents(pool, input, input.events.delivered) : undefined;
   if (events) details.events = events.sample;
   return { lost, wrongful, doubled, stuck, details, recoveries: input.recoveries ?? [], ...(events ? { events: events.check } : {}) };
@@ -330,4 +330,37 @@ export async function measureRecovery(pool: pg.Pool, fault: string, since: numbe
     await new Promise((resolve) => setTimeout(resolve, 100));
   }
   return { fault, ms: null };
+}
+
+/**
+ * What a stuck run left behind, for the report (a chaos database is dropped afterwards): its row,
+ * its receipts, and each kept remote batch of it with its ledger operations by state and outcome.
+ * A diagnostic only: a query that fails is reported as its message, never as a check.
+ */
+async function describeUnfinished(pool: pg.Pool, runs: ReadonlyArray<{ run_id: string }>): Promise<unknown[]> {
+  const described: unknown[] = [];
+  for (const run of runs) {
+    try {
+      const row = (
+        await pool.query<{ run: unknown; receipts: number }>(
+          `SELECT to_jsonb(r) AS run, (SELECT count(*)::int FROM cleanup_batches b WHERE b.run_id = r.run_id) AS receipts FROM cleanup_runs r WHERE r.run_id::text = $1`,
+          [run.run_id],
+        )
+      ).rows[0];
+      const kept = (
+        await pool.query<{ batch_id: string; ledger: unknown }>(
+          `SELECT k.batch_id,
+                  (SELECT jsonb_object_agg(s.state_outcome, s.n) FROM (
+                     SELECT l.state || '/' || coalesce(l.outcome, '-') AS state_outcome, count(*)::int AS n
+                     FROM cleanup_ledger l WHERE l.batch_id = k.batch_id GROUP BY 1) s) AS ledger
+           FROM cleanup_remote_batches k WHERE convert_from(k.content, 'UTF8')::jsonb ->> 'runId' = $1 ORDER BY k.batch_id LIMIT 20`,
+          [run.run_id],
+        )
+      ).rows;
+      described.push({ runId: run.run_id, run: row?.run ?? null, receipts: row?.receipts ?? null, keptBatches: kept });
+    } catch (error) {
+      described.push({ runId: run.run_id, error: (error as Error).message });
+    }
+  }
+  return described;
 }
