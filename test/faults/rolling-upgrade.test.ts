@@ -135,7 +135,11 @@ describe('rolling upgrade of the batch contract from version 1 to version 2', ()
       await eventually('every window to be published', async () => (await runRow(bed.pool, runId)).state === 'published', { timeoutMs: 90_000, intervalMs: 250 });
       const requeued = await runReaperCli(['dlq', 'requeue', '--reason', 'unsupported-version', '--limit', '1000', '--json'], bed.processEnv());
       assert.equal(requeued.code, 0, requeued.stdout);
-      assert.equal((JSON.parse(requeued.stdout.slice(requeued.stdout.indexOf('{'))) as { requeued: number }).requeued, deadLettered);
+      // At least what old-3 had refused when it was counted (it may refuse one more version-2 batch in
+      // flight before the gate holds again: CI saw 64 of 63), and nothing left behind.
+      const requeuedCount = (JSON.parse(requeued.stdout.slice(requeued.stdout.indexOf('{'))) as { requeued: number }).requeued;
+      assert.ok(requeuedCount >= deadLettered, `every dead letter requeued (${requeuedCount}, at least ${deadLettered})`);
+      assert.equal(await broker.messageCount(names.deadLetterQueue), 0, 'the dead-letter queue is empty after the requeue');
       await eventually('the run to complete', async () => (await runRow(bed.pool, runId)).state === 'completed', { timeoutMs: 90_000, intervalMs: 250 });
       assert.equal((await runReceipts(bed.pool, runId)).deleted, EXPIRED, 'every expired row deleted once');
       await assertRunDeletedExactlyOnce({ bed, broker, names }, { runId, seeded, scheduler: newScheduler, workers: [new1, new2] });
