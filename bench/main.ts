@@ -219,6 +219,13 @@ function foregroundThrottleOverride(): number | null {
   return n;
 }
 
+/** The results file's mark of figure 7's overrides, e.g. "-batch100-throttle1000". */
+function foregroundSuffix(): string {
+  const batchSize = foregroundBatchOverride();
+  const throttleRate = foregroundThrottleOverride();
+  return `${batchSize === null ? '' : `-batch${batchSize}`}${throttleRate === null ? '' : `-throttle${throttleRate}`}`;
+}
+
 async function measureForeground(context: BenchContext, config: ModeConfig, seed: Seed, report: BenchReport): Promise<void> {
   const batchSize = foregroundBatchOverride();
   const throttleRate = foregroundThrottleOverride();
@@ -350,7 +357,7 @@ async function main(): Promise<number> {
   report.seconds = (Date.now() - started) / 1000;
   report.countsOk = context.checks.every((entry) => entry.ok);
   mkdirSync(RESULTS_DIR, { recursive: true });
-  const base = path.join(RESULTS_DIR, only === 's3' ? `${report.date}-s3-${config.mode}` : `${report.date}-${config.mode}${only ? `-${only}` : ''}${only === 'foreground' && foregroundBatchOverride() !== null ? `-batch${foregroundBatchOverride()}` : ''}${only === 'foreground' && foregroundThrottleOverride() !== null ? `-throttle${foregroundThrottleOverride()}` : ''}${pin ? '-pinned' : ''}`);
+  const base = path.join(RESULTS_DIR, only === 's3' ? `${report.date}-s3-${config.mode}` : `${report.date}-${config.mode}${only ? `-${only}` : ''}${only === 'foreground' ? foregroundSuffix() : ''}${pin ? '-pinned' : ''}`);
   writeFileSync(`${base}.json`, `${JSON.stringify(report, null, 2)}\n`);
   writeFileSync(`${base}.md`, renderMarkdown(report));
   process.stdout.write(`\n${renderText(report)}\n\nwrote ${path.relative(process.cwd(), base)}.json and .md (${report.seconds.toFixed(0)} s)\n`);

@@ -4,6 +4,7 @@ import { runRawDelete } from '../contenders/raw';
 import type { BenchContext, Measured } from '../lib/context';
 import type { CpuSplit } from '../lib/cpu';
 import type { Seed } from '../lib/database';
+import { median } from '../lib/stats';
 import { runReaperEndToEnd, runSchedulerAlone, runStageSplit, SERVICE_NODE_ARGS } from './row-delete';
 
 /**
@@ -48,13 +49,6 @@ export interface CostReport {
 
 /** PostgreSQL backend CPU seconds per 100k rows of one measured window. */
 export const pgPer100k = (cpu: CpuSplit, rows: number): number => (rows > 0 ? (cpu.postgresBackendSeconds / rows) * 100_000 : Number.NaN);
-
-const median = (values: readonly number[]): number => {
-  const sorted = [...values].filter((value) => Number.isFinite(value)).sort((a, b) => a - b);
-  if (sorted.length === 0) return Number.NaN;
-  const middle = Math.floor(sorted.length / 2);
-  return sorted.length % 2 === 1 ? sorted[middle]! : (sorted[middle - 1]! + sorted[middle]!) / 2;
-};
 
 export async function measureCostSize(
   context: BenchContext,

@@ -8,6 +8,7 @@ import { check, checkFinished, reaperEnvironment, type BenchContext } from '../l
 import { cutoffAfterCandidates, type Seed } from '../lib/database';
 import { seatHoldsPolicy, writePolicies } from '../lib/policies';
 import { onDatabaseCpu } from '../lib/pin';
+import { median } from '../lib/stats';
 import { startServices, stopServices, type ReaperService } from '../lib/services';
 import { pollUntil, sleep } from '../lib/wait';
 
@@ -347,11 +348,6 @@ class WalMeter {
 }
 
 /** Deletes every candidate expiring at or before `cutoff` (ISO, microseconds). */
-const median = (values: readonly number[]): number => {
-  const sorted = [...values].sort((a, b) => a - b);
-  return sorted[Math.floor(sorted.length / 2)]!;
-};
-
 type Cleanup = (pool: pg.Pool, cutoff: string) => Promise<{ rows: number; finished: boolean }>;
 
 /** The first `expected` candidates gone once, nothing else: the rest of the candidates and every non-candidate kept (some confirmed by the foreground). */
@@ -505,7 +501,7 @@ async function runPhase(
           ? {
               rateMedian: median(sampler.adaptiveRates),
               rateLowest: Math.min(...sampler.adaptiveRates),
-              pressureMedian: sampler.adaptivePressures.length > 0 ? median(sampler.adaptivePressures) : NaN,
+              pressureMedian: median(sampler.adaptivePressures),
               pressureHighest: sampler.adaptivePressures.length > 0 ? Math.max(...sampler.adaptivePressures) : NaN,
               samples: sampler.adaptiveRates.length,
             }
