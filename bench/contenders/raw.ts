@@ -1,7 +1,7 @@
 import { randomUUID } from 'node:crypto';
 import { performance } from 'node:perf_hooks';
 import pg from 'pg';
-import { PLAN_CACHE_MODE } from '../../shared/db/pool';
+import { ROW_DELETE_PLAN_CACHE_MODE } from '../../shared/db/pool';
 import { expiringRowsDeleteGroupIfStillExpired, targetResolve } from '../../shared/db/queries/expiring-rows';
 import { checkFinished, checkSeatRows, throughput, type BenchContext, type Measured } from '../lib/context';
 import { CpuMeter } from '../lib/cpu';
@@ -57,9 +57,8 @@ export async function runRawDelete(
     };
     for (let i = 0; i < options.clients; i++) {
       const client = await deleters.connect();
-      // As every reaper session plans it (shared/db/pool.ts): without it this diagnostic measured the
-      // generic plan the workers never use (at 2M, 0.25 of the raw DELETE's rate).
-      if (options.statement === 'reaper') await client.query(`SET plan_cache_mode = ${PLAN_CACHE_MODE}`);
+      // As the worker's transaction plans it (shared/db/pool.ts).
+      if (options.statement === 'reaper') await client.query(`SET plan_cache_mode = ${ROW_DELETE_PLAN_CACHE_MODE}`);
       clients.push(client);
     }
 

@@ -4,6 +4,7 @@ import { runRawDelete } from '../contenders/raw';
 import type { BenchContext, Measured } from '../lib/context';
 import type { CpuSplit } from '../lib/cpu';
 import type { Seed } from '../lib/database';
+import { statementsMarkdown, statementsRead, statementsReset, statementsWanted, type StatementCost } from '../lib/statements';
 import { median } from '../lib/stats';
 import { runReaperEndToEnd, runSchedulerAlone, runStageSplit, SERVICE_NODE_ARGS } from './row-delete';
 
@@ -36,6 +37,8 @@ export interface CostSize {
   raw2: number[];
   pgbossBatch: number[];
   raw2RowsPerSecond: number[];
+  /** BENCH_STATEMENTS=1: pg_stat_statements of the last round, per contender, with the rows it deleted. */
+  statements?: Array<{ contender: string; deletedRows: number; statements: StatementCost[] }>;
 }
 
 export interface CostReport {
@@ -63,10 +66,19 @@ export async function measureCostSize(
     raw2RowsPerSecond: [],
   };
   const at = (variant: CostVariant): BenchContext => ({ ...context, reaperBin: variant.bin });
+  // Per-statement figures of the last round only (each contender's database is a fresh copy, so
+  // a reset before it and a read after it see that contender alone).
+  const measureStatements = async <T>(round: number, contender: string, work: () => Promise<T>, deleted: (result: T) => number): Promise<T> => {
+    const wanted = statementsWanted() && round === options.repeats;
+    if (wanted) await statementsReset(context.databases.adminUrl);
+    const result = await work();
+    if (wanted) (size.statements ??= []).push({ contender, deletedRows: deleted(result), statements: await statementsRead(context.databases.adminUrl, context.databases.name) });
+    return result;
+  };
   for (let round = 1; round <= options.repeats; round++) {
     context.progress(`  cost round ${round} of ${options.repeats}`);
     for (const [index, variant] of options.variants.entries()) {
-      const run = await runReaperEndToEnd(at(variant), seed, { batchSize: options.batchSize });
+      const run = await measureStatements(round, `reaper end to end (${variant.label})`, () => runReaperEndToEnd(at(variant), seed, { batchSize: options.batchSize }), (r) => r.endToEnd.rows);
       size.variants[index]!.endToEnd.push(pgPer100k(run.cpu, run.endToEnd.rows));
       size.variants[index]!.endToEndRowsPerSecond.push(run.endToEnd.rowsPerSecond);
       const byApplication = Object.fromEntries(Object.entries(run.cpu.postgresByApplication).map(([name, seconds]) => [name, (seconds / run.endToEnd.rows) * 100_000]));
@@ -74,7 +86,7 @@ export async function measureCostSize(
       const split = Object.entries(byApplication).map(([name, value]) => `${name} ${value.toFixed(3)}`).join(', ');
       context.progress(`    ${variant.label} end to end: ${pgPer100k(run.cpu, run.endToEnd.rows).toFixed(3)} pg s/100k (${split}), ${Math.round(run.endToEnd.rowsPerSecond)} rows/s`);
     }
-    const raw: Measured = await runRawDelete(context, seed, { clients: 2, batchSize: options.batchSize });
+    const raw: Measured = await measureStatements(round, 'raw DELETE, 2 clients', () => runRawDelete(context, seed, { clients: 2, batchSize: options.batchSize }), (r) => r.rows);
     size.raw2.push(pgPer100k(raw.cpu, raw.rows));
     size.raw2RowsPerSecond.push(raw.rowsPerSecond);
     context.progress(`    raw 2 clients: ${pgPer100k(raw.cpu, raw.rows).toFixed(3)} pg s/100k, ${Math.round(raw.rowsPerSecond)} rows/s`);
@@ -82,7 +94,7 @@ export async function measureCostSize(
     size.pgbossBatch.push(pgPer100k(boss.cpu, boss.rows));
     context.progress(`    pg-boss batches: ${pgPer100k(boss.cpu, boss.rows).toFixed(3)} pg s/100k`);
     for (const [index, variant] of options.variants.entries()) {
-      const stages = await runStageSplit(at(variant), seed, { batchSize: options.batchSize });
+      const stages = await measureStatements(round, `reaper scheduler alone, then workers alone (${variant.label})`, () => runStageSplit(at(variant), seed, { batchSize: options.batchSize }), (r) => r.workers.rows);
       size.variants[index]!.workersAlone.push(pgPer100k(stages.workers.cpu, stages.workers.rows));
       size.variants[index]!.schedulerAlone.push(pgPer100k(stages.scheduler.cpu, stages.scheduler.rows));
       context.progress(`    ${variant.label} workers alone: ${pgPer100k(stages.workers.cpu, stages.workers.rows).toFixed(3)} pg s/100k; scheduler alone ${pgPer100k(stages.scheduler.cpu, stages.scheduler.rows).toFixed(3)}`);
@@ -139,6 +151,7 @@ export function renderCostMarkdown(report: CostReport): string {
       lines.push(`- ${variant.label}: end to end ÷ pg-boss batches (pg CPU per row) ${f(median(variant.endToEnd) / median(size.pgbossBatch))}; end-to-end rows/s ${variant.endToEndRowsPerSecond.map((v) => Math.round(v)).join(', ')} (raw 2 clients ${size.raw2RowsPerSecond.map((v) => Math.round(v)).join(', ')})`);
     }
     lines.push('');
+    for (const entry of size.statements ?? []) lines.push(...statementsMarkdown(entry.contender, entry.statements, entry.deletedRows));
   }
   if (report.schedulerMemory.length > 0) {
     lines.push('## Scheduler peak RSS (scheduler alone: scan, publish, confirm)', '', '| build | candidates | peak RSS MB | at rest MB |', '|---|---|---|---|');

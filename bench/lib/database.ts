@@ -35,7 +35,7 @@ export function databaseUrl(adminUrl: string, database: string): string {
   return url.toString();
 }
 
-async function withAdmin<T>(adminUrl: string, work: (client: pg.Client) => Promise<T>): Promise<T> {
+export async function withAdmin<T>(adminUrl: string, work: (client: pg.Client) => Promise<T>): Promise<T> {
   const client = new pg.Client({ connectionString: adminUrl, application_name: 'reaper-bench-admin' });
   await client.connect();
   try {
@@ -53,7 +53,7 @@ export class BenchDatabases {
   private readonly seedName: string;
 
   constructor(
-    private readonly adminUrl: string,
+    readonly adminUrl: string,
     names = benchDatabaseNames(),
   ) {
     this.name = names.bench;

@@ -32,13 +32,16 @@ export function clientQueryTimeoutMs(timeouts: SessionTimeouts): number {
 }
 
 /**
- * Named statements (the row-delete one) are planned for their values at every execution: after
- * five runs PostgreSQL may keep a generic plan, and for the row-delete statement that plan cost
- * 2.4-3x the database CPU per row on a 2M-row backlog (bench, statement alone: 3.4-4.3 CPU s per
- * 100k rows generic, 1.43 custom, raw DELETE 0.7). Parsing is still saved. Every reaper session
- * sets it (makePool); the bench's "statement alone" contender sets it too.
+ * Plans (issue 18). reaper's per-group statements are named (shared/db/queries/prepared.ts): each
+ * connection parses them once. Sessions keep the server's plan_cache_mode (auto), so the admission
+ * take (a primary-key UPDATE) is planned five times and then runs its generic plan. The row-delete
+ * statement's transaction sets ROW_DELETE_PLAN_CACHE_MODE (SET LOCAL, in the BEGIN's own round
+ * trip): auto would keep planning it for its values (the planner rates the generic plan's per-batch
+ * receipt probes dearer than a custom plan's estimate), and that planning was 15% of its time;
+ * its generic plan is the good one (primary-key probes throughout; test/integration/statement-plans).
+ * Before, every session forced custom plans, which cost 0.9 ms of planning per admission take.
  */
-export const PLAN_CACHE_MODE = 'force_custom_plan';
+export const ROW_DELETE_PLAN_CACHE_MODE = 'force_generic_plan';
 
 export function makePool(
   connectionString: string,
@@ -57,8 +60,6 @@ export function makePool(
     lock_timeout: timeouts.lockTimeoutMs,
     // A transaction left open by a bug or a frozen process must not hold locks forever either.
     idle_in_transaction_session_timeout: Math.max(timeouts.statementTimeoutMs, 60_000),
-    // PLAN_CACHE_MODE: sent as a session parameter at connect time.
-    options: `-c plan_cache_mode=${PLAN_CACHE_MODE}`,
     // A stalled link: see CLIENT_TIMEOUT_MARGIN_MS. A query that times out here leaves its client
     // unusable; withTransaction's ROLLBACK then fails and the client is discarded, and pool.query
     // releases a failed client as broken, so the next query opens a fresh connection.
@@ -80,17 +81,19 @@ export function makePool(
 
 /**
  * Runs `work` in one transaction on one pooled client. Commits when it returns, rolls back when it
- * throws. `beforeCommit` runs after the work and before COMMIT (the failpoint for crash tests).
+ * throws. `beforeCommit` runs after the work and before COMMIT (the failpoint for crash tests);
+ * `planCacheMode` holds for this transaction only.
  */
 export async function withTransaction<T>(
   pool: pg.Pool,
   work: (client: pg.PoolClient) => Promise<T>,
-  hooks: { beforeCommit?: () => void } = {},
+  hooks: { beforeCommit?: () => void; planCacheMode?: typeof ROW_DELETE_PLAN_CACHE_MODE } = {},
 ): Promise<T> {
   const client = await pool.connect();
   let broken = false;
   try {
-    await client.query('BEGIN');
+    // One simple-protocol message either way: the SET LOCAL costs no extra round trip.
+    await client.query(hooks.planCacheMode ? `BEGIN; SET LOCAL plan_cache_mode = ${hooks.planCacheMode}` : 'BEGIN');
     const result = await work(client);
     hooks.beforeCommit?.();
     await client.query('COMMIT');

@@ -2,7 +2,7 @@ import { overrideFor, rowAdmissionWith } from '../../../shared/admission/overrid
 import { admitRows, maxRowsPerStatement, noteRowStatement, takeRowSlot, untilRowSlot } from '../../../shared/admission/rows';
 import { eventsEnabled, policyVersion, type RowDeletePolicy } from '../../../shared/config/policies';
 import type { BatchV1 } from '../../../shared/contracts/batch';
-import { withTransaction } from '../../../shared/db/pool';
+import { ROW_DELETE_PLAN_CACHE_MODE, withTransaction } from '../../../shared/db/pool';
 import { expiringRowsDeleteGroupIfStillExpired, type GroupBatchOutcome, type ResolvedTarget } from '../../../shared/db/queries/expiring-rows';
 import { classifyHandlerError } from '../errors';
 import { makeOutboxLimitCheck, OUTBOX_FULL_REASON, OUTBOX_FULL_RETRY_MS } from '../outbox-limit';
@@ -71,7 +71,8 @@ export function makeRowDeleteGroupHandler(policy: RowDeletePolicy, target: Resol
             });
           },
           // Between the statement and COMMIT: a crash here loses the transaction, never half of it.
-          { beforeCommit: () => context.failpoint('before-commit') },
+          // Its generic plan, deterministically (shared/db/pool.ts ROW_DELETE_PLAN_CACHE_MODE).
+          { beforeCommit: () => context.failpoint('before-commit'), planCacheMode: ROW_DELETE_PLAN_CACHE_MODE },
         ),
       { until: holdUntil, stopping: context.stopping },
     );

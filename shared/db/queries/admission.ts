@@ -2,6 +2,7 @@ import type { Db } from '../pool';
 import type { ResolvedTarget } from './expiring-rows';
 import { rowHeldSql, stillEligibleSql, type ClaimedOperation } from './ledger';
 import { SERVER_STANDBY_LAG_CTES } from './replication';
+import { prepared } from './prepared';
 
 /**
  * Global admission per policy (cleanup_admission): one row, locked for the few milliseconds of a
@@ -358,6 +359,14 @@ export async function admissionRowsTake(
   },
 ): Promise<RowsTakeOutcome> {
   const adaptive = take.adaptive ?? null;
+  // Only a policy with a brake reads the standbys: the lag CTEs (three catalog views) were most of
+  // this statement's parsing and planning, and it runs once per deleting group (bench, issue 18).
+  const braked = take.maxLagSeconds !== null;
+  const lagCtes = braked ? `${SERVER_STANDBY_LAG_CTES('$6::text[]')}, ` : '';
+  const lagSeconds = braked ? '(SELECT seconds FROM lag)' : '0::float8';
+  const lagUnknown = braked ? '(SELECT unknown FROM lag)' : `'{}'::text[]`;
+  const lagUnknownCount = braked ? '(SELECT cardinality(unknown) FROM lag)' : '0';
+  // Named: parsed once per connection, and (a plain primary-key UPDATE) planned once too.
   const result = await db.query<{
     admitted: boolean;
     tokens: number;
@@ -373,7 +382,7 @@ export async function admissionRowsTake(
     others_waiting: number;
     others_present: number;
   }>(
-    `WITH ${SERVER_STANDBY_LAG_CTES('$6::text[]')}, cur AS (
+    prepared(braked ? 'admission_take_braked' : 'admission_take', `WITH ${lagCtes}cur AS (
        SELECT a.*, clock_timestamp() AS at_now,
               $8::boolean AND (a.adapted_at IS NULL OR ($10::float8 IS NOT NULL AND a.adapted_at = $11::timestamptz)) AS stepped
        FROM cleanup_admission a WHERE policy = $1 FOR UPDATE
@@ -387,7 +396,7 @@ export async function admissionRowsTake(
        SELECT least($2::float8, tokens + greatest(0, extract(epoch FROM at_now - refilled_at))
                 * CASE WHEN $8::boolean THEN least(coalesce($3::float8, 'infinity'::float8), next_rate) ELSE $3::float8 END) AS tokens,
               greatest(at_now, refilled_at) AS at, at_now, paused, stepped, next_rate, adapted_at, adaptive_admitted, adaptive_pressure,
-              $5::float8 IS NOT NULL AND ((SELECT seconds FROM lag) > $5::float8 OR ($7::boolean AND (SELECT cardinality(unknown) FROM lag) > 0)) AS braked
+              $5::float8 IS NOT NULL AND (${lagSeconds} > $5::float8 OR ($7::boolean AND ${lagUnknownCount} > 0)) AS braked
        FROM rated
      ), decided AS (
        SELECT b.*, NOT b.paused AND NOT b.braked AND b.tokens >= least($4::float8, $2::float8) AS admitted FROM b
@@ -407,7 +416,7 @@ export async function admissionRowsTake(
          AND s.state IN ('active', 'idle in transaction', 'idle in transaction (aborted)') AND coalesce(s.application_name, '') NOT LIKE 'reaper%'
      ) others
      WHERE a.policy = $1
-     RETURNING d.admitted, a.tokens, d.paused, (SELECT seconds FROM lag) AS lag, (SELECT unknown FROM lag) AS unknown, d.braked,
+     RETURNING d.admitted, a.tokens, d.paused, ${lagSeconds} AS lag, ${lagUnknown} AS unknown, d.braked, $6::text[] AS standbys,
        a.adaptive_rate, reaper_iso(a.adapted_at) AS adapted_at, extract(epoch FROM d.at_now - a.adapted_at)::float8 AS since_step,
        a.adaptive_admitted AS admitted_since, a.adaptive_pressure AS pressure,
        others.waiting AS others_waiting, others.present AS others_present`,
@@ -425,7 +434,7 @@ export async function admissionRowsTake(
       adaptive?.proposal?.seenAdaptedAt ?? null,
       adaptive?.proposal?.pressure ?? null,
     ],
-  );
+  ));
   const row = result.rows[0];
   if (!row) return { admitted: false, tokens: 0, paused: false, replicationLagSeconds: 0, unknownStandbys: [], braked: false, adaptive: null };
   return {
