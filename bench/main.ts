@@ -334,7 +334,17 @@ async function main(): Promise<number> {
     if (only === 'cost') {
       // BENCH_COST_MEMORY_AT=none skips the scheduler-memory part.
       const memoryAt = process.env.BENCH_COST_MEMORY_AT?.split(',').map(Number).filter((n) => Number.isInteger(n) && n > 0);
-      const cost = await runCostFigure(context, { mode: config.mode, sizes: config.sizes, batchSize: config.batchSize, repeats: config.repeats, pgboss: PGBOSS_BATCH, ...(memoryAt ? { memoryAt } : {}) });
+      // BENCH_COST_SIZES=n[,n] and BENCH_COST_ROUNDS=k: other sizes and rounds than the mode's (a diagnostic).
+      const sizes = process.env.BENCH_COST_SIZES?.split(',').map(Number).filter((n) => Number.isInteger(n) && n > 0 && n % 2 === 0);
+      const rounds = Number(process.env.BENCH_COST_ROUNDS);
+      const cost = await runCostFigure(context, {
+        mode: config.mode,
+        sizes: sizes && sizes.length > 0 ? sizes : config.sizes,
+        batchSize: config.batchSize,
+        repeats: Number.isInteger(rounds) && rounds > 0 ? rounds : config.repeats,
+        pgboss: PGBOSS_BATCH,
+        ...(memoryAt ? { memoryAt } : {}),
+      });
       mkdirSync(RESULTS_DIR, { recursive: true });
       const base = path.join(RESULTS_DIR, `${cost.date}-cost-${config.mode}${process.env.BENCH_COST_LABEL ? `-${process.env.BENCH_COST_LABEL}` : ''}`);
       writeCostReport(base, cost);

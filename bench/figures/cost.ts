@@ -4,7 +4,7 @@ import { runRawDelete } from '../contenders/raw';
 import type { BenchContext, Measured } from '../lib/context';
 import type { CpuSplit } from '../lib/cpu';
 import type { Seed } from '../lib/database';
-import { statementsMarkdown, statementsRead, statementsReset, statementsWanted, type StatementCost } from '../lib/statements';
+import { relationBlocksMarkdown, relationBlocksRead, statementsMarkdown, statementsRead, statementsReset, statementsWanted, type RelationBlocks, type StatementCost } from '../lib/statements';
 import { median } from '../lib/stats';
 import { runReaperEndToEnd, runSchedulerAlone, runStageSplit, SERVICE_NODE_ARGS } from './row-delete';
 
@@ -38,7 +38,7 @@ export interface CostSize {
   pgbossBatch: number[];
   raw2RowsPerSecond: number[];
   /** BENCH_STATEMENTS=1: pg_stat_statements of the last round, per contender, with the rows it deleted. */
-  statements?: Array<{ contender: string; deletedRows: number; statements: StatementCost[] }>;
+  statements?: Array<{ contender: string; deletedRows: number; statements: StatementCost[]; relations: RelationBlocks[] }>;
 }
 
 export interface CostReport {
@@ -72,7 +72,10 @@ export async function measureCostSize(
     const wanted = statementsWanted() && round === options.repeats;
     if (wanted) await statementsReset(context.databases.adminUrl);
     const result = await work();
-    if (wanted) (size.statements ??= []).push({ contender, deletedRows: deleted(result), statements: await statementsRead(context.databases.adminUrl, context.databases.name) });
+    if (wanted) {
+      const statements = await statementsRead(context.databases.adminUrl, context.databases.name);
+      (size.statements ??= []).push({ contender, deletedRows: deleted(result), statements, relations: await relationBlocksRead(context.databases.url) });
+    }
     return result;
   };
   for (let round = 1; round <= options.repeats; round++) {
@@ -151,7 +154,7 @@ export function renderCostMarkdown(report: CostReport): string {
       lines.push(`- ${variant.label}: end to end ÷ pg-boss batches (pg CPU per row) ${f(median(variant.endToEnd) / median(size.pgbossBatch))}; end-to-end rows/s ${variant.endToEndRowsPerSecond.map((v) => Math.round(v)).join(', ')} (raw 2 clients ${size.raw2RowsPerSecond.map((v) => Math.round(v)).join(', ')})`);
     }
     lines.push('');
-    for (const entry of size.statements ?? []) lines.push(...statementsMarkdown(entry.contender, entry.statements, entry.deletedRows));
+    for (const entry of size.statements ?? []) lines.push(...statementsMarkdown(entry.contender, entry.statements, entry.deletedRows), ...relationBlocksMarkdown(entry.relations, entry.deletedRows));
   }
   if (report.schedulerMemory.length > 0) {
     lines.push('## Scheduler peak RSS (scheduler alone: scan, publish, confirm)', '', '| build | candidates | peak RSS MB | at rest MB |', '|---|---|---|---|');
