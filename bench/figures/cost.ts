@@ -33,10 +33,11 @@ export interface CostRound {
 export interface CostSize {
   candidates: number;
   /** PostgreSQL backend CPU s per 100k deleted rows, per round. */
-  variants: Array<{ label: string; endToEnd: number[]; workersAlone: number[]; endToEndRowsPerSecond: number[]; endToEndByApplication: Array<Record<string, number>>; schedulerAlone: number[] }>;
+  variants: Array<{ label: string; endToEnd: number[]; workersAlone: number[]; endToEndRowsPerSecond: number[]; workersAloneRowsPerSecond: number[]; endToEndByApplication: Array<Record<string, number>>; schedulerAlone: number[] }>;
   raw2: number[];
   pgbossBatch: number[];
   raw2RowsPerSecond: number[];
+  pgbossBatchRowsPerSecond: number[];
   /** BENCH_STATEMENTS=1: pg_stat_statements of the last round, per contender, with the rows it deleted. */
   statements?: Array<{ contender: string; deletedRows: number; statements: StatementCost[]; relations: RelationBlocks[] }>;
 }
@@ -60,10 +61,11 @@ export async function measureCostSize(
 ): Promise<CostSize> {
   const size: CostSize = {
     candidates: seed.candidates,
-    variants: options.variants.map((variant) => ({ label: variant.label, endToEnd: [], workersAlone: [], endToEndRowsPerSecond: [], endToEndByApplication: [], schedulerAlone: [] })),
+    variants: options.variants.map((variant) => ({ label: variant.label, endToEnd: [], workersAlone: [], endToEndRowsPerSecond: [], workersAloneRowsPerSecond: [], endToEndByApplication: [], schedulerAlone: [] })),
     raw2: [],
     pgbossBatch: [],
     raw2RowsPerSecond: [],
+    pgbossBatchRowsPerSecond: [],
   };
   const at = (variant: CostVariant): BenchContext => ({ ...context, reaperBin: variant.bin });
   // Per-statement figures of the last round only (each contender's database is a fresh copy, so
@@ -95,11 +97,13 @@ export async function measureCostSize(
     context.progress(`    raw 2 clients: ${pgPer100k(raw.cpu, raw.rows).toFixed(3)} pg s/100k, ${Math.round(raw.rowsPerSecond)} rows/s`);
     const boss = await runPgBoss(context, seed, { ...options.pgboss, batchSize: options.batchSize });
     size.pgbossBatch.push(pgPer100k(boss.cpu, boss.rows));
+    size.pgbossBatchRowsPerSecond.push(boss.rowsPerSecond);
     context.progress(`    pg-boss batches: ${pgPer100k(boss.cpu, boss.rows).toFixed(3)} pg s/100k`);
     for (const [index, variant] of options.variants.entries()) {
       const stages = await measureStatements(round, `reaper scheduler alone, then workers alone (${variant.label})`, () => runStageSplit(at(variant), seed, { batchSize: options.batchSize }), (r) => r.workers.rows);
       size.variants[index]!.workersAlone.push(pgPer100k(stages.workers.cpu, stages.workers.rows));
       size.variants[index]!.schedulerAlone.push(pgPer100k(stages.scheduler.cpu, stages.scheduler.rows));
+      size.variants[index]!.workersAloneRowsPerSecond.push(stages.workers.rowsPerSecond);
       context.progress(`    ${variant.label} workers alone: ${pgPer100k(stages.workers.cpu, stages.workers.rows).toFixed(3)} pg s/100k; scheduler alone ${pgPer100k(stages.scheduler.cpu, stages.scheduler.rows).toFixed(3)}`);
     }
   }
@@ -152,6 +156,12 @@ export function renderCostMarkdown(report: CostReport): string {
       const split = names.map((name) => `${name} ${f(median(variant.endToEndByApplication.map((entry) => entry[name] ?? 0)))}`).join(', ');
       lines.push(`- ${variant.label}: end to end by backend (pg s/100k, median): ${split}`);
       lines.push(`- ${variant.label}: end to end ÷ pg-boss batches (pg CPU per row) ${f(median(variant.endToEnd) / median(size.pgbossBatch))}; end-to-end rows/s ${variant.endToEndRowsPerSecond.map((v) => Math.round(v)).join(', ')} (raw 2 clients ${size.raw2RowsPerSecond.map((v) => Math.round(v)).join(', ')})`);
+      // Throughput, same rounds (issue 18's figure 1 and 2 targets): medians, then every round.
+      const rate = (values: readonly number[]): string => `${Math.round(median(values)).toLocaleString('en-US')} (${values.map((v) => Math.round(v)).join(', ')})`;
+      lines.push(
+        `- ${variant.label}: rows/s, median (rounds): end to end ${rate(variant.endToEndRowsPerSecond)}, workers alone ${rate(variant.workersAloneRowsPerSecond)}, raw 2 clients ${rate(size.raw2RowsPerSecond)}, pg-boss batches ${rate(size.pgbossBatchRowsPerSecond)}; ` +
+          `workers alone ÷ raw ${f(median(variant.workersAloneRowsPerSecond) / median(size.raw2RowsPerSecond))}, end to end ÷ pg-boss ${f(median(variant.endToEndRowsPerSecond) / median(size.pgbossBatchRowsPerSecond))}`,
+      );
     }
     lines.push('');
     for (const entry of size.statements ?? []) lines.push(...statementsMarkdown(entry.contender, entry.statements, entry.deletedRows), ...relationBlocksMarkdown(entry.relations, entry.deletedRows));
