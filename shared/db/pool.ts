@@ -38,7 +38,7 @@ export function clientQueryTimeoutMs(timeouts: SessionTimeouts): number {
  * statement's transaction sets ROW_DELETE_PLAN_CACHE_MODE (SET LOCAL, in the BEGIN's own round
  * trip): auto would keep planning it for its values (the planner rates the generic plan's per-batch
  * receipt probes dearer than a custom plan's estimate), and that planning was 15% of its time;
- * its generic plan is the good one (primary-key probes throughout; test/integration/statement-plans).
+ * its generic plan is a good one (index probes throughout; test/integration/statement-plans).
  * Before, every session forced custom plans, which cost 0.9 ms of planning per admission take.
  */
 export const ROW_DELETE_PLAN_CACHE_MODE = 'force_generic_plan';

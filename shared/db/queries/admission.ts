@@ -416,7 +416,9 @@ export async function admissionRowsTake(
          AND s.state IN ('active', 'idle in transaction', 'idle in transaction (aborted)') AND coalesce(s.application_name, '') NOT LIKE 'reaper%'
      ) others
      WHERE a.policy = $1
-     RETURNING d.admitted, a.tokens, d.paused, ${lagSeconds} AS lag, ${lagUnknown} AS unknown, d.braked, $6::text[] AS standbys,
+     RETURNING d.admitted, a.tokens, d.paused, ${lagSeconds} AS lag, ${lagUnknown} AS unknown, d.braked,
+       -- Named so that $6 has a type in the text without the lag CTEs (unused by the caller).
+       $6::text[] AS standbys,
        a.adaptive_rate, reaper_iso(a.adapted_at) AS adapted_at, extract(epoch FROM d.at_now - a.adapted_at)::float8 AS since_step,
        a.adaptive_admitted AS admitted_since, a.adaptive_pressure AS pressure,
        others.waiting AS others_waiting, others.present AS others_present`,

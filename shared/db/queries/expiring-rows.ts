@@ -298,8 +298,9 @@ export async function expiringRowsDeleteGroupIfStillExpired(
        -- deletion is counted by exactly one receipt (a row re-inserted with the same key and
        -- expiry after the first delivery is left for the next run to find).
        -- OFFSET 0 keeps this a per-batch primary-key probe in the statement's generic plan: pulled
-       -- up into an anti-join, the generic plan (10 batches estimated) hashed the whole receipts
-       -- table at every execution, 2.4-3x the CPU per row at 2M rows (issue 18).
+       -- up into an anti-join, a generic plan made while the receipts table was small hashes all
+       -- of it at every execution as it grows (the likeliest cause of the 2.4-3x CPU per row a
+       -- generic plan cost at 2M before; issue 18).
        SELECT b.* FROM b WHERE NOT EXISTS (SELECT 1 FROM cleanup_batches done WHERE done.batch_id = b.batch_id OFFSET 0)
      ), removed AS (
        DELETE FROM ${table} t
