@@ -63,7 +63,7 @@ export interface RelationBlocks {
   read: number;
 }
 
-/** Every table's heap and every index's buffers hit and read in `databaseUrl` (pg_statio_user_*). */
+/** Every table's heap and every index's buffers hit and read in `databaseUrl` (pg_statio_user_*; the bench database itself, read with the admin helper's one-client connection). */
 export async function relationBlocksRead(databaseUrl: string): Promise<RelationBlocks[]> {
   return withAdmin(databaseUrl, async (client) => {
     const result = await client.query<{ relation: string; hit: string; read: string }>(
@@ -79,11 +79,11 @@ export async function relationBlocksRead(databaseUrl: string): Promise<RelationB
 /** A Markdown table of the statements per 100k deleted rows: ms of execution and planning, calls. */
 export function statementsMarkdown(title: string, statements: readonly StatementCost[], deletedRows: number, top = 15): string[] {
   const per = (value: number): string => ((value / deletedRows) * 100_000).toFixed(1);
+  const perRow = (value: number): string => (value / deletedRows).toFixed(2);
   const totalMs = statements.reduce((sum, s) => sum + s.execMs + s.planMs, 0);
   const lines = [`### ${title}: ${per(totalMs)} ms per 100k rows in all, ${statements.length} statements`, '', '| statement | calls / 100k rows | exec ms / 100k | plan ms / 100k | share | buffers hit / read / dirtied / written per row | WAL full pages / 100k |', '|---|---|---|---|---|---|---|'];
   for (const s of statements.slice(0, top)) {
     const text = s.query.replace(/\s+/g, ' ').replace(/\|/g, '\\|').slice(0, 160);
-    const perRow = (value: number): string => (value / deletedRows).toFixed(2);
     lines.push(`| \`${text}\` | ${per(s.calls)} | ${per(s.execMs)} | ${per(s.planMs)} | ${(((s.execMs + s.planMs) / totalMs) * 100).toFixed(1)}% | ${perRow(s.blocksHit)} / ${perRow(s.blocksRead)} / ${perRow(s.blocksDirtied)} / ${perRow(s.blocksWritten)} | ${per(s.walFpi)} |`);
   }
   lines.push('');
