@@ -1,11 +1,11 @@
-import { spawn, type ChildProcess } from 'node:child_process';
+import { execFileSync, spawn, type ChildProcess } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
 import { readdirSync, readFileSync, writeFileSync } from 'node:fs';
 import path from 'node:path';
 import pg from 'pg';
 import { runsInsertIfAbsent, type RunState } from '../../shared/db/queries/runs';
 import { check, checkFinished, reaperEnvironment, type BenchContext } from '../lib/context';
-import { cutoffAfterCandidates, type Seed } from '../lib/database';
+import { cutoffAfterCandidates, withAdmin, type Seed } from '../lib/database';
 import { seatHoldsPolicy, writePolicies } from '../lib/policies';
 import { onDatabaseCpu } from '../lib/pin';
 import { median } from '../lib/stats';
@@ -72,7 +72,7 @@ export interface ForegroundLatency {
 }
 
 export interface ForegroundPhase {
-  name: 'reaper unthrottled' | 'reaper throttled' | 'reaper adaptive' | 'single DELETE' | 'batched DELETE loop';
+  name: 'reaper unthrottled' | 'reaper throttled' | 'reaper adaptive' | 'single DELETE' | 'batched DELETE loop' | 'no cleanup';
   /** The foreground's statements/s during this phase (ForegroundOptions.ratePerSecond, or the quiet rate). */
   ratePerSecond: number;
   cleanup: { rows: number; seconds: number; rowsPerSecond: number };
@@ -395,6 +395,18 @@ const singleDelete: Cleanup = async (pool, cutoff) => {
   return { rows: result.rowCount ?? 0, finished: true };
 };
 
+/**
+ * The control: no cleanup at all, for as long as a baseline. Its "p99 / alone just before" is the
+ * ratio's own noise on this machine at this moment (two windows of the same foreground, one after
+ * the other): a contender's ratio means something only where it stands clear of this one.
+ */
+function noCleanup(options: ForegroundOptions): Cleanup {
+  return async () => {
+    await sleep(options.baselineSeconds * 1000);
+    return { rows: 0, finished: true };
+  };
+}
+
 function batchedLoop(context: BenchContext, batchSize: number): Cleanup {
   return async (pool, cutoff) => {
     const deadline = Date.now() + context.boundMs;
@@ -417,6 +429,17 @@ function pgbenchMaxSeconds(context: BenchContext, options: ForegroundOptions): n
   return options.baselineSeconds + context.boundMs / 1000 + 60;
 }
 
+/**
+ * Before each phase: the previous phase's writes (and the database copy) flushed, by PostgreSQL
+ * (CHECKPOINT) and by the kernel (sync). Without it a phase inherits the last one's write-back: the
+ * control phase (no cleanup at all) once saw its p99 at 65x the window before it, from one stall of
+ * about 200 ms (bench/results/2026-12-02-quick-foreground-control-pinned.md).
+ */
+async function settleWrites(context: BenchContext): Promise<void> {
+  await withAdmin(context.databases.adminUrl, (admin) => admin.query('CHECKPOINT'));
+  execFileSync('sync');
+}
+
 /** Warm-up before a measured window, and a tail after it (longer than pgbench's unflushed log buffer). */
 const WARM_UP_MS = 1000;
 const TAIL_MS = 1500;
@@ -433,6 +456,7 @@ async function runPhase(
 ): Promise<ForegroundPhase> {
   const label = `${name.replace(/\W+/g, '-')}-${ratePerSecond}`;
   await context.databases.fresh();
+  await settleWrites(context);
   if (reaperPolicy) await context.broker.preparePhase([FOREGROUND_POLICY]);
   const pool = context.databases.pool(2, 'bench-observer');
   const samplerClient = new pg.Client({ connectionString: context.databases.url, application_name: 'bench-sampler' });
@@ -483,7 +507,7 @@ async function runPhase(
     await stopServices(services);
     const seconds = (endedMs - startedMs) / 1000;
     const figure = `foreground: ${name} (foreground ${ratePerSecond}/s), ${options.rows} of ${seed.candidates} candidates`;
-    if (checkFinished(context, figure, result.finished)) await checkCounts(context, figure, seed, pool, options.rows, result.rows);
+    if (checkFinished(context, figure, result.finished) && name !== 'no cleanup') await checkCounts(context, figure, seed, pool, options.rows, result.rows);
     return {
       name,
       ratePerSecond,
@@ -537,6 +561,7 @@ export async function runForeground(context: BenchContext, seed: Seed, options: 
     ['single DELETE', singleDelete, null, busy],
     ['batched DELETE loop', batchedLoop(context, options.loopBatchSize), null, busy],
   ];
+  if (options.foreground) plans.push(['no cleanup', noCleanup(options), null, busy]);
   if (options.foreground) {
     plans.push(['reaper unthrottled', reaperCleanup(context), { admission: { adaptive: false } }, options.quietRatePerSecond]);
     plans.push(['reaper adaptive', reaperCleanup(context), {}, options.quietRatePerSecond]);

@@ -197,10 +197,19 @@ function foregroundRows(f: ForegroundFigure, add: (figure: string, measure: stri
         return "one DELETE ... WHERE expires_at <= cutoff AND status = 'held' (a pg_cron job)";
       case 'batched DELETE loop':
         return `batched DELETE loop, ${f.loopBatchSize} per statement, 1 connection`;
+      case 'no cleanup':
+        return 'no cleanup (control: the foreground alone again; its ratios are the noise of two windows)';
     }
   };
   const at = (phase: ForegroundPhase): string => (phase.ratePerSecond === f.ratePerSecond ? '' : ` [foreground ${phase.ratePerSecond}/s]`);
   for (const phase of f.phases) {
+    if (phase.name === 'no cleanup') {
+      if (phase.foreground && phase.baseline) {
+        add('7', `${describe(phase)}${at(phase)}: p50 / alone just before (${number(phase.foreground.p50Ms, 2)} / ${number(phase.baseline.p50Ms, 2)} ms; ${phase.foreground.transactions} / ${phase.baseline.transactions} tx)`, '', ratio(phase.foreground.p50Ms / phase.baseline.p50Ms));
+        add('7', `  p99 / alone just before, no cleanup (${number(phase.foreground.p99Ms, 2)} / ${number(phase.baseline.p99Ms, 2)} ms)`, '', ratio(phase.foreground.p99Ms / phase.baseline.p99Ms), '(noise)');
+      }
+      continue;
+    }
     add('7', `${describe(phase)}${at(phase)}: cleanup rate (${count(phase.cleanup.rows)} rows in ${number(phase.cleanup.seconds, 1)} s)`, rate({ ...phase.cleanup, bounded: false }));
     if (phase.foreground && phase.baseline) {
       const p50 = phase.foreground.p50Ms / phase.baseline.p50Ms;

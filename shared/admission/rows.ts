@@ -3,7 +3,7 @@ import type { RowDeletePolicy } from '../config/policies';
 import type { Db, Pool } from '../db/pool';
 import { admissionRowsEnsure, admissionRowsSlotTry, admissionRowsTake, type AdaptiveRowsState, type AdaptiveRowsTake } from '../db/queries/admission';
 import { replicationLagRead, replicationLagReadable } from '../db/queries/replication';
-import { adaptiveStartRate, adaptRate, ADAPTIVE, latencyObserve, NO_READING, othersPresentObserve, othersWaitingObserve, pressureOf, type LatencyReading } from './adaptive';
+import { adaptiveStartRate, adaptRate, ADAPTIVE, latencyObserve, NO_READING, othersPresentObserve, othersWaitingObserve, pressureOf, statementRows, type LatencyReading } from './adaptive';
 import { overrideFor, rowAdmissionWith, type RowAdmission } from './overrides';
 
 /**
@@ -163,13 +163,14 @@ export function noteRowStatement(pool: Pool, policy: RowDeletePolicy, sample: { 
 
 /**
  * The most rows one deleting statement (a chunk of a coalesced group) may take: throttled, one
- * bucket (the burst); adaptive with no rate set, what the shared rate admits in
- * ADAPTIVE.statementSeconds as this worker last read it (at least one batch); otherwise no limit.
+ * bucket (the burst); adaptive with no rate set, statementRows (one batch while other clients share
+ * the database; alone, what the shared rate admits in ADAPTIVE.statementSeconds as this worker last
+ * read it); otherwise no limit.
  */
 export function maxRowsPerStatement(pool: Pool, policy: RowDeletePolicy, inForce: RowAdmission): number {
   if (inForce.rowsPerSecond !== null) return inForce.burst;
-  const seen = adaptiveAdmission(policy) ? observers.get(pool)?.get(policy.name)?.seen : null;
-  return seen ? Math.max(policy.batchSize, seen.state.rate * ADAPTIVE.statementSeconds) : Number.POSITIVE_INFINITY;
+  const observer = adaptiveAdmission(policy) ? observers.get(pool)?.get(policy.name) : undefined;
+  return observer?.seen ? statementRows(observer.reading, observer.seen.state.rate, policy.batchSize) : Number.POSITIVE_INFINITY;
 }
 
 /**

@@ -5,7 +5,7 @@
  */
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
-import { ADAPTIVE, adaptiveStartRate, adaptRate, latencyObserve, NO_READING, othersPresentObserve, othersWaitingObserve, pressureOf, type LatencyReading } from '../../shared/admission/adaptive';
+import { ADAPTIVE, adaptiveStartRate, adaptRate, latencyObserve, NO_READING, othersPresentObserve, othersWaitingObserve, pressureOf, statementRows, type LatencyReading } from '../../shared/admission/adaptive';
 import { ConfigError } from '../../shared/config/errors';
 import { parsePolicies, type RowDeletePolicy } from '../../shared/config/policies';
 import { adaptiveAdmission } from '../../shared/admission/rows';
@@ -125,6 +125,19 @@ test("reaper's own latency counts in the measure others share the database: alon
   // An application seen in a few samples of a hundred (about 30 statements/s) is enough to count it in full.
   for (let i = 0; i < 100; i++) shared = othersPresentObserve(shared, i % 15 === 0);
   assert.ok(pressureOf(shared)! >= ADAPTIVE.backOffAbove, `an application present: pressure ${pressureOf(shared)}`);
+});
+
+test('statement size: alone, what the rate admits in statementSeconds (at least one batch); shared with an application or not known yet, one batch', () => {
+  const batchSize = 500;
+  assert.equal(statementRows(NO_READING, 30_000, batchSize), batchSize, 'no presence read yet: one batch');
+  let alone = NO_READING;
+  for (let i = 0; i < 100; i++) alone = othersPresentObserve(alone, false);
+  assert.equal(statementRows(alone, 30_000, batchSize), 30_000 * ADAPTIVE.statementSeconds, 'alone at 30,000 rows/s: 3,000 rows');
+  assert.equal(statementRows(alone, 1_000, batchSize), batchSize, 'alone at a low rate: still at least one batch');
+  let shared = alone;
+  for (let i = 0; i < 100; i++) shared = othersPresentObserve(shared, i % 10 === 0);
+  assert.ok(shared.othersPresent! >= ADAPTIVE.presenceFull, `presence ${shared.othersPresent}`);
+  assert.equal(statementRows(shared, 30_000, batchSize), batchSize, 'an application present: one batch, whatever the rate');
 });
 
 test('policies: adaptive is on unless `admission: { adaptive: false }`; a wrong value is refused naming the field', () => {
