@@ -3,7 +3,7 @@ import type { RowDeletePolicy } from '../config/policies';
 import type { Db, Pool } from '../db/pool';
 import { admissionRowsEnsure, admissionRowsSlotTry, admissionRowsTake, type AdaptiveRowsState, type AdaptiveRowsTake } from '../db/queries/admission';
 import { replicationLagRead, replicationLagReadable } from '../db/queries/replication';
-import { adaptiveStartRate, adaptRate, ADAPTIVE, latencyObserve, NO_READING, othersPresentObserve, othersWaitingObserve, pressureOf, statementRows, type LatencyReading } from './adaptive';
+import { adaptiveStartRate, adaptRate, ADAPTIVE, latencyObserve, NO_READING, othersActiveObserve, othersPresentObserve, othersWaitingObserve, pressureOf, statementRows, type LatencyReading } from './adaptive';
 import { overrideFor, rowAdmissionWith, type RowAdmission } from './overrides';
 
 /**
@@ -45,6 +45,7 @@ interface Gauges {
   rate: Gauge<'policy'>;
   latencyRatio: Gauge<'policy'>;
   othersWaiting: Gauge<'policy'>;
+  othersActive: Gauge<'policy'>;
 }
 const gaugesByRegistry = new WeakMap<Registry, Gauges>();
 
@@ -80,6 +81,12 @@ export function brakeGauges(registry: Registry): Gauges {
       othersWaiting: new Gauge({
         name: 'reaper_row_admission_others_waiting',
         help: 'row-delete adaptive admission: smoothed count of other client backends of the database seen waiting on a lock or on IO at admission (pg_stat_activity)',
+        labelNames: ['policy'],
+        registers: [registry],
+      }),
+      othersActive: new Gauge({
+        name: 'reaper_row_admission_others_active',
+        help: "row-delete adaptive admission: smoothed count of other client backends of the database seen running a statement at admission (pg_stat_activity): the share of the database's time the application keeps it busy (the rate backs off above 0.17)",
         labelNames: ['policy'],
         registers: [registry],
       }),
@@ -274,10 +281,11 @@ export async function admitRows(
       let rate = admission.rowsPerSecond ?? ADAPTIVE.maxRowsPerSecond;
       if (observer && take.adaptive) {
         observer.seen = { state: take.adaptive, at };
-        observer.reading = othersPresentObserve(othersWaitingObserve(observer.reading, take.adaptive.othersWaiting), take.adaptive.othersPresent > 0);
+        observer.reading = othersPresentObserve(othersActiveObserve(othersWaitingObserve(observer.reading, take.adaptive.othersWaiting), take.adaptive.othersActive), take.adaptive.othersPresent > 0);
         rate = Math.min(rate, take.adaptive.rate);
         gauges?.latencyRatio.set({ policy: policy.name }, observer.reading.ratio ?? 1);
         gauges?.othersWaiting.set({ policy: policy.name }, observer.reading.othersWaiting ?? 0);
+        gauges?.othersActive.set({ policy: policy.name }, observer.reading.othersActive ?? 0);
       }
       gauges?.rate.set({ policy: policy.name }, rate);
       if (take.admitted) {

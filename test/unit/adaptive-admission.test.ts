@@ -5,7 +5,7 @@
  */
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
-import { ADAPTIVE, adaptiveStartRate, adaptRate, latencyObserve, NO_READING, othersPresentObserve, othersWaitingObserve, pressureOf, statementRows, type LatencyReading } from '../../shared/admission/adaptive';
+import { ADAPTIVE, adaptiveStartRate, adaptRate, latencyObserve, NO_READING, othersActiveObserve, othersPresentObserve, othersWaitingObserve, pressureOf, statementRows, type LatencyReading } from '../../shared/admission/adaptive';
 import { ConfigError } from '../../shared/config/errors';
 import { parsePolicies, type RowDeletePolicy } from '../../shared/config/policies';
 import { adaptiveAdmission } from '../../shared/admission/rows';
@@ -112,6 +112,23 @@ test('other backends waiting on locks or IO add pressure: the rate backs off tho
   for (let i = 0; i < 20; i++) reading = othersWaitingObserve(reading, 2);
   assert.ok(pressureOf(reading)! >= ADAPTIVE.backOffAbove, `pressure ${pressureOf(reading)}`);
   assert.equal(adaptRate({ rate: 10_000, pressure: pressureOf(reading), ceiling: null, elapsedSeconds: 0.25, admittedRowsPerSecond: 10_000 }).decision, 'back-off');
+});
+
+test("the others' own load (their statements seen running) backs the rate off when they keep the database busy, and not when they are light", () => {
+  const quiet = latencyObserve(NO_READING, { ms: 5, rows: 500, at: 0 });
+  // An application keeping the database busy about half the time (one statement running in every other sample).
+  let busy = quiet;
+  for (let i = 0; i < 40; i++) busy = othersActiveObserve(busy, i % 2);
+  assert.ok(pressureOf(busy)! >= ADAPTIVE.backOffAbove, `busy: pressure ${pressureOf(busy)}`);
+  assert.equal(adaptRate({ rate: 20_000, pressure: pressureOf(busy), ceiling: null, elapsedSeconds: 0.25, admittedRowsPerSecond: 20_000 }).decision, 'back-off');
+  // A light one (a statement running in one sample of fifty): reaper's own statements decide, and they are quiet.
+  let light = quiet;
+  for (let i = 0; i < 200; i++) light = othersActiveObserve(light, i % 50 === 0 ? 1 : 0);
+  assert.ok(pressureOf(light)! <= ADAPTIVE.raiseBelow, `light: pressure ${pressureOf(light)}`);
+  // The busy one goes quiet again: the pressure falls back within a few dozen samples.
+  let after = busy;
+  for (let i = 0; i < 30; i++) after = othersActiveObserve(after, 0);
+  assert.ok(pressureOf(after)! <= ADAPTIVE.raiseBelow, `after: pressure ${pressureOf(after)}`);
 });
 
 test("reaper's own latency counts in the measure others share the database: alone it is reaper's own queueing, with an application it is load", () => {

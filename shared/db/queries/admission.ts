@@ -317,6 +317,8 @@ export interface AdaptiveRowsState {
   pressure: number | null;
   /** Other client backends of this database waiting on a lock or on IO now (pg_stat_activity; 0 where not readable). */
   othersWaiting: number;
+  /** Other client backends of this database running a statement now, waiting or not (not reaper's; 0 where not readable). */
+  othersActive: number;
   /** Other client backends of this database in a statement or a transaction now (not reaper's; 0 where not readable). */
   othersPresent: number;
 }
@@ -380,6 +382,7 @@ export async function admissionRowsTake(
     admitted_since: number;
     pressure: number | null;
     others_waiting: number;
+    others_active: number;
     others_present: number;
   }>(
     prepared(braked ? 'admission_take_braked' : 'admission_take', `WITH ${lagCtes}cur AS (
@@ -408,8 +411,9 @@ export async function admissionRowsTake(
        adaptive_pressure = CASE WHEN d.stepped AND $10::float8 IS NOT NULL THEN $12::float8 ELSE d.adaptive_pressure END
      FROM decided d, LATERAL (
        -- Other client backends of this database (not reaper's): in a statement or a transaction
-       -- now (present), and waiting on a lock or IO (waiting). Adaptive only.
+       -- now (present), running a statement (active), and waiting on a lock or IO (waiting). Adaptive only.
        SELECT count(*) FILTER (WHERE s.state = 'active' AND s.wait_event_type IN ('Lock', 'LWLock', 'IO', 'BufferPin'))::int AS waiting,
+              count(*) FILTER (WHERE s.state = 'active')::int AS active,
               count(*)::int AS present
        FROM pg_stat_activity s
        WHERE $8::boolean AND s.datname = current_database() AND s.pid <> pg_backend_pid() AND s.backend_type = 'client backend'
@@ -421,7 +425,7 @@ export async function admissionRowsTake(
        $6::text[] AS standbys,
        a.adaptive_rate, reaper_iso(a.adapted_at) AS adapted_at, extract(epoch FROM d.at_now - a.adapted_at)::float8 AS since_step,
        a.adaptive_admitted AS admitted_since, a.adaptive_pressure AS pressure,
-       others.waiting AS others_waiting, others.present AS others_present`,
+       others.waiting AS others_waiting, others.active AS others_active, others.present AS others_present`,
     [
       take.policy,
       take.capacity,
@@ -448,7 +452,7 @@ export async function admissionRowsTake(
     braked: row.braked,
     adaptive:
       adaptive !== null && row.adaptive_rate !== null && row.adapted_at !== null
-        ? { rate: row.adaptive_rate, adaptedAt: row.adapted_at, sinceStepSeconds: row.since_step ?? 0, admittedSinceStep: row.admitted_since, pressure: row.pressure, othersWaiting: row.others_waiting, othersPresent: row.others_present }
+        ? { rate: row.adaptive_rate, adaptedAt: row.adapted_at, sinceStepSeconds: row.since_step ?? 0, admittedSinceStep: row.admitted_since, pressure: row.pressure, othersWaiting: row.others_waiting, othersActive: row.others_active, othersPresent: row.others_present }
         : null,
   };
 }
