@@ -90,7 +90,9 @@ export interface ForegroundPhase {
   walBytesPerRow: number;
   walBytesPerRowWithoutFpi: number;
   /** Reaper adaptive: its shared rate (rows/s) and the pressure it reacted to (back-off at ADAPTIVE.backOffAbove), sampled every 50 ms; null otherwise. */
-  adaptive: { rateMedian: number; rateLowest: number; pressureMedian: number; pressureHighest: number; samples: number } | null;
+  adaptive: { rateMedian: number; rateLowest: number; pressureMedian: number; pressureHighest: number; samples: number; series: Array<[number, number]> } | null;
+  /** The foreground's p99 (ms) in each whole second of the cleanup's window (where a cleanup hurts: its start, or throughout). */
+  foregroundP99BySecond: number[];
 }
 
 export interface ForegroundFigure {
@@ -233,6 +235,9 @@ class WaitSampler {
   /** Adaptive admission's shared state, sampled with the waits: the rate in force and the pressure its last step reacted to. */
   readonly adaptiveRates: number[] = [];
   readonly adaptivePressures: number[] = [];
+  /** [ms since the window opened, rate] of every sample: how fast the rate came down (or up). */
+  readonly adaptiveSeries: Array<[number, number]> = [];
+  private windowFromMs = 0;
   private stopped = false;
   private loop: Promise<void> | null = null;
   private active = false;
@@ -262,7 +267,10 @@ class WaitSampler {
               [FOREGROUND_POLICY],
             )
           ).rows[0];
-          if (adaptive?.rate != null) this.adaptiveRates.push(adaptive.rate);
+          if (adaptive?.rate != null) {
+            this.adaptiveRates.push(adaptive.rate);
+            this.adaptiveSeries.push([Date.now() - this.windowFromMs, Math.round(adaptive.rate)]);
+          }
           if (adaptive?.pressure != null) this.adaptivePressures.push(adaptive.pressure);
         }
         await sleep(50);
@@ -272,6 +280,7 @@ class WaitSampler {
 
   /** Samples count only inside the measured window. */
   measure(on: boolean): void {
+    if (on) this.windowFromMs = Date.now();
     this.active = on;
   }
 
@@ -497,12 +506,14 @@ async function runPhase(
     for (const service of services) service.assertRunning();
     let foreground: ForegroundLatency | null = null;
     let baseline: ForegroundLatency | null = null;
+    const foregroundP99BySecond: number[] = [];
     if (pgbench) {
       pgbench.assertRunning();
       await sleep(TAIL_MS);
       await pgbench.stop();
       baseline = latencyOf(pgbench.transactions(baselineFromMs, baselineToMs));
       foreground = latencyOf(pgbench.transactions(startedMs, endedMs));
+      for (let from = startedMs; from + 1000 <= endedMs; from += 1000) foregroundP99BySecond.push(Number(latencyOf(pgbench.transactions(from, from + 1000)).p99Ms.toFixed(2)));
     }
     await stopServices(services);
     const seconds = (endedMs - startedMs) / 1000;
@@ -515,6 +526,7 @@ async function runPhase(
       baseline,
       foreground,
       lockWaitMaxMs: sampler.lockWaitMaxMs,
+      foregroundP99BySecond,
       waitSamples: sampler.waitSamples,
       samples: sampler.samples,
       wal: walRead,
@@ -528,6 +540,7 @@ async function runPhase(
               pressureMedian: median(sampler.adaptivePressures),
               pressureHighest: sampler.adaptivePressures.length > 0 ? Math.max(...sampler.adaptivePressures) : NaN,
               samples: sampler.adaptiveRates.length,
+              series: sampler.adaptiveSeries,
             }
           : null,
     };

@@ -223,6 +223,7 @@ function foregroundRows(f: ForegroundFigure, add: (figure: string, measure: stri
     }
     if (phase.adaptive) {
       const a = phase.adaptive;
+      if (phase.foregroundP99BySecond?.length) add('7', '  foreground p99 in each second of the cleanup (ms)', phase.foregroundP99BySecond.map((ms) => number(ms, 1)).join(' '));
       add('7', `  adaptive: shared rate median / lowest, and the pressure it reacted to, median / highest (back-off at >= 2; ${a.samples} samples)`, `${count(Math.round(a.rateMedian))} / ${count(Math.round(a.rateLowest))} rows/s; ${number(a.pressureMedian, 2)} / ${number(a.pressureHighest, 2)}`);
     }
     const reaper = phase.name.startsWith('reaper');

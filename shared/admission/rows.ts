@@ -3,7 +3,7 @@ import type { RowDeletePolicy } from '../config/policies';
 import type { Db, Pool } from '../db/pool';
 import { admissionRowsEnsure, admissionRowsSlotTry, admissionRowsTake, type AdaptiveRowsState, type AdaptiveRowsTake } from '../db/queries/admission';
 import { replicationLagRead, replicationLagReadable } from '../db/queries/replication';
-import { adaptiveStartRate, adaptRate, ADAPTIVE, latencyObserve, NO_READING, othersActiveObserve, othersPresentObserve, othersWaitingObserve, pressureOf, statementRows, type LatencyReading } from './adaptive';
+import { adaptiveStartRate, adaptRate, ADAPTIVE, latencyObserve, loadPressureOf, NO_READING, othersActiveObserve, othersPresentObserve, othersWaitingObserve, pressureOf, statementRows, type LatencyReading } from './adaptive';
 import { overrideFor, rowAdmissionWith, type RowAdmission } from './overrides';
 
 /**
@@ -194,7 +194,7 @@ function adaptiveTake(observer: Observer, ceiling: number | null, at: number, al
   if (!seen || pressure === null || alone) return { startRate, proposal: null };
   const elapsedSeconds = seen.state.sinceStepSeconds + Math.max(0, at - seen.at) / 1000;
   if (elapsedSeconds * 1000 < ADAPTIVE.stepMs) return { startRate, proposal: null };
-  const next = adaptRate({ rate: seen.state.rate, pressure, ceiling, elapsedSeconds, admittedRowsPerSecond: seen.state.admittedSinceStep / Math.max(elapsedSeconds, 0.001) });
+  const next = adaptRate({ rate: seen.state.rate, pressure, loadPressure: loadPressureOf(observer.reading), ceiling, elapsedSeconds, admittedRowsPerSecond: seen.state.admittedSinceStep / Math.max(elapsedSeconds, 0.001) });
   observer.reading = { ...observer.reading, fresh: 0 };
   return { startRate, proposal: { rate: next.rate, pressure, seenAdaptedAt: seen.state.adaptedAt } };
 }

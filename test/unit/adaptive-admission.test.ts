@@ -5,7 +5,7 @@
  */
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
-import { ADAPTIVE, adaptiveStartRate, adaptRate, latencyObserve, NO_READING, othersActiveObserve, othersPresentObserve, othersWaitingObserve, pressureOf, statementRows, type LatencyReading } from '../../shared/admission/adaptive';
+import { ADAPTIVE, adaptiveStartRate, adaptRate, latencyObserve, loadPressureOf, NO_READING, othersActiveObserve, othersPresentObserve, othersWaitingObserve, pressureOf, statementRows, type LatencyReading } from '../../shared/admission/adaptive';
 import { ConfigError } from '../../shared/config/errors';
 import { parsePolicies, type RowDeletePolicy } from '../../shared/config/policies';
 import { adaptiveAdmission } from '../../shared/admission/rows';
@@ -53,6 +53,21 @@ test('backs off multiplicatively when its statements slow down, and never below 
   assert.ok(slow.rates[3]! <= quiet.rate * ADAPTIVE.backOffFactor ** 4 * 1.0001, `multiplicatively: ${slow.rates.slice(0, 4).join(', ')}`);
   for (let i = 1; i < slow.rates.length; i++) assert.ok(slow.rates[i]! <= slow.rates[i - 1]!, 'never raised while slow');
   assert.equal(slow.rate, ADAPTIVE.floorRowsPerSecond, 'down to the floor, not to zero');
+});
+
+test("the further the others' load is above the threshold, the bigger the back-off step (x 0.7 at the threshold, never below x 0.25); reaper's own latency alone steps x 0.7", () => {
+  const step = (pressure: number, loadPressure: number | null) => adaptRate({ rate: 20_000, pressure, loadPressure, ceiling: null, elapsedSeconds: 0.25, admittedRowsPerSecond: 20_000 }).rate / 20_000;
+  assert.equal(step(ADAPTIVE.backOffAbove, ADAPTIVE.backOffAbove), ADAPTIVE.backOffFactor);
+  assert.ok(Math.abs(step(4, 4) - 0.35) < 1e-9, `load pressure 4: x ${step(4, 4)}`);
+  assert.equal(step(50, 50), ADAPTIVE.backOffFactorLeast);
+  assert.equal(step(50, 1.2), ADAPTIVE.backOffFactor, 'a slow statement of its own (latency pressure 50, little load): x 0.7');
+  assert.equal(step(50, null), ADAPTIVE.backOffFactor, 'no load read yet: x 0.7');
+  // A busy application (one of its statements running in every sample): from the start rate to the floor in three steps.
+  let reading = latencyObserve(NO_READING, { ms: 5, rows: 500, at: 0 });
+  for (let i = 0; i < 40; i++) reading = othersActiveObserve(reading, 1);
+  let rate: number = ADAPTIVE.startRowsPerSecond;
+  for (let i = 0; i < 3; i++) rate = adaptRate({ rate, pressure: pressureOf(reading), loadPressure: loadPressureOf(reading), ceiling: null, elapsedSeconds: 0.25, admittedRowsPerSecond: rate }).rate;
+  assert.equal(rate, ADAPTIVE.floorRowsPerSecond);
 });
 
 test('recovers when its statements speed up again', () => {
