@@ -137,29 +137,30 @@ export function latencyObserve(reading: LatencyReading, sample: { ms: number; ro
   return {
     ...reading,
     baselineMs,
-    ratio: reading.ratio === null ? ratio : reading.ratio + (ratio - reading.ratio) * ADAPTIVE.ratioWeight,
+    ratio: smoothed(reading.ratio, ratio, ADAPTIVE.ratioWeight),
     fresh: reading.fresh + 1,
     lastAt: sample.at,
   };
 }
 
+/** Exponential moving average: the first sample as it is, then `weight` of each new one. */
+function smoothed(previous: number | null, sample: number, weight: number): number {
+  return previous === null ? sample : previous + (sample - previous) * weight;
+}
+
 /** An admission saw `count` other client backends of the database waiting on a lock or on IO. */
 export function othersWaitingObserve(reading: LatencyReading, count: number): LatencyReading {
-  const waiting = reading.othersWaiting === null ? count : reading.othersWaiting + (count - reading.othersWaiting) * ADAPTIVE.waitingWeight;
-  return { ...reading, othersWaiting: waiting };
+  return { ...reading, othersWaiting: smoothed(reading.othersWaiting, count, ADAPTIVE.waitingWeight) };
 }
 
 /** An admission saw `count` other client backends of the database running a statement (waiting or not). */
 export function othersActiveObserve(reading: LatencyReading, count: number): LatencyReading {
-  const active = reading.othersActive === null ? count : reading.othersActive + (count - reading.othersActive) * ADAPTIVE.waitingWeight;
-  return { ...reading, othersActive: active };
+  return { ...reading, othersActive: smoothed(reading.othersActive, count, ADAPTIVE.waitingWeight) };
 }
 
 /** An admission saw another client of the database in a statement or a transaction (`present`), or none. */
 export function othersPresentObserve(reading: LatencyReading, present: boolean): LatencyReading {
-  const sample = present ? 1 : 0;
-  const share = reading.othersPresent === null ? sample : reading.othersPresent + (sample - reading.othersPresent) * ADAPTIVE.presenceWeight;
-  return { ...reading, othersPresent: share };
+  return { ...reading, othersPresent: smoothed(reading.othersPresent, present ? 1 : 0, ADAPTIVE.presenceWeight) };
 }
 
 /**
