@@ -141,6 +141,39 @@ describe('adaptive row-delete admission: one shared rate', () => {
     assert.ok(counted <= 20, `the shared row saw ${counted} of the 200 rows: the groups after the probe made no statement`);
   });
 
+  test("an application keeping the database busy (a statement of its own running) backs the rate off though reaper's statements stay at their quiet time", async () => {
+    const policy = policyNamed('busy-application');
+    const pool = workerPool('busy');
+    const metrics = makeMetrics();
+    const take = async (): Promise<void> => assert.ok((await admitRows(pool, policy, 10, { holdMs: 5_000, registry: metrics.registry })).admitted);
+    await take();
+    // The application's session (not reaper's): one statement running all along, seen as 'active'
+    // in pg_stat_activity at every admission, neither waiting on a lock nor on IO.
+    const applicationPool = makePool(bed.databaseUrl, 1, 'application-busy');
+    pools.push(applicationPool);
+    const application = await applicationPool.connect();
+    const pid = (await application.query<{ pid: number }>('SELECT pg_backend_pid() AS pid')).rows[0]!.pid;
+    const running = application.query('SELECT pg_sleep(30)').catch(() => undefined);
+    try {
+      await eventually(
+        'the shared rate lowered by the application\'s load',
+        async () => {
+          noteRowStatement(pool, policy, { ms: 10, rows: 10 });
+          await take();
+          return (await storedRate(policy.name)) < ADAPTIVE.startRowsPerSecond * 0.8;
+        },
+        { timeoutMs: 15_000, intervalMs: 50 },
+      );
+      const active = (await metricValue(metrics.registry, 'reaper_row_admission_others_active', { policy: policy.name }))!;
+      assert.ok(active >= (ADAPTIVE.backOffAbove - 1) / ADAPTIVE.activePressure, `the signal is shown: others active ${active}`);
+      assert.ok((await metricValue(metrics.registry, 'reaper_row_admission_latency_ratio', { policy: policy.name }))! <= ADAPTIVE.raiseBelow, "reaper's own statements stayed at their quiet time");
+    } finally {
+      await bed.pool.query('SELECT pg_cancel_backend($1)', [pid]);
+      await running;
+      application.release();
+    }
+  });
+
   test("a row lock held by the application makes the worker's own DELETE slow: the rate backs off", async () => {
     const policy = policyNamed('seat-holds');
     const pool = workerPool('c');
