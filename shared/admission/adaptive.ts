@@ -163,6 +163,11 @@ export function othersPresentObserve(reading: LatencyReading, present: boolean):
   return { ...reading, othersPresent: smoothed(reading.othersPresent, present ? 1 : 0, ADAPTIVE.presenceWeight) };
 }
 
+/** One admission's sample of the other client backends: waiting, running a statement, present at all. */
+export function othersObserve(reading: LatencyReading, sample: { waiting: number; active: number; present: number }): LatencyReading {
+  return othersPresentObserve(othersActiveObserve(othersWaitingObserve(reading, sample.waiting), sample.active), sample.present > 0);
+}
+
 /**
  * The signal the rate reacts to: 1 is the quiet time; null when this worker has no new statement to
  * judge by. The latency's excess over the baseline counts in the measure others share the database

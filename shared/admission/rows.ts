@@ -3,7 +3,7 @@ import type { RowDeletePolicy } from '../config/policies';
 import type { Db, Pool } from '../db/pool';
 import { admissionRowsEnsure, admissionRowsSlotTry, admissionRowsTake, type AdaptiveRowsState, type AdaptiveRowsTake } from '../db/queries/admission';
 import { replicationLagRead, replicationLagReadable } from '../db/queries/replication';
-import { adaptiveStartRate, adaptRate, ADAPTIVE, latencyObserve, loadPressureOf, NO_READING, othersActiveObserve, othersPresentObserve, othersWaitingObserve, pressureOf, statementRows, type LatencyReading } from './adaptive';
+import { adaptiveStartRate, adaptRate, ADAPTIVE, latencyObserve, loadPressureOf, NO_READING, othersObserve, pressureOf, statementRows, type LatencyReading } from './adaptive';
 import { overrideFor, rowAdmissionWith, type RowAdmission } from './overrides';
 
 /**
@@ -281,7 +281,7 @@ export async function admitRows(
       let rate = admission.rowsPerSecond ?? ADAPTIVE.maxRowsPerSecond;
       if (observer && take.adaptive) {
         observer.seen = { state: take.adaptive, at };
-        observer.reading = othersPresentObserve(othersActiveObserve(othersWaitingObserve(observer.reading, take.adaptive.othersWaiting), take.adaptive.othersActive), take.adaptive.othersPresent > 0);
+        observer.reading = othersObserve(observer.reading, { waiting: take.adaptive.othersWaiting, active: take.adaptive.othersActive, present: take.adaptive.othersPresent });
         rate = Math.min(rate, take.adaptive.rate);
         gauges?.latencyRatio.set({ policy: policy.name }, observer.reading.ratio ?? 1);
         gauges?.othersWaiting.set({ policy: policy.name }, observer.reading.othersWaiting ?? 0);
