@@ -90,7 +90,20 @@ export async function runUnderFault(options: FaultRunOptions): Promise<CheckerRe
         const state = (await runRow(bed.pool, runId)).state;
         return ['completed', 'failed', 'incomplete'].includes(state) ? state : undefined;
       },
-      { timeoutMs: options.runTimeoutMs ?? 45_000, intervalMs: 200, describe: async () => ({ run: await runRow(bed.pool, runId), receipts: await runReceipts(bed.pool, runId) }) },
+      { timeoutMs: options.runTimeoutMs ?? 45_000, intervalMs: 200, describe: async () => ({
+          run: await runRow(bed.pool, runId),
+          receipts: await runReceipts(bed.pool, runId),
+          // What the scheduler said last (a step it retries says why): the cause, not only the symptom.
+          scheduler: scheduler.output.slice(-8),
+          // And who waits on what in the test's database (a hang between two sessions shows here).
+          sessions: (
+            await bed.pool.query<{ application_name: string; state: string; wait: string | null; query: string }>(
+              `SELECT application_name, state, wait_event_type || ':' || wait_event AS wait, left(query, 120) AS query
+               FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid() AND state <> 'idle'`,
+            )
+          ).rows,
+        }),
+      },
     );
     assert.equal(finished, 'completed', `the faulted run completes: ${JSON.stringify(await runRow(bed.pool, runId))}`);
     // Settling: one more run after the fault must find nothing left to delete.
