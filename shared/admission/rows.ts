@@ -1,9 +1,22 @@
 import { Gauge, type Registry } from 'prom-client';
 import type { RowDeletePolicy } from '../config/policies';
 import type { Db, Pool } from '../db/pool';
-import { admissionRowsEnsure, admissionRowsSlotTry, admissionRowsTake, type AdaptiveRowsState, type AdaptiveRowsTake } from '../db/queries/admission';
+import { admissionOthersSample, admissionRowsEnsure, admissionRowsSlotTry, admissionRowsTake, type AdaptiveRowsState, type AdaptiveRowsTake } from '../db/queries/admission';
 import { replicationLagRead, replicationLagReadable } from '../db/queries/replication';
-import { adaptiveStartRate, adaptRate, ADAPTIVE, latencyObserve, loadPressureOf, NO_READING, othersObserve, pressureOf, statementRows, type LatencyReading } from './adaptive';
+import {
+  adaptiveStartRate,
+  adaptRate,
+  ADAPTIVE,
+  latencyObserve,
+  loadPressureOf,
+  lookStartRate,
+  NO_READING,
+  othersLooked,
+  othersObserve,
+  pressureOf,
+  statementRows,
+  type LatencyReading,
+} from './adaptive';
 import { overrideFor, rowAdmissionWith, type RowAdmission } from './overrides';
 
 /**
@@ -146,6 +159,12 @@ interface Observer {
   seen: { state: AdaptiveRowsState; at: number } | null;
   /** While reaper has the database to itself: groups until then are admitted without a statement (see hasDatabaseAlone). */
   aloneUntil: number;
+  /** When this worker last took (its clock); null before the first. Stale after ADAPTIVE.restartAfterSeconds: it looks first. */
+  lastTakeAt: number | null;
+  /** The start look under way (concurrent admissions of one worker wait for the one look). */
+  looking: Promise<void> | null;
+  /** A busy start look's rate (lookStartRate), for the next take to set; null once taken, or when the look was not busy. */
+  looked: { rate: number; othersPressure: number } | null;
 }
 const observers = new WeakMap<Pool, Map<string, Observer>>();
 
@@ -153,7 +172,7 @@ function observerFor(pool: Pool, policy: string): Observer {
   let byPolicy = observers.get(pool);
   if (!byPolicy) observers.set(pool, (byPolicy = new Map()));
   let observer = byPolicy.get(policy);
-  if (!observer) byPolicy.set(policy, (observer = { reading: NO_READING, seen: null, aloneUntil: 0 }));
+  if (!observer) byPolicy.set(policy, (observer = { reading: NO_READING, seen: null, aloneUntil: 0, lastTakeAt: null, looking: null, looked: null }));
   return observer;
 }
 
@@ -186,6 +205,12 @@ export function maxRowsPerStatement(pool: Pool, policy: RowDeletePolicy, inForce
  * no other worker stepped since (adapted_at).
  */
 function adaptiveTake(observer: Observer, ceiling: number | null, at: number, alone: boolean): AdaptiveRowsTake {
+  const looked = observer.looked;
+  if (looked) {
+    // The first take after a busy start look starts a new rate, or one from another moment, at the floor.
+    observer.looked = null;
+    return { startRate: looked.rate, proposal: null, restart: { staleSeconds: ADAPTIVE.restartAfterSeconds, pressure: looked.othersPressure } };
+  }
   const startRate = adaptiveStartRate(ceiling);
   const seen = observer.seen;
   const pressure = pressureOf(observer.reading);
@@ -197,6 +222,34 @@ function adaptiveTake(observer: Observer, ceiling: number | null, at: number, al
   const next = adaptRate({ rate: seen.state.rate, pressure, loadPressure: loadPressureOf(observer.reading), ceiling, elapsedSeconds, admittedRowsPerSecond: seen.state.admittedSinceStep / Math.max(elapsedSeconds, 0.001) });
   observer.reading = { ...observer.reading, fresh: 0 };
   return { startRate, proposal: { rate: next.rate, pressure, seenAdaptedAt: seen.state.adaptedAt } };
+}
+
+/**
+ * A worker's first admission, or its first after ADAPTIVE.restartAfterSeconds without one (between
+ * two runs): it looks at the other clients first (ADAPTIVE.startLookSamples samples of
+ * pg_stat_activity, one autocommit statement each, so each reads it afresh). When they are busy
+ * (lookStartRate), the next take starts a new rate, or one nobody stepped for that long, at the
+ * floor. About 0.1 s once per run and worker; concurrent admissions of the worker share the one look.
+ */
+async function lookIfStale(pool: Pool, observer: Observer, ceiling: number | null, at: number): Promise<void> {
+  if (observer.lastTakeAt !== null && at - observer.lastTakeAt < ADAPTIVE.restartAfterSeconds * 1000) return;
+  observer.looking ??= (async () => {
+    const sum = { waiting: 0, active: 0 };
+    for (let i = 0; i < ADAPTIVE.startLookSamples; i++) {
+      if (i > 0) await new Promise((resolve) => setTimeout(resolve, ADAPTIVE.startLookGapMs));
+      const sample = await admissionOthersSample(pool);
+      sum.waiting += sample.waiting;
+      sum.active += sample.active;
+    }
+    const look = { waiting: sum.waiting / ADAPTIVE.startLookSamples, active: sum.active / ADAPTIVE.startLookSamples };
+    observer.looked = lookStartRate(look, ceiling);
+    if (observer.looked) observer.reading = othersLooked(observer.reading, look);
+    // Looked: not stale again until another pause, whatever the first take's outcome.
+    observer.lastTakeAt = at;
+  })().finally(() => {
+    observer.looking = null;
+  });
+  await observer.looking;
 }
 
 /**
@@ -253,6 +306,7 @@ export async function admitRows(
       retryInMs = MAX_ASK_INTERVAL_MS;
     } else {
       const observer = adaptive ? observerFor(pool, policy.name) : null;
+      if (observer) await lookIfStale(pool, observer, admission.rowsPerSecond, now());
       const alone = observer !== null && hasDatabaseAlone(observer, policy, admission);
       if (alone && observer.aloneUntil > now()) return { admitted: true, admission, waitedMs: performance.now() - started };
       const capacity = Math.max(1, admission.burst);
@@ -279,6 +333,7 @@ export async function admitRows(
       gauges?.unknown.set(take.unknownStandbys.length);
       gauges?.braked.set({ policy: policy.name }, take.braked ? 1 : 0);
       let rate = admission.rowsPerSecond ?? ADAPTIVE.maxRowsPerSecond;
+      if (observer) observer.lastTakeAt = at;
       if (observer && take.adaptive) {
         observer.seen = { state: take.adaptive, at };
         observer.reading = othersObserve(observer.reading, { waiting: take.adaptive.othersWaiting, active: take.adaptive.othersActive, present: take.adaptive.othersPresent });

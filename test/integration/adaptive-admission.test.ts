@@ -174,6 +174,57 @@ describe('adaptive row-delete admission: one shared rate', () => {
     }
   });
 
+  test("the start look: with an application busy, a policy's first take starts at the floor, not 20,000 rows/s; so does a rate nobody stepped for a while, not one stepped recently; a quiet look changes nothing", async () => {
+    const policy = policyNamed('start-look');
+    const stored = async (): Promise<{ rate: number; pressure: number | null }> =>
+      (await bed.pool.query<{ rate: number; pressure: number | null }>('SELECT adaptive_rate AS rate, adaptive_pressure AS pressure FROM cleanup_admission WHERE policy = $1', [policy.name])).rows[0]!;
+    // Back-date the last step: the stored rate is from another moment (between two runs).
+    const ageRate = (rate: number) =>
+      bed.pool.query(`UPDATE cleanup_admission SET adaptive_rate = $2, adapted_at = adapted_at - make_interval(secs => $3) WHERE policy = $1`, [policy.name, rate, ADAPTIVE.restartAfterSeconds + 5]);
+    const take = async (pool: pg.Pool, now?: () => number): Promise<void> => assert.ok((await admitRows(pool, policy, 10, { holdMs: 5_000, ...(now ? { now } : {}) })).admitted);
+    // The application: a statement of its own running all along, seen as 'active' in every sample.
+    const applicationPool = makePool(bed.databaseUrl, 1, 'application-start-look');
+    pools.push(applicationPool);
+    const busyWhile = async (body: () => Promise<void>): Promise<void> => {
+      const application = await applicationPool.connect();
+      const pid = (await application.query<{ pid: number }>('SELECT pg_backend_pid() AS pid')).rows[0]!.pid;
+      const running = application.query('SELECT pg_sleep(30)').catch(() => undefined);
+      try {
+        await eventually('the application to be running', async () => (await bed.pool.query(`SELECT 1 FROM pg_stat_activity WHERE pid = $1 AND state = 'active'`, [pid])).rowCount === 1, { timeoutMs: 5_000, intervalMs: 10 });
+        await body();
+      } finally {
+        await bed.pool.query('SELECT pg_cancel_backend($1)', [pid]);
+        await running;
+        application.release();
+      }
+    };
+
+    // A new policy, a busy application: the first take (before any statement of reaper's) stores the floor.
+    await busyWhile(() => take(workerPool('look-1')));
+    const first = await stored();
+    assert.equal(first.rate, ADAPTIVE.floorRowsPerSecond, 'started at the floor');
+    assert.ok(first.pressure !== null && first.pressure >= ADAPTIVE.backOffAbove, `the look's pressure is stored: ${first.pressure}`);
+
+    // The same worker, its clock moved past a pause, the application busy again and the stored rate from another moment: back to the floor.
+    const worker = workerPool('look-2');
+    let clock = performance.now();
+    await take(worker, () => clock);
+    await ageRate(ADAPTIVE.startRowsPerSecond);
+    clock += (ADAPTIVE.restartAfterSeconds + 1) * 1000;
+    await busyWhile(() => take(worker, () => clock));
+    assert.equal((await stored()).rate, ADAPTIVE.floorRowsPerSecond, "a worker's look after its own pause");
+
+    // A quiet look changes nothing: the stored rate stays, however old.
+    await ageRate(ADAPTIVE.startRowsPerSecond);
+    await take(workerPool('look-3'));
+    assert.equal((await stored()).rate, ADAPTIVE.startRowsPerSecond, 'quiet look: the stored rate');
+
+    // A rate another worker stepped just now is in use: a new worker's busy look leaves it alone.
+    await bed.pool.query('UPDATE cleanup_admission SET adaptive_rate = $2, adapted_at = clock_timestamp() WHERE policy = $1', [policy.name, ADAPTIVE.startRowsPerSecond]);
+    await busyWhile(() => take(workerPool('look-4')));
+    assert.equal((await stored()).rate, ADAPTIVE.startRowsPerSecond, 'stepped within restartAfterSeconds: not set again');
+  });
+
   test("a row lock held by the application makes the worker's own DELETE slow: the rate backs off", async () => {
     const policy = policyNamed('seat-holds');
     const pool = workerPool('c');

@@ -5,7 +5,22 @@
  */
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
-import { ADAPTIVE, adaptiveStartRate, adaptRate, latencyObserve, loadPressureOf, NO_READING, othersActiveObserve, othersPresentObserve, othersWaitingObserve, pressureOf, statementRows, type LatencyReading } from '../../shared/admission/adaptive';
+import {
+  ADAPTIVE,
+  adaptiveStartRate,
+  adaptRate,
+  latencyObserve,
+  loadPressureOf,
+  lookStartRate,
+  NO_READING,
+  othersActiveObserve,
+  othersLooked,
+  othersPresentObserve,
+  othersWaitingObserve,
+  pressureOf,
+  statementRows,
+  type LatencyReading,
+} from '../../shared/admission/adaptive';
 import { ConfigError } from '../../shared/config/errors';
 import { parsePolicies, type RowDeletePolicy } from '../../shared/config/policies';
 import { adaptiveAdmission } from '../../shared/admission/rows';
@@ -157,6 +172,28 @@ test("reaper's own latency counts in the measure others share the database: alon
   // An application seen in a few samples of a hundred (about 30 statements/s) is enough to count it in full.
   for (let i = 0; i < 100; i++) shared = othersPresentObserve(shared, i % 15 === 0);
   assert.ok(pressureOf(shared)! >= ADAPTIVE.backOffAbove, `an application present: pressure ${pressureOf(shared)}`);
+});
+
+test("the start look: an application busy enough that the law would back off starts the rate at the floor; a lighter one (the hold band included) or nobody changes nothing; the ceiling bounds the floor", () => {
+  // Means of the look's samples: at 300 statements/s of about 0.6 ms one running in about one sample of five.
+  assert.deepEqual(lookStartRate({ waiting: 0, active: 0.2 }, null), { rate: ADAPTIVE.floorRowsPerSecond, othersPressure: 1 + ADAPTIVE.activePressure * 0.2 });
+  // Waiting on locks or IO counts too (as in the pressure).
+  assert.equal(lookStartRate({ waiting: 2, active: 0 }, null)?.rate, ADAPTIVE.floorRowsPerSecond);
+  // At 30 statements/s: one in about fifty samples; on a slow machine one in ten (the hold band): no change.
+  assert.equal(lookStartRate({ waiting: 0, active: 0.05 }, null), null);
+  assert.equal(lookStartRate({ waiting: 0, active: 0.1 }, null), null, 'in the hold band: nothing');
+  assert.equal(lookStartRate({ waiting: 0, active: 0 }, null), null);
+  assert.equal(lookStartRate({ waiting: 0, active: 0.5 }, 200)?.rate, 200, 'a ceiling below the floor');
+  // A busy look replaces what the worker knew of the others' load (from another moment) and starts its latency ratio again; the baseline and the presence share stay.
+  let before = latencyObserve(NO_READING, { ms: 5, rows: 500, at: 0 });
+  before = latencyObserve(before, { ms: 50, rows: 500, at: 100 });
+  for (let i = 0; i < 20; i++) before = othersActiveObserve(othersPresentObserve(before, true), 0);
+  const looked = othersLooked(before, { waiting: 0, active: 0.3 });
+  assert.deepEqual([looked.othersActive, looked.othersWaiting, looked.ratio, looked.fresh], [0.3, 0, null, 0]);
+  assert.equal(looked.othersPresent, before.othersPresent);
+  assert.equal(looked.baselineMs, before.baselineMs);
+  assert.equal(pressureOf(looked), null, 'no statement judged since the look: the first step waits for one');
+  assert.equal(loadPressureOf(looked), 1 + ADAPTIVE.activePressure * 0.3, 'and then backs off from the load the look saw');
 });
 
 test('statement size: alone, what the rate admits in statementSeconds (at least one batch); shared with an application or not known yet, one batch', () => {

@@ -327,10 +327,34 @@ export interface AdaptiveRowsState {
  * Adaptive take (shared/admission/adaptive.ts decides, this stores): the rate starts at
  * `startRate`; a `proposal` replaces it only when the row's adapted_at is still `seenAdaptedAt`
  * (one step per observed state, the other workers' proposals for the same state are dropped).
+ * `restart` (a worker's first take after a pause, when its look found the others busy): a rate no
+ * worker has stepped for `staleSeconds` is from another moment, and is set to `startRate` (the
+ * floor), counted as a step that reacted to `pressure`.
  */
 export interface AdaptiveRowsTake {
   startRate: number;
   proposal: { rate: number; pressure: number | null; seenAdaptedAt: string } | null;
+  restart?: { staleSeconds: number; pressure: number } | null;
+}
+
+/**
+ * The other client backends of this database, as pg_stat_activity (alias `s`) shows them: not this
+ * session, not reaper's own (application_name reaper...), in a statement or a transaction now. The
+ * admission take and the start probe count the same sessions.
+ */
+const OTHER_CLIENTS_NOW = `s.datname = current_database() AND s.pid <> pg_backend_pid() AND s.backend_type = 'client backend'
+         AND s.state IN ('active', 'idle in transaction', 'idle in transaction (aborted)') AND coalesce(s.application_name, '') NOT LIKE 'reaper%'`;
+const OTHER_CLIENTS_COUNTS = `count(*) FILTER (WHERE s.state = 'active' AND s.wait_event_type IN ('Lock', 'LWLock', 'IO', 'BufferPin'))::int AS waiting,
+              count(*) FILTER (WHERE s.state = 'active')::int AS active,
+              count(*)::int AS present`;
+
+/** One look at the other clients (OTHER_CLIENTS_NOW): waiting on a lock or IO, running a statement, present at all. */
+export async function admissionOthersSample(db: Db): Promise<{ waiting: number; active: number; present: number }> {
+  // Autocommit: each call reads pg_stat_activity afresh (within a transaction it is read once).
+  const result = await db.query<{ waiting: number; active: number; present: number }>(
+    `SELECT ${OTHER_CLIENTS_COUNTS} FROM pg_stat_activity s WHERE ${OTHER_CLIENTS_NOW}`,
+  );
+  return result.rows[0]!;
 }
 
 /**
@@ -387,14 +411,17 @@ export async function admissionRowsTake(
   }>(
     prepared(braked ? 'admission_take_braked' : 'admission_take', `WITH ${lagCtes}cur AS (
        SELECT a.*, clock_timestamp() AS at_now,
-              $8::boolean AND (a.adapted_at IS NULL OR ($10::float8 IS NOT NULL AND a.adapted_at = $11::timestamptz)) AS stepped
+              $8::boolean AND $13::float8 IS NOT NULL AND a.adapted_at <= clock_timestamp() - make_interval(secs => $13::float8) AS restarted
        FROM cleanup_admission a WHERE policy = $1 FOR UPDATE
+     ), claimed AS (
+       SELECT c.*, $8::boolean AND (c.adapted_at IS NULL OR c.restarted OR ($10::float8 IS NOT NULL AND c.adapted_at = $11::timestamptz)) AS stepped FROM cur c
      ), rated AS (
-       SELECT cur.*,
-              CASE WHEN NOT $8::boolean THEN cur.adaptive_rate
-                   WHEN cur.stepped AND $10::float8 IS NOT NULL THEN $10::float8
-                   ELSE coalesce(cur.adaptive_rate, $9::float8) END AS next_rate
-       FROM cur
+       SELECT claimed.*,
+              CASE WHEN NOT $8::boolean THEN claimed.adaptive_rate
+                   WHEN claimed.restarted THEN $9::float8
+                   WHEN claimed.stepped AND $10::float8 IS NOT NULL THEN $10::float8
+                   ELSE coalesce(claimed.adaptive_rate, $9::float8) END AS next_rate
+       FROM claimed
      ), b AS (
        SELECT least($2::float8, tokens + greatest(0, extract(epoch FROM at_now - refilled_at))
                 * CASE WHEN $8::boolean THEN least(coalesce($3::float8, 'infinity'::float8), next_rate) ELSE $3::float8 END) AS tokens,
@@ -408,16 +435,13 @@ export async function admissionRowsTake(
        adaptive_rate = d.next_rate,
        adapted_at = CASE WHEN d.stepped THEN d.at_now ELSE d.adapted_at END,
        adaptive_admitted = CASE WHEN d.stepped THEN 0 ELSE d.adaptive_admitted END + CASE WHEN $8::boolean AND d.admitted THEN $4::float8 ELSE 0 END,
-       adaptive_pressure = CASE WHEN d.stepped AND $10::float8 IS NOT NULL THEN $12::float8 ELSE d.adaptive_pressure END
+       adaptive_pressure = CASE WHEN d.stepped AND $12::float8 IS NOT NULL THEN $12::float8 ELSE d.adaptive_pressure END
      FROM decided d, LATERAL (
        -- Other client backends of this database (not reaper's): in a statement or a transaction
        -- now (present), running a statement (active), and waiting on a lock or IO (waiting). Adaptive only.
-       SELECT count(*) FILTER (WHERE s.state = 'active' AND s.wait_event_type IN ('Lock', 'LWLock', 'IO', 'BufferPin'))::int AS waiting,
-              count(*) FILTER (WHERE s.state = 'active')::int AS active,
-              count(*)::int AS present
+       SELECT ${OTHER_CLIENTS_COUNTS}
        FROM pg_stat_activity s
-       WHERE $8::boolean AND s.datname = current_database() AND s.pid <> pg_backend_pid() AND s.backend_type = 'client backend'
-         AND s.state IN ('active', 'idle in transaction', 'idle in transaction (aborted)') AND coalesce(s.application_name, '') NOT LIKE 'reaper%'
+       WHERE $8::boolean AND ${OTHER_CLIENTS_NOW}
      ) others
      WHERE a.policy = $1
      RETURNING d.admitted, a.tokens, d.paused, ${lagSeconds} AS lag, ${lagUnknown} AS unknown, d.braked,
@@ -438,7 +462,8 @@ export async function admissionRowsTake(
       adaptive?.startRate ?? null,
       adaptive?.proposal?.rate ?? null,
       adaptive?.proposal?.seenAdaptedAt ?? null,
-      adaptive?.proposal?.pressure ?? null,
+      adaptive?.proposal?.pressure ?? adaptive?.restart?.pressure ?? null,
+      adaptive?.restart?.staleSeconds ?? null,
     ],
   ));
   const row = result.rows[0];
