@@ -4,7 +4,7 @@ import { brokerNames } from '../../shared/amqp/topology';
 import { outboxOldestAges } from '../../shared/db/queries/outbox';
 import { runsInsertIfAbsent } from '../../shared/db/queries/runs';
 import { checkFinished, checkSeatRows, check, reaperEnvironment, throughput, type BenchContext, type Throughput } from '../lib/context';
-import { countSeatRows, type Seed } from '../lib/database';
+import { countSeatRows, type Seed, OBSERVER_APPLICATION } from '../lib/database';
 import type { Mode } from '../lib/modes';
 import { ROW_POLICY, seatHoldsPolicy, writePolicies } from '../lib/policies';
 import { ReaperService, startServices, stopServices, type ServiceSpec } from '../lib/services';
@@ -107,7 +107,7 @@ async function runVariant(context: BenchContext, seed: Seed, options: { variant:
   await context.databases.fresh();
   await context.broker.preparePhase([ROW_POLICY]);
   await options.sink.purge();
-  const pool = context.databases.pool(2, 'bench-observer');
+  const pool = context.databases.pool(2, OBSERVER_APPLICATION);
   const environment = reaperEnvironment(context, writePolicies(context.workDir, `row-${batchSize}-${variant}`, [policyFor(variant, batchSize)]));
   const relay = options.relay ? await ReaperService.start(environment, { kind: 'relay', id: 'bench-relay' }) : null;
   const services = await startServices(environment, SPECS);

@@ -1,3 +1,4 @@
+import { OBSERVER_APPLICATION } from '../lib/database';
 import { check, checkFinished, reaperEnvironment, type BenchContext } from '../lib/context';
 import { LATENCY_POLICY, seatHoldsPolicy, writePolicies } from '../lib/policies';
 import { startServices, stopServices, type ReaperService } from '../lib/services';
@@ -29,7 +30,7 @@ export async function runLatency(
 ): Promise<LatencyFigure> {
   await context.databases.fresh();
   await context.broker.preparePhase([LATENCY_POLICY]);
-  const pool = context.databases.pool(2, 'bench-observer');
+  const pool = context.databases.pool(2, OBSERVER_APPLICATION);
   let services: ReaperService[] = [];
   try {
     await pool.query('TRUNCATE seat_reservations');

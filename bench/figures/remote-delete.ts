@@ -2,7 +2,7 @@ import { brokerNames, DELAY_TIERS_MS } from '../../shared/amqp/topology';
 import { runsInsertIfAbsent } from '../../shared/db/queries/runs';
 import { startMediaApi, type MediaApi } from '../../tools/media-api/server';
 import { check, checkFinished, reaperEnvironment, type BenchContext } from '../lib/context';
-import { seedExpiredAssets } from '../lib/database';
+import { seedExpiredAssets, OBSERVER_APPLICATION } from '../lib/database';
 import { REMOTE_POLICY, NEVER, writePolicies } from '../lib/policies';
 import { startServices, stopServices, type ReaperService } from '../lib/services';
 import { pollUntil } from '../lib/wait';
@@ -48,7 +48,7 @@ export async function runRemoteDelete(
 ): Promise<RemoteFigure> {
   await context.databases.fresh();
   await context.broker.preparePhase([REMOTE_POLICY]);
-  const pool = context.databases.pool(2, 'bench-observer');
+  const pool = context.databases.pool(2, OBSERVER_APPLICATION);
   let api: MediaApi | null = null;
   let services: ReaperService[] = [];
   try {
@@ -198,7 +198,7 @@ export async function runRemoteBacklog(
 ): Promise<RemoteBacklogFigure> {
   await context.databases.fresh();
   await context.broker.preparePhase([REMOTE_POLICY]);
-  const pool = context.databases.pool(2, 'bench-observer');
+  const pool = context.databases.pool(2, OBSERVER_APPLICATION);
   const names = brokerNames(context.broker.prefix);
   const queues = [names.workQueue(REMOTE_POLICY), ...DELAY_TIERS_MS.map((ms) => names.delayQueue(ms))];
   let api: MediaApi | null = null;

@@ -3,7 +3,7 @@ import { brokerNames } from '../../shared/amqp/topology';
 import { runsInsertIfAbsent, type RunState } from '../../shared/db/queries/runs';
 import { check, checkFinished, checkSeatRows, reaperEnvironment, throughput, type BenchContext, type Measured, type Throughput } from '../lib/context';
 import { CpuMeter, type CpuSplit } from '../lib/cpu';
-import { countSeatRows, cutoffAfterCandidates, type Seed } from '../lib/database';
+import { countSeatRows, cutoffAfterCandidates, type Seed, OBSERVER_APPLICATION } from '../lib/database';
 import { ROW_POLICY, seatHoldsPolicy, writePolicies } from '../lib/policies';
 import { ReaperService, startServices, stopServices, type ReaperEnvironment, type ServiceSpec } from '../lib/services';
 import { pollUntil } from '../lib/wait';
@@ -167,7 +167,7 @@ export async function runReaperEndToEnd(
 ): Promise<ReaperRun> {
   await context.databases.fresh();
   await context.broker.preparePhase([ROW_POLICY]);
-  const pool = context.databases.pool(2, 'bench-observer');
+  const pool = context.databases.pool(2, OBSERVER_APPLICATION);
   const profile = (name: string): string[] =>
     options.profileDir ? ['--cpu-prof', `--cpu-prof-dir=${options.profileDir}`, `--cpu-prof-name=${name}.cpuprofile`] : [];
   const specs: ServiceSpec[] = [{ ...SCHEDULER, nodeArgs: [...SERVICE_NODE_ARGS, ...profile('scheduler')] }, ...workerSpecs(options.workers ?? 2)];
@@ -220,7 +220,7 @@ export async function runReaperEndToEnd(
 export async function runStageSplit(context: BenchContext, seed: Seed, options: { batchSize: number; candidates?: number }): Promise<StageSplit> {
   await context.databases.fresh();
   await context.broker.preparePhase([ROW_POLICY]);
-  const pool = context.databases.pool(2, 'bench-observer');
+  const pool = context.databases.pool(2, OBSERVER_APPLICATION);
   const environment = rowEnvironment(context, options.batchSize);
   const expected = options.candidates ?? seed.candidates;
   const services: ReaperService[] = [];
@@ -281,7 +281,7 @@ export async function runSchedulerAlone(
 ): Promise<{ peakRssMb: number; restRssMb: number }> {
   await context.databases.fresh();
   await context.broker.preparePhase([ROW_POLICY]);
-  const pool = context.databases.pool(2, 'bench-observer');
+  const pool = context.databases.pool(2, OBSERVER_APPLICATION);
   const services: ReaperService[] = [];
   try {
     services.push(...(await startServices(rowEnvironment(context, options.batchSize), [{ ...SCHEDULER, nodeArgs: options.nodeArgs ?? SERVICE_NODE_ARGS }])));

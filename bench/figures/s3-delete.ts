@@ -1,7 +1,7 @@
 import { runsInsertIfAbsent } from '../../shared/db/queries/runs';
 import { startS3StandIn, type S3StandIn } from '../../tools/s3-stand-in/server';
 import { check, checkFinished, reaperEnvironment, type BenchContext } from '../lib/context';
-import { seedExpiredAssets } from '../lib/database';
+import { seedExpiredAssets, OBSERVER_APPLICATION } from '../lib/database';
 import { NEVER, writePolicies } from '../lib/policies';
 import { startServices, stopServices, type ReaperService } from '../lib/services';
 import { pollUntil } from '../lib/wait';
@@ -48,7 +48,7 @@ export async function runS3Delete(
   const backlog = Math.round(options.keysPerSecond * options.backlogSeconds);
   await context.databases.fresh();
   await context.broker.preparePhase([S3_POLICY]);
-  const pool = context.databases.pool(2, 'bench-observer');
+  const pool = context.databases.pool(2, OBSERVER_APPLICATION);
   let stand: S3StandIn | null = null;
   let services: ReaperService[] = [];
   try {

@@ -45,6 +45,18 @@ export async function withAdmin<T>(adminUrl: string, work: (client: pg.Client) =
   }
 }
 
+
+/**
+ * application_name of the benchmark's own connections that watch a contender (run-state polls, the
+ * CPU meters' backend lists, figure 7's wait sampler). They start with "reaper " (a space, not
+ * "reaper-"): reaper's adaptive admission leaves sessions named reaper... out of the application's
+ * load, as it leaves out its own, and these are the measurement, not the application (at 20 Hz the
+ * wait sampler alone kept a statement running in a few percent of reaper's samples, read as load);
+ * the CPU meters count reaper's backends by "reaper-%", which these do not match.
+ */
+export const OBSERVER_APPLICATION = 'reaper bench observer';
+export const SAMPLER_APPLICATION = 'reaper bench sampler';
+
 export class BenchDatabases {
   readonly url: string;
   private readonly seedUrl: string;
