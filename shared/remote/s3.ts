@@ -1,12 +1,15 @@
-import {
-  DeleteObjectsCommand,
-  ListObjectVersionsCommand,
-  S3Client,
-  type ObjectIdentifier,
-  type S3ClientConfig,
-} from '@aws-sdk/client-s3';
+import type { ObjectIdentifier, S3Client, S3ClientConfig } from '@aws-sdk/client-s3';
 import type { S3DeletePolicy } from '../config/policies';
 import { parseRetryAfter } from './client';
+
+/**
+ * The SDK, loaded on first use: about a third of a second of CPU (the SDK and its @smithy
+ * dependencies) at the start of every process that imports this module and never talks to object
+ * storage: each row-delete worker, each `reaper` CLI command.
+ */
+function sdk(): typeof import('@aws-sdk/client-s3') {
+  return require('@aws-sdk/client-s3') as typeof import('@aws-sdk/client-s3');
+}
 
 /**
  * Object storage as a remote (README "Object storage (S3)"): DeleteObjects requests of many keys,
@@ -99,7 +102,7 @@ export function classifyRequestError(error: unknown, now = Date.now()): Exclude<
 
 /** The SDK client for a policy: region, endpoint and path style from the file, credentials from the default chain. */
 export function makeS3Client(remote: S3DeletePolicy['remote'], extra: Partial<S3ClientConfig> = {}): S3Client {
-  return new S3Client({
+  return new (sdk().S3Client)({
     ...(remote.region !== undefined ? { region: remote.region } : remote.endpoint !== undefined && !process.env.AWS_REGION ? { region: 'us-east-1' } : {}),
     ...(remote.endpoint !== undefined ? { endpoint: remote.endpoint } : {}),
     ...(remote.forcePathStyle !== undefined ? { forcePathStyle: remote.forcePathStyle } : {}),
@@ -121,7 +124,7 @@ export function makeObjectStorageClient(remote: S3DeletePolicy['remote'], client
     const errors: Array<{ key: string; versionId: string | null; code: string; message: string }> = [];
     for (let at = 0; at < entries.length; at += ENTRIES_PER_DELETE) {
       const chunk = entries.slice(at, at + ENTRIES_PER_DELETE);
-      const command = new DeleteObjectsCommand({ Bucket: remote.bucket, Delete: { Objects: chunk, Quiet: false } });
+      const command = new (sdk().DeleteObjectsCommand)({ Bucket: remote.bucket, Delete: { Objects: chunk, Quiet: false } });
       if (at === 0 && onSend) {
         // The innermost step: its `next` is the HTTP handler (signing, checksums and retries run outside it).
         command.middlewareStack.add(
@@ -147,7 +150,7 @@ export function makeObjectStorageClient(remote: S3DeletePolicy['remote'], client
     let versionIdMarker: string | undefined;
     for (;;) {
       const page = await client.send(
-        new ListObjectVersionsCommand({ Bucket: remote.bucket, Prefix: key, KeyMarker: keyMarker, VersionIdMarker: versionIdMarker, MaxKeys: 1000 }),
+        new (sdk().ListObjectVersionsCommand)({ Bucket: remote.bucket, Prefix: key, KeyMarker: keyMarker, VersionIdMarker: versionIdMarker, MaxKeys: 1000 }),
         { abortSignal: signal },
       );
       // Prefix matches longer keys too ("media/1" and "media/10"): only the exact key counts.
