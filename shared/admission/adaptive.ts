@@ -179,10 +179,12 @@ export function othersPresentObserve(reading: LatencyReading, present: boolean):
  * A busy start look (lookStartRate) replaces what this worker knew of the others' load (from
  * another moment) with the means of its samples, and its latency ratio starts again. Kept: the
  * baseline (the quiet time of each statement size) and the presence share, which says whether an
- * application uses the database at all and is meant to change slowly.
+ * application uses the database at all and is meant to change slowly; but at least presenceFull:
+ * an application busy enough to back off from is there, and a worker whose last run ended alone
+ * (below aloneBelow) would otherwise go on admitting without the rate until a take saw it.
  */
 export function othersLooked(reading: LatencyReading, look: { waiting: number; active: number }): LatencyReading {
-  return { ...reading, othersWaiting: look.waiting, othersActive: look.active, ratio: null, fresh: 0 };
+  return { ...reading, othersWaiting: look.waiting, othersActive: look.active, othersPresent: Math.max(reading.othersPresent ?? 0, ADAPTIVE.presenceFull), ratio: null, fresh: 0 };
 }
 
 /**

@@ -191,6 +191,11 @@ test("the start look: an application busy enough that the law would back off sta
   const looked = othersLooked(before, { waiting: 0, active: 0.3 });
   assert.deepEqual([looked.othersActive, looked.othersWaiting, looked.ratio, looked.fresh], [0.3, 0, null, 0]);
   assert.equal(looked.othersPresent, before.othersPresent);
+  // A worker whose last run ended alone: an application busy enough to back off from is there.
+  let alone = NO_READING;
+  for (let i = 0; i < 100; i++) alone = othersPresentObserve(alone, false);
+  assert.ok(alone.othersPresent! < ADAPTIVE.aloneBelow);
+  assert.equal(othersLooked(alone, { waiting: 0, active: 0.3 }).othersPresent, ADAPTIVE.presenceFull);
   assert.equal(looked.baselineMs, before.baselineMs);
   assert.equal(pressureOf(looked), null, 'no statement judged since the look: the first step waits for one');
   assert.equal(loadPressureOf(looked), 1 + ADAPTIVE.activePressure * 0.3, 'and then backs off from the load the look saw');

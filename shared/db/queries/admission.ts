@@ -340,7 +340,7 @@ export interface AdaptiveRowsTake {
 /**
  * The other client backends of this database, as pg_stat_activity (alias `s`) shows them: not this
  * session, not reaper's own (application_name reaper...), in a statement or a transaction now. The
- * admission take and the start probe count the same sessions.
+ * admission take and the start look count the same sessions.
  */
 const OTHER_CLIENTS_NOW = `s.datname = current_database() AND s.pid <> pg_backend_pid() AND s.backend_type = 'client backend'
          AND s.state IN ('active', 'idle in transaction', 'idle in transaction (aborted)') AND coalesce(s.application_name, '') NOT LIKE 'reaper%'`;
