@@ -91,9 +91,8 @@ export const ADAPTIVE = {
    * A worker that has not taken for this long (between two runs, or never) looks at the other
    * clients before its first take (startLookSamples samples, startLookGapMs apart: 0.1 s); when
    * they are busy, that take starts a new rate, or one no worker has stepped for this long (from
-   * another moment), at the floor (lookStartRate). Without the look a policy started at 20,000 rows/s whatever the
-   * application was doing, and took about three steps to come down: bench figure 7's first second
-   * was the foreground's worst (p99 22-29 ms against 3-5 ms after it).
+   * another moment), at the floor (lookStartRate). Without the look a policy started at 20,000
+   * rows/s whatever the application was doing, and took about three steps to come down.
    */
   restartAfterSeconds: 30,
   /** Samples of the start look. At 300 statements/s of about 0.6 ms an application is seen running in about one sample of five. */
@@ -199,7 +198,7 @@ export function othersLooked(reading: LatencyReading, look: { waiting: number; a
  * one session: 0.59 and 0.46 of the unthrottled rate against 0.72 and 0.58).
  */
 export function lookStartRate(look: { waiting: number; active: number }, ceiling: number | null): { rate: number; othersPressure: number } | null {
-  const othersPressure = Math.max(1 + ADAPTIVE.waitingPressure * look.waiting, 1 + ADAPTIVE.activePressure * look.active);
+  const othersPressure = othersPressureOf(look.waiting, look.active);
   if (othersPressure < ADAPTIVE.backOffAbove) return null;
   return { rate: Math.min(adaptiveStartRate(ceiling), ADAPTIVE.floorRowsPerSecond), othersPressure };
 }
@@ -218,7 +217,12 @@ export function pressureOf(reading: LatencyReading): number | null {
   if (reading.fresh === 0 || reading.ratio === null) return null;
   const shared = reading.othersPresent === null ? 1 : Math.min(1, reading.othersPresent / ADAPTIVE.presenceFull);
   const latency = 1 + (reading.ratio - 1) * shared;
-  return Math.max(latency, 1 + ADAPTIVE.waitingPressure * (reading.othersWaiting ?? 0), loadPressureOf(reading) ?? 1);
+  return Math.max(latency, othersPressureOf(reading.othersWaiting ?? 0, reading.othersActive ?? 0));
+}
+
+/** The others' part of the pressure: max(1 + waitingPressure x waiting, 1 + activePressure x active). The take's reading and the start look both use it. */
+export function othersPressureOf(waiting: number, active: number): number {
+  return Math.max(1 + ADAPTIVE.waitingPressure * waiting, 1 + ADAPTIVE.activePressure * active);
 }
 
 /** The part of the pressure that is the other clients' own load (1 + ADAPTIVE.activePressure x others active); null before the first sample. */
