@@ -12,7 +12,9 @@ import { runReaperEndToEnd, runSchedulerAlone, runStageSplit, SERVICE_NODE_ARGS 
  * Issue 18 item 2 (`npm run bench -- --only cost`): what each deleted row costs PostgreSQL. For
  * each size: reaper end to end, reaper's workers alone (draining a full queue), the raw 2-client
  * batched DELETE and pg-boss batch jobs, in turns, `repeats` rounds; the figure is PostgreSQL
- * backend CPU seconds per 100k deleted rows (the median round), and the ratios to raw. Then the
+ * backend CPU seconds per 100k deleted rows (the median round), and the ratios to raw; beside it
+ * every CPU second of each window by where it ran (Node, PostgreSQL, RabbitMQ), whose sum bounds
+ * rows/s when everything shares one machine. Then the
  * scheduler's peak RSS for a run of each of `memoryAt` candidates (scheduler alone: scan, publish,
  * confirm; nobody consumes).
  *
@@ -30,14 +32,34 @@ export interface CostRound {
   workersAlone: number;
 }
 
+/**
+ * Every CPU second of a measured window per 100k deleted rows, by where it ran: the contender's
+ * Node processes (the bench process itself for the raw DELETE and pg-boss, which run in it),
+ * PostgreSQL backends, and the RabbitMQ server (reaper only). On one shared 2-core machine the
+ * sum, not PostgreSQL's part alone, is what bounds rows per second.
+ */
+export interface CpuPer100k {
+  node: number;
+  postgres: number;
+  rabbitmq: number;
+}
+
+export const cpuPer100k = (cpu: CpuSplit, rows: number): CpuPer100k => {
+  const per = (seconds: number): number => (rows > 0 ? (seconds / rows) * 100_000 : Number.NaN);
+  return { node: per(Object.values(cpu.processSeconds).reduce((sum, seconds) => sum + seconds, 0)), postgres: per(cpu.postgresBackendSeconds), rabbitmq: per(cpu.rabbitmqSeconds) };
+};
+
 export interface CostSize {
   candidates: number;
   /** PostgreSQL backend CPU s per 100k deleted rows, per round. */
-  variants: Array<{ label: string; endToEnd: number[]; workersAlone: number[]; endToEndRowsPerSecond: number[]; workersAloneRowsPerSecond: number[]; endToEndByApplication: Array<Record<string, number>>; schedulerAlone: number[] }>;
+  variants: Array<{ label: string; endToEnd: number[]; workersAlone: number[]; endToEndRowsPerSecond: number[]; workersAloneRowsPerSecond: number[]; endToEndByApplication: Array<Record<string, number>>; schedulerAlone: number[]; endToEndAllCpu?: CpuPer100k[]; workersAloneAllCpu?: CpuPer100k[]; schedulerAloneAllCpu?: CpuPer100k[] }>;
   raw2: number[];
   pgbossBatch: number[];
   raw2RowsPerSecond: number[];
   pgbossBatchRowsPerSecond: number[];
+  /** Every CPU second per 100k rows, per round (absent in files written before 2026-12-03). */
+  raw2AllCpu?: CpuPer100k[];
+  pgbossBatchAllCpu?: CpuPer100k[];
   /** BENCH_STATEMENTS=1: pg_stat_statements of the last round, per contender, with the rows it deleted. */
   statements?: Array<{ contender: string; deletedRows: number; statements: StatementCost[]; relations: RelationBlocks[] }>;
 }
@@ -61,11 +83,13 @@ export async function measureCostSize(
 ): Promise<CostSize> {
   const size: CostSize = {
     candidates: seed.candidates,
-    variants: options.variants.map((variant) => ({ label: variant.label, endToEnd: [], workersAlone: [], endToEndRowsPerSecond: [], workersAloneRowsPerSecond: [], endToEndByApplication: [], schedulerAlone: [] })),
+    variants: options.variants.map((variant) => ({ label: variant.label, endToEnd: [], workersAlone: [], endToEndRowsPerSecond: [], workersAloneRowsPerSecond: [], endToEndByApplication: [], schedulerAlone: [], endToEndAllCpu: [], workersAloneAllCpu: [], schedulerAloneAllCpu: [] })),
     raw2: [],
     pgbossBatch: [],
     raw2RowsPerSecond: [],
     pgbossBatchRowsPerSecond: [],
+    raw2AllCpu: [],
+    pgbossBatchAllCpu: [],
   };
   const at = (variant: CostVariant): BenchContext => ({ ...context, reaperBin: variant.bin });
   // Per-statement figures of the last round only (each contender's database is a fresh copy, so
@@ -86,6 +110,7 @@ export async function measureCostSize(
       const run = await measureStatements(round, `reaper end to end (${variant.label})`, () => runReaperEndToEnd(at(variant), seed, { batchSize: options.batchSize }), (r) => r.endToEnd.rows);
       size.variants[index]!.endToEnd.push(pgPer100k(run.cpu, run.endToEnd.rows));
       size.variants[index]!.endToEndRowsPerSecond.push(run.endToEnd.rowsPerSecond);
+      size.variants[index]!.endToEndAllCpu!.push(cpuPer100k(run.cpu, run.endToEnd.rows));
       const byApplication = Object.fromEntries(Object.entries(run.cpu.postgresByApplication).map(([name, seconds]) => [name, (seconds / run.endToEnd.rows) * 100_000]));
       size.variants[index]!.endToEndByApplication.push(byApplication);
       const split = Object.entries(byApplication).map(([name, value]) => `${name} ${value.toFixed(3)}`).join(', ');
@@ -94,16 +119,20 @@ export async function measureCostSize(
     const raw: Measured = await measureStatements(round, 'raw DELETE, 2 clients', () => runRawDelete(context, seed, { clients: 2, batchSize: options.batchSize }), (r) => r.rows);
     size.raw2.push(pgPer100k(raw.cpu, raw.rows));
     size.raw2RowsPerSecond.push(raw.rowsPerSecond);
+    size.raw2AllCpu!.push(cpuPer100k(raw.cpu, raw.rows));
     context.progress(`    raw 2 clients: ${pgPer100k(raw.cpu, raw.rows).toFixed(3)} pg s/100k, ${Math.round(raw.rowsPerSecond)} rows/s`);
     const boss = await runPgBoss(context, seed, { ...options.pgboss, batchSize: options.batchSize });
     size.pgbossBatch.push(pgPer100k(boss.cpu, boss.rows));
     size.pgbossBatchRowsPerSecond.push(boss.rowsPerSecond);
+    size.pgbossBatchAllCpu!.push(cpuPer100k(boss.cpu, boss.rows));
     context.progress(`    pg-boss batches: ${pgPer100k(boss.cpu, boss.rows).toFixed(3)} pg s/100k`);
     for (const [index, variant] of options.variants.entries()) {
       const stages = await measureStatements(round, `reaper scheduler alone, then workers alone (${variant.label})`, () => runStageSplit(at(variant), seed, { batchSize: options.batchSize }), (r) => r.workers.rows);
       size.variants[index]!.workersAlone.push(pgPer100k(stages.workers.cpu, stages.workers.rows));
       size.variants[index]!.schedulerAlone.push(pgPer100k(stages.scheduler.cpu, stages.scheduler.rows));
       size.variants[index]!.workersAloneRowsPerSecond.push(stages.workers.rowsPerSecond);
+      size.variants[index]!.workersAloneAllCpu!.push(cpuPer100k(stages.workers.cpu, stages.workers.rows));
+      size.variants[index]!.schedulerAloneAllCpu!.push(cpuPer100k(stages.scheduler.cpu, stages.scheduler.rows));
       context.progress(`    ${variant.label} workers alone: ${pgPer100k(stages.workers.cpu, stages.workers.rows).toFixed(3)} pg s/100k; scheduler alone ${pgPer100k(stages.scheduler.cpu, stages.scheduler.rows).toFixed(3)}`);
     }
   }
@@ -164,6 +193,7 @@ export function renderCostMarkdown(report: CostReport): string {
       );
     }
     lines.push('');
+    lines.push(...allCpuMarkdown(size));
     for (const entry of size.statements ?? []) lines.push(...statementsMarkdown(entry.contender, entry.statements, entry.deletedRows), ...relationBlocksMarkdown(entry.relations, entry.deletedRows));
   }
   if (report.schedulerMemory.length > 0) {
@@ -178,6 +208,27 @@ export function renderCostMarkdown(report: CostReport): string {
     lines.push('');
   }
   return `${lines.join('\n')}\n`;
+}
+
+/** The whole machine's CPU per row, by where it ran (medians of the rounds); nothing for older files. */
+function allCpuMarkdown(size: CostSize): string[] {
+  const rows: Array<[string, CpuPer100k[] | undefined]> = [
+    ...size.variants.flatMap((variant): Array<[string, CpuPer100k[] | undefined]> => [
+      [`reaper end to end (${variant.label})`, variant.endToEndAllCpu],
+      [`reaper workers alone (${variant.label})`, variant.workersAloneAllCpu],
+      [`reaper scheduler alone: scan + publish (${variant.label})`, variant.schedulerAloneAllCpu],
+    ]),
+    ['raw DELETE, 2 clients (the bench process as its client)', size.raw2AllCpu],
+    ['pg-boss, batch jobs (in the bench process)', size.pgbossBatchAllCpu],
+  ];
+  const measured = rows.filter((row): row is [string, CpuPer100k[]] => (row[1]?.length ?? 0) > 0);
+  if (measured.length === 0) return [];
+  const lines = ['All CPU seconds per 100k deleted rows, by where they ran (medians of the rounds): on this one 2-core machine their sum bounds rows/s.', '', '| contender | all | node | postgres | rabbitmq |', '|---|---|---|---|---|'];
+  for (const [label, rounds] of measured) {
+    const part = (pick: (cpu: CpuPer100k) => number): string => f(median(rounds.map(pick)));
+    lines.push(`| ${label} | ${part((cpu) => cpu.node + cpu.postgres + cpu.rabbitmq)} | ${part((cpu) => cpu.node)} | ${part((cpu) => cpu.postgres)} | ${part((cpu) => cpu.rabbitmq)} |`);
+  }
+  return [...lines, ''];
 }
 
 export function writeCostReport(base: string, report: CostReport): void {
