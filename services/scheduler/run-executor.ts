@@ -1,7 +1,7 @@
 import type { Logger } from 'pino';
 import { DEFAULT_APPROVAL_TOLERANCE, policyVersion, type Policy } from '../../shared/config/policies';
 import { planBrakeCount } from '../../shared/db/queries/plan';
-import { encodeBatch, makeBatchId, MAX_ID_LENGTH, MAX_MESSAGE_BYTES, type Batch, type BatchItem, type BatchV1, type BatchV2, type BatchVersion } from '../../shared/contracts/batch';
+import { batchBytesAtMost, encodeBatch, makeBatchId, MAX_ID_LENGTH, MAX_MESSAGE_BYTES, type Batch, type BatchItem, type BatchV1, type BatchV2, type BatchVersion } from '../../shared/contracts/batch';
 import type { ConfirmingPublisher } from '../../shared/amqp/publisher';
 import type { BrokerNames } from '../../shared/amqp/topology';
 import type { Pool } from '../../shared/db/pool';
@@ -490,6 +490,7 @@ async function scanWindow(
   // One version per window, chosen when it is built: a retried window publishes the same bytes.
   const version = rows.length > 0 ? await deps.batchVersion(run.policy) : 1;
   let sequence = from.sequence;
+  const rule = policyVersion(policy);
   for (let start = 0; start < rows.length; start += policy.batchSize) {
     const rowsOfPage = rows.slice(start, start + policy.batchSize);
     const last = rowsOfPage[rowsOfPage.length - 1]!;
@@ -500,7 +501,7 @@ async function scanWindow(
       deps.log.error({ runId: run.runId, skipped: rowsOfPage.length - items.length, maxIdLength: MAX_ID_LENGTH }, 'rows with over-long keys skipped');
       page.skipped = rowsOfPage.length - items.length;
     }
-    for (const content of encodeWithinLimit(run, items, version, policyVersion(policy))) {
+    for (const content of encodeWithinLimit(run, items, version, rule)) {
       const batch: Batch = { ...content, batchId: makeBatchId(run.runId, ++sequence, run.claimCount) };
       page.batches.push({ batchId: batch.batchId, content: encodeBatch(batch), confirmed: false });
       page.candidates += batch.items.length;
@@ -545,6 +546,7 @@ function encodeWithinLimit(run: Run, items: readonly BatchItem[], version: Batch
   const body = { runId: run.runId, policy: run.policy, cutoff: run.cutoff, items: [...items] };
   // Version 1 is written exactly as before version 2 existed; 2 adds the scan's policy version.
   const batch: UnnumberedBatch = version === 2 ? { version: 2, ...body, policyVersion: rule } : { version: 1, ...body };
+  if (batchBytesAtMost(run.policy, items) <= MAX_MESSAGE_BYTES) return [batch];
   // The id is at most 200 characters (contract); measure with the longest one it can get.
   // Measured as text, not encoded into a Buffer that would be thrown away at once.
   const size = Buffer.byteLength(JSON.stringify({ ...batch, batchId: makeBatchId(run.runId, 999_999, run.claimCount) }), 'utf8');

@@ -162,6 +162,22 @@ function firstDuplicateId(items: readonly BatchItem[]): { id: string; first: num
   return null;
 }
 
+/**
+ * At least the encoded size of any batch of these items for this policy, whatever its run id,
+ * batch id (at most 200 characters) and version, without encoding it: the scheduler measures a
+ * page exactly (JSON.stringify) only when this is over MAX_MESSAGE_BYTES, which with ordinary keys
+ * it never is (encoding every page twice was 6% of the scheduler's CPU; issue 18). Each item is
+ * `{"id":"…","observedExpiry":"…"},` (30 bytes) plus at most 6 bytes per UTF-16 unit of its two
+ * strings (an escaped control character, `\u001f`, is the longest form of one unit; a surrogate
+ * pair is 4 bytes of UTF-8 for two units). The envelope's field names and fixed-size values
+ * (version, run id, cutoff, batch id, policy version) take under 512 bytes.
+ */
+export function batchBytesAtMost(policy: string, items: readonly BatchItem[]): number {
+  let bytes = 512 + 6 * policy.length;
+  for (const item of items) bytes += 30 + 6 * (item.id.length + item.observedExpiry.length);
+  return bytes;
+}
+
 /** Encodes a batch in its own version: a v1 batch is written exactly as before version 2 existed. */
 export function encodeBatch(batch: Batch): Buffer {
   return Buffer.from(JSON.stringify(batch), 'utf8');

@@ -4,11 +4,13 @@
  */
 import { test } from 'node:test';
 import assert from 'node:assert/strict';
+import fc from 'fast-check';
 import {
   FLEET_BATCH_VERSION,
   NEWEST_BATCH_VERSION,
   MAX_BATCH_ITEMS,
   MAX_MESSAGE_BYTES,
+  batchBytesAtMost,
   decodeBatch,
   encodeBatch,
   makeBatchId,
@@ -259,4 +261,21 @@ test('the order of checks: each message gets exactly the first failing reason', 
   assertRejected(decodeJson({ version: 3, items: [] }), 'unsupported-version');
   // Version check before schema: v1 with the same schema error is invalid-message.
   assertRejected(decodeJson({ version: 1, items: [] }), 'invalid-message');
+});
+
+test('batchBytesAtMost is never under the encoded size, whatever the ids hold (escapes, astral characters) and the batch id', () => {
+  fc.assert(
+    fc.property(
+      fc.array(fc.record({ id: fc.oneof(fc.string({ unit: 'binary', minLength: 1, maxLength: 40 }), fc.string({ unit: fc.constantFrom('\u0001', '\u001f', '"', '\\', '界'), minLength: 1, maxLength: 40 })), observedExpiry: fc.oneof(fc.constant('2026-11-29T19:58:12.345678Z'), fc.string({ unit: 'binary', maxLength: 40 })) }), { minLength: 1, maxLength: 50 }),
+      fc.stringMatching(/^[a-z0-9-]{1,80}$/),
+      fc.constantFrom(1, 2),
+      (items, policy, version) => {
+        const longestId = `${RUN_ID}:${'9'.repeat(163)}`; // 200 characters, the contract's longest
+        const batch = { ...validBatch({ items, policy, batchId: longestId }), ...(version === 2 ? { version: 2, policyVersion: '0123456789abcdef' } : {}) };
+        const encoded = Buffer.byteLength(JSON.stringify(batch), 'utf8');
+        assert.ok(batchBytesAtMost(policy, items) >= encoded, `${batchBytesAtMost(policy, items)} < ${encoded}`);
+      },
+    ),
+    { numRuns: 2000 },
+  );
 });
