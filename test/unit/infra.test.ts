@@ -526,3 +526,20 @@ test('Dockerfile: every stage pins the same base digest; the runtime image carri
   assert.equal(labels.get('org.opencontainers.image.base.digest'), digests[0], 'the base.digest label is the pinned digest');
   assert.equal(labels.get('org.opencontainers.image.version'), '${VERSION}', 'the version comes from the build argument CI sets');
 });
+
+test('compose: the scheduler and the workers run under the memory limit infra/k8s gives them (Node sizes its heap from it)', () => {
+  const bytes = (value: string): number => {
+    const match = /^(\d+)(Mi|Gi|m|g)$/.exec(value);
+    assert.ok(match, `a memory size: ${value}`);
+    return Number(match[1]) * (match[2] === 'Gi' || match[2] === 'g' ? 1024 ** 3 : 1024 ** 2);
+  };
+  for (const role of ['scheduler', 'worker']) {
+    const deployment = yamlOne(path.join(ROOT, 'infra', 'k8s', 'base', `${role}.yaml`));
+    const container = (deployment.spec.template.spec.containers as Obj[]).find((c) => c.name === role) ?? deployment.spec.template.spec.containers[0];
+    const k8sLimit = container.resources?.limits?.memory as string | undefined;
+    assert.ok(k8sLimit, `infra/k8s/base/${role}.yaml sets a memory limit`);
+    const composeLimit = services[role]?.mem_limit as string | undefined;
+    assert.ok(composeLimit, `docker-compose.yml: ${role} has a mem_limit`);
+    assert.equal(bytes(composeLimit), bytes(k8sLimit), `docker-compose.yml ${role}: mem_limit ${composeLimit} is the Kubernetes limit ${k8sLimit}`);
+  }
+});
