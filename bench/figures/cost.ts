@@ -52,14 +52,14 @@ export const cpuPer100k = (cpu: CpuSplit, rows: number): CpuPer100k => {
 export interface CostSize {
   candidates: number;
   /** PostgreSQL backend CPU s per 100k deleted rows, per round. */
-  variants: Array<{ label: string; endToEnd: number[]; workersAlone: number[]; endToEndRowsPerSecond: number[]; workersAloneRowsPerSecond: number[]; endToEndByApplication: Array<Record<string, number>>; schedulerAlone: number[]; endToEndAllCpu?: CpuPer100k[]; workersAloneAllCpu?: CpuPer100k[]; schedulerAloneAllCpu?: CpuPer100k[] }>;
+  variants: Array<{ label: string; endToEnd: number[]; workersAlone: number[]; endToEndRowsPerSecond: number[]; workersAloneRowsPerSecond: number[]; endToEndByApplication: Array<Record<string, number>>; schedulerAlone: number[]; endToEndAllCpu: CpuPer100k[]; workersAloneAllCpu: CpuPer100k[]; schedulerAloneAllCpu: CpuPer100k[] }>;
   raw2: number[];
   pgbossBatch: number[];
   raw2RowsPerSecond: number[];
   pgbossBatchRowsPerSecond: number[];
-  /** Every CPU second per 100k rows, per round (absent in files written before 2026-12-03). */
-  raw2AllCpu?: CpuPer100k[];
-  pgbossBatchAllCpu?: CpuPer100k[];
+  /** Every CPU second per 100k rows, per round. */
+  raw2AllCpu: CpuPer100k[];
+  pgbossBatchAllCpu: CpuPer100k[];
   /** BENCH_STATEMENTS=1: pg_stat_statements of the last round, per contender, with the rows it deleted. */
   statements?: Array<{ contender: string; deletedRows: number; statements: StatementCost[]; relations: RelationBlocks[] }>;
 }
@@ -74,7 +74,7 @@ export interface CostReport {
 }
 
 /** PostgreSQL backend CPU seconds per 100k rows of one measured window. */
-export const pgPer100k = (cpu: CpuSplit, rows: number): number => (rows > 0 ? (cpu.postgresBackendSeconds / rows) * 100_000 : Number.NaN);
+export const pgPer100k = (cpu: CpuSplit, rows: number): number => cpuPer100k(cpu, rows).postgres;
 
 export async function measureCostSize(
   context: BenchContext,
@@ -110,7 +110,7 @@ export async function measureCostSize(
       const run = await measureStatements(round, `reaper end to end (${variant.label})`, () => runReaperEndToEnd(at(variant), seed, { batchSize: options.batchSize }), (r) => r.endToEnd.rows);
       size.variants[index]!.endToEnd.push(pgPer100k(run.cpu, run.endToEnd.rows));
       size.variants[index]!.endToEndRowsPerSecond.push(run.endToEnd.rowsPerSecond);
-      size.variants[index]!.endToEndAllCpu!.push(cpuPer100k(run.cpu, run.endToEnd.rows));
+      size.variants[index]!.endToEndAllCpu.push(cpuPer100k(run.cpu, run.endToEnd.rows));
       const byApplication = Object.fromEntries(Object.entries(run.cpu.postgresByApplication).map(([name, seconds]) => [name, (seconds / run.endToEnd.rows) * 100_000]));
       size.variants[index]!.endToEndByApplication.push(byApplication);
       const split = Object.entries(byApplication).map(([name, value]) => `${name} ${value.toFixed(3)}`).join(', ');
@@ -119,20 +119,20 @@ export async function measureCostSize(
     const raw: Measured = await measureStatements(round, 'raw DELETE, 2 clients', () => runRawDelete(context, seed, { clients: 2, batchSize: options.batchSize }), (r) => r.rows);
     size.raw2.push(pgPer100k(raw.cpu, raw.rows));
     size.raw2RowsPerSecond.push(raw.rowsPerSecond);
-    size.raw2AllCpu!.push(cpuPer100k(raw.cpu, raw.rows));
+    size.raw2AllCpu.push(cpuPer100k(raw.cpu, raw.rows));
     context.progress(`    raw 2 clients: ${pgPer100k(raw.cpu, raw.rows).toFixed(3)} pg s/100k, ${Math.round(raw.rowsPerSecond)} rows/s`);
     const boss = await runPgBoss(context, seed, { ...options.pgboss, batchSize: options.batchSize });
     size.pgbossBatch.push(pgPer100k(boss.cpu, boss.rows));
     size.pgbossBatchRowsPerSecond.push(boss.rowsPerSecond);
-    size.pgbossBatchAllCpu!.push(cpuPer100k(boss.cpu, boss.rows));
+    size.pgbossBatchAllCpu.push(cpuPer100k(boss.cpu, boss.rows));
     context.progress(`    pg-boss batches: ${pgPer100k(boss.cpu, boss.rows).toFixed(3)} pg s/100k`);
     for (const [index, variant] of options.variants.entries()) {
       const stages = await measureStatements(round, `reaper scheduler alone, then workers alone (${variant.label})`, () => runStageSplit(at(variant), seed, { batchSize: options.batchSize }), (r) => r.workers.rows);
       size.variants[index]!.workersAlone.push(pgPer100k(stages.workers.cpu, stages.workers.rows));
       size.variants[index]!.schedulerAlone.push(pgPer100k(stages.scheduler.cpu, stages.scheduler.rows));
       size.variants[index]!.workersAloneRowsPerSecond.push(stages.workers.rowsPerSecond);
-      size.variants[index]!.workersAloneAllCpu!.push(cpuPer100k(stages.workers.cpu, stages.workers.rows));
-      size.variants[index]!.schedulerAloneAllCpu!.push(cpuPer100k(stages.scheduler.cpu, stages.scheduler.rows));
+      size.variants[index]!.workersAloneAllCpu.push(cpuPer100k(stages.workers.cpu, stages.workers.rows));
+      size.variants[index]!.schedulerAloneAllCpu.push(cpuPer100k(stages.scheduler.cpu, stages.scheduler.rows));
       context.progress(`    ${variant.label} workers alone: ${pgPer100k(stages.workers.cpu, stages.workers.rows).toFixed(3)} pg s/100k; scheduler alone ${pgPer100k(stages.scheduler.cpu, stages.scheduler.rows).toFixed(3)}`);
     }
   }
@@ -210,10 +210,10 @@ export function renderCostMarkdown(report: CostReport): string {
   return `${lines.join('\n')}\n`;
 }
 
-/** The whole machine's CPU per row, by where it ran (medians of the rounds); nothing for older files. */
+/** The whole machine's CPU per row, by where it ran (medians of the rounds). */
 function allCpuMarkdown(size: CostSize): string[] {
-  const rows: Array<[string, CpuPer100k[] | undefined]> = [
-    ...size.variants.flatMap((variant): Array<[string, CpuPer100k[] | undefined]> => [
+  const rows: Array<[string, CpuPer100k[]]> = [
+    ...size.variants.flatMap((variant): Array<[string, CpuPer100k[]]> => [
       [`reaper end to end (${variant.label})`, variant.endToEndAllCpu],
       [`reaper workers alone (${variant.label})`, variant.workersAloneAllCpu],
       [`reaper scheduler alone: scan + publish (${variant.label})`, variant.schedulerAloneAllCpu],
@@ -221,10 +221,8 @@ function allCpuMarkdown(size: CostSize): string[] {
     ['raw DELETE, 2 clients (the bench process as its client)', size.raw2AllCpu],
     ['pg-boss, batch jobs (in the bench process)', size.pgbossBatchAllCpu],
   ];
-  const measured = rows.filter((row): row is [string, CpuPer100k[]] => (row[1]?.length ?? 0) > 0);
-  if (measured.length === 0) return [];
   const lines = ['All CPU seconds per 100k deleted rows, by where they ran (medians of the rounds): on this one 2-core machine their sum bounds rows/s.', '', '| contender | all | node | postgres | rabbitmq |', '|---|---|---|---|---|'];
-  for (const [label, rounds] of measured) {
+  for (const [label, rounds] of rows) {
     const part = (pick: (cpu: CpuPer100k) => number): string => f(median(rounds.map(pick)));
     lines.push(`| ${label} | ${part((cpu) => cpu.node + cpu.postgres + cpu.rabbitmq)} | ${part((cpu) => cpu.node)} | ${part((cpu) => cpu.postgres)} | ${part((cpu) => cpu.rabbitmq)} |`);
   }

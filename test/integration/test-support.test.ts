@@ -3,9 +3,11 @@ import { after, before, describe, test } from 'node:test';
 import amqp from 'amqplib';
 import pg from 'pg';
 import { assertTopology, makeTopology } from '../../shared/amqp/topology';
+import { runsInsertIfAbsent } from '../../shared/db/queries/runs';
 import { rowDeletePolicyYaml } from '../support/fixtures';
 import { holdCheckpointLock, releaseHeldLocks } from '../support/locks';
 import { assertNoLeakedProcesses, startReaper, stopLeftovers } from '../support/processes';
+import { measureRecovery } from '../support/run-checks';
 import { findServers } from '../support/servers';
 import { brokerObjectNames, makeTestBed, type TestBed } from '../support/testbed';
 
@@ -39,6 +41,32 @@ describe('test support', () => {
       await admin.end();
     }
   };
+
+  // The fault tests' recovery figure. Before the work-left check, a fault whose work had all
+  // finished before it ended polled until its timeout (30 s in runUnderFault): this test's own
+  // timeout, far under the 600 s asked for, is what fails then.
+  test("a fault's recovery: none at once when no work is left; polled while a run is open; measured from a completion after the fault", { timeout: 30_000 }, async () => {
+    assert.deepEqual(await measureRecovery(bed.pool, 'nothing to do', Date.now(), 600_000), { fault: 'nothing to do', ms: null }, 'no run, no ledger operation: no recovery, at once');
+    const run = (await runsInsertIfAbsent(bed.pool, { policy: 'recovery-probe', trigger: 'manual', scheduledFor: null, cutoff: null }))!;
+    try {
+      const since = Date.now();
+      const started = performance.now();
+      assert.deepEqual(await measureRecovery(bed.pool, 'open run', since, 600), { fault: 'open run', ms: null }, 'an open run and no completion: polled to its timeout');
+      assert.ok(performance.now() - started >= 600, 'an open run keeps it polling until the timeout');
+      const measuring = measureRecovery(bed.pool, 'a receipt after the fault', since, 20_000);
+      await bed.pool.query(
+        `INSERT INTO cleanup_batches (batch_id, run_id, policy, items, deleted, noop, worker_id, completed_at)
+         VALUES ($1, $2, 'recovery-probe', 1, 1, 0, 'test', clock_timestamp())`,
+        [`${run.runId}:000001`, run.runId],
+      );
+      const measured = await measuring;
+      assert.equal(measured.fault, 'a receipt after the fault');
+      assert.ok(measured.ms !== null && measured.ms >= 0, `the receipt committed after the fault is its recovery: ${JSON.stringify(measured)}`);
+    } finally {
+      await bed.pool.query('DELETE FROM cleanup_batches WHERE run_id = $1', [run.runId]);
+      await bed.pool.query('DELETE FROM cleanup_runs WHERE run_id = $1', [run.runId]);
+    }
+  });
 
   test('a migration that fails drops the database it was run in', async () => {
     const label = `tb_migrate_fails_${process.pid}`;

@@ -535,7 +535,8 @@ test('compose: the scheduler and the workers run under the memory limit infra/k8
   };
   for (const role of ['scheduler', 'worker']) {
     const deployment = yamlOne(path.join(ROOT, 'infra', 'k8s', 'base', `${role}.yaml`));
-    const container = (deployment.spec.template.spec.containers as Obj[]).find((c) => c.name === role) ?? deployment.spec.template.spec.containers[0];
+    const container = (deployment.spec.template.spec.containers as Obj[]).find((c) => c.name === role);
+    assert.ok(container, `infra/k8s/base/${role}.yaml has a container named ${role}`);
     const k8sLimit = container.resources?.limits?.memory as string | undefined;
     assert.ok(k8sLimit, `infra/k8s/base/${role}.yaml sets a memory limit`);
     const composeLimit = services[role]?.mem_limit as string | undefined;
