@@ -48,6 +48,7 @@ import { summariseProfile } from './lib/profile';
 import { renderMarkdown, renderText, type BenchReport, type SizeResult } from './lib/report';
 import { killLeftoverServices } from './lib/services';
 import { assertCanPin, pinDatabaseApart, type Pinning } from './lib/pin';
+import { PREFETCH_DEFAULTS } from '../shared/config/env';
 
 const RESULTS_DIR = path.resolve(__dirname, '..', '..', 'bench', 'results');
 
@@ -302,7 +303,7 @@ async function main(): Promise<number> {
     settings: {
       batchSize: config.batchSize,
       workers: 2,
-      prefetch: 8,
+      prefetch: `${PREFETCH_DEFAULTS.rowDelete} (row-delete), ${PREFETCH_DEFAULTS.remoteDelete} (remote-delete)`,
       dbPoolSize: 4,
       pgbossVersion: (JSON.parse(readFileSync(require.resolve('pg-boss/package.json'), 'utf8')) as { version: string }).version,
       pgbossLoops: PGBOSS_BATCH.loopsPerWorker,

@@ -167,7 +167,8 @@ export class ReaperService extends ChildService {
         REAPER_AMQP_PREFIX: environment.prefix,
         REAPER_POLICIES: environment.policiesPath,
         REAPER_WORKER_ID: spec.id,
-        REAPER_PREFETCH: String(spec.prefetch ?? 8),
+        // Unset: the product's defaults (shared/config/env.ts PREFETCH_DEFAULTS).
+        ...(spec.prefetch === undefined ? {} : { REAPER_PREFETCH: String(spec.prefetch) }),
         REAPER_DB_POOL_SIZE: String(spec.poolSize ?? 4),
         LOG_LEVEL: process.env.BENCH_LOG_LEVEL ?? 'warn',
         HTTP_PORT: String(httpPort),

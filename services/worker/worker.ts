@@ -99,7 +99,7 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
           const group = made as BatchGroupHandler;
           const groupLog = log.child({ policy: policy.name });
           const context = { pool, workerId: env.workerId, log: groupLog, metrics, deliveryCount: 1, failpoint, stopping: () => stopping };
-          coalescers.set(policy.name, makeCoalescer({ maxGroups: ROW_GROUPS_PER_POLICY, maxItems: env.prefetch, run: (batches, heldSince) => group(batches, { ...context, heldSince }) }));
+          coalescers.set(policy.name, makeCoalescer({ maxGroups: ROW_GROUPS_PER_POLICY, maxItems: env.prefetch.rowDelete, run: (batches, heldSince) => group(batches, { ...context, heldSince }) }));
           handlers.set(policy.name, (batch) => coalescers.get(policy.name)!.submit(batch));
         } else {
           handlers.set(policy.name, made as BatchHandler);
@@ -155,11 +155,24 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
     for (const policy of policies.keys()) await consumeQueue(target, policy);
   }
 
+  /** A policy's queue is consumed with its kind's prefetch (env.prefetch). */
+  const prefetchOf = (policy: string): number => (policies.get(policy)?.kind === 'row-delete' ? env.prefetch.rowDelete : env.prefetch.remoteDelete);
+  /** Each qos and the consume it is for, one policy at a time (see consumeQueue). */
+  let consumeTurn: Promise<unknown> = Promise.resolve();
+
   async function consumeQueue(target: Channel, policy: string): Promise<void> {
-    const { consumerTag } = await target.consume(names.workQueue(policy), (message) => {
-      if (message) deliver(target, message);
-      else onCancelledByBroker(target, policy);
-    }, { consumerTag: consumerTagFor(env.workerId, policy, highestAccepted) });
+    // basic.qos with global=false sets the prefetch of each consumer started after it on the
+    // channel (RabbitMQ consumer prefetch), so a qos and its consume must not interleave with
+    // another policy's: a re-consume after a broker cancel can run beside consumeAll.
+    const turn = consumeTurn.then(async () => {
+      await target.prefetch(prefetchOf(policy));
+      return target.consume(names.workQueue(policy), (message) => {
+        if (message) deliver(target, message);
+        else onCancelledByBroker(target, policy);
+      }, { consumerTag: consumerTagFor(env.workerId, policy, highestAccepted) });
+    });
+    consumeTurn = turn.catch(() => undefined); // a failed turn (channel closed) does not hold up the next
+    const { consumerTag } = await turn;
     consumers.set(policy, consumerTag);
     // After the work consumer: the proof never stands for a consumer that does not exist yet.
     presence.set(policy, await announcePresence(target, names.presenceQueue(policy, heartbeat!.instanceId)));
@@ -227,7 +240,6 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
         }, 1_000);
       }
     });
-    await opened.prefetch(env.prefetch);
     channel = opened;
     if (!stopping && !databasePaused) await consumeAll(opened);
   }

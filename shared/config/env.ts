@@ -29,8 +29,8 @@ const envSchema = z.object({
   REAPER_WORKER_ID: z.string().min(1).default(`${hostname()}:${process.pid}`),
   LOG_LEVEL: z.enum(['trace', 'debug', 'info', 'warn', 'error', 'fatal', 'silent']).default('info'),
   HTTP_PORT: z.string().trim().regex(/^\d+$/, 'must be a port number (0-65535)').transform(Number).pipe(z.number().int().min(0).max(65535)).optional(),
-  /** Unacknowledged batches a worker holds at once (AMQP prefetch). */
-  REAPER_PREFETCH: z.coerce.number().int().min(1).max(1000).default(8),
+  /** Unacknowledged batches a worker holds at once per queue (AMQP consumer prefetch); unset: per policy kind (PREFETCH_DEFAULTS). */
+  REAPER_PREFETCH: z.coerce.number().int().min(1).max(1000).optional(),
   /** PostgreSQL connections per process. */
   REAPER_DB_POOL_SIZE: z.coerce.number().int().min(1).max(100).default(4),
   /** How many times the broker redelivers a batch that keeps failing before dead-lettering it. */
@@ -61,6 +61,23 @@ const envSchema = z.object({
   REAPER_DB_KEEPALIVE_MS: z.coerce.number().int().min(0).max(3_600_000).default(10_000),
 });
 
+export interface Prefetch {
+  rowDelete: number;
+  remoteDelete: number;
+}
+
+/**
+ * REAPER_PREFETCH unset. row-delete: the batches a worker holds for a policy go to the database
+ * as one statement (services/worker/coalescer.ts), so more in hand means fewer, bigger statements
+ * and fewer transactions, admissions and acks per row: 32 against 8 took 19% less CPU per row
+ * (Node, PostgreSQL and RabbitMQ together) and drained 1.23x as fast in the same bench rounds
+ * (bench/results/2026-12-03-cost-quick-ab-pf32.md); statement size stays bounded by the admission
+ * (maxRowsPerStatement). remote-delete: a batch waits its turn at a shared API rate in the worker
+ * or is parked in the ledger, so holding more only parks more: 8. REAPER_PREFETCH, when set,
+ * applies to every queue.
+ */
+export const PREFETCH_DEFAULTS: Readonly<Prefetch> = Object.freeze({ rowDelete: 32, remoteDelete: 8 });
+
 export type Env = {
   databaseUrl: string;
   /** AMQP_URL as given (one URL or a comma-separated list), with REAPER_AMQP_HEARTBEAT_S folded in. */
@@ -71,7 +88,8 @@ export type Env = {
   workerId: string;
   logLevel: z.infer<typeof envSchema>['LOG_LEVEL'];
   httpPort: number | undefined;
-  prefetch: number;
+  /** Unacknowledged batches per worker and queue, by the kind of policy the queue carries. */
+  prefetch: Prefetch;
   dbPoolSize: number;
   deliveryLimit: number;
   webhookSecret: string | undefined;
@@ -146,7 +164,7 @@ export function loadEnv(source: NodeJS.ProcessEnv = process.env): Env {
     workerId: env.REAPER_WORKER_ID,
     logLevel: env.LOG_LEVEL,
     httpPort: env.HTTP_PORT,
-    prefetch: env.REAPER_PREFETCH,
+    prefetch: env.REAPER_PREFETCH === undefined ? PREFETCH_DEFAULTS : { rowDelete: env.REAPER_PREFETCH, remoteDelete: env.REAPER_PREFETCH },
     dbPoolSize: env.REAPER_DB_POOL_SIZE,
     deliveryLimit: env.REAPER_DELIVERY_LIMIT,
     webhookSecret: env.REAPER_WEBHOOK_SECRET,

@@ -8,7 +8,7 @@ import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
 import { hostname, tmpdir } from 'node:os';
 import path from 'node:path';
 import { ConfigError } from '../../shared/config/errors';
-import { DEMO_POLICIES_PATH, loadEnv, readVariable } from '../../shared/config/env';
+import { DEMO_POLICIES_PATH, loadEnv, PREFETCH_DEFAULTS, readVariable } from '../../shared/config/env';
 
 const dir = mkdtempSync(path.join(tmpdir(), 'reaper-env-test-'));
 after(() => rmSync(dir, { recursive: true, force: true }));
@@ -58,9 +58,18 @@ test('an empty environment gives the documented defaults', () => {
   assert.equal('failpoint' in loadEnv({ REAPER_TEST_FAILPOINT: 'before-commit' }), false);
   assert.ok(env.databaseUrl.startsWith('postgres://'), env.databaseUrl);
   assert.ok(env.amqpUrl.startsWith('amqp://'), env.amqpUrl);
-  assert.ok(Number.isInteger(env.prefetch) && env.prefetch >= 1);
+  assert.deepEqual(env.prefetch, PREFETCH_DEFAULTS, 'unset: each kind of queue its own prefetch');
   assert.ok(Number.isInteger(env.dbPoolSize) && env.dbPoolSize >= 1);
   assert.ok(Number.isInteger(env.deliveryLimit) && env.deliveryLimit >= 1);
+});
+
+test('REAPER_PREFETCH unset: row-delete queues hold more than remote-delete ones; set: it applies to every queue; a bad value names the variable', () => {
+  assert.ok(PREFETCH_DEFAULTS.rowDelete > PREFETCH_DEFAULTS.remoteDelete, 'row-delete batches coalesce into one statement: more in hand, fewer statements');
+  assert.deepEqual(loadEnv({ REAPER_PREFETCH: '3' }).prefetch, { rowDelete: 3, remoteDelete: 3 });
+  assert.deepEqual(loadEnv({ REAPER_PREFETCH: '' }).prefetch, PREFETCH_DEFAULTS, 'empty counts as unset');
+  for (const bad of ['0', '1001', '2.5', 'eight']) {
+    assert.throws(() => loadEnv({ REAPER_PREFETCH: bad }), (error: Error) => error.message.includes('REAPER_PREFETCH'), `REAPER_PREFETCH=${bad}`);
+  }
 });
 
 test('empty strings count as unset (defaults apply)', () => {

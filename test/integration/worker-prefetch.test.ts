@@ -1,0 +1,103 @@
+import assert from 'node:assert/strict';
+import { randomUUID } from 'node:crypto';
+import { after, before, describe, test } from 'node:test';
+import type pg from 'pg';
+import pino from 'pino';
+import { brokerNames } from '../../shared/amqp/topology';
+import { PREFETCH_DEFAULTS } from '../../shared/config/env';
+import { loadPolicies } from '../../shared/config/policies';
+import { makeBatchId, type BatchV1 } from '../../shared/contracts/batch';
+import { startWorker, type WorkerHandle } from '../../services/worker/worker';
+import { openTestBroker, type TestBroker } from '../support/broker';
+import { databaseIsoIn, publishBatch } from '../support/fixtures';
+import { eventually } from '../support/eventually';
+import { makeTestBed, type TestBed } from '../support/testbed';
+
+/**
+ * How many batches a worker holds per queue (REAPER_PREFETCH, shared/config/env.ts): unset, a
+ * row-delete queue's consumer holds PREFETCH_DEFAULTS.rowDelete (its batches coalesce into one
+ * statement) and a remote-delete queue's PREFETCH_DEFAULTS.remoteDelete; set, every queue holds
+ * that many. Seen from the broker: both policies' tables are locked, so every batch the worker
+ * takes stays in its hands, and the ready count of each queue falls by exactly what it holds.
+ */
+describe('worker prefetch per kind of queue', () => {
+  let bed: TestBed;
+  let broker: TestBroker;
+  let names: ReturnType<typeof brokerNames>;
+  const ROW_BATCHES = PREFETCH_DEFAULTS.rowDelete + 8;
+  const REMOTE_BATCHES = PREFETCH_DEFAULTS.remoteDelete + 8;
+
+  before(async () => {
+    bed = await makeTestBed('worker_prefetch');
+    broker = await openTestBroker(bed.amqpUrl);
+    names = brokerNames(bed.prefix);
+  });
+
+  after(async () => {
+    try {
+      await broker?.close();
+    } finally {
+      await bed?.close();
+    }
+  });
+
+  /** Batches of keys no row has (nothing to delete once the lock is gone): what they wait on is the lock. */
+  async function publishBatches(policy: string, count: number): Promise<void> {
+    const cutoff = await databaseIsoIn(bed.pool, '0 seconds');
+    for (let i = 0; i < count; i++) {
+      const runId = randomUUID();
+      const batch: BatchV1 = { version: 1, runId, batchId: makeBatchId(runId, 1), policy, cutoff, items: [{ id: randomUUID(), observedExpiry: cutoff }] };
+      await publishBatch(broker, names, batch);
+    }
+  }
+
+  /** Holds both policies' tables so that a batch taken by the worker cannot finish; released in `finally`. */
+  async function withTablesLocked(work: () => Promise<void>): Promise<void> {
+    const client: pg.PoolClient = await bed.pool.connect();
+    try {
+      await client.query('BEGIN');
+      await client.query('LOCK TABLE seat_reservations, media_assets IN ACCESS EXCLUSIVE MODE');
+      await work();
+    } finally {
+      await client.query('ROLLBACK').catch(() => undefined);
+      client.release();
+    }
+  }
+
+  async function holdsPerQueue(overrides: Record<string, string>, expected: { row: number; remote: number }): Promise<void> {
+    // A long lock timeout: the statements wait for the test's lock instead of failing back to the queue.
+    const env = bed.env({ ...overrides, REAPER_LOCK_TIMEOUT_MS: '120000', REAPER_WORKER_ID: `prefetch-${randomUUID().slice(0, 8)}` });
+    const log = pino({ level: process.env.TEST_LOG_LEVEL ?? 'silent' });
+    const worker: WorkerHandle = await startWorker(env, loadPolicies(env.policiesPath), log);
+    try {
+      await withTablesLocked(async () => {
+        await publishBatches('seat-holds', ROW_BATCHES);
+        await publishBatches('media-assets', REMOTE_BATCHES);
+        const ready = async () => ({ row: await broker.messageCount(names.workQueue('seat-holds')), remote: await broker.messageCount(names.workQueue('media-assets')) });
+        const want = { row: ROW_BATCHES - expected.row, remote: REMOTE_BATCHES - expected.remote };
+        await eventually(`ready counts ${JSON.stringify(want)} (each queue's prefetch in the worker's hands)`, async () => {
+          const now = await ready();
+          return now.row === want.row && now.remote === want.remote;
+        }, { describe: ready });
+        // Never more than the prefetch: a second look, a moment later, still finds the same counts.
+        await new Promise((resolve) => setTimeout(resolve, 300)); // a window for an over-delivery to show, not a wait for an event
+        assert.deepEqual(await ready(), want, 'no queue gave the worker more than its prefetch');
+      });
+    } finally {
+      // After the lock is gone (withTablesLocked ended): the held batches finish and are acked.
+      await worker.stop();
+      // What the worker never took is purged: the next case starts with empty queues.
+      await broker.drain(names.workQueue('seat-holds'));
+      await broker.drain(names.workQueue('media-assets'));
+    }
+  }
+
+  test('unset: a row-delete queue holds its coalescing prefetch, a remote-delete queue the smaller one', async () => {
+    assert.ok(PREFETCH_DEFAULTS.rowDelete > PREFETCH_DEFAULTS.remoteDelete);
+    await holdsPerQueue({}, { row: PREFETCH_DEFAULTS.rowDelete, remote: PREFETCH_DEFAULTS.remoteDelete });
+  });
+
+  test('REAPER_PREFETCH set: every queue holds that many', async () => {
+    await holdsPerQueue({ REAPER_PREFETCH: '5' }, { row: 5, remote: 5 });
+  });
+});
