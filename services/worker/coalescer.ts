@@ -4,6 +4,10 @@
  * parsed from the same socket read arrives in that turn) and, while `maxGroups` groups are already
  * running, for one of them to finish: so under load, the deliveries a worker has in hand (within
  * its prefetch) go out together, and with nothing else in hand a single item goes out at once.
+ * Beside a running group a new one starts only with `minItemsBeside` items in hand: when work
+ * trickles in (a queue the workers keep empty), two groups side by side would otherwise each carry
+ * a few items, paying a statement and a transaction for each few; fewer wait for the running group
+ * to end and then go out together.
  *
  * `run` answers one result per item, in order; if it throws, every item of its group gets that
  * error (the caller's safe path). It is also told when the group's oldest item was submitted
@@ -14,7 +18,17 @@ export interface Coalescer<T, R> {
   submit(item: T): Promise<R>;
 }
 
-export function makeCoalescer<T, R>(options: { maxGroups: number; maxItems: number; run: (items: T[], oldestSubmittedAt: number) => Promise<R[]> }): Coalescer<T, R> {
+export function makeCoalescer<T, R>(options: {
+  maxGroups: number;
+  maxItems: number;
+  /**
+   * Beside a running group, a new one starts only with at least this many items; fewer wait for a
+   * group to finish (they never wait for anything else). Default 1.
+   */
+  minItemsBeside?: number;
+  run: (items: T[], oldestSubmittedAt: number) => Promise<R[]>;
+}): Coalescer<T, R> {
+  const minItemsBeside = Math.max(1, options.minItemsBeside ?? 1);
   const pending: Array<{ item: T; submittedAt: number; resolve: (result: R) => void; reject: (error: unknown) => void }> = [];
   let running = 0;
   let scheduled = false;
@@ -28,6 +42,7 @@ export function makeCoalescer<T, R>(options: { maxGroups: number; maxItems: numb
   function pump(): void {
     scheduled = false;
     while (pending.length > 0 && running < options.maxGroups) {
+      if (running > 0 && pending.length < minItemsBeside) return; // the running group's end pumps again
       const group = pending.splice(0, options.maxItems);
       running += 1;
       options
