@@ -207,6 +207,8 @@ function foregroundRows(f: ForegroundFigure, add: (figure: string, measure: stri
       if (phase.foreground && phase.baseline) {
         add('7', `${describe(phase)}${at(phase)}: p50 / alone just before (${number(phase.foreground.p50Ms, 2)} / ${number(phase.baseline.p50Ms, 2)} ms; ${phase.foreground.transactions} / ${phase.baseline.transactions} tx)`, '', ratio(phase.foreground.p50Ms / phase.baseline.p50Ms));
         add('7', `  p99 / alone just before, no cleanup (${number(phase.foreground.p99Ms, 2)} / ${number(phase.baseline.p99Ms, 2)} ms)`, '', ratio(phase.foreground.p99Ms / phase.baseline.p99Ms), '(noise)');
+        // Beside the contenders' own: a window's first second follows the WAL meter's CHECKPOINT in every phase.
+        if (phase.foregroundP99BySecond?.length) add('7', '  foreground p99 in each second of the window, no cleanup (ms)', phase.foregroundP99BySecond.map((ms) => number(ms, 1)).join(' '));
       }
       continue;
     }
