@@ -1,17 +1,15 @@
 import assert from 'node:assert/strict';
 import { randomUUID } from 'node:crypto';
-import { after, before, describe, test } from 'node:test';
+import { describe, test } from 'node:test';
 import type pg from 'pg';
 import pino from 'pino';
-import { brokerNames } from '../../shared/amqp/topology';
 import { PREFETCH_DEFAULTS } from '../../shared/config/env';
 import { loadPolicies } from '../../shared/config/policies';
 import { makeBatchId, type BatchV1 } from '../../shared/contracts/batch';
 import { startWorker, type WorkerHandle } from '../../services/worker/worker';
-import { openTestBroker, type TestBroker } from '../support/broker';
-import { databaseIsoIn, publishBatch } from '../support/fixtures';
+import { bedAndBrokerSuite, publishBatch } from '../support/fixtures';
 import { eventually } from '../support/eventually';
-import { makeTestBed, type TestBed } from '../support/testbed';
+import { databaseNowIso } from '../support/seed';
 
 /**
  * How many batches a worker holds per queue (REAPER_PREFETCH, shared/config/env.ts): unset, a
@@ -21,29 +19,14 @@ import { makeTestBed, type TestBed } from '../support/testbed';
  * takes stays in its hands, and the ready count of each queue falls by exactly what it holds.
  */
 describe('worker prefetch per kind of queue', () => {
-  let bed: TestBed;
-  let broker: TestBroker;
-  let names: ReturnType<typeof brokerNames>;
+  const world = bedAndBrokerSuite('worker_prefetch');
   const ROW_BATCHES = PREFETCH_DEFAULTS.rowDelete + 8;
   const REMOTE_BATCHES = PREFETCH_DEFAULTS.remoteDelete + 8;
 
-  before(async () => {
-    bed = await makeTestBed('worker_prefetch');
-    broker = await openTestBroker(bed.amqpUrl);
-    names = brokerNames(bed.prefix);
-  });
-
-  after(async () => {
-    try {
-      await broker?.close();
-    } finally {
-      await bed?.close();
-    }
-  });
-
   /** Batches of keys no row has (nothing to delete once the lock is gone): what they wait on is the lock. */
   async function publishBatches(policy: string, count: number): Promise<void> {
-    const cutoff = await databaseIsoIn(bed.pool, '0 seconds');
+    const { bed, broker, names } = world;
+    const cutoff = await databaseNowIso(bed.pool);
     for (let i = 0; i < count; i++) {
       const runId = randomUUID();
       const batch: BatchV1 = { version: 1, runId, batchId: makeBatchId(runId, 1), policy, cutoff, items: [{ id: randomUUID(), observedExpiry: cutoff }] };
@@ -53,7 +36,7 @@ describe('worker prefetch per kind of queue', () => {
 
   /** Holds both policies' tables so that a batch taken by the worker cannot finish; released in `finally`. */
   async function withTablesLocked(work: () => Promise<void>): Promise<void> {
-    const client: pg.PoolClient = await bed.pool.connect();
+    const client: pg.PoolClient = await world.bed.pool.connect();
     try {
       await client.query('BEGIN');
       await client.query('LOCK TABLE seat_reservations, media_assets IN ACCESS EXCLUSIVE MODE');
@@ -65,6 +48,7 @@ describe('worker prefetch per kind of queue', () => {
   }
 
   async function holdsPerQueue(overrides: Record<string, string>, expected: { row: number; remote: number }): Promise<void> {
+    const { bed, broker, names } = world;
     // A long lock timeout: the statements wait for the test's lock instead of failing back to the queue.
     const env = bed.env({ ...overrides, REAPER_LOCK_TIMEOUT_MS: '120000', REAPER_WORKER_ID: `prefetch-${randomUUID().slice(0, 8)}` });
     const log = pino({ level: process.env.TEST_LOG_LEVEL ?? 'silent' });
