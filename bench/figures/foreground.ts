@@ -226,8 +226,19 @@ function latencyOf(transactions: ReadonlyArray<{ ms: number; script: number }>):
 
 /**
  * Samples the foreground's backends every 50 ms: the longest heavyweight-lock wait (pg_locks.waitstart
- * is when the wait began, so only its end is uncertain, by one interval) and which wait events show.
+ * is when the wait began, so only its end is uncertain, by one interval) and which wait events show;
+ * and reads the state of the run a reaper cleanup waits for (watchRun).
+ *
+ * Its statements run at the same pace from the foreground's warm-up to the end of the phase, and
+ * count only inside the measured window: the window before the cleanup ("alone just before") then
+ * has the bench's own statements on the database as the cleanup's window has them. Before
+ * 2026-12-03 they ran only in the cleanup's window (about 60 statements/s with the run-state poll,
+ * on the pinned database's one core beside a foreground of 300), so every contender's ratio, the
+ * control's too, carried them.
  */
+/** A run id no run has: what the sampler reads while no run is watched, so its statements stay the same. */
+const NO_RUN = '00000000-0000-0000-0000-000000000000';
+
 class WaitSampler {
   lockWaitMaxMs = 0;
   samples = 0;
@@ -241,41 +252,69 @@ class WaitSampler {
   private stopped = false;
   private loop: Promise<void> | null = null;
   private active = false;
+  /** The run a cleanup waits for: its state is read by every sample (a run id nobody has before one is watched). */
+  private watched: { runId: string; state: RunState | null } = { runId: NO_RUN, state: null };
 
   constructor(private readonly client: pg.Client) {}
 
   start(): void {
     this.loop = (async () => {
       while (!this.stopped) {
-        if (this.active) {
-          const rows = (
-            await this.client.query<{ wait_event_type: string | null; lock_ms: number | null }>(
-              `SELECT a.wait_event_type, (extract(epoch FROM clock_timestamp() - l.waitstart) * 1000)::float8 AS lock_ms
-               FROM pg_stat_activity a LEFT JOIN pg_locks l ON l.pid = a.pid AND NOT l.granted
-               WHERE a.application_name = $1 AND a.state = 'active'`,
-              [APPLICATION_NAME],
-            )
-          ).rows;
-          this.samples++;
-          for (const type of new Set(rows.map((row) => row.wait_event_type).filter((type): type is string => type !== null))) {
-            this.waitSamples[type] = (this.waitSamples[type] ?? 0) + 1;
-          }
-          for (const row of rows) this.lockWaitMaxMs = Math.max(this.lockWaitMaxMs, row.lock_ms ?? 0);
-          const adaptive = (
-            await this.client.query<{ rate: number | null; pressure: number | null }>(
-              `SELECT adaptive_rate AS rate, adaptive_pressure AS pressure FROM cleanup_admission WHERE policy = $1`,
-              [FOREGROUND_POLICY],
-            )
-          ).rows[0];
-          if (adaptive?.rate != null) {
-            this.adaptiveRates.push(adaptive.rate);
-            this.adaptiveSeries.push([Date.now() - this.windowFromMs, Math.round(adaptive.rate)]);
-          }
-          if (adaptive?.pressure != null) this.adaptivePressures.push(adaptive.pressure);
-        }
+        const watched = this.watched;
+        const run = (await this.client.query<{ state: RunState }>('SELECT state FROM cleanup_runs WHERE run_id = $1', [watched.runId])).rows[0];
+        watched.state = run?.state ?? null;
+        const waits = (
+          await this.client.query<{ wait_event_type: string | null; lock_ms: number | null }>(
+            `SELECT a.wait_event_type, (extract(epoch FROM clock_timestamp() - l.waitstart) * 1000)::float8 AS lock_ms
+             FROM pg_stat_activity a LEFT JOIN pg_locks l ON l.pid = a.pid AND NOT l.granted
+             WHERE a.application_name = $1 AND a.state = 'active'`,
+            [APPLICATION_NAME],
+          )
+        ).rows;
+        const adaptive = (
+          await this.client.query<{ rate: number | null; pressure: number | null }>(
+            `SELECT adaptive_rate AS rate, adaptive_pressure AS pressure FROM cleanup_admission WHERE policy = $1`,
+            [FOREGROUND_POLICY],
+          )
+        ).rows[0];
+        if (this.active) this.record(waits, adaptive);
         await sleep(50);
       }
     })();
+  }
+
+  private record(waits: ReadonlyArray<{ wait_event_type: string | null; lock_ms: number | null }>, adaptive: { rate: number | null; pressure: number | null } | undefined): void {
+    this.samples++;
+    for (const type of new Set(waits.map((row) => row.wait_event_type).filter((type): type is string => type !== null))) {
+      this.waitSamples[type] = (this.waitSamples[type] ?? 0) + 1;
+    }
+    for (const row of waits) this.lockWaitMaxMs = Math.max(this.lockWaitMaxMs, row.lock_ms ?? 0);
+    if (adaptive?.rate != null) {
+      this.adaptiveRates.push(adaptive.rate);
+      this.adaptiveSeries.push([Date.now() - this.windowFromMs, Math.round(adaptive.rate)]);
+    }
+    if (adaptive?.pressure != null) this.adaptivePressures.push(adaptive.pressure);
+  }
+
+  /**
+   * Until the watched run is in one of `states` (undefined after `deadline`): read by the samples, so
+   * waiting adds no statement of its own. A failed run throws.
+   */
+  async watchRun(runId: string, states: readonly RunState[], deadline: number): Promise<RunState | undefined> {
+    const watched = { runId, state: null as RunState | null };
+    this.watched = watched;
+    try {
+      return await pollUntil(
+        async () => {
+          if (this.stopped) throw new Error('the sampler stopped while a run was watched');
+          if (watched.state === 'failed') throw new Error(`run ${runId} failed`);
+          return watched.state !== null && states.includes(watched.state) ? watched.state : undefined;
+        },
+        { deadline, everyMs: 10 },
+      );
+    } finally {
+      this.watched = { runId: NO_RUN, state: null };
+    }
   }
 
   /** Samples count only inside the measured window. */
@@ -357,7 +396,7 @@ class WalMeter {
 }
 
 /** Deletes every candidate expiring at or before `cutoff` (ISO, microseconds). */
-type Cleanup = (pool: pg.Pool, cutoff: string) => Promise<{ rows: number; finished: boolean }>;
+type Cleanup = (pool: pg.Pool, cutoff: string, sampler: WaitSampler) => Promise<{ rows: number; finished: boolean }>;
 
 /** The first `expected` candidates gone once, nothing else: the rest of the candidates and every non-candidate kept (some confirmed by the foreground). */
 async function checkCounts(context: BenchContext, figure: string, seed: Seed, pool: pg.Pool, expected: number, deleted: number): Promise<void> {
@@ -373,21 +412,10 @@ async function checkCounts(context: BenchContext, figure: string, seed: Seed, po
   check(context, figure, 'rows that must survive (held until 2999, confirmed)', seed.futureHeld + seed.expiredConfirmed, row.others);
 }
 
-async function waitForRun(pool: pg.Pool, runId: string, deadline: number): Promise<RunState | undefined> {
-  return pollUntil(
-    async () => {
-      const state = (await pool.query<{ state: RunState }>('SELECT state FROM cleanup_runs WHERE run_id = $1', [runId])).rows[0]!.state;
-      if (state === 'failed') throw new Error(`run ${runId} failed`);
-      return state === 'completed' ? state : undefined;
-    },
-    { deadline, everyMs: 50 },
-  );
-}
-
 function reaperCleanup(context: BenchContext): Cleanup {
-  return async (pool, cutoff) => {
+  return async (pool, cutoff, sampler) => {
     const run = (await runsInsertIfAbsent(pool, { policy: FOREGROUND_POLICY, trigger: 'manual', scheduledFor: null, cutoff }))!;
-    const finished = (await waitForRun(pool, run.runId, Date.now() + context.boundMs)) !== undefined;
+    const finished = (await sampler.watchRun(run.runId, ['completed'], Date.now() + context.boundMs)) !== undefined;
     const receipts = (
       await pool.query<{ deleted: number; noop: number }>(
         'SELECT coalesce(sum(deleted), 0)::int AS deleted, coalesce(sum(noop), 0)::int AS noop FROM cleanup_batches WHERE run_id = $1',
@@ -482,10 +510,10 @@ async function runPhase(
         { kind: 'worker', id: 'bench-worker-2' },
       ]);
     }
+    sampler.start();
     const logPrefix = path.join(context.workDir, `pgbench-${label}`);
     if (options.foreground) {
       pgbench = new Pgbench(logPrefix, context.databases.url, scripts, { ...options, ratePerSecond }, pgbenchMaxSeconds(context, options));
-      sampler.start();
       await sleep(WARM_UP_MS);
       pgbench.assertRunning();
     }
@@ -505,7 +533,7 @@ async function runPhase(
     if (pgbench) await sleep(WARM_UP_MS);
     sampler.measure(true);
     const startedMs = Date.now();
-    const result = await cleanup(pool, cutoff);
+    const result = await cleanup(pool, cutoff, sampler);
     const endedMs = Date.now();
     sampler.measure(false);
     const walRead = await wal.finish();
