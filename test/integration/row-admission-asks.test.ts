@@ -1,0 +1,54 @@
+import assert from 'node:assert/strict';
+import { after, before, describe, test } from 'node:test';
+import type pg from 'pg';
+import { admitRows } from '../../shared/admission/rows';
+import { parsePolicies, type RowDeletePolicy } from '../../shared/config/policies';
+import { makePool } from '../../shared/db/pool';
+import { rowDeletePolicyYaml } from '../support/fixtures';
+import { makeTestBed, type TestBed } from '../support/testbed';
+
+/** Rows per second of the test's policy, and rows per take: a take that finds the bucket empty waits one second for its tokens. */
+const RATE = 20;
+
+/**
+ * A throttled row-delete group asks the shared bucket again when its missing tokens are due at the
+ * rate, not every 250 ms: every ask is an UPDATE of the policy's cleanup_admission row and a commit
+ * on the database the application uses (bench figure 7 at the adaptive floor: 15-45 of them a
+ * second for one admitted statement). Counted on the real server by a trigger on that row.
+ */
+describe('row-delete admission: a throttled group asks again when its tokens are due', () => {
+  let bed: TestBed;
+  let pool: pg.Pool;
+
+  before(async () => {
+    bed = await makeTestBed('row_admission_asks');
+    pool = makePool(bed.databaseUrl, 2, 'reaper-asks-test');
+    await bed.pool.query(`
+      CREATE TABLE test_admission_asks (at timestamptz NOT NULL DEFAULT clock_timestamp());
+      CREATE FUNCTION test_admission_ask() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN INSERT INTO test_admission_asks DEFAULT VALUES; RETURN NEW; END $$;
+      CREATE TRIGGER test_admission_ask AFTER UPDATE ON cleanup_admission FOR EACH ROW EXECUTE FUNCTION test_admission_ask();`);
+  });
+
+  after(async () => {
+    await pool?.end();
+    await bed?.close();
+  });
+
+  test('a take that must wait a second for its tokens asks at most three times, not five', async () => {
+    const file = parsePolicies(rowDeletePolicyYaml({ name: 'asks', batchSize: RATE }), 'test', {}).get('asks') as RowDeletePolicy;
+    const policy: RowDeletePolicy = { ...file, admission: { adaptive: false, rowsPerSecond: RATE, burst: RATE } };
+    // The bucket starts full: the first take empties it.
+    assert.ok((await admitRows(pool, policy, RATE, { holdMs: 5_000 })).admitted, 'the first take finds a full bucket');
+    await bed.pool.query('TRUNCATE test_admission_asks');
+    const started = performance.now();
+    const second = await admitRows(pool, policy, RATE, { holdMs: 5_000 });
+    const waitedMs = performance.now() - started;
+    assert.ok(second.admitted, 'the second take is admitted once its tokens have come in');
+    const asks = (await bed.pool.query<{ n: number }>('SELECT count(*)::int AS n FROM test_admission_asks')).rows[0]!.n;
+    // Refused at once (an empty bucket), asked again when RATE tokens are due (1 s), admitted then
+    // (or a few ms later when the clock read a hair early). Asking every 250 ms makes it five.
+    assert.ok(asks >= 2 && asks <= 3, `asks while waiting ${Math.round(waitedMs)} ms for one second of tokens: ${asks}`);
+    assert.ok(waitedMs >= 900, `the take waited for its tokens (${Math.round(waitedMs)} ms)`);
+  });
+});
