@@ -52,7 +52,7 @@ export const cpuPer100k = (cpu: CpuSplit, rows: number): CpuPer100k => {
 export interface CostSize {
   candidates: number;
   /** PostgreSQL backend CPU s per 100k deleted rows, per round. */
-  variants: Array<{ label: string; endToEnd: number[]; workersAlone: number[]; endToEndRowsPerSecond: number[]; workersAloneRowsPerSecond: number[]; endToEndByApplication: Array<Record<string, number>>; schedulerAlone: number[]; endToEndAllCpu: CpuPer100k[]; workersAloneAllCpu: CpuPer100k[]; schedulerAloneAllCpu: CpuPer100k[] }>;
+  variants: Array<{ label: string; endToEnd: number[]; workersAlone: number[]; endToEndRowsPerSecond: number[]; workersAloneRowsPerSecond: number[]; endToEndByApplication: Array<Record<string, number>>; schedulerAlone: number[]; endToEndAllCpu: CpuPer100k[]; endToEndSeconds: number[]; endToEndStartup: number[]; endToEndTail: number[]; workersAloneAllCpu: CpuPer100k[]; schedulerAloneAllCpu: CpuPer100k[] }>;
   raw2: number[];
   pgbossBatch: number[];
   raw2RowsPerSecond: number[];
@@ -83,7 +83,7 @@ export async function measureCostSize(
 ): Promise<CostSize> {
   const size: CostSize = {
     candidates: seed.candidates,
-    variants: options.variants.map((variant) => ({ label: variant.label, endToEnd: [], workersAlone: [], endToEndRowsPerSecond: [], workersAloneRowsPerSecond: [], endToEndByApplication: [], schedulerAlone: [], endToEndAllCpu: [], workersAloneAllCpu: [], schedulerAloneAllCpu: [] })),
+    variants: options.variants.map((variant) => ({ label: variant.label, endToEnd: [], workersAlone: [], endToEndRowsPerSecond: [], workersAloneRowsPerSecond: [], endToEndByApplication: [], schedulerAlone: [], endToEndAllCpu: [], endToEndSeconds: [], endToEndStartup: [], endToEndTail: [], workersAloneAllCpu: [], schedulerAloneAllCpu: [] })),
     raw2: [],
     pgbossBatch: [],
     raw2RowsPerSecond: [],
@@ -111,10 +111,16 @@ export async function measureCostSize(
       size.variants[index]!.endToEnd.push(pgPer100k(run.cpu, run.endToEnd.rows));
       size.variants[index]!.endToEndRowsPerSecond.push(run.endToEnd.rowsPerSecond);
       size.variants[index]!.endToEndAllCpu.push(cpuPer100k(run.cpu, run.endToEnd.rows));
+      size.variants[index]!.endToEndSeconds.push(run.endToEnd.seconds);
+      if (run.startupSeconds !== null) size.variants[index]!.endToEndStartup.push(run.startupSeconds);
+      if (run.tailSeconds !== null) size.variants[index]!.endToEndTail.push(run.tailSeconds);
       const byApplication = Object.fromEntries(Object.entries(run.cpu.postgresByApplication).map(([name, seconds]) => [name, (seconds / run.endToEnd.rows) * 100_000]));
       size.variants[index]!.endToEndByApplication.push(byApplication);
       const split = Object.entries(byApplication).map(([name, value]) => `${name} ${value.toFixed(3)}`).join(', ');
-      context.progress(`    ${variant.label} end to end: ${pgPer100k(run.cpu, run.endToEnd.rows).toFixed(3)} pg s/100k (${split}), ${Math.round(run.endToEnd.rowsPerSecond)} rows/s`);
+      context.progress(
+        `    ${variant.label} end to end: ${pgPer100k(run.cpu, run.endToEnd.rows).toFixed(3)} pg s/100k (${split}), ${Math.round(run.endToEnd.rowsPerSecond)} rows/s; ` +
+          `${run.endToEnd.seconds.toFixed(2)} s, of them ${run.startupSeconds?.toFixed(2) ?? '-'} s to the first batch and ${run.tailSeconds?.toFixed(2) ?? '-'} s after the last one began (published ${run.publishedAfterLastSeconds?.toFixed(2) ?? '-'} s after it)`,
+      );
     }
     const raw: Measured = await measureStatements(round, 'raw DELETE, 2 clients', () => runRawDelete(context, seed, { clients: 2, batchSize: options.batchSize }), (r) => r.rows);
     size.raw2.push(pgPer100k(raw.cpu, raw.rows));
@@ -191,6 +197,14 @@ export function renderCostMarkdown(report: CostReport): string {
         `- ${variant.label}: rows/s, median (rounds): end to end ${rate(variant.endToEndRowsPerSecond)}, workers alone ${rate(variant.workersAloneRowsPerSecond)}, raw 2 clients ${rate(size.raw2RowsPerSecond)}, pg-boss batches ${rate(size.pgbossBatchRowsPerSecond)}; ` +
           `workers alone ÷ raw ${f(median(variant.workersAloneRowsPerSecond) / median(size.raw2RowsPerSecond))}, end to end ÷ pg-boss ${f(median(variant.endToEndRowsPerSecond) / median(size.pgbossBatchRowsPerSecond))}`,
       );
+      // Where an end-to-end run's seconds go besides the drain: a fixed part weighs more in a small run.
+      if (variant.endToEndStartup.length > 0 && variant.endToEndTail.length > 0) {
+        const seconds = (values: readonly number[]): string => values.map((v) => v.toFixed(2)).join(', ');
+        lines.push(
+          `- ${variant.label}: end to end, seconds per round: in all ${seconds(variant.endToEndSeconds)}; of them trigger to the first batch begun ${seconds(variant.endToEndStartup)}, ` +
+            `the last batch begun to completed ${seconds(variant.endToEndTail)} (its statement and the scheduler's completion pass, every 250 ms)`,
+        );
+      }
     }
     lines.push('');
     lines.push(...allCpuMarkdown(size));

@@ -31,6 +31,12 @@ export interface ReaperRun {
   claimWaitSeconds: number;
   /** Claim to published (scan + publish + confirm), overlapping the workers. */
   scanSeconds: number;
+  /** Trigger to the first batch transaction begun; null when no batch ran. */
+  startupSeconds: number | null;
+  /** The last batch transaction begun to completed (its statement and the scheduler's completion pass); null when unfinished. */
+  tailSeconds: number | null;
+  /** The run marked published after the last batch transaction began (seconds; negative: before). */
+  publishedAfterLastSeconds: number | null;
   memory: ProcessMemory[];
   cpu: CpuSplit;
   batches: number;
@@ -59,6 +65,12 @@ interface RunTimes {
   claimedTotal: number | null;
   soFar: number;
   drain: number | null;
+  /** Trigger (created_at) to the first batch transaction begun: claim, first scan page, first delivery, first admission. */
+  startup: number | null;
+  /** The last batch transaction begun to the run completed (finished_at): that statement, and the scheduler noticing. */
+  tail: number | null;
+  /** The run marked published (its scan's end) after the last batch transaction began; negative when before. */
+  publishedAfterLast: number | null;
   deleted: number;
   noop: number;
   receipts: number;
@@ -76,6 +88,9 @@ async function runTimes(pool: pg.Pool, runId: string): Promise<RunTimes> {
       claimed_total: number | null;
       so_far: number;
       drain: number | null;
+      startup: number | null;
+      tail: number | null;
+      published_after_last: number | null;
       deleted: number;
       noop: number;
       receipts: number;
@@ -91,6 +106,9 @@ async function runTimes(pool: pg.Pool, runId: string): Promise<RunTimes> {
               -- a receipt's completed_at is its transaction's start: from the first to the last batch
               -- begun is the drain (the run's finished_at would add the scheduler's completion poll)
               extract(epoch FROM b.last_begun - b.first_begun)::float8 AS drain,
+              extract(epoch FROM b.first_begun - r.created_at)::float8 AS startup,
+              extract(epoch FROM r.finished_at - b.last_begun)::float8 AS tail,
+              extract(epoch FROM r.published_at - b.last_begun)::float8 AS published_after_last,
               b.deleted, b.noop, b.receipts
        FROM cleanup_runs r,
             LATERAL (SELECT coalesce(sum(deleted), 0)::int AS deleted, coalesce(sum(noop), 0)::int AS noop,
@@ -108,6 +126,9 @@ async function runTimes(pool: pg.Pool, runId: string): Promise<RunTimes> {
     claimedTotal: row.claimed_total,
     soFar: row.so_far,
     drain: row.drain,
+    startup: row.startup,
+    tail: row.tail,
+    publishedAfterLast: row.published_after_last,
     deleted: row.deleted,
     noop: row.noop,
     receipts: row.receipts,
@@ -200,6 +221,9 @@ export async function runReaperEndToEnd(
       endToEnd: bounded ? throughput(times.deleted, times.soFar, true) : throughput(times.deleted, times.total!),
       claimedToCompleted: bounded ? throughput(times.deleted, times.soFar - (times.claimWait ?? 0), true) : throughput(times.deleted, times.claimedTotal!),
       claimWaitSeconds: times.claimWait ?? 0,
+      startupSeconds: times.startup,
+      tailSeconds: times.tail,
+      publishedAfterLastSeconds: times.publishedAfterLast,
       scanSeconds: times.scan ?? times.soFar,
       memory,
       cpu: cpuSplit,

@@ -38,6 +38,14 @@ const CLAIM_POLL_MS = 1_000;
 const COMPLETION_POLL_MS = 250;
 /** Published runs one completion pass looks at, at most (round robin): the pass stays bounded. */
 const COMPLETION_BATCH = 32;
+/**
+ * Passes one completion tick runs back to back while a pass reports more settled batches to walk
+ * (moreToWalk), each still bounded: a run is marked published only after its scan, so its cursor
+ * starts then, and a run of 5,000 batches whose receipts were all in took three passes 250 ms apart
+ * (bench `--only cost`: 0.6-0.7 s of a 7.3 s run from the last batch begun to completed). A bound
+ * on the passes in a row leaves the interval to the other timers.
+ */
+const COMPLETION_PASSES_IN_A_ROW = 50;
 /** /readyz: how often the database is asked, and how long an answer may take. */
 const DATABASE_PROBE_MS = 1_000;
 const DATABASE_PROBE_TIMEOUT_MS = 2_000;
@@ -320,8 +328,9 @@ export async function startScheduler(env: Env, policies: PolicySet, log: Logger)
   const completer = setInterval(() => {
     if (completing) return;
     completing = true;
-    runsSettlePublished(pool, { limit: COMPLETION_BATCH, incompleteAfterMs: tuning.incompleteAfterMs })
-      .then((checked) => {
+    (async () => {
+      for (let pass = 0; pass < COMPLETION_PASSES_IN_A_ROW; pass++) {
+        const checked = await runsSettlePublished(pool, { limit: COMPLETION_BATCH, incompleteAfterMs: tuning.incompleteAfterMs });
         for (const run of checked) {
           if (run.state === 'completed') log.info({ runId: run.runId, policy: run.policy }, 'run completed');
           if (run.state === 'incomplete') {
@@ -332,7 +341,9 @@ export async function startScheduler(env: Env, policies: PolicySet, log: Logger)
             );
           }
         }
-      })
+        if (!checked.some((run) => run.moreToWalk) || stopping) return;
+      }
+    })()
       .catch((error: Error) => log.warn({ err: error.message }, 'completion check failed; next pass retries'))
       .finally(() => {
         completing = false;

@@ -47,7 +47,7 @@ describe('incremental completion pass', () => {
 
     // Receipts out of order: 1, 2 and 4. The cursor stops before 3.
     for (const i of [0, 1, 3]) await receipt(runId, batchIds[i]!);
-    assert.deepEqual(await pass(runId, 3), { runId, policy: `incremental-${policySeq}`, state: 'published', batchesConfirmed: 7, batchesMissing: null });
+    assert.deepEqual(await pass(runId, 3), { runId, policy: `incremental-${policySeq}`, state: 'published', batchesConfirmed: 7, batchesMissing: null, moreToWalk: false });
     assert.equal((await state(runId)).completion_cursor, batchIds[1]);
 
     // Every batch but the last: however many passes, the run stays published.
@@ -57,19 +57,28 @@ describe('incremental completion pass', () => {
 
     // The last receipt: the next pass completes the run.
     await receipt(runId, batchIds[6]!);
-    assert.deepEqual(await pass(runId, 3), { runId, policy: `incremental-${policySeq}`, state: 'completed', batchesConfirmed: 7, batchesMissing: 0 });
+    assert.deepEqual(await pass(runId, 3), { runId, policy: `incremental-${policySeq}`, state: 'completed', batchesConfirmed: 7, batchesMissing: 0, moreToWalk: false });
     assert.equal((await state(runId)).state, 'completed');
   });
 
   test('a run whose receipts all arrived completes after as many bounded walks as it needs, not before its last batch is walked', async () => {
     const { runId, batchIds } = await publishedRun(5);
     for (const batchId of batchIds) await receipt(runId, batchId);
-    // Walks of 2: batches 1-2, 3-4, then 5 (fewer than the walk: nothing left).
-    assert.equal((await pass(runId, 2))?.state, 'published');
+    // Walks of 2: batches 1-2, 3-4, then 5 (fewer than the walk: nothing left). Each walk that
+    // stopped at its bound with every batch settled says so: the scheduler runs the next pass at once.
+    assert.deepEqual(await pass(runId, 2), { runId, policy: `incremental-${policySeq}`, state: 'published', batchesConfirmed: 5, batchesMissing: null, moreToWalk: true });
     assert.equal((await state(runId)).completion_cursor, batchIds[1]);
-    assert.equal((await pass(runId, 2))?.state, 'published');
+    assert.equal((await pass(runId, 2))?.moreToWalk, true);
     assert.equal((await state(runId)).completion_cursor, batchIds[3]);
-    assert.equal((await pass(runId, 2))?.state, 'completed');
+    assert.deepEqual(await pass(runId, 2), { runId, policy: `incremental-${policySeq}`, state: 'completed', batchesConfirmed: 5, batchesMissing: 0, moreToWalk: false });
+  });
+
+  test('a walk that stops at a batch without its receipt has nothing more to walk now, however many batches follow', async () => {
+    const { runId, batchIds } = await publishedRun(6);
+    for (const i of [0, 2, 3, 4, 5]) await receipt(runId, batchIds[i]!);
+    const checked = await pass(runId, 2);
+    assert.deepEqual([checked?.state, checked?.moreToWalk], ['published', false]);
+    assert.equal((await state(runId)).completion_cursor, batchIds[0]);
   });
 
   test('the first batch missing: the cursor does not move, and the run goes incomplete with the exact count after the time without progress', async () => {

@@ -134,7 +134,7 @@ describe('run statements', () => {
     const checked = await runsSettlePublished(bed.pool, { limit: 100, incompleteAfterMs: 60_000 });
     const byRun = new Map(checked.map((c) => [c.runId, c]));
     assert.equal(byRun.get(done)?.state, 'completed');
-    assert.deepEqual(byRun.get(stuck), { runId: stuck, policy: byRun.get(stuck)!.policy, state: 'incomplete', batchesConfirmed: 2, batchesMissing: 1 });
+    assert.deepEqual(byRun.get(stuck), { runId: stuck, policy: byRun.get(stuck)!.policy, state: 'incomplete', batchesConfirmed: 2, batchesMissing: 1, moreToWalk: false });
     assert.equal(byRun.get(fresh)?.state, 'published', 'a run still within the time without progress waits');
     const stuckRow = await row(stuck);
     assert.equal(stuckRow.state, 'incomplete');

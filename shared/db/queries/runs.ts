@@ -331,6 +331,12 @@ export interface PublishedRunCheck {
   batchesConfirmed: number;
   /** Batches without a receipt: exact when the run became `incomplete`, 0 when completed, null while it stays published (not counted). */
   batchesMissing: number | null;
+  /**
+   * Every batch this pass walked had its receipt and the walk stopped at its bound, not at the
+   * run's end: another pass right away moves the cursor further (a run published with all its
+   * receipts in took one pass per `walk` batches, a completion-poll interval apart).
+   */
+  moreToWalk: boolean;
 }
 
 /**
@@ -356,7 +362,7 @@ export const COMPLETION_WALK_BATCHES = 2_000;
  */
 export async function runsSettlePublished(db: Db, options: { limit: number; incompleteAfterMs: number; walk?: number }): Promise<PublishedRunCheck[]> {
   // Named: four passes a second per scheduler, planned once per connection.
-  const result = await db.query<{ run_id: string; policy: string; state: PublishedRunCheck['state']; batches_confirmed: number; missing: number | null }>(prepared(
+  const result = await db.query<{ run_id: string; policy: string; state: PublishedRunCheck['state']; batches_confirmed: number; missing: number | null; more_to_walk: boolean }>(prepared(
     'runs_settle_published',
     `WITH picked AS (
        SELECT run_id, completion_cursor FROM cleanup_runs WHERE state = 'published'
@@ -394,7 +400,7 @@ export async function runsSettlePublished(db: Db, options: { limit: number; inco
            ORDER BY rb.batch_id LIMIT $3) x
        ) tail
      ), decided AS (
-       SELECT run_id, cursor, progress_at,
+       SELECT run_id, cursor, progress_at, first_missing IS NULL AND walked >= $3 AS more_to_walk,
          CASE WHEN first_missing IS NULL AND walked < $3 THEN 'completed'
               WHEN progress_at < clock_timestamp() - $2 * interval '1 millisecond' THEN 'incomplete'
               ELSE 'published' END AS next_state
@@ -415,7 +421,7 @@ export async function runsSettlePublished(db: Db, options: { limit: number; inco
               WHEN d.next_state = 'completed' THEN 0 END AS missing
      ) m
      WHERE r.run_id = d.run_id
-     RETURNING r.run_id, r.policy, r.state, r.batches_confirmed, m.missing`,
+     RETURNING r.run_id, r.policy, r.state, r.batches_confirmed, m.missing, d.next_state = 'published' AND d.more_to_walk AS more_to_walk`,
     [options.limit, options.incompleteAfterMs, options.walk ?? COMPLETION_WALK_BATCHES],
   ));
   return result.rows.map((row) => ({
@@ -424,6 +430,7 @@ export async function runsSettlePublished(db: Db, options: { limit: number; inco
     state: row.state,
     batchesConfirmed: row.batches_confirmed,
     batchesMissing: row.missing,
+    moreToWalk: row.more_to_walk,
   }));
 }
 
