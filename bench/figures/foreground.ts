@@ -224,6 +224,9 @@ function latencyOf(transactions: ReadonlyArray<{ ms: number; script: number }>):
   };
 }
 
+/** A run id no run has: what the sampler reads while no run is watched, so its statements stay the same. */
+const NO_RUN = '00000000-0000-0000-0000-000000000000';
+
 /**
  * Samples the foreground's backends every 50 ms: the longest heavyweight-lock wait (pg_locks.waitstart
  * is when the wait began, so only its end is uncertain, by one interval) and which wait events show;
@@ -236,9 +239,6 @@ function latencyOf(transactions: ReadonlyArray<{ ms: number; script: number }>):
  * on the pinned database's one core beside a foreground of 300), so every contender's ratio, the
  * control's too, carried them.
  */
-/** A run id no run has: what the sampler reads while no run is watched, so its statements stay the same. */
-const NO_RUN = '00000000-0000-0000-0000-000000000000';
-
 class WaitSampler {
   lockWaitMaxMs = 0;
   samples = 0;

@@ -35,8 +35,6 @@ export interface ReaperRun {
   startupSeconds: number | null;
   /** The last batch transaction begun to completed (its statement and the scheduler's completion pass); null when unfinished. */
   tailSeconds: number | null;
-  /** The run marked published after the last batch transaction began (seconds; negative: before). */
-  publishedAfterLastSeconds: number | null;
   memory: ProcessMemory[];
   cpu: CpuSplit;
   batches: number;
@@ -69,8 +67,6 @@ interface RunTimes {
   startup: number | null;
   /** The last batch transaction begun to the run completed (finished_at): that statement, and the scheduler noticing. */
   tail: number | null;
-  /** The run marked published (its scan's end) after the last batch transaction began; negative when before. */
-  publishedAfterLast: number | null;
   deleted: number;
   noop: number;
   receipts: number;
@@ -90,7 +86,6 @@ async function runTimes(pool: pg.Pool, runId: string): Promise<RunTimes> {
       drain: number | null;
       startup: number | null;
       tail: number | null;
-      published_after_last: number | null;
       deleted: number;
       noop: number;
       receipts: number;
@@ -108,7 +103,6 @@ async function runTimes(pool: pg.Pool, runId: string): Promise<RunTimes> {
               extract(epoch FROM b.last_begun - b.first_begun)::float8 AS drain,
               extract(epoch FROM b.first_begun - r.created_at)::float8 AS startup,
               extract(epoch FROM r.finished_at - b.last_begun)::float8 AS tail,
-              extract(epoch FROM r.published_at - b.last_begun)::float8 AS published_after_last,
               b.deleted, b.noop, b.receipts
        FROM cleanup_runs r,
             LATERAL (SELECT coalesce(sum(deleted), 0)::int AS deleted, coalesce(sum(noop), 0)::int AS noop,
@@ -128,7 +122,6 @@ async function runTimes(pool: pg.Pool, runId: string): Promise<RunTimes> {
     drain: row.drain,
     startup: row.startup,
     tail: row.tail,
-    publishedAfterLast: row.published_after_last,
     deleted: row.deleted,
     noop: row.noop,
     receipts: row.receipts,
@@ -223,7 +216,6 @@ export async function runReaperEndToEnd(
       claimWaitSeconds: times.claimWait ?? 0,
       startupSeconds: times.startup,
       tailSeconds: times.tail,
-      publishedAfterLastSeconds: times.publishedAfterLast,
       scanSeconds: times.scan ?? times.soFar,
       memory,
       cpu: cpuSplit,

@@ -37,7 +37,8 @@ const MAX_ASK_INTERVAL_MS = 250;
 const MIN_ASK_INTERVAL_MS = 5;
 /**
  * Longest wait between two asks of a throttled group: it asks again when its missing tokens should
- * have arrived at the rate, but not later than this (a raised rate, a lowered one elsewhere). Every
+ * have arrived at the rate it read, but not later than this, so a rate raised meanwhile (an adaptive
+ * step by another worker, `reaper admission set`) is used within a second. Every
  * ask is a write under the bucket row's lock and a commit: with 250 ms, at the adaptive floor (500
  * rows/s, one batch of 500 per statement) the waiting groups of two workers asked 15-45 times a
  * second for one admitted statement (bench figure 7, 2026-12-03), on the database the application
