@@ -220,18 +220,20 @@ function foregroundThrottleOverride(): number | null {
   return n;
 }
 
-/** The results file's mark of figure 7's overrides, e.g. "-batch100-throttle1000". */
+/** The results file's mark of figure 7's overrides, e.g. "-batch100-throttle1000" (or "-some-phases" with BENCH_FOREGROUND_PHASES). */
 function foregroundSuffix(): string {
   const batchSize = foregroundBatchOverride();
   const throttleRate = foregroundThrottleOverride();
-  return `${batchSize === null ? '' : `-batch${batchSize}`}${throttleRate === null ? '' : `-throttle${throttleRate}`}`;
+  return `${batchSize === null ? '' : `-batch${batchSize}`}${throttleRate === null ? '' : `-throttle${throttleRate}`}${process.env.BENCH_FOREGROUND_PHASES ? '-some-phases' : ''}`;
 }
 
 async function measureForeground(context: BenchContext, config: ModeConfig, seed: Seed, report: BenchReport): Promise<void> {
   const batchSize = foregroundBatchOverride();
   const throttleRate = foregroundThrottleOverride();
   const sized = batchSize === null ? config.foreground : { ...config.foreground, reaperBatchSize: batchSize };
-  const f = throttleRate === null ? sized : { ...sized, throttle: { ...sized.throttle, rowsPerSecond: throttleRate } };
+  const throttled = throttleRate === null ? sized : { ...sized, throttle: { ...sized.throttle, rowsPerSecond: throttleRate } };
+  const phases = process.env.BENCH_FOREGROUND_PHASES;
+  const f = phases ? { ...throttled, onlyPhases: phases.split(',').map((label) => label.trim()).filter(Boolean) } : throttled;
   context.progress(`foreground impact: ${f.foreground ? `pgbench at ${f.ratePerSecond}/s (and ${f.quietRatePerSecond}/s) on ${f.clients} connections, ` : 'counts only, '}throttle ${f.throttle.rowsPerSecond} rows/s`);
   report.foreground = await runForeground(context, seed, f);
 }

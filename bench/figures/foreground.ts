@@ -3,10 +3,12 @@ import { randomBytes } from 'node:crypto';
 import { readdirSync, readFileSync, writeFileSync } from 'node:fs';
 import path from 'node:path';
 import pg from 'pg';
+import { ADAPTIVE } from '../../shared/admission/adaptive';
 import { runsInsertIfAbsent, type RunState } from '../../shared/db/queries/runs';
 import { check, checkFinished, reaperEnvironment, type BenchContext } from '../lib/context';
 import { cutoffAfterCandidates, withAdmin, type Seed, OBSERVER_APPLICATION, SAMPLER_APPLICATION } from '../lib/database';
 import { seatHoldsPolicy, writePolicies } from '../lib/policies';
+import { CpuMeter, type CpuSplit } from '../lib/cpu';
 import { onDatabaseCpu } from '../lib/pin';
 import { median } from '../lib/stats';
 import { startServices, stopServices, type ReaperService } from '../lib/services';
@@ -60,6 +62,11 @@ export interface ForegroundOptions {
    * the same rows for each, and a throttled run short enough for CI.
    */
   rows: number;
+  /**
+   * Only these phases, by label (`reaper-adaptive-300`, `no-cleanup-300`, ...; BENCH_FOREGROUND_PHASES,
+   * a diagnostic): a question about one contender in a minute or two instead of the whole figure.
+   */
+  onlyPhases?: readonly string[];
 }
 
 export interface ForegroundLatency {
@@ -78,13 +85,24 @@ export interface ForegroundPhase {
   cleanup: { rows: number; seconds: number; rowsPerSecond: number };
   /** The foreground alone during the `baselineSeconds` just before this cleanup (null in smoke). */
   baseline: ForegroundLatency | null;
+  /**
+   * The phases with a target (and the control): the foreground alone for as long as the cleanup
+   * ran, just before it (the last that-many seconds of a longer alone window; null for the others
+   * and in smoke). A p99 over 60 s rests on about 180 of 18,000 transactions; one over the 4 s just
+   * before on about 12, so one slow second of a shared machine in or out of the short window moved
+   * every ratio (the control's ratio of two 4 s windows: 0.85-1.42 in one evening); and a longer
+   * window takes in rarer stalls. Windows of one length compare like with like.
+   */
+  baselineMatched: (ForegroundLatency & { seconds: number; p99BySecond: number[] }) | null;
   /** The foreground while the cleanup ran. */
   foreground: ForegroundLatency | null;
   /** Longest heavyweight-lock wait of a foreground backend seen by sampling pg_locks.waitstart every 50 ms. */
   lockWaitMaxMs: number;
-  /** Samples in which some foreground backend waited, by wait_event_type (Lock, LWLock, IO, ...). */
+  /** Samples in which some foreground backend waited, by wait event (type:event, e.g. IO:WALSync, LWLock:WALWrite, Lock:transactionid). */
   waitSamples: Record<string, number>;
   samples: number;
+  /** The same, alone just before (the whole alone window): which waits the cleanup added. Null in smoke. */
+  aloneWaits: { waitSamples: Record<string, number>; samples: number } | null;
   wal: WalRead;
   /** The cleanup's WAL (cluster-wide without pg_walinspect) per deleted row, full-page images included. */
   walBytesPerRow: number;
@@ -93,10 +111,19 @@ export interface ForegroundPhase {
   adaptive: { rateMedian: number; rateLowest: number; pressureMedian: number; pressureHighest: number; samples: number; series: Array<[number, number]> } | null;
   /** The foreground's p99 (ms) in each whole second of the cleanup's window (where a cleanup hurts: its start, or throughout). */
   foregroundP99BySecond: number[];
+  /**
+   * The database's CPU (backend seconds per second of the window: a share of one core) by client
+   * application_name, alone just before (the whole alone window) and during the cleanup; null in
+   * smoke. Pinned, the database has one core: this says how much of it reaper's own statements take
+   * beside the foreground's.
+   */
+  databaseCpu: { alone: Record<string, number>; cleanup: Record<string, number> } | null;
 }
 
 export interface ForegroundFigure {
   ratePerSecond: number;
+  /** The short alone window just before every cleanup (s). */
+  baselineSeconds: number;
   quietRatePerSecond: number;
   clients: number;
   candidates: number;
@@ -224,6 +251,14 @@ function latencyOf(transactions: ReadonlyArray<{ ms: number; script: number }>):
   };
 }
 
+/** One sample of the foreground's waits: each wait event seen counts once. */
+function countWaits(into: { waitSamples: Record<string, number>; samples: number }, waits: ReadonlyArray<{ wait: string | null }>): void {
+  into.samples++;
+  for (const type of new Set(waits.map((row) => row.wait).filter((type): type is string => type !== null))) {
+    into.waitSamples[type] = (into.waitSamples[type] ?? 0) + 1;
+  }
+}
+
 /** A run id no run has: what the sampler reads while no run is watched, so its statements stay the same. */
 const NO_RUN = '00000000-0000-0000-0000-000000000000';
 
@@ -243,6 +278,9 @@ class WaitSampler {
   lockWaitMaxMs = 0;
   samples = 0;
   readonly waitSamples: Record<string, number> = {};
+  /** Wait samples of the window alone just before the cleanup (waitsAlone). */
+  readonly aloneWaits = { waitSamples: {} as Record<string, number>, samples: 0 };
+  private aloneActive = false;
   /** Adaptive admission's shared state, sampled with the waits: the rate in force and the pressure its last step reacted to. */
   readonly adaptiveRates: number[] = [];
   readonly adaptivePressures: number[] = [];
@@ -264,8 +302,8 @@ class WaitSampler {
         const run = (await this.client.query<{ state: RunState }>('SELECT state FROM cleanup_runs WHERE run_id = $1', [watched.runId])).rows[0];
         watched.state = run?.state ?? null;
         const waits = (
-          await this.client.query<{ wait_event_type: string | null; lock_ms: number | null }>(
-            `SELECT a.wait_event_type, (extract(epoch FROM clock_timestamp() - l.waitstart) * 1000)::float8 AS lock_ms
+          await this.client.query<{ wait: string | null; lock_ms: number | null }>(
+            `SELECT a.wait_event_type || ':' || a.wait_event AS wait, (extract(epoch FROM clock_timestamp() - l.waitstart) * 1000)::float8 AS lock_ms
              FROM pg_stat_activity a LEFT JOIN pg_locks l ON l.pid = a.pid AND NOT l.granted
              WHERE a.application_name = $1 AND a.state = 'active'`,
             [APPLICATION_NAME],
@@ -278,16 +316,14 @@ class WaitSampler {
           )
         ).rows[0];
         if (this.active) this.record(waits, adaptive);
+        if (this.aloneActive) countWaits(this.aloneWaits, waits);
         await sleep(50);
       }
     })();
   }
 
-  private record(waits: ReadonlyArray<{ wait_event_type: string | null; lock_ms: number | null }>, adaptive: { rate: number | null; pressure: number | null } | undefined): void {
-    this.samples++;
-    for (const type of new Set(waits.map((row) => row.wait_event_type).filter((type): type is string => type !== null))) {
-      this.waitSamples[type] = (this.waitSamples[type] ?? 0) + 1;
-    }
+  private record(waits: ReadonlyArray<{ wait: string | null; lock_ms: number | null }>, adaptive: { rate: number | null; pressure: number | null } | undefined): void {
+    countWaits(this, waits);
     for (const row of waits) this.lockWaitMaxMs = Math.max(this.lockWaitMaxMs, row.lock_ms ?? 0);
     if (adaptive?.rate != null) {
       this.adaptiveRates.push(adaptive.rate);
@@ -318,6 +354,11 @@ class WaitSampler {
   }
 
   /** Samples count only inside the measured window. */
+  /** Wait samples count in aloneWaits while on (the window alone just before). */
+  measureAlone(on: boolean): void {
+    this.aloneActive = on;
+  }
+
   measure(on: boolean): void {
     if (on) this.windowFromMs = Date.now();
     this.active = on;
@@ -433,13 +474,15 @@ const singleDelete: Cleanup = async (pool, cutoff) => {
 };
 
 /**
- * The control: no cleanup at all, for as long as a baseline. Its "p99 / alone just before" is the
- * ratio's own noise on this machine at this moment (two windows of the same foreground, one after
- * the other): a contender's ratio means something only where it stands clear of this one.
+ * The control: no cleanup at all, for `seconds` (as long as the adaptive contender's window at
+ * most). Its "p99 / alone as long just before" is the ratio's own noise on this machine at this
+ * moment (two windows of the same foreground, one after the other): a contender's ratio means
+ * something only where it stands clear of this one. Its "p99 / alone just before" (the short
+ * window) shows what comparing windows of different lengths reads with no cleanup at all.
  */
-function noCleanup(options: ForegroundOptions): Cleanup {
+function noCleanup(seconds: number): Cleanup {
   return async () => {
-    await sleep(options.baselineSeconds * 1000);
+    await sleep(seconds * 1000);
     return { rows: 0, finished: true };
   };
 }
@@ -461,9 +504,26 @@ function batchedLoop(context: BenchContext, batchSize: number): Cleanup {
   };
 }
 
+/** A phase's name in file names and BENCH_FOREGROUND_PHASES, e.g. reaper-adaptive-300. */
+function phaseLabel(name: ForegroundPhase['name'], ratePerSecond: number): string {
+  return `${name.replace(/\W+/g, '-')}-${ratePerSecond}`;
+}
+
+/** Backend CPU seconds per second of the window, by application_name. */
+function perSecond(split: CpuSplit): Record<string, number> {
+  return Object.fromEntries(Object.entries(split.postgresByApplication).map(([application, seconds]) => [application, Number((seconds / split.wallSeconds).toFixed(4))]));
+}
+
+/** The foreground's p99 (ms) in each whole second from `fromMs` to `toMs`. */
+function p99BySecond(pgbench: Pgbench, fromMs: number, toMs: number): number[] {
+  const out: number[] = [];
+  for (let from = fromMs; from + 1000 <= toMs; from += 1000) out.push(Number(latencyOf(pgbench.transactions(from, from + 1000)).p99Ms.toFixed(2)));
+  return out;
+}
+
 /** Seconds pgbench may run at most in one phase (it is stopped when the phase is over). */
-function pgbenchMaxSeconds(context: BenchContext, options: ForegroundOptions): number {
-  return options.baselineSeconds + context.boundMs / 1000 + 60;
+function pgbenchMaxSeconds(context: BenchContext, aloneSeconds: number): number {
+  return aloneSeconds + context.boundMs / 1000 + 60;
 }
 
 /**
@@ -490,8 +550,10 @@ async function runPhase(
   cleanup: Cleanup,
   reaperPolicy: Parameters<typeof seatHoldsPolicy>[3] | null,
   ratePerSecond: number,
+  matchedAloneSeconds: number | null,
 ): Promise<ForegroundPhase> {
-  const label = `${name.replace(/\W+/g, '-')}-${ratePerSecond}`;
+  const aloneSeconds = Math.max(options.baselineSeconds, matchedAloneSeconds ?? 0);
+  const label = phaseLabel(name, ratePerSecond);
   await context.databases.fresh();
   await settleWrites(context);
   if (reaperPolicy) await context.broker.preparePhase([FOREGROUND_POLICY]);
@@ -513,13 +575,18 @@ async function runPhase(
     sampler.start();
     const logPrefix = path.join(context.workDir, `pgbench-${label}`);
     if (options.foreground) {
-      pgbench = new Pgbench(logPrefix, context.databases.url, scripts, { ...options, ratePerSecond }, pgbenchMaxSeconds(context, options));
+      pgbench = new Pgbench(logPrefix, context.databases.url, scripts, { ...options, ratePerSecond }, pgbenchMaxSeconds(context, aloneSeconds));
       await sleep(WARM_UP_MS);
       pgbench.assertRunning();
     }
+    const aloneCpu = pgbench ? new CpuMeter(pool, { services: [], backends: '%' }) : null;
+    await aloneCpu?.start();
     const baselineFromMs = Date.now();
-    if (pgbench) await sleep(options.baselineSeconds * 1000);
+    sampler.measureAlone(true);
+    if (pgbench) await sleep(aloneSeconds * 1000);
+    sampler.measureAlone(false);
     const baselineToMs = Date.now();
+    const aloneCpuSplit = await aloneCpu?.finish();
     // Read before the window: the n-th candidate's exact expiry (the seed's expiries are unique).
     const cutoff = await cutoffAfterCandidates(pool, options.rows);
     const wal = new WalMeter(pool, samplerClient);
@@ -531,24 +598,33 @@ async function runPhase(
     // written before the cleanup starts, the cleanup's own are still counted (its pages are not
     // the foreground's), and the two windows stand alike towards a checkpoint.
     if (pgbench) await sleep(WARM_UP_MS);
+    const cleanupCpu = pgbench ? new CpuMeter(pool, { services: [], backends: '%' }) : null;
+    await cleanupCpu?.start();
     sampler.measure(true);
     const startedMs = Date.now();
     const result = await cleanup(pool, cutoff, sampler);
     const endedMs = Date.now();
     sampler.measure(false);
+    const cleanupCpuSplit = await cleanupCpu?.finish();
     const walRead = await wal.finish();
     const walBytes = walRead.cleanupBytes ?? walRead.clusterBytes;
     for (const service of services) service.assertRunning();
     let foreground: ForegroundLatency | null = null;
     let baseline: ForegroundLatency | null = null;
+    let baselineMatched: ForegroundPhase['baselineMatched'] = null;
     const foregroundP99BySecond: number[] = [];
     if (pgbench) {
       pgbench.assertRunning();
       await sleep(TAIL_MS);
       await pgbench.stop();
-      baseline = latencyOf(pgbench.transactions(baselineFromMs, baselineToMs));
+      baseline = latencyOf(pgbench.transactions(baselineToMs - options.baselineSeconds * 1000, baselineToMs));
       foreground = latencyOf(pgbench.transactions(startedMs, endedMs));
-      for (let from = startedMs; from + 1000 <= endedMs; from += 1000) foregroundP99BySecond.push(Number(latencyOf(pgbench.transactions(from, from + 1000)).p99Ms.toFixed(2)));
+      foregroundP99BySecond.push(...p99BySecond(pgbench, startedMs, endedMs));
+      if (matchedAloneSeconds !== null) {
+        // The cleanup's length, within the alone window (never shorter than the short one).
+        const ms = Math.min(baselineToMs - baselineFromMs, Math.max(options.baselineSeconds * 1000, endedMs - startedMs));
+        baselineMatched = { ...latencyOf(pgbench.transactions(baselineToMs - ms, baselineToMs)), seconds: ms / 1000, p99BySecond: p99BySecond(pgbench, baselineToMs - ms, baselineToMs) };
+      }
     }
     await stopServices(services);
     const seconds = (endedMs - startedMs) / 1000;
@@ -559,11 +635,14 @@ async function runPhase(
       ratePerSecond,
       cleanup: { rows: result.rows, seconds, rowsPerSecond: seconds > 0 ? result.rows / seconds : 0 },
       baseline,
+      baselineMatched,
       foreground,
       lockWaitMaxMs: sampler.lockWaitMaxMs,
       foregroundP99BySecond,
+      databaseCpu: aloneCpuSplit && cleanupCpuSplit ? { alone: perSecond(aloneCpuSplit), cleanup: perSecond(cleanupCpuSplit) } : null,
       waitSamples: sampler.waitSamples,
       samples: sampler.samples,
+      aloneWaits: pgbench ? sampler.aloneWaits : null,
       wal: walRead,
       walBytesPerRow: result.rows > 0 ? walBytes / result.rows : 0,
       walBytesPerRowWithoutFpi: result.rows > 0 ? (walBytes - (walRead.cleanupFpiBytes ?? 0)) / result.rows : 0,
@@ -594,7 +673,7 @@ export async function runForeground(context: BenchContext, seed: Seed, options: 
   const show = (phase: ForegroundPhase): void => {
     const fg =
       phase.foreground && phase.baseline
-        ? `foreground p50 ${phase.foreground.p50Ms.toFixed(1)} ms, p99 ${phase.foreground.p99Ms.toFixed(1)} ms (${phase.foreground.transactions} tx; alone just before: ${phase.baseline.p50Ms.toFixed(1)} / ${phase.baseline.p99Ms.toFixed(1)} ms); `
+        ? `foreground p50 ${phase.foreground.p50Ms.toFixed(1)} ms, p99 ${phase.foreground.p99Ms.toFixed(1)} ms (${phase.foreground.transactions} tx; alone just before: ${phase.baseline.p50Ms.toFixed(1)} / ${phase.baseline.p99Ms.toFixed(1)} ms${phase.baselineMatched ? `, p99 ${phase.baselineMatched.p99Ms.toFixed(1)} ms over ${phase.baselineMatched.seconds.toFixed(0)} s` : ''}); `
         : '';
     const cleanup = `${Math.round(phase.cleanup.rowsPerSecond)} rows/s, ${phase.walBytesPerRow.toFixed(0)} WAL B/row; `;
     context.progress(`    ${phase.name} (foreground ${phase.ratePerSecond}/s): ${cleanup}${fg}lock wait max ${phase.lockWaitMaxMs.toFixed(0)} ms`);
@@ -602,25 +681,38 @@ export async function runForeground(context: BenchContext, seed: Seed, options: 
   // Adaptive admission is the product default (issue 18): the unthrottled and the fixed-rate
   // contenders turn it off; "reaper adaptive" is the default policy with no rate set.
   const busy = options.ratePerSecond;
-  const plans: Array<[ForegroundPhase['name'], Cleanup, Parameters<typeof seatHoldsPolicy>[3] | null, number]> = [
-    ['reaper unthrottled', reaperCleanup(context), { admission: { adaptive: false } }, busy],
-    ['reaper throttled', reaperCleanup(context), { admission: { ...options.throttle, adaptive: false } }, busy],
-    ['reaper adaptive', reaperCleanup(context), {}, busy],
-    ['single DELETE', singleDelete, null, busy],
-    ['batched DELETE loop', batchedLoop(context, options.loopBatchSize), null, busy],
+  // The contenders with a target at the busy rate, and the control, are compared with the
+  // foreground alone for as long as they run (ForegroundPhase.baselineMatched): the throttled one
+  // for its rows at its rate (and a little), the adaptive one for as long as its rows take at the
+  // floor at most, within the time bound; the control for as long as the adaptive one.
+  const boundSeconds = context.boundMs / 1000;
+  const throttledSeconds = Math.min(boundSeconds, Math.ceil(options.rows / options.throttle.rowsPerSecond) + 2);
+  const adaptiveSeconds = Math.min(boundSeconds, Math.ceil(options.rows / ADAPTIVE.floorRowsPerSecond));
+  const plans: Array<[ForegroundPhase['name'], Cleanup, Parameters<typeof seatHoldsPolicy>[3] | null, number, number | null]> = [
+    ['reaper unthrottled', reaperCleanup(context), { admission: { adaptive: false } }, busy, null],
+    ['reaper throttled', reaperCleanup(context), { admission: { ...options.throttle, adaptive: false } }, busy, throttledSeconds],
+    ['reaper adaptive', reaperCleanup(context), {}, busy, adaptiveSeconds],
+    ['single DELETE', singleDelete, null, busy, null],
+    ['batched DELETE loop', batchedLoop(context, options.loopBatchSize), null, busy, null],
   ];
-  if (options.foreground) plans.push(['no cleanup', noCleanup(options), null, busy]);
+  if (options.foreground) plans.push(['no cleanup', noCleanup(adaptiveSeconds), null, busy, adaptiveSeconds]);
   if (options.foreground) {
-    plans.push(['reaper unthrottled', reaperCleanup(context), { admission: { adaptive: false } }, options.quietRatePerSecond]);
-    plans.push(['reaper adaptive', reaperCleanup(context), {}, options.quietRatePerSecond]);
+    plans.push(['reaper unthrottled', reaperCleanup(context), { admission: { adaptive: false } }, options.quietRatePerSecond, null]);
+    plans.push(['reaper adaptive', reaperCleanup(context), {}, options.quietRatePerSecond, null]);
   }
-  for (const [name, cleanup, policy, ratePerSecond] of plans) {
-    const phase = await runPhase(context, seed, options, scripts, name, cleanup, policy, ratePerSecond);
+  const label = ([name, , , ratePerSecond]: (typeof plans)[number]): string => phaseLabel(name, ratePerSecond);
+  const unknown = options.onlyPhases?.filter((wanted) => !plans.some((plan) => label(plan) === wanted)) ?? [];
+  if (unknown.length > 0) throw new Error(`BENCH_FOREGROUND_PHASES: no phase ${unknown.map((name) => JSON.stringify(name)).join(', ')}; the phases are ${plans.map(label).join(', ')}`);
+  for (const plan of plans) {
+    if (options.onlyPhases && !options.onlyPhases.includes(label(plan))) continue;
+    const [name, cleanup, policy, ratePerSecond, matchedAloneSeconds] = plan;
+    const phase = await runPhase(context, seed, options, scripts, name, cleanup, policy, ratePerSecond, options.foreground ? matchedAloneSeconds : null);
     phases.push(phase);
     show(phase);
   }
   return {
     ratePerSecond: options.ratePerSecond,
+    baselineSeconds: options.baselineSeconds,
     quietRatePerSecond: options.quietRatePerSecond,
     clients: options.clients,
     candidates: options.rows,
