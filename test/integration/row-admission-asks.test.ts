@@ -16,7 +16,7 @@ const RATE = 20;
  * on the database the application uses (bench figure 7 at the adaptive floor: 15-45 of them a
  * second for one admitted statement). Counted on the real server by a trigger on that row.
  */
-describe('row-delete admission: a throttled group asks again when its tokens are due', () => {
+describe('row-delete admission: a throttled group asks again when its tokens are due, in turn', () => {
   let bed: TestBed;
   let pool: pg.Pool;
 
@@ -52,5 +52,42 @@ describe('row-delete admission: a throttled group asks again when its tokens are
     // It did wait for tokens (so the asks above are the asks of a wait); the bound leaves room for
     // the tokens that came in while the test emptied its log on a slow machine.
     assert.ok(waitedMs >= 500, `the take waited for its tokens (${Math.round(waitedMs)} ms)`);
+  });
+
+  test("one worker's groups ask in turn, oldest first, not side by side for the same tokens", async () => {
+    const file = parsePolicies(rowDeletePolicyYaml({ name: 'turns', batchSize: RATE }), 'test', {}).get('turns') as RowDeletePolicy;
+    const policy: RowDeletePolicy = { ...file, admission: { adaptive: false, rowsPerSecond: RATE, burst: RATE } };
+    assert.ok((await admitRows(pool, policy, RATE, { holdMs: 5_000 })).admitted, 'the first take finds a full bucket');
+    await bed.pool.query('TRUNCATE test_admission_asks');
+    // Four groups of one worker (one pool), each a second of tokens: admitted about 1, 2, 3 and 4 s later.
+    const admittedOrder: number[] = [];
+    const groups = [0, 1, 2, 3].map(async (group) => {
+      const outcome = await admitRows(pool, policy, RATE, { holdMs: 8_000 });
+      if (outcome.admitted) admittedOrder.push(group);
+      return outcome.admitted;
+    });
+    assert.deepEqual(await Promise.all(groups), [true, true, true, true], 'every group is admitted within its hold');
+    assert.deepEqual(admittedOrder, [0, 1, 2, 3], 'oldest first');
+    const asks = (await bed.pool.query<{ n: number }>('SELECT count(*)::int AS n FROM test_admission_asks')).rows[0]!.n;
+    // In turn: each asks when its turn comes (refused: the one before just took the tokens) and once
+    // more when its tokens are due: 8, a few more when a clock reads a hair early. Side by side, the
+    // waiting groups all ask each time tokens seem due: 4 + 4 + 3 + 2 + 1.
+    assert.ok(asks >= 8 && asks <= 11, `asks of four groups waiting in one worker: ${asks}`);
+  });
+
+  test('a group that cannot get its turn within its hold is refused without asking', async () => {
+    const file = parsePolicies(rowDeletePolicyYaml({ name: 'queued', batchSize: RATE }), 'test', {}).get('queued') as RowDeletePolicy;
+    const policy: RowDeletePolicy = { ...file, admission: { adaptive: false, rowsPerSecond: RATE, burst: RATE } };
+    assert.ok((await admitRows(pool, policy, RATE, { holdMs: 5_000 })).admitted, 'the first take finds a full bucket');
+    await bed.pool.query('TRUNCATE test_admission_asks');
+    // The first in line waits about a second for its tokens; the second would have to wait for it.
+    const first = admitRows(pool, policy, RATE, { holdMs: 5_000 });
+    const second = await admitRows(pool, policy, RATE, { holdMs: 200 });
+    assert.equal(second.admitted, false);
+    assert.equal((second as { reason: string }).reason, 'throttled');
+    // By now the first has asked once (refused: its tokens are due in a second); the second never did.
+    const asks = (await bed.pool.query<{ n: number }>('SELECT count(*)::int AS n FROM test_admission_asks')).rows[0]!.n;
+    assert.equal(asks, 1, 'only the group in turn asked');
+    assert.ok((await first).admitted, 'the one in turn is admitted');
   });
 });

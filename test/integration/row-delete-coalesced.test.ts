@@ -7,7 +7,7 @@ import { makeBatchId, type BatchV1 } from '../../shared/contracts/batch';
 import { loadPolicies, type RowDeletePolicy } from '../../shared/config/policies';
 import { targetResolve } from '../../shared/db/queries/expiring-rows';
 import { makeMetrics } from '../../shared/observability/metrics';
-import { makeRowDeleteGroupHandler, type BatchGroupHandler } from '../../services/worker/handlers/row-delete';
+import { makeRowDeleteGroupHandler, ROW_ADMISSION_HOLD_MS, type BatchGroupHandler } from '../../services/worker/handlers/row-delete';
 import type { HandlerContext } from '../../services/worker/handlers/types';
 import { startWorker } from '../../services/worker/worker';
 import { openTestBroker, type TestBroker } from '../support/broker';
@@ -146,5 +146,32 @@ describe('row-delete: coalesced groups', () => {
     }
     assert.equal(await readyAtRest(broker, names.workQueue('seat-holds')), 0, 'every delivery was acked: nothing came back');
     assert.equal((await broker.drain(names.deadLetterQueue)).length, 0);
+  });
+
+  // Last in the file: it leaves the policy's bucket empty at 1 row/s.
+  test('a refused chunk sends the rest of its group back with it, unasked', async () => {
+    // One batch per chunk (the burst), a bucket that holds one chunk and refills in 10 s.
+    const throttled: RowDeletePolicy = { ...policy, admission: { adaptive: false, rowsPerSecond: 1, burst: 10 } };
+    const throttledGroup = makeRowDeleteGroupHandler(throttled, await targetResolve(bed.pool, throttled));
+    const four = await batches(4, 10);
+    // A full bucket (the tests before used the policy's row adaptively).
+    await bed.pool.query(
+      `INSERT INTO cleanup_admission (policy, tokens, refilled_at) VALUES ($1, 10, clock_timestamp())
+       ON CONFLICT (policy) DO UPDATE SET tokens = 10, refilled_at = clock_timestamp()`,
+      [policy.name],
+    );
+    await bed.pool.query(`
+      CREATE TABLE test_admission_asks (at timestamptz NOT NULL DEFAULT clock_timestamp());
+      CREATE FUNCTION test_admission_ask() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN INSERT INTO test_admission_asks DEFAULT VALUES; RETURN NEW; END $$;
+      CREATE TRIGGER test_admission_ask AFTER UPDATE ON cleanup_admission FOR EACH ROW EXECUTE FUNCTION test_admission_ask();`);
+    // Its hold nearly spent: the first chunk finds the bucket full, the second is refused at once.
+    const results = await throttledGroup(four, { ...context(), heldSince: performance.now() - ROW_ADMISSION_HOLD_MS + 300 });
+    assert.deepEqual(results[0], { kind: 'done', deleted: 10, noop: 0, duplicate: false });
+    for (const result of results.slice(1)) assert.deepEqual({ kind: result.kind, reason: (result as { reason?: string }).reason }, { kind: 'retry', reason: 'throttled' });
+    const asks = (await bed.pool.query<{ n: number }>('SELECT count(*)::int AS n FROM test_admission_asks')).rows[0]!.n;
+    // The first chunk's ask and the second's: the third and fourth would have asked once each.
+    assert.equal(asks, 2, 'asks of a group of four chunks, refused at the second');
+    for (const batch of four.slice(1)) assert.equal(await countReservations(bed.pool, batch.items.map((item) => item.id)), 10, 'refused batches keep their rows');
   });
 });
