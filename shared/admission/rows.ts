@@ -282,6 +282,8 @@ function hasDatabaseAlone(observer: Observer, policy: RowDeletePolicy, admission
 
 /** Per pool and policy: the end of the last admission queued in this process (admitRows takes turns behind it). */
 const turns = new WeakMap<Pool, Map<string, Promise<void>>>();
+/** Per pool and policy: why the last refused ask was refused (what a group that gave up waiting for its turn reports). */
+const lastRefusal = new WeakMap<Pool, Map<string, RowsRefused['reason']>>();
 
 /**
  * Waits (up to `holdMs`) until the policy may delete `rows` rows: the brake is off, the policy is
@@ -289,12 +291,13 @@ const turns = new WeakMap<Pool, Map<string, Promise<void>>>();
  * no query. Refused after `holdMs`: the caller hands the batches back (delay tier).
  *
  * The groups of one worker (one pool) ask for one policy in turn, oldest first: a group waiting for
- * tokens is the worker's one asker, and the next asks only once it is admitted or refused. Two
- * groups of one worker asking side by side for the same tokens each asked every time its tokens
- * seemed due, and one of them was refused each time: at the adaptive floor the two workers' four
- * groups made about 14 asks a second (UPDATE and commit on the application's database) for one
- * admitted statement (bench figure 7, 2026-12-03 evening, from the server's statement log). Waiting
- * for the turn counts in the group's hold budget.
+ * tokens is the worker's one asker, and the next asks only once it is admitted or refused, so the
+ * oldest group goes first and a worker never asks twice at once for the same tokens (every ask is
+ * an UPDATE and a commit on the application's database). Waiting for the turn counts in the group's
+ * hold budget; one that runs out of it waiting is refused for the reason of the last refused ask
+ * here (the one in turn is still asking, refused for that reason). At the adaptive floor most of
+ * the asks were a group's later chunks asking one after another (row-delete.ts); the turns alone
+ * changed the count little (bench figure 7's statement log, docs/design.md).
  */
 export async function admitRows(
   pool: Pool,
@@ -315,7 +318,7 @@ export async function admitRows(
   let timer: NodeJS.Timeout | undefined;
   try {
     const myTurn = await Promise.race([before.then(() => true), new Promise<false>((resolve) => (timer = setTimeout(() => resolve(false), options.holdMs)))]);
-    if (!myTurn) return { admitted: false, reason: 'throttled', retryInMs: 1000, waitedMs: performance.now() - started };
+    if (!myTurn) return { admitted: false, reason: lastRefusal.get(pool)?.get(policy.name) ?? 'throttled', retryInMs: 1000, waitedMs: performance.now() - started };
     return await admitRowsInTurn(pool, policy, rows, options, started);
   } finally {
     clearTimeout(timer);
@@ -401,6 +404,9 @@ async function admitRowsInTurn(
       const missing = Math.min(rows, capacity) - take.tokens;
       retryInMs = reason === 'throttled' ? Math.min(MAX_THROTTLED_ASK_INTERVAL_MS, Math.max(MIN_ASK_INTERVAL_MS, (missing / rate) * 1000)) : MAX_ASK_INTERVAL_MS;
     }
+    let reasons = lastRefusal.get(pool);
+    if (!reasons) lastRefusal.set(pool, (reasons = new Map()));
+    reasons.set(policy.name, reason);
     const waitedMs = performance.now() - started;
     if (waitedMs + retryInMs > options.holdMs || options.stopping?.()) return { admitted: false, reason, retryInMs: Math.max(retryInMs, 1000), waitedMs };
     await new Promise((resolve) => setTimeout(resolve, retryInMs));

@@ -90,4 +90,16 @@ describe('row-delete admission: a throttled group asks again when its tokens are
     assert.equal(asks, 1, 'only the group in turn asked');
     assert.ok((await first).admitted, 'the one in turn is admitted');
   });
+
+  test('a group that gives up waiting for its turn says why the one in turn is still waiting', async () => {
+    const file = parsePolicies(rowDeletePolicyYaml({ name: 'held-back', batchSize: RATE }), 'test', {}).get('held-back') as RowDeletePolicy;
+    const policy: RowDeletePolicy = { ...file, admission: { adaptive: false, rowsPerSecond: RATE, burst: RATE } };
+    assert.ok((await admitRows(pool, policy, 1, { holdMs: 5_000 })).admitted, 'the bucket row is there');
+    await bed.pool.query('UPDATE cleanup_admission SET paused = true WHERE policy = $1', [policy.name]);
+    const first = admitRows(pool, policy, 1, { holdMs: 1_000 });
+    const second = await admitRows(pool, policy, 1, { holdMs: 300 });
+    assert.deepEqual({ admitted: second.admitted, reason: (second as { reason?: string }).reason }, { admitted: false, reason: 'paused' });
+    const firstOutcome = await first;
+    assert.deepEqual({ admitted: firstOutcome.admitted, reason: (firstOutcome as { reason?: string }).reason }, { admitted: false, reason: 'paused' });
+  });
 });
