@@ -130,7 +130,8 @@ export function makeRowDeleteGroupHandler(policy: RowDeletePolicy, target: Resol
         // The rest of the group goes back with it, unasked: the bucket that just refused one chunk
         // has not refilled for the next a moment later, and every ask is a write and a commit on
         // the application's database (a group of 16 one-batch chunks whose hold was spent asked 16
-        // times in a few ms: about 40% of the asks at the adaptive floor, bench figure 7).
+        // times in a few ms; at 500 rows/s, 903 asks a minute for 65 statements, 247 with this and
+        // the turns in admitRows: bench figure 7's statement log, docs/design.md).
         for (const batch of chunks.slice(i + 1).flat()) results[firstIndex.get(batch.batchId)!] = { kind: 'retry', delayMs: refused.retryInMs, reason: refused.reason };
         break;
       }
