@@ -220,19 +220,26 @@ class Pgbench {
     await this.exited.catch(() => undefined);
   }
 
-  /** Transactions ending in [fromMs, toMs] (epoch ms): latency (ms) and script number. */
+  /** The whole log, parsed once (after stop: the phase reads every window from it). */
+  private log: Array<{ endMs: number; ms: number; script: number }> | null = null;
+
+  /** Transactions ending in [fromMs, toMs] (epoch ms): latency (ms) and script number. Call after stop. */
   transactions(fromMs: number, toMs: number): Array<{ ms: number; script: number }> {
+    if (this.running) throw new Error('pgbench is still running: its log is read once it has stopped');
+    this.log ??= this.readLog();
+    return this.log.filter((t) => t.endMs >= fromMs && t.endMs <= toMs);
+  }
+
+  private readLog(): Array<{ endMs: number; ms: number; script: number }> {
     const directory = path.dirname(this.logPrefix);
     const base = path.basename(this.logPrefix);
-    const out: Array<{ ms: number; script: number }> = [];
+    const out: Array<{ endMs: number; ms: number; script: number }> = [];
     for (const file of readdirSync(directory).filter((name) => name.startsWith(`${base}.`))) {
       for (const line of readFileSync(path.join(directory, file), 'utf8').split('\n')) {
         // client_id transaction_no time script_no time_epoch time_us schedule_lag (with -R)
         const fields = line.trim().split(' ');
         if (fields.length !== 7) continue; // the cut last line
-        const endMs = Number(fields[4]) * 1000 + Number(fields[5]) / 1000;
-        if (endMs < fromMs || endMs > toMs) continue;
-        out.push({ ms: Number(fields[2]) / 1000, script: Number(fields[3]) });
+        out.push({ endMs: Number(fields[4]) * 1000 + Number(fields[5]) / 1000, ms: Number(fields[2]) / 1000, script: Number(fields[3]) });
       }
     }
     return out;
@@ -278,7 +285,7 @@ class WaitSampler {
   lockWaitMaxMs = 0;
   samples = 0;
   readonly waitSamples: Record<string, number> = {};
-  /** Wait samples of the window alone just before the cleanup (waitsAlone). */
+  /** Wait samples of the window alone just before the cleanup (measureAlone). */
   readonly aloneWaits = { waitSamples: {} as Record<string, number>, samples: 0 };
   private aloneActive = false;
   /** Adaptive admission's shared state, sampled with the waits: the rate in force and the pressure its last step reacted to. */
@@ -353,12 +360,12 @@ class WaitSampler {
     }
   }
 
-  /** Samples count only inside the measured window. */
   /** Wait samples count in aloneWaits while on (the window alone just before). */
   measureAlone(on: boolean): void {
     this.aloneActive = on;
   }
 
+  /** Samples count only inside the measured window. */
   measure(on: boolean): void {
     if (on) this.windowFromMs = Date.now();
     this.active = on;

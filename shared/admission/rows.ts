@@ -280,10 +280,16 @@ function hasDatabaseAlone(observer: Observer, policy: RowDeletePolicy, admission
   return pressure === null || pressure <= ADAPTIVE.raiseBelow;
 }
 
-/** Per pool and policy: the end of the last admission queued in this process (admitRows takes turns behind it). */
-const turns = new WeakMap<Pool, Map<string, Promise<void>>>();
-/** Per pool and policy: why the last refused ask was refused (what a group that gave up waiting for its turn reports). */
-const lastRefusal = new WeakMap<Pool, Map<string, RowsRefused['reason']>>();
+/**
+ * Per pool and policy, while admissions are queued in this process: the end of the last one
+ * (admitRows takes turns behind it), and why the last refused ask was refused (what a group that
+ * gave up waiting for its turn reports). Gone when the queue is empty.
+ */
+interface Turns {
+  end: Promise<void>;
+  lastRefusal: RowsRefused['reason'] | null;
+}
+const turns = new WeakMap<Pool, Map<string, Turns>>();
 
 /**
  * Waits (up to `holdMs`) until the policy may delete `rows` rows: the brake is off, the policy is
@@ -308,22 +314,24 @@ export async function admitRows(
   const started = performance.now();
   let byPolicy = turns.get(pool);
   if (!byPolicy) turns.set(pool, (byPolicy = new Map()));
-  const before = byPolicy.get(policy.name) ?? Promise.resolve();
+  let queue = byPolicy.get(policy.name);
+  if (!queue) byPolicy.set(policy.name, (queue = { end: Promise.resolve(), lastRefusal: null }));
+  const before = queue.end;
   let done!: () => void;
   const mine = new Promise<void>((resolve) => (done = resolve));
   // The next in line waits for this one's turn and this one's end: one that gives up waiting
   // still keeps its place until the ones before it are through.
   const end = before.then(() => mine);
-  byPolicy.set(policy.name, end);
+  queue.end = end;
   let timer: NodeJS.Timeout | undefined;
   try {
     const myTurn = await Promise.race([before.then(() => true), new Promise<false>((resolve) => (timer = setTimeout(() => resolve(false), options.holdMs)))]);
-    if (!myTurn) return { admitted: false, reason: lastRefusal.get(pool)?.get(policy.name) ?? 'throttled', retryInMs: 1000, waitedMs: performance.now() - started };
-    return await admitRowsInTurn(pool, policy, rows, options, started);
+    if (!myTurn) return { admitted: false, reason: queue.lastRefusal ?? 'throttled', retryInMs: 1000, waitedMs: performance.now() - started };
+    return await admitRowsInTurn(pool, policy, rows, options, started, queue);
   } finally {
     clearTimeout(timer);
     done();
-    if (byPolicy.get(policy.name) === end) byPolicy.delete(policy.name);
+    if (queue.end === end) byPolicy.delete(policy.name);
   }
 }
 
@@ -333,6 +341,7 @@ async function admitRowsInTurn(
   rows: number,
   options: { holdMs: number; registry?: Registry; stopping?: () => boolean; now?: () => number },
   started: number,
+  queue: Turns,
 ): Promise<RowsAdmitted | RowsRefused> {
   const now = options.now ?? (() => performance.now());
   const maxLag = policy.brake?.maxReplicationLagSeconds ?? null;
@@ -404,9 +413,7 @@ async function admitRowsInTurn(
       const missing = Math.min(rows, capacity) - take.tokens;
       retryInMs = reason === 'throttled' ? Math.min(MAX_THROTTLED_ASK_INTERVAL_MS, Math.max(MIN_ASK_INTERVAL_MS, (missing / rate) * 1000)) : MAX_ASK_INTERVAL_MS;
     }
-    let reasons = lastRefusal.get(pool);
-    if (!reasons) lastRefusal.set(pool, (reasons = new Map()));
-    reasons.set(policy.name, reason);
+    queue.lastRefusal = reason;
     const waitedMs = performance.now() - started;
     if (waitedMs + retryInMs > options.holdMs || options.stopping?.()) return { admitted: false, reason, retryInMs: Math.max(retryInMs, 1000), waitedMs };
     await new Promise((resolve) => setTimeout(resolve, retryInMs));

@@ -132,7 +132,7 @@ export function makeRowDeleteGroupHandler(policy: RowDeletePolicy, target: Resol
         // the application's database (a group of 16 one-batch chunks whose hold was spent asked 16
         // times in a few ms; at 500 rows/s, 903 asks a minute for 65 statements, 247 with this and
         // the turns in admitRows: bench figure 7's statement log, docs/design.md).
-        for (const batch of chunks.slice(i + 1).flat()) results[firstIndex.get(batch.batchId)!] = { kind: 'retry', delayMs: refused.retryInMs, reason: refused.reason };
+        for (const batch of chunks.slice(i + 1).flat()) results[firstIndex.get(batch.batchId)!] = later(refused.reason, refused.retryInMs);
         break;
       }
     }
@@ -151,7 +151,6 @@ export function makeRowDeleteGroupHandler(policy: RowDeletePolicy, target: Resol
     // What is left of the group's budget: a later chunk asks once more, it does not wait afresh.
     const holdMs = Math.max(0, holdUntil - performance.now());
     const admitted = await admitRows(context.pool, policy, rows, { holdMs, registry: context.metrics.registry, ...(context.stopping ? { stopping: context.stopping } : {}) });
-    const later = (reason: string, delayMs: number): BatchResult => ({ kind: 'retry', delayMs, reason });
     if (!admitted.admitted) {
       context.log.info({ reason: admitted.reason, batches: unique.length, rows, waitedMs: Math.round(admitted.waitedMs) }, 'row-delete not admitted in time; batches go to a delay tier');
       for (const batch of unique) results[firstIndex.get(batch.batchId)!] = later(admitted.reason, admitted.retryInMs);
@@ -188,6 +187,9 @@ export function makeRowDeleteGroupHandler(policy: RowDeletePolicy, target: Resol
     return null;
   }
 }
+
+/** Handed back to a delay tier, to be tried again in `delayMs`. */
+const later = (reason: string, delayMs: number): BatchResult => ({ kind: 'retry', delayMs, reason });
 
 const isUnavailable = (result: BatchResult): boolean => result.kind === 'unknown' && result.databaseUnavailable;
 
