@@ -79,18 +79,10 @@ export class TcpProxy {
     const postgres = this.options.protocol === 'postgres';
     const fromClient = postgres ? new PgMessageReader(true) : null;
     const fromServer = postgres ? new PgMessageReader(false) : null;
-    // Per direction, the time the previous chunk is due: latency never reorders bytes.
-    let dueUp = 0;
-    let dueDown = 0;
-    const deliver = (to: Socket, chunk: Buffer, due: number) => {
-      const send = () => {
-        if (link.stalled || to.destroyed) return;
-        to.write(chunk);
-      };
-      const wait = due - Date.now();
-      if (wait <= 0) send();
-      else setTimeout(send, wait);
-    };
+    // One queue per direction, drained by one timer: latency never reorders bytes (a timer per
+    // chunk can: chunks due in the same millisecond may fire in either order).
+    const up = new DelayedPipe(upstream, () => link.stalled, () => this.latencyMs);
+    const down = new DelayedPipe(client, () => link.stalled, () => this.latencyMs);
     client.on('data', (chunk: Buffer) => {
       if (link.stalled) return;
       link.bytesUp += chunk.length;
@@ -110,8 +102,7 @@ export class TcpProxy {
           }
         }
       }
-      dueUp = Math.max(Date.now() + this.latencyMs, dueUp);
-      deliver(upstream, chunk, dueUp);
+      up.push(chunk);
       // Set after the statement was handed on: every answer from now on is held back.
       if (holdAfter) link.holdingReplies = true;
     });
@@ -124,8 +115,7 @@ export class TcpProxy {
         }
       }
       if (link.holdingReplies) return;
-      dueDown = Math.max(Date.now() + this.latencyMs, dueDown);
-      deliver(client, chunk, dueDown);
+      down.push(chunk);
     });
     const end = () => {
       this.links.delete(link);
@@ -246,4 +236,38 @@ function queryText(message: PgMessage): string {
   const nameEnd = message.body.indexOf(0);
   const textEnd = message.body.indexOf(0, nameEnd + 1);
   return message.body.toString('utf8', nameEnd + 1, textEnd < 0 ? undefined : textEnd);
+}
+
+/** One direction of a link: chunks written `latency()` ms after they came, strictly in order. */
+class DelayedPipe {
+  private readonly queue: Array<{ chunk: Buffer; due: number }> = [];
+  private timer: NodeJS.Timeout | null = null;
+
+  constructor(
+    private readonly to: Socket,
+    private readonly stalled: () => boolean,
+    private readonly latency: () => number,
+  ) {}
+
+  push(chunk: Buffer): void {
+    const latency = this.latency();
+    if (latency <= 0 && this.queue.length === 0) return this.write(chunk);
+    this.queue.push({ chunk, due: Date.now() + latency });
+    this.schedule();
+  }
+
+  private write(chunk: Buffer): void {
+    if (this.stalled() || this.to.destroyed) return;
+    this.to.write(chunk);
+  }
+
+  private schedule(): void {
+    if (this.timer || this.queue.length === 0) return;
+    this.timer = setTimeout(() => {
+      this.timer = null;
+      const now = Date.now();
+      while (this.queue.length > 0 && this.queue[0]!.due <= now) this.write(this.queue.shift()!.chunk);
+      this.schedule();
+    }, Math.max(1, this.queue[0]!.due - Date.now()));
+  }
 }
