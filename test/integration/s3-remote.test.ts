@@ -122,7 +122,12 @@ describe('object storage remote (s3rver)', () => {
     const rows = await ledgerRows(bed.pool, ids);
     assert.deepEqual(rows.map((row) => `${row.state}/${row.last_result}`), ids.map(() => 'pending/rate-limited'));
     for (const id of ids) assert.equal(await objectExists(stand, id), true, 'nothing deleted by the throttled request');
-    // While blocked, a delivery sends nothing.
+    // While blocked, a delivery sends nothing, even for keys already due. The block the handler set
+    // lasts about a second (attempt 1); it is lengthened here, and the keys made due, so that a slow
+    // machine cannot let it lapse before the delivery below (the CI run of ad4b826 did): the
+    // policy-wide block alone must hold them back.
+    await bed.pool.query(`UPDATE cleanup_admission SET blocked_until = clock_timestamp() + interval '1 minute' WHERE policy = $1`, [MEDIA_POLICY]);
+    await bed.pool.query(`UPDATE cleanup_ledger SET not_before = clock_timestamp() WHERE asset_id = ANY($1::text[])`, [ids]);
     const blocked = await handle(batch, handlerContext(bed.pool));
     assert.notEqual(blocked.kind, 'unknown');
     assert.equal(stand.deleteCalls().length, 1, 'no request while the policy is blocked');
