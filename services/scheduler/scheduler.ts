@@ -7,7 +7,7 @@ import { ReconnectingConnection } from '../../shared/amqp/connection';
 import { ConfirmingPublisher } from '../../shared/amqp/publisher';
 import { brokerNames, topologyFor } from '../../shared/amqp/topology';
 import { assertSchemaCurrent } from '../../shared/db/migrate';
-import { makePool } from '../../shared/db/pool';
+import { makePool, warmPool } from '../../shared/db/pool';
 import { targetResolve, type ResolvedTarget } from '../../shared/db/queries/expiring-rows';
 import {
   runClaimOf,
@@ -105,7 +105,7 @@ export async function startScheduler(env: Env, policies: PolicySet, log: Logger)
   const tuning = loadSchedulerTuning();
   const batchVersions = loadBatchVersionConfig();
   const metrics = makeMetrics([...policies.values()]);
-  const pool = makePool(env.databaseUrl, env.dbPoolSize, 'reaper-scheduler', env.sessionTimeouts);
+  const pool = makePool(env.databaseUrl, env.dbPoolSize, 'reaper-scheduler', env.sessionTimeouts, 'keep');
   const names = brokerNames(env.amqpPrefix);
   const policyNames = [...policies.keys()];
   const targets = new Map<string, ResolvedTarget>();
@@ -182,6 +182,8 @@ export async function startScheduler(env: Env, policies: PolicySet, log: Logger)
       return abandonStart(new Error(`policy ${policy.name}: ${(error as Error).message}`));
     }
   }
+  // Runs start on backends that are already up (makePool, 'keep').
+  log.info({ connections: await warmPool(pool) }, 'database connections opened');
   const connection = new ReconnectingConnection({
     url: env.amqpUrl,
     connectionName: `reaper-scheduler ${env.amqpPrefix} ${env.workerId}`,

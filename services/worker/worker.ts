@@ -7,7 +7,7 @@ import { ConfirmingPublisher } from '../../shared/amqp/publisher';
 import { brokerNames, topologyFor } from '../../shared/amqp/topology';
 import { decodeBatch } from '../../shared/contracts/batch';
 import { assertSchemaCurrent } from '../../shared/db/migrate';
-import { makePool, type Pool } from '../../shared/db/pool';
+import { makePool, warmPool, type Pool } from '../../shared/db/pool';
 import { ledgerReturnExpiredLeases } from '../../shared/db/queries/ledger';
 import { makeHttpRemoteClient, withCircuitBreaker } from '../../shared/remote/client';
 import { makeRemoteDeleteHandler } from './handlers/remote-delete';
@@ -88,7 +88,7 @@ async function makeHandler(policy: Policy, pool: Pool, log: Logger, metrics: Met
  */
 export async function startWorker(env: Env, policies: PolicySet, log: Logger): Promise<WorkerHandle> {
   const metrics = makeMetrics([...policies.values()]);
-  const pool = makePool(env.databaseUrl, env.dbPoolSize, 'reaper-worker', env.sessionTimeouts);
+  const pool = makePool(env.databaseUrl, env.dbPoolSize, 'reaper-worker', env.sessionTimeouts, 'keep');
   const names = brokerNames(env.amqpPrefix);
   const handlers = new Map<string, BatchHandler>();
   /** row-delete: one coalescer per policy in front of its group handler. */
@@ -116,6 +116,8 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
     await pool.end();
     throw error;
   }
+  // Batches are deleted on backends that are already up (makePool, 'keep').
+  log.info({ connections: await warmPool(pool) }, 'database connections opened');
   // Leases of crashed or frozen workers go back to pending, not carried: the ledger sweeper sends them again.
   const hasRemote = [...policies.values()].some((policy) => policy.kind === 'remote-delete');
   const reclaimer = hasRemote

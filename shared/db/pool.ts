@@ -43,18 +43,38 @@ export function clientQueryTimeoutMs(timeouts: SessionTimeouts): number {
  */
 export const ROW_DELETE_PLAN_CACHE_MODE = 'force_generic_plan';
 
+/** A connection of a 'close-idle' pool unused for this long is closed. */
+export const IDLE_TIMEOUT_MS = 30_000;
+
+/**
+ * How a pool treats connections it no longer uses:
+ * - 'close-idle' (the CLI, short-lived tools): a connection idle for IDLE_TIMEOUT_MS is closed.
+ * - 'keep' (the long-running services): every connection the pool opened stays open (pg-pool's
+ *   `min` = `max`), and warmPool opens them at start. A policy that runs every few minutes would
+ *   otherwise start each run on new backends, whose first statements load the catalog caches and
+ *   parse at 7-38 ms each on the database's core (issue 18's statement log of a run start), in the
+ *   very seconds the run's scan and first deletions compete with the application. The connection
+ *   budget already counts REAPER_DB_POOL_SIZE per process (README, Autoscaling); a connection
+ *   that fails is dropped by the pool and opened again when needed.
+ */
+export type IdleConnections = 'close-idle' | 'keep';
+
 export function makePool(
   connectionString: string,
   max: number,
   applicationName: string,
   timeouts: SessionTimeouts = DEFAULT_SESSION_TIMEOUTS,
+  idle: IdleConnections = 'close-idle',
+  /** Tests only: a shorter idle timeout, to see a 'close-idle' pool close and a 'keep' one not. */
+  idleTimeoutMs = IDLE_TIMEOUT_MS,
 ): pg.Pool {
   const pool = new pg.Pool({
     connectionString,
     max,
+    ...(idle === 'keep' ? { min: max } : {}),
     application_name: applicationName,
     connectionTimeoutMillis: 10_000,
-    idleTimeoutMillis: 30_000,
+    idleTimeoutMillis: idleTimeoutMs,
     // Sent as session parameters at connect time (no extra round trip per statement).
     statement_timeout: timeouts.statementTimeoutMs,
     lock_timeout: timeouts.lockTimeoutMs,
@@ -77,6 +97,25 @@ export function makePool(
   // unavailable) and the client is released as broken.
   pool.on('connect', (client) => client.on('error', () => undefined));
   return pool;
+}
+
+/**
+ * Opens every connection of a 'keep' pool at start (one trivial statement each, so each backend
+ * has started and authenticated) and hands them back idle. Best effort: a connection that cannot
+ * be opened now is opened later, when a statement needs it. Returns how many were opened.
+ */
+export async function warmPool(pool: pg.Pool): Promise<number> {
+  const opened = await Promise.allSettled(Array.from({ length: pool.options.max }, () => pool.connect()));
+  const clients = opened.flatMap((result) => (result.status === 'fulfilled' ? [result.value] : []));
+  const answered = await Promise.all(
+    clients.map((client) =>
+      client.query('SELECT 1').then(
+        () => (client.release(), true),
+        () => (client.release(true), false), // a connection that failed is discarded, not kept
+      ),
+    ),
+  );
+  return answered.filter(Boolean).length;
 }
 
 /**
