@@ -8,13 +8,7 @@ export type BatchResult =
   /** Committed. `duplicate`: this batch had been committed before (a redelivery), counted apart. */
   | { kind: 'done'; deleted: number; noop: number; duplicate: boolean; detail?: Record<string, number> }
   /** Durable state says "later": publish a copy to the delay tier for `delayMs`, then ack. */
-  | {
-      kind: 'retry';
-      delayMs: number;
-      reason: string;
-      /** Rows deleted by the parts of this batch that committed before it was sent back (handlers/row-delete.ts partsOf): counted now, as their receipts count them. */
-      deletedBefore?: number;
-    }
+  | { kind: 'retry'; delayMs: number; reason: string }
   /** The batch itself is wrong: publish it to the dead-letter queue with the reason, then ack. */
   | { kind: 'dead-letter'; reason: DeadLetterReason; detail: string }
   /** Outcome unknown (database or transport trouble): do not ack; the broker redelivers. */

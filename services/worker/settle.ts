@@ -100,11 +100,8 @@ async function applyResult(deps: SettleDeps, delivery: Delivery, result: BatchRe
         return requeue(deps, delivery, `delay publish failed: ${(error as Error).message}`);
       }
       acknowledge(delivery);
-      safely(log, 'recording a delayed batch', () => {
-        metrics.batchesTotal.inc({ policy, outcome: 'retry' });
-        if (result.deletedBefore) metrics.itemsTotal.inc({ policy, outcome: 'deleted' }, result.deletedBefore);
-      });
-      safely(log, 'logging a delayed batch', () => log.info({ delayMs: result.delayMs, tier, reason: result.reason, ...(result.deletedBefore ? { deletedBefore: result.deletedBefore } : {}) }, 'batch delayed'));
+      safely(log, 'recording a delayed batch', () => metrics.batchesTotal.inc({ policy, outcome: 'retry' }));
+      safely(log, 'logging a delayed batch', () => log.info({ delayMs: result.delayMs, tier, reason: result.reason }, 'batch delayed'));
       return 'delayed';
     }
     case 'dead-letter':

@@ -81,23 +81,12 @@ export const ADAPTIVE = {
    */
   activePressure: 6,
   /**
-   * No rate set: one deleting statement takes what the adaptive rate admits in this long, so a low
-   * rate means small statements, not rare big ones: alone on the database at least one batch (bigger
-   * statements cost it less per row); while other clients share it (presence share at least
-   * presenceFull) at most one batch and at least statementPartRows, a batch then going to the
-   * database in parts (statementRows).
+   * No rate set: one deleting statement takes at most what the adaptive rate admits in this long (at
+   * least one batch), so a low rate means small statements, not rare big ones. While other clients
+   * share the database (presence share at least presenceFull), one batch per statement whatever the
+   * rate (statementRows).
    */
   statementSeconds: 0.1,
-  /**
-   * The smallest statement while others share the database, and the size of the parts a bigger
-   * batch is split into then (services/worker/handlers/row-delete.ts, partsOf): fixed, so every
-   * delivery of a batch splits it the same way and each part's receipt names the same rows. Bench
-   * figure 7 (pinned, 300 statements/s, rate at the 500 rows/s floor): batches of 100 held the
-   * foreground's p99 at 1.11x its own alone (control 1.13), batches of 500 in one statement each at
-   * 1.10-1.73x over five runs: an application statement waits behind the whole of reaper's
-   * statement and its commit's WAL flush, so at the same rate smaller statements hurt its tail less.
-   */
-  statementPartRows: 100,
   /**
    * A worker that has not taken for this long (between two runs, or never) looks at the other
    * clients before its first take (startLookSamples samples, startLookGapMs apart: 0.1 s); when
@@ -242,18 +231,17 @@ export function loadPressureOf(reading: LatencyReading): number | null {
 }
 
 /**
- * The most rows one deleting statement may take, adaptive with no rate set: what the rate admits in
- * ADAPTIVE.statementSeconds. Alone on the database at least one batch: fewer, bigger statements
- * cost the database less per row. Shared with other clients (or not known yet) at most one batch
- * and at least ADAPTIVE.statementPartRows: an application statement that arrives while reaper
- * deletes waits behind that statement's work and its commit's WAL flush, however low the rate;
- * bench figure 7 (pinned): at about 30,000 rows/s in statements of 3,000 rows the foreground's p99
- * was 12.9x its own alone, at a fixed 5,000 rows/s in statements of one batch (500) 2.9x.
+ * The most rows one deleting statement may take, adaptive with no rate set. Alone on the database,
+ * what the rate admits in ADAPTIVE.statementSeconds (at least one batch): fewer, bigger statements
+ * cost the database less per row. Shared with other clients (or not known yet): one batch. An
+ * application statement that arrives while reaper deletes waits behind that statement's work and
+ * its commit's WAL flush, however low the rate; bench figure 7 (pinned): at about 30,000 rows/s in
+ * statements of 3,000 rows the foreground's p99 was 12.9x its own alone, at a fixed 5,000 rows/s in
+ * statements of one batch (500) 2.9x.
  */
 export function statementRows(reading: LatencyReading, rate: number, batchSize: number): number {
   const shared = reading.othersPresent === null || reading.othersPresent >= ADAPTIVE.presenceFull;
-  const atRate = rate * ADAPTIVE.statementSeconds;
-  return shared ? Math.min(batchSize, Math.max(ADAPTIVE.statementPartRows, atRate)) : Math.max(batchSize, atRate);
+  return shared ? batchSize : Math.max(batchSize, rate * ADAPTIVE.statementSeconds);
 }
 
 /** The rate a policy starts at: the start rate, or the ceiling when lower. */

@@ -80,7 +80,7 @@ describe('adaptive row-delete admission: one shared rate', () => {
       { timeoutMs: 15_000, intervalMs: 50 },
     );
     assert.ok((await metricValue(metricsA.registry, 'reaper_row_admission_latency_ratio', { policy: policy.name }))! > ADAPTIVE.backOffAbove, 'the signal is shown');
-    // An application shares the database: at most one batch per statement, whatever the rate (statementRows; a batch of 50 is less than a part).
+    // An application shares the database: one batch per statement, whatever the rate (statementRows).
     const perStatement = maxRowsPerStatement(a, policy, rowAdmissionWith(policy, null));
     assert.equal(perStatement, policy.batchSize);
 

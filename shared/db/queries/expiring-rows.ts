@@ -228,10 +228,7 @@ export const ROW_DELETE_STATEMENT_LABEL = 'row_delete';
 
 /** One batch of a coalesced group (expiringRowsDeleteGroupIfStillExpired). */
 export interface GroupBatch {
-  /** The receipt's id: the message's batch id, or a part's (row-delete.ts, partsOf). */
   batchId: string;
-  /** The message's batch id, which the audit, archive and outbox rows carry; batchId when absent. */
-  messageBatchId?: string;
   runId: string;
   cutoff: string;
   items: readonly ExpiringItem[];
@@ -295,7 +292,7 @@ export async function expiringRowsDeleteGroupIfStillExpired(
   const result = await db.query<{ batch_id: string; receipt_written: boolean; deleted: number; lag_seconds: number[] | null }>(prepared(
     ROW_DELETE_STATEMENT_LABEL,
     `WITH b AS (
-       SELECT * FROM unnest($1::text[], $2::uuid[], $3::timestamptz[], $4::int[], $12::text[]) WITH ORDINALITY AS b(batch_id, run_id, cutoff, items, message_batch_id, ord)
+       SELECT * FROM unnest($1::text[], $2::uuid[], $3::timestamptz[], $4::int[]) WITH ORDINALITY AS b(batch_id, run_id, cutoff, items, ord)
      ), fresh AS (
        -- A batch whose receipt exists was committed before: it deletes nothing now, so every
        -- deletion is counted by exactly one receipt (a row re-inserted with the same key and
@@ -316,7 +313,7 @@ export async function expiringRowsDeleteGroupIfStillExpired(
          -- longer fitted in shared buffers (0.28 buffer reads per row; bench, issue 18).
          AND t.${expiresAt} <= least(f.cutoff, statement_timestamp())${guardLiteralSql(target)}
          AND ${noActiveHoldProbedOnlyIfAny('$9', `t.${key}`)}
-       RETURNING f.ord, t.${expiresAt} AS expiry${copied ? `, f.message_batch_id AS batch_id, f.run_id, t.${key}::text AS key` : ''}${archived.returning}
+       RETURNING f.ord, t.${expiresAt} AS expiry${copied ? `, f.batch_id, f.run_id, t.${key}::text AS key` : ''}${archived.returning}
      ), counted AS (
        SELECT b.ord, b.batch_id, b.run_id, b.items, coalesce(n.deleted, 0)::int AS deleted, n.lag_seconds
        FROM b LEFT JOIN (
@@ -344,7 +341,6 @@ export async function expiringRowsDeleteGroupIfStillExpired(
       group.policy,
       group.batches.length,
       (group.audit ?? group.archive ?? group.events)?.policyVersion ?? null,
-      group.batches.map((batch) => batch.messageBatchId ?? batch.batchId),
     ],
   ));
   return {
