@@ -173,8 +173,8 @@ interface Observer {
   lastTakeAt: number | null;
   /** The start look under way (concurrent admissions of one worker wait for the one look). */
   looking: Promise<void> | null;
-  /** A busy start look's rate (lookStartRate), for the next take to set; null once taken, or when the look was not busy. */
-  looked: { rate: number; othersPressure: number } | null;
+  /** A start look's rate (lookStartRate: the floor when busy, graded in the hold band), for the next take to set; null once taken, or when the look was quiet. */
+  looked: { rate: number; othersPressure: number; busy: boolean } | null;
 }
 const observers = new WeakMap<Pool, Map<string, Observer>>();
 
@@ -217,7 +217,7 @@ export function maxRowsPerStatement(pool: Pool, policy: RowDeletePolicy, inForce
 function adaptiveTake(observer: Observer, ceiling: number | null, at: number, alone: boolean): AdaptiveRowsTake {
   const looked = observer.looked;
   if (looked) {
-    // The first take after a busy start look starts a new rate, or one from another moment, at the floor.
+    // The first take after a look that was not quiet starts a new rate, or one from another moment, at the look's rate.
     observer.looked = null;
     return { startRate: looked.rate, proposal: null, restart: { staleSeconds: ADAPTIVE.restartAfterSeconds, pressure: looked.othersPressure } };
   }
@@ -237,9 +237,10 @@ function adaptiveTake(observer: Observer, ceiling: number | null, at: number, al
 /**
  * A worker's first admission, or its first after ADAPTIVE.restartAfterSeconds without one (between
  * two runs): it looks at the other clients first (ADAPTIVE.startLookSamples samples of
- * pg_stat_activity, one autocommit statement each, so each reads it afresh). When they are busy
- * (lookStartRate), the next take starts a new rate, or one nobody stepped for that long, at the
- * floor. About 0.1 s once per run and worker; concurrent admissions of the worker share the one look.
+ * pg_stat_activity, one autocommit statement each, so each reads it afresh). When they are not
+ * quiet (lookStartRate), the next take starts a new rate, or one nobody stepped for that long, at
+ * the look's rate: the floor when busy, graded in the hold band. About 0.2 s once per run and
+ * worker; concurrent admissions of the worker share the one look.
  */
 async function lookIfStale(pool: Pool, observer: Observer, ceiling: number | null, at: number): Promise<void> {
   if (observer.lastTakeAt !== null && at - observer.lastTakeAt < ADAPTIVE.restartAfterSeconds * 1000) return;
@@ -253,7 +254,7 @@ async function lookIfStale(pool: Pool, observer: Observer, ceiling: number | nul
     }
     const look = { waiting: sum.waiting / ADAPTIVE.startLookSamples, active: sum.active / ADAPTIVE.startLookSamples };
     observer.looked = lookStartRate(look, ceiling);
-    if (observer.looked) observer.reading = othersLooked(observer.reading, look);
+    if (observer.looked?.busy) observer.reading = othersLooked(observer.reading, look);
     // Looked: not stale again until another pause, whatever the first take's outcome.
     observer.lastTakeAt = at;
   })().finally(() => {

@@ -174,16 +174,24 @@ test("reaper's own latency counts in the measure others share the database: alon
   assert.ok(pressureOf(shared)! >= ADAPTIVE.backOffAbove, `an application present: pressure ${pressureOf(shared)}`);
 });
 
-test("the start look: an application busy enough that the law would back off starts the rate at the floor; a lighter one (the hold band included) or nobody changes nothing; the ceiling bounds the floor", () => {
+test("the start look: an application busy enough that the law would back off starts the rate at the floor; in the hold band the start is graded down from the start rate to the floor; a lighter one or nobody changes nothing; the ceiling bounds both", () => {
   // Means of the look's samples: at 300 statements/s of about 0.6 ms one running in about one sample of five.
-  assert.deepEqual(lookStartRate({ waiting: 0, active: 0.2 }, null), { rate: ADAPTIVE.floorRowsPerSecond, othersPressure: 1 + ADAPTIVE.activePressure * 0.2 });
+  assert.deepEqual(lookStartRate({ waiting: 0, active: 0.2 }, null), { rate: ADAPTIVE.floorRowsPerSecond, othersPressure: 1 + ADAPTIVE.activePressure * 0.2, busy: true });
   // Waiting on locks or IO counts too (as in the pressure).
   assert.equal(lookStartRate({ waiting: 2, active: 0 }, null)?.rate, ADAPTIVE.floorRowsPerSecond);
-  // At 30 statements/s: one in about fifty samples; on a slow machine one in ten (the hold band): no change.
+  // At 30 statements/s: one in about fifty samples: no change.
   assert.equal(lookStartRate({ waiting: 0, active: 0.05 }, null), null);
-  assert.equal(lookStartRate({ waiting: 0, active: 0.1 }, null), null, 'in the hold band: nothing');
   assert.equal(lookStartRate({ waiting: 0, active: 0 }, null), null);
+  // The hold band: graded, not busy (the takes' own samples decide from there), lower the busier.
+  const band = (pressure: number) => lookStartRate({ waiting: 0, active: (pressure - 1) / ADAPTIVE.activePressure }, null)!;
+  assert.equal(band(ADAPTIVE.raiseBelow).rate, ADAPTIVE.startRowsPerSecond, 'the band starts at the start rate');
+  const middle = band((ADAPTIVE.raiseBelow + ADAPTIVE.backOffAbove) / 2);
+  assert.equal(middle.busy, false);
+  assert.equal(middle.rate, Math.round(Math.sqrt(ADAPTIVE.startRowsPerSecond * ADAPTIVE.floorRowsPerSecond)), 'half way: the geometric mean');
+  assert.ok(band(1.5).rate > middle.rate && middle.rate > band(1.9).rate && band(1.9).rate > ADAPTIVE.floorRowsPerSecond, 'lower the busier');
   assert.equal(lookStartRate({ waiting: 0, active: 0.5 }, 200)?.rate, 200, 'a ceiling below the floor');
+  assert.equal(lookStartRate({ waiting: 0, active: 0.1 }, 200)?.rate, 200, 'in the band, a ceiling below the floor');
+  assert.ok(lookStartRate({ waiting: 0, active: 0.1 }, 5_000)!.rate <= 5_000, 'in the band, at most the ceiling');
   // A busy look replaces what the worker knew of the others' load (from another moment) and starts its latency ratio again; the baseline and the presence share stay.
   let before = latencyObserve(NO_READING, { ms: 5, rows: 500, at: 0 });
   before = latencyObserve(before, { ms: 50, rows: 500, at: 100 });
