@@ -82,7 +82,12 @@ export interface ForegroundPhase {
   name: 'reaper unthrottled' | 'reaper throttled' | 'reaper adaptive' | 'single DELETE' | 'batched DELETE loop' | 'no cleanup';
   /** The foreground's statements/s during this phase (ForegroundOptions.ratePerSecond, or the quiet rate). */
   ratePerSecond: number;
-  cleanup: { rows: number; seconds: number; rowsPerSecond: number };
+  /**
+   * reaper: `publishedAfterSeconds`, the run's claim to its last window published (run row,
+   * database clock): near the run's start unpaced, near its end when the scheduler paced it by the
+   * workers' adaptive rate (run-executor.ts paceWindow).
+   */
+  cleanup: { rows: number; seconds: number; rowsPerSecond: number; publishedAfterSeconds?: number | null };
   /** The foreground alone during the `baselineSeconds` just before this cleanup (null in smoke). */
   baseline: ForegroundLatency | null;
   /**
@@ -444,7 +449,7 @@ class WalMeter {
 }
 
 /** Deletes every candidate expiring at or before `cutoff` (ISO, microseconds). */
-type Cleanup = (pool: pg.Pool, cutoff: string, sampler: WaitSampler) => Promise<{ rows: number; finished: boolean }>;
+type Cleanup = (pool: pg.Pool, cutoff: string, sampler: WaitSampler) => Promise<{ rows: number; finished: boolean; publishedAfterSeconds?: number | null }>;
 
 /** The first `expected` candidates gone once, nothing else: the rest of the candidates and every non-candidate kept (some confirmed by the foreground). */
 async function checkCounts(context: BenchContext, figure: string, seed: Seed, pool: pg.Pool, expected: number, deleted: number): Promise<void> {
@@ -471,7 +476,10 @@ function reaperCleanup(context: BenchContext): Cleanup {
       )
     ).rows[0]!;
     if (finished) check(context, 'foreground: reaper', 'no-ops', 0, receipts.noop);
-    return { rows: receipts.deleted, finished };
+    const published = (
+      await pool.query<{ seconds: number | null }>('SELECT extract(epoch FROM published_at - started_at)::float8 AS seconds FROM cleanup_runs WHERE run_id = $1', [run.runId])
+    ).rows[0]!;
+    return { rows: receipts.deleted, finished, publishedAfterSeconds: published.seconds };
   };
 }
 
@@ -640,7 +648,7 @@ async function runPhase(
     return {
       name,
       ratePerSecond,
-      cleanup: { rows: result.rows, seconds, rowsPerSecond: seconds > 0 ? result.rows / seconds : 0 },
+      cleanup: { rows: result.rows, seconds, rowsPerSecond: seconds > 0 ? result.rows / seconds : 0, ...(result.publishedAfterSeconds !== undefined ? { publishedAfterSeconds: result.publishedAfterSeconds } : {}) },
       baseline,
       baselineMatched,
       foreground,

@@ -27,6 +27,23 @@ import { windowStateAt } from '../../shared/schedule/window';
 
 /** Batches built per window (one scan query); all are confirmed before progress is stored. */
 const CONFIRM_WINDOW = 32;
+/**
+ * Pacing (deps.paceBy): while the policy's workers are admitted at an adaptive rate, the run
+ * publishes at most this far (in seconds of that rate) ahead of what they may delete, in windows of
+ * about that many rows, so the scan's work on the database is spread over the run like the
+ * deletion's instead of all at its start.
+ */
+const PACE_AHEAD_SECONDS = 2;
+/** While ahead, the rate is read again this often (it may rise, or stop being in force). */
+const PACE_POLL_MS = 1_000;
+/**
+ * After a run's first window, with no rate in force yet, the scheduler waits at most this long for
+ * the workers' first take to put one in force (their start look takes about 0.2 s), reading it every
+ * PACE_FIRST_POLL_MS. The workers are busy with the first window meanwhile (32 batches: at batch
+ * 500 about 0.5 s of work even alone), so the wait costs a quiet database's cleanup little.
+ */
+const PACE_FIRST_WAIT_MS = 500;
+const PACE_FIRST_POLL_MS = 50;
 /** Backoff after a retryable error: 0.5 s doubling to 10 s. */
 const RETRY_FIRST_MS = 500;
 const RETRY_MAX_MS = 10_000;
@@ -63,7 +80,17 @@ export interface RunExecutorDeps {
   beforeStep?: (step: RunStep) => Promise<void>;
   /** The clock a policy's schedule window is read with (default: this process's). */
   now?: () => Date;
+  /**
+   * Pacing (issue 18), for a policy whose workers adapt their rate: how to read the rows/s they are
+   * admitted at now while that rate is in force (other clients share the database), null when it is
+   * not (alone, or nobody stepped it lately). Null or absent: every window is published at once.
+   * See paceWindow.
+   */
+  paceBy?: (policy: Policy) => AdmittedRate | null;
 }
+
+/** The rows/s a policy's workers are admitted at now, while an adaptive rate is in force; null otherwise. */
+export type AdmittedRate = () => Promise<number | null>;
 
 /**
  * 'window-closed': the policy's schedule window closed; the run stopped at a batch boundary with its
@@ -112,6 +139,20 @@ interface RunContext {
   claim: RunClaim;
   policy: string;
   lease: LeaseKeeper;
+}
+
+/** A claim's pacing so far: when the rows it published at a known rate would all be admitted. */
+interface Pace {
+  readonly rate: AdmittedRate | null;
+  /** When the rows published at a known rate would all be admitted (ms, this process's clock). */
+  dueAt: number;
+  /** Rows published before a rate was in force, and when the first of them went out: counted in dueAt once one is. */
+  unpacedRows: number;
+  unpacedSince: number | null;
+  /** When the wait for a rate after the first window began; null before it. */
+  firstWaitFrom: number | null;
+  /** Whether the log said this claim is paced (once per claim). */
+  told: boolean;
 }
 
 interface Progress {
@@ -182,6 +223,7 @@ async function executeClaimed(context: RunContext, run: Run, policy: Policy, tar
   if (lease.lost) return lostLease(log);
   if ('hold' in start.value) return hold(context, policy, version, start.value.hold);
   const allowance = start.value.allowance;
+  const pace: Pace = { rate: deps.paceBy?.(policy) ?? null, dueAt: 0, unpacedRows: 0, unpacedSince: null, firstWaitFrom: null, told: false };
   for (;;) {
     if (deps.stopping()) return 'stopped';
     // At each window, like the claim: outside the policy's schedule window nothing more goes out.
@@ -190,9 +232,11 @@ async function executeClaimed(context: RunContext, run: Run, policy: Policy, tar
       log.info({ opensAt: inWindow.opensAt, cursor: progress.cursor, candidates: progress.candidates }, 'schedule window closed: run stops here and continues in the next window');
       return 'window-closed';
     }
+    const paced = await paceWindow(context, policy, pace);
+    if (!paced.ok) return paced.outcome;
     const scanned = await attempt('scan', async () => {
       await deps.beforeStep?.('scan');
-      return scanWindow(deps, run, policy, target, progress);
+      return scanWindow(deps, run, policy, target, progress, paced.value.batches);
     });
     if (!scanned.ok) return scanned.outcome;
     if (lease.lost) return lostLease(log);
@@ -210,6 +254,11 @@ async function executeClaimed(context: RunContext, run: Run, policy: Policy, tar
       if (!confirmed.ok) return confirmed.outcome;
       if (!confirmed.value) return lostLease(log);
       failpoint('scheduler-after-confirm');
+      if (paced.value.rate !== null) pace.dueAt = Math.max(pace.dueAt, Date.now()) + (window.candidates / paced.value.rate) * 1000;
+      else {
+        pace.unpacedRows += window.candidates;
+        pace.unpacedSince ??= Date.now();
+      }
     }
     // Checkpoint every window that read rows, also one whose rows were all skipped: the cursor
     // must move past them, or the same window would be read again and again.
@@ -467,8 +516,59 @@ async function failRun({ deps, log, claim, policy }: RunContext, what: string, r
 }
 
 /**
+ * The size of the next window (in batches), after waiting, when paced, until the run is at most
+ * PACE_AHEAD_SECONDS ahead of its workers' admitted rate. Unpaced (no paceBy for the policy): the
+ * full window (windowBatches, default CONFIRM_WINDOW) at once. Paced:
+ *  - the rate in force: windows of about PACE_AHEAD_SECONDS of it (at least one batch), each one
+ *    published when the rows before it would all be admitted within PACE_AHEAD_SECONDS. At the
+ *    adaptive floor (500 rows/s) and batch 500 that is a 500-row scan every second instead of
+ *    16,000-row scans back to back at the run's start, while the application is at its busiest
+ *    relative to reaper (bench figure 7: the foreground's worst seconds were a run's first).
+ *  - no rate in force (alone on the database, between runs, or before the workers' first take of
+ *    this run has decided one): the full window at once, as unpaced; but after the first window
+ *    the scheduler waits up to PACE_FIRST_WAIT_MS for a rate, and when one comes in force the rows
+ *    published before it count as published at that rate (a 16,000-row first window at the floor
+ *    is 32 s of work: the second waits about 30 s). Not smaller first windows: the first window
+ *    goes out before the workers have looked, and alone small windows cost round trips for nothing.
+ * The workers never wait for the scheduler: it stays PACE_AHEAD_SECONDS ahead of what they may take.
+ * Reading the rate is best effort: a failed read counts as no rate (the scan that follows meets
+ * the same error and retries).
+ */
+async function paceWindow(context: RunContext, policy: Policy, pace: Pace): Promise<Step<{ batches: number; rate: number | null }>> {
+  const full = context.deps.windowBatches ?? CONFIRM_WINDOW;
+  if (pace.rate === null) return { ok: true, value: { batches: full, rate: null } };
+  for (;;) {
+    const rate = await pace.rate().catch(() => null);
+    if (rate === null || !(rate > 0)) {
+      if (pace.unpacedSince !== null && (pace.firstWaitFrom === null || Date.now() - pace.firstWaitFrom < PACE_FIRST_WAIT_MS)) {
+        pace.firstWaitFrom ??= Date.now();
+        const waited = await waitWhileLeased(context, PACE_FIRST_POLL_MS);
+        if (waited !== 'held') return { ok: false, outcome: waited };
+        continue;
+      }
+      return { ok: true, value: { batches: full, rate: null } };
+    }
+    if (pace.unpacedSince !== null && pace.unpacedRows > 0) {
+      pace.dueAt = Math.max(pace.dueAt, pace.unpacedSince) + (pace.unpacedRows / rate) * 1000;
+      pace.unpacedRows = 0;
+    }
+    const aheadMs = pace.dueAt - Date.now() - PACE_AHEAD_SECONDS * 1000;
+    if (aheadMs <= 0) {
+      const batches = Math.min(full, Math.max(1, Math.ceil((rate * PACE_AHEAD_SECONDS) / policy.batchSize)));
+      if (!pace.told && batches < full) {
+        pace.told = true;
+        context.log.info({ rowsPerSecond: Math.round(rate), windowBatches: batches }, "run paced by its workers' adaptive rate (others share the database)");
+      }
+      return { ok: true, value: { batches, rate } };
+    }
+    const waited = await waitWhileLeased(context, Math.min(PACE_POLL_MS, aheadMs));
+    if (waited !== 'held') return { ok: false, outcome: waited };
+  }
+}
+
+/**
  * Scans the next window after `from` in ONE query (a page per batch, cut in memory; at most
- * windowBatches × batchSize rows held) and builds their batches; nothing is published yet.
+ * `batches` × batchSize rows held) and builds their batches; nothing is published yet.
  * Rows whose key is too long for a message are counted as skipped; the cursor moves past them.
  */
 async function scanWindow(
@@ -477,8 +577,9 @@ async function scanWindow(
   policy: Policy,
   target: ResolvedTarget,
   from: { cursor: Run['cursor']; sequence: number },
+  batches: number,
 ): Promise<{ pages: Page[]; reachedEnd: boolean }> {
-  const limit = policy.batchSize * (deps.windowBatches ?? CONFIRM_WINDOW);
+  const limit = policy.batchSize * batches;
   const rows = await expiringRowsScanPage(deps.pool, target, {
     cutoff: run.cutoff,
     after: from.cursor,

@@ -31,6 +31,14 @@ import { CRON_TIMEZONE, latestMissedTick, truncateToSecond } from './ticks';
 import { loadSchedulerTuning } from './tuning';
 import { makeWebhookRoutes, WEBHOOK_MAX_BODY_BYTES } from './webhooks';
 import { startWindowWatch } from './windows';
+import { adaptiveAdmission } from '../../shared/admission/rows';
+import { admissionAdaptiveRateInForce } from '../../shared/db/queries/admission';
+
+/**
+ * The scheduler paces a run by its workers' adaptive rate while they stepped it within this long
+ * (they step it every 250 ms or so while other clients share the database; alone they do not).
+ */
+const PACE_RATE_FRESH_SECONDS = 5;
 
 /** How often a scheduler looks for runs made elsewhere (CLI, webhooks, crashed replicas). */
 const CLAIM_POLL_MS = 1_000;
@@ -222,6 +230,9 @@ export async function startScheduler(env: Env, policies: PolicySet, log: Logger)
     stopping: () => stopping,
     batchVersion: gate.versionFor,
     now: windows.now,
+    // Adaptive row-delete policies: the run's windows follow the workers' rate (run-executor.ts paceWindow).
+    paceBy: (policy) =>
+      policy.kind === 'row-delete' && adaptiveAdmission(policy) ? () => admissionAdaptiveRateInForce(pool, policy.name, PACE_RATE_FRESH_SECONDS) : null,
   };
 
   /**

@@ -348,6 +348,24 @@ const OTHER_CLIENTS_COUNTS = `count(*) FILTER (WHERE s.state = 'active' AND s.wa
               count(*) FILTER (WHERE s.state = 'active')::int AS active,
               count(*)::int AS present`;
 
+/**
+ * The policy's adaptive rate (rows/s) while workers are stepping it: stepped within `freshSeconds`
+ * (they step it at most every ADAPTIVE.stepMs while other clients share the database; alone, or
+ * between runs, nobody does). Null otherwise: no row, never stepped, or not lately. The scheduler
+ * paces its scan windows by it (run-executor.ts); a primary-key read, no lock.
+ */
+export async function admissionAdaptiveRateInForce(db: Db, policy: string, freshSeconds: number): Promise<number | null> {
+  const result = await db.query<{ rate: number }>(
+    prepared(
+      'admission_rate_in_force',
+      `SELECT adaptive_rate AS rate FROM cleanup_admission
+       WHERE policy = $1 AND adaptive_rate IS NOT NULL AND adapted_at > clock_timestamp() - make_interval(secs => $2::float8)`,
+      [policy, freshSeconds],
+    ),
+  );
+  return result.rows[0]?.rate ?? null;
+}
+
 /** One look at the other clients (OTHER_CLIENTS_NOW): waiting on a lock or IO, running a statement, present at all. */
 export async function admissionOthersSample(db: Db): Promise<{ waiting: number; active: number; present: number }> {
   // Autocommit: each call reads pg_stat_activity afresh (within a transaction it is read once).

@@ -16,7 +16,8 @@ export function prepared<V extends unknown[]>(label: string, text: string, value
   const key = `${label}\n${text}`;
   let name = names.get(key);
   if (name === undefined) {
-    if (!/^[a-z_]+$/.test(label)) throw new Error(`prepared statement label must be [a-z_]+, got ${JSON.stringify(label)}`);
+    // PostgreSQL keeps 63 bytes of a name: a longer one is cut, and two labels could then meet.
+    if (!/^[a-z_]{1,31}$/.test(label)) throw new Error(`prepared statement label must be 1-31 of [a-z_], got ${JSON.stringify(label)}`);
     name = `reaper_${label}_${createHash('sha256').update(text).digest('hex').slice(0, 24)}`;
     // Texts are a few per policy; the bound only guards against a caller building texts from data.
     if (names.size < 1_000) names.set(key, name);

@@ -1,0 +1,152 @@
+import assert from 'node:assert/strict';
+import { describe, test } from 'node:test';
+import pino from 'pino';
+import { ConfirmingPublisher } from '../../shared/amqp/publisher';
+import { brokerNames } from '../../shared/amqp/topology';
+import { parsePolicies } from '../../shared/config/policies';
+import { admissionAdaptiveRateInForce, admissionRowsEnsure } from '../../shared/db/queries/admission';
+import { targetResolve } from '../../shared/db/queries/expiring-rows';
+import { runsClaimNext, runsInsertIfAbsent } from '../../shared/db/queries/runs';
+import { makeMetrics } from '../../shared/observability/metrics';
+import { executeRun, type RunExecutorDeps } from '../../services/scheduler/run-executor';
+import { executorSuite } from '../support/executor-suite';
+import { rowDeletePolicyYaml, runRow } from '../support/fixtures';
+import { seedHolds } from '../support/seed';
+
+/**
+ * Issue 18: the scheduler paces a run by its workers' adaptive rate while that rate is in force
+ * (run-executor.ts paceWindow), so a run's scans are spread over the run instead of all at its
+ * start. The real executor, run statements and broker; the rate comes from a function the test
+ * controls (the scheduler's reads the admission row: the last test checks that read). What is
+ * asserted is the window sizes and that the executor waits (lower bounds on time, which hold on
+ * any machine), never a speed.
+ */
+const POLICY = 'seat-holds';
+
+describe('run pacing by the adaptive rate', () => {
+  const world = executorSuite('run_pacing', [POLICY]);
+  const names = () => brokerNames(world.bed.prefix);
+
+  /**
+   * Runs one run of `rows` expired holds (batch size 2) with `rate()` as the admitted rate; returns
+   * each window as published (its batches, and the ms since the first window's checkpoint) and the
+   * outcome. `onScan` runs before each scan (after any wait), `onWindow` after each window is recorded.
+   */
+  async function pacedRun(
+    rows: number,
+    rate: () => number | null,
+    options: { leaseMs?: number; onScan?: (windowsSoFar: number) => Promise<void>; onWindow?: (windowsSoFar: number) => void; stopping?: () => boolean } = {},
+  ): Promise<{ windows: Array<{ batches: number; atMs: number }>; outcome: string; runId: string }> {
+    await world.bed.pool.query('DELETE FROM seat_reservations');
+    const policy = parsePolicies(rowDeletePolicyYaml({ batchSize: 2 }), 'pacing.yaml', {}).get(POLICY)!;
+    const target = await targetResolve(world.bed.pool, policy);
+    await seedHolds(world.bed.pool, { expiredHeld: rows });
+    const windows: Array<{ batches: number; atMs: number }> = [];
+    let firstAt: number | null = null;
+    const deps: RunExecutorDeps = {
+      pool: world.bed.pool,
+      publisher: new ConfirmingPublisher(world.connection),
+      names: names(),
+      owner: 'scheduler-a',
+      leaseMs: options.leaseMs ?? 60_000,
+      unroutableFailAfterMs: 60_000,
+      log: pino({ level: 'silent' }),
+      metrics: makeMetrics([]),
+      stopping: options.stopping ?? (() => false),
+      batchVersion: async () => 1,
+      windowBatches: 16,
+      paceBy: () => async () => rate(),
+      beforeStep: async (step) => {
+        if (step === 'scan') await options.onScan?.(windows.length);
+        if (step !== 'checkpoint') return;
+        // The window was published and confirmed: what is in the queue is this window.
+        const published = await world.broker.drain(names().workQueue(POLICY));
+        firstAt ??= Date.now();
+        windows.push({ batches: published.length, atMs: Date.now() - firstAt });
+        options.onWindow?.(windows.length);
+      },
+    };
+    const inserted = (await runsInsertIfAbsent(world.bed.pool, { policy: POLICY, trigger: 'manual', scheduledFor: null, cutoff: null }))!;
+    const run = (await runsClaimNext(world.bed.pool, deps.owner, deps.leaseMs, [POLICY]))!;
+    assert.equal(run.runId, inserted.runId);
+    const outcome = await executeRun(deps, run, policy, target);
+    return { windows, outcome, runId: inserted.runId };
+  }
+
+  test('no rate in force (alone): full windows; after the first, one wait of at most half a second for a rate; every row once', async () => {
+    const paced = await pacedRun(100, () => null);
+    assert.equal(paced.outcome, 'published');
+    // 50 batches in windows of 16 (windowBatches here).
+    assert.deepEqual(paced.windows.map((window) => window.batches), [16, 16, 16, 2]);
+    assert.ok(paced.windows[1]!.atMs >= 450, `the second window waited for a rate first: at ${paced.windows[1]!.atMs} ms`);
+    assert.equal((await runRow(world.bed.pool, paced.runId)).candidates, 100);
+  });
+
+  test('a rate that comes in force while the scheduler waits after the first window paces the rest, the first window counted at it', async () => {
+    let known: number | null = null;
+    let timer: NodeJS.Timeout | undefined;
+    // 52 rows: a full first window (32 rows) unpaced, then 10 rows/s: windows of 10 batches (20
+    // rows); the first window's 32 rows count as 3.2 s of the rate, so the second waits until 1.2 s.
+    const paced = await pacedRun(52, () => known, {
+      onWindow: (windowsSoFar) => {
+        if (windowsSoFar === 1) timer = setTimeout(() => (known = 10), 200);
+      },
+    });
+    clearTimeout(timer);
+    assert.equal(paced.outcome, 'published');
+    assert.deepEqual(paced.windows.map((window) => window.batches), [16, 10]);
+    assert.ok(paced.windows[1]!.atMs >= 1_200 - 150, `the second window waited for the first one's rows at the rate: at ${paced.windows[1]!.atMs} ms`);
+    assert.equal((await runRow(world.bed.pool, paced.runId)).candidates, 52);
+  });
+
+  test('a rate in force: windows of two seconds of it, each published no more than two seconds ahead of it; the lease is kept while waiting', async () => {
+    // 10 rows/s, batch 2: windows of 20 rows (10 batches). The first two go at once (two seconds
+    // ahead), the third once the first two seconds have passed, the fourth two seconds later.
+    const takeovers: unknown[] = [];
+    const paced = await pacedRun(80, () => 10, {
+      // Shorter than the waits: only the lease keeper's extensions keep another scheduler out.
+      leaseMs: 1_000,
+      onScan: async (windowsSoFar) => {
+        if (windowsSoFar >= 2) takeovers.push(await runsClaimNext(world.bed.pool, 'scheduler-b', 1_000, [POLICY]));
+      },
+    });
+    assert.equal(paced.outcome, 'published');
+    assert.deepEqual(paced.windows.map((window) => window.batches), [10, 10, 10, 10]);
+    const slack = 150; // the first window's own confirm and checkpoint, before its time is taken
+    assert.ok(paced.windows[2]!.atMs >= 2_000 - slack, `third window waited for the rate: at ${paced.windows[2]!.atMs} ms`);
+    assert.ok(paced.windows[3]!.atMs >= 4_000 - slack, `fourth window waited for the rate: at ${paced.windows[3]!.atMs} ms`);
+    // Scans after a wait: the third and fourth windows', and the last one's, which finds nothing more.
+    assert.ok(takeovers.length >= 2 && takeovers.every((claimed) => claimed === null), `no other scheduler could claim the run while it waited: ${JSON.stringify(takeovers)}`);
+    assert.equal((await runRow(world.bed.pool, paced.runId)).candidates, 80);
+  });
+
+  test('a slow rate: windows of one batch; a shutdown during the wait stops at once, the cursor at the last window confirmed', async () => {
+    // 0.1 rows/s: each 2-row window is 20 s of the rate ahead; the second would wait 18 s.
+    let stopAt = Number.POSITIVE_INFINITY;
+    let stoppedAfterMs = 0;
+    const paced = await pacedRun(10, () => 0.1, {
+      // The shutdown comes half a second into the wait for the second window.
+      onWindow: (windowsSoFar) => {
+        if (windowsSoFar === 1) stopAt = Date.now() + 500;
+      },
+      stopping: () => {
+        stoppedAfterMs = Date.now() - stopAt;
+        return stoppedAfterMs >= 0;
+      },
+    });
+    assert.equal(paced.outcome, 'stopped');
+    assert.ok(stoppedAfterMs < 5_000, `stopped without waiting out the pace (${stoppedAfterMs} ms after the shutdown)`);
+    assert.deepEqual(paced.windows.map((window) => window.batches), [1]);
+    assert.equal((await runRow(world.bed.pool, paced.runId)).candidates, 2);
+  });
+
+  test('the rate the scheduler paces by: the policy\'s adaptive rate while workers stepped it lately; none when never stepped or not lately', async () => {
+    await admissionRowsEnsure(world.bed.pool, 'paced-policy', 1_000);
+    assert.equal(await admissionAdaptiveRateInForce(world.bed.pool, 'paced-policy', 5), null, 'never stepped');
+    assert.equal(await admissionAdaptiveRateInForce(world.bed.pool, 'no-such-policy', 5), null, 'no admission row');
+    await world.bed.pool.query(`UPDATE cleanup_admission SET adaptive_rate = 750, adapted_at = clock_timestamp() WHERE policy = 'paced-policy'`);
+    assert.equal(await admissionAdaptiveRateInForce(world.bed.pool, 'paced-policy', 5), 750, 'stepped just now');
+    await world.bed.pool.query(`UPDATE cleanup_admission SET adapted_at = clock_timestamp() - interval '6 seconds' WHERE policy = 'paced-policy'`);
+    assert.equal(await admissionAdaptiveRateInForce(world.bed.pool, 'paced-policy', 5), null, 'stepped 6 s ago: not in force');
+  });
+});
