@@ -28,17 +28,17 @@ describe('run pacing by the adaptive rate', () => {
   const names = () => brokerNames(world.bed.prefix);
 
   /**
-   * Runs one run of `rows` expired holds (batch size 2) with `rate()` as the admitted rate; returns
+   * Runs one run of `rows` expired holds (batch size 2 unless given) with `rate()` as the admitted rate; returns
    * each window as published (its batches, and the ms since the first window's checkpoint) and the
    * outcome. `onScan` runs before each scan (after any wait), `onWindow` after each window is recorded.
    */
   async function pacedRun(
     rows: number,
     rate: () => number | null,
-    options: { leaseMs?: number; onScan?: (windowsSoFar: number) => Promise<void>; onWindow?: (windowsSoFar: number) => void; stopping?: () => boolean } = {},
+    options: { batchSize?: number; leaseMs?: number; onScan?: (windowsSoFar: number) => Promise<void>; onWindow?: (windowsSoFar: number) => void; stopping?: () => boolean } = {},
   ): Promise<{ windows: Array<{ batches: number; atMs: number }>; outcome: string; runId: string }> {
     await world.bed.pool.query('DELETE FROM seat_reservations');
-    const policy = parsePolicies(rowDeletePolicyYaml({ batchSize: 2 }), 'pacing.yaml', {}).get(POLICY)!;
+    const policy = parsePolicies(rowDeletePolicyYaml({ batchSize: options.batchSize ?? 2 }), 'pacing.yaml', {}).get(POLICY)!;
     const target = await targetResolve(world.bed.pool, policy);
     await seedHolds(world.bed.pool, { expiredHeld: rows });
     const windows: Array<{ batches: number; atMs: number }> = [];
@@ -73,30 +73,32 @@ describe('run pacing by the adaptive rate', () => {
     return { windows, outcome, runId: inserted.runId };
   }
 
-  test('no rate in force (alone): full windows; after the first, one wait of at most half a second for a rate; every row once', async () => {
+  test('no rate in force (alone): full windows, none paced; every row once', async () => {
     const paced = await pacedRun(100, () => null);
     assert.equal(paced.outcome, 'published');
-    // 50 batches in windows of 16 (windowBatches here).
+    // 50 batches in windows of 16 (windowBatches here). After the first, a wait of at most its 32
+    // rows at 40,000 rows/s (under a millisecond): alone the workers are still in their own look.
     assert.deepEqual(paced.windows.map((window) => window.batches), [16, 16, 16, 2]);
-    assert.ok(paced.windows[1]!.atMs >= 450, `the second window waited for a rate first: at ${paced.windows[1]!.atMs} ms`);
     assert.equal((await runRow(world.bed.pool, paced.runId)).candidates, 100);
   });
 
   test('a rate that comes in force while the scheduler waits after the first window paces the rest, the first window counted at it', async () => {
     let known: number | null = null;
     let timer: NodeJS.Timeout | undefined;
-    // 52 rows: a full first window (32 rows) unpaced, then 10 rows/s: windows of 10 batches (20
-    // rows); the first window's 32 rows count as 3.2 s of the rate, so the second waits until 1.2 s.
-    const paced = await pacedRun(52, () => known, {
+    // Batch 500: a full first window is 8,000 rows, so the scheduler waits up to 0.2 s (8,000 rows
+    // at 40,000 rows/s) for a rate; it comes after 50 ms. At 3,000 rows/s windows are 12 batches
+    // (2 s of it) and the first window's 8,000 rows are 2.67 s of it: the second waits until 0.67 s.
+    const paced = await pacedRun(14_000, () => known, {
+      batchSize: 500,
       onWindow: (windowsSoFar) => {
-        if (windowsSoFar === 1) timer = setTimeout(() => (known = 10), 200);
+        if (windowsSoFar === 1) timer = setTimeout(() => (known = 3_000), 50);
       },
     });
     clearTimeout(timer);
     assert.equal(paced.outcome, 'published');
-    assert.deepEqual(paced.windows.map((window) => window.batches), [16, 10]);
-    assert.ok(paced.windows[1]!.atMs >= 1_200 - 150, `the second window waited for the first one's rows at the rate: at ${paced.windows[1]!.atMs} ms`);
-    assert.equal((await runRow(world.bed.pool, paced.runId)).candidates, 52);
+    assert.deepEqual(paced.windows.map((window) => window.batches), [16, 12]);
+    assert.ok(paced.windows[1]!.atMs >= 667 - 150, `the second window waited for the first one's rows at the rate: at ${paced.windows[1]!.atMs} ms`);
+    assert.equal((await runRow(world.bed.pool, paced.runId)).candidates, 14_000);
   });
 
   test('a rate in force: windows of two seconds of it, each published no more than two seconds ahead of it; the lease is kept while waiting', async () => {
