@@ -146,7 +146,10 @@ describe('run pacing by the adaptive rate', () => {
     await admissionRowsEnsure(world.bed.pool, 'paced-policy', 1_000);
     assert.equal(await admissionAdaptiveRateInForce(world.bed.pool, 'paced-policy', 5), null, 'never stepped');
     assert.equal(await admissionAdaptiveRateInForce(world.bed.pool, 'no-such-policy', 5), null, 'no admission row');
-    await world.bed.pool.query(`UPDATE cleanup_admission SET adaptive_rate = 750, adapted_at = clock_timestamp() WHERE policy = 'paced-policy'`);
+    // A policy's very first take stores the start rate and its time, with no pressure, alone too.
+    await world.bed.pool.query(`UPDATE cleanup_admission SET adaptive_rate = 20000, adapted_at = clock_timestamp() WHERE policy = 'paced-policy'`);
+    assert.equal(await admissionAdaptiveRateInForce(world.bed.pool, 'paced-policy', 5), null, 'the first take only: not a step');
+    await world.bed.pool.query(`UPDATE cleanup_admission SET adaptive_rate = 750, adaptive_pressure = 2.4, adapted_at = clock_timestamp() WHERE policy = 'paced-policy'`);
     assert.equal(await admissionAdaptiveRateInForce(world.bed.pool, 'paced-policy', 5), 750, 'stepped just now');
     await world.bed.pool.query(`UPDATE cleanup_admission SET adapted_at = clock_timestamp() - interval '6 seconds' WHERE policy = 'paced-policy'`);
     assert.equal(await admissionAdaptiveRateInForce(world.bed.pool, 'paced-policy', 5), null, 'stepped 6 s ago: not in force');

@@ -350,16 +350,19 @@ const OTHER_CLIENTS_COUNTS = `count(*) FILTER (WHERE s.state = 'active' AND s.wa
 
 /**
  * The policy's adaptive rate (rows/s) while workers are stepping it: stepped within `freshSeconds`
- * (they step it at most every ADAPTIVE.stepMs while other clients share the database; alone, or
- * between runs, nobody does). Null otherwise: no row, never stepped, or not lately. The scheduler
- * paces its scan windows by it (run-executor.ts); a primary-key read, no lock.
+ * with a pressure (they step it at most every ADAPTIVE.stepMs while other clients share the
+ * database; alone, or between runs, nobody does). Null otherwise: no row, not lately, or only the
+ * policy's very first take, which stores the start rate and its time with no pressure, alone too
+ * (paced by that, two workers alone ran the cost figure's end to end at 0.56 of its speed). The
+ * scheduler paces its scan windows by it (run-executor.ts); a primary-key read, no lock.
  */
 export async function admissionAdaptiveRateInForce(db: Db, policy: string, freshSeconds: number): Promise<number | null> {
   const result = await db.query<{ rate: number }>(
     prepared(
       'admission_rate_in_force',
       `SELECT adaptive_rate AS rate FROM cleanup_admission
-       WHERE policy = $1 AND adaptive_rate IS NOT NULL AND adapted_at > clock_timestamp() - make_interval(secs => $2::float8)`,
+       WHERE policy = $1 AND adaptive_rate IS NOT NULL AND adaptive_pressure IS NOT NULL
+         AND adapted_at > clock_timestamp() - make_interval(secs => $2::float8)`,
       [policy, freshSeconds],
     ),
   );
