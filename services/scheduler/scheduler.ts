@@ -6,7 +6,9 @@ import type { Policy, PolicySet } from '../../shared/config/policies';
 import { ReconnectingConnection } from '../../shared/amqp/connection';
 import { ConfirmingPublisher } from '../../shared/amqp/publisher';
 import { brokerNames, topologyFor } from '../../shared/amqp/topology';
+import { adaptiveAdmission } from '../../shared/admission/rows';
 import { assertSchemaCurrent } from '../../shared/db/migrate';
+import { admissionAdaptiveRateInForce } from '../../shared/db/queries/admission';
 import { makePool, warmPool } from '../../shared/db/pool';
 import { targetResolve, type ResolvedTarget } from '../../shared/db/queries/expiring-rows';
 import {
@@ -31,8 +33,6 @@ import { CRON_TIMEZONE, latestMissedTick, truncateToSecond } from './ticks';
 import { loadSchedulerTuning } from './tuning';
 import { makeWebhookRoutes, WEBHOOK_MAX_BODY_BYTES } from './webhooks';
 import { startWindowWatch } from './windows';
-import { adaptiveAdmission } from '../../shared/admission/rows';
-import { admissionAdaptiveRateInForce } from '../../shared/db/queries/admission';
 
 /**
  * The scheduler paces a run by its workers' adaptive rate while they stepped it within this long

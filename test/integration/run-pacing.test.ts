@@ -3,7 +3,9 @@ import { describe, test } from 'node:test';
 import pino from 'pino';
 import { ConfirmingPublisher } from '../../shared/amqp/publisher';
 import { brokerNames } from '../../shared/amqp/topology';
-import { parsePolicies } from '../../shared/config/policies';
+import { parsePolicies, type RowDeletePolicy } from '../../shared/config/policies';
+import { admitRows } from '../../shared/admission/rows';
+import { makePool } from '../../shared/db/pool';
 import { admissionAdaptiveRateInForce, admissionRowsEnsure } from '../../shared/db/queries/admission';
 import { targetResolve } from '../../shared/db/queries/expiring-rows';
 import { runsClaimNext, runsInsertIfAbsent } from '../../shared/db/queries/runs';
@@ -153,5 +155,21 @@ describe('run pacing by the adaptive rate', () => {
     assert.equal(await admissionAdaptiveRateInForce(world.bed.pool, 'paced-policy', 5), 750, 'stepped just now');
     await world.bed.pool.query(`UPDATE cleanup_admission SET adapted_at = clock_timestamp() - interval '6 seconds' WHERE policy = 'paced-policy'`);
     assert.equal(await admissionAdaptiveRateInForce(world.bed.pool, 'paced-policy', 5), null, 'stepped 6 s ago: not in force');
+  });
+  test("a worker's real first take of a new policy, alone on the database, does not put a rate in force (it stores the start rate and its time, no step)", async () => {
+    // The defect a1b2c4b fixed: the scheduler read this as 20,000 rows/s in force and held two
+    // workers alone to it (cost figure: end to end / pg-boss 0.55 instead of 1.11).
+    const policy = parsePolicies(rowDeletePolicyYaml({ name: 'first-take', batchSize: 50 }), 'first-take.yaml', {}).get('first-take') as RowDeletePolicy;
+    const pool = makePool(world.bed.databaseUrl, 2, 'reaper-worker-first-take');
+    try {
+      assert.ok((await admitRows(pool, policy, 10, { holdMs: 5_000 })).admitted);
+    } finally {
+      await pool.end();
+    }
+    const stored = (await world.bed.pool.query<{ rate: number; fresh: boolean }>(
+      `SELECT adaptive_rate AS rate, adapted_at > clock_timestamp() - interval '5 seconds' AS fresh FROM cleanup_admission WHERE policy = 'first-take'`,
+    )).rows[0]!;
+    assert.deepEqual(stored, { rate: 20_000, fresh: true }, 'the first take stored the start rate just now');
+    assert.equal(await admissionAdaptiveRateInForce(world.bed.pool, 'first-take', 5), null, 'not a rate in force');
   });
 });
