@@ -179,6 +179,22 @@ export function othersPresentObserve(reading: LatencyReading, present: boolean):
 }
 
 /**
+ * Every start look counts towards the presence share, busy or not: the share of its samples that saw
+ * another client in a statement or a transaction, when more than the worker knew. Without it a look
+ * that read an application in the hold band (so not busy: the reading is not replaced) left the
+ * presence to the first take's one sample, and an application at 300 short statements/s on a fast
+ * database is in a statement about a tenth of the time: nine takes in ten saw nobody, the worker
+ * took the database for its own (hasDatabaseAlone in rows.ts) and admitted its groups without the
+ * rate until a probe saw the application (bench figure 7, 2026-12-04 evening: 50,000 rows went in
+ * 23 s while the shared rate read 500 to 1,900 rows/s, about 16,000 rows' worth; foreground p99
+ * 2.3 x alone). A look that saw nobody changes nothing: the takes decide, as before.
+ */
+export function presenceLooked(reading: LatencyReading, presentShare: number): LatencyReading {
+  if (!(presentShare > 0)) return reading;
+  return { ...reading, othersPresent: Math.max(reading.othersPresent ?? 0, presentShare) };
+}
+
+/**
  * A busy start look (lookStartRate) replaces what this worker knew of the others' load (from
  * another moment) with the means of its samples, and its latency ratio starts again. Kept: the
  * baseline (the quiet time of each statement size) and the presence share, which says whether an

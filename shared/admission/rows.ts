@@ -13,6 +13,7 @@ import {
   NO_READING,
   othersLooked,
   othersObserve,
+  presenceLooked,
   pressureOf,
   statementRows,
   type LatencyReading,
@@ -245,14 +246,16 @@ function adaptiveTake(observer: Observer, ceiling: number | null, at: number, al
 async function lookIfStale(pool: Pool, observer: Observer, ceiling: number | null, at: number): Promise<void> {
   if (observer.lastTakeAt !== null && at - observer.lastTakeAt < ADAPTIVE.restartAfterSeconds * 1000) return;
   observer.looking ??= (async () => {
-    const sum = { waiting: 0, active: 0 };
+    const sum = { waiting: 0, active: 0, present: 0 };
     for (let i = 0; i < ADAPTIVE.startLookSamples; i++) {
       if (i > 0) await new Promise((resolve) => setTimeout(resolve, ADAPTIVE.startLookGapMs));
       const sample = await admissionOthersSample(pool);
       sum.waiting += sample.waiting;
       sum.active += sample.active;
+      if (sample.present > 0) sum.present += 1;
     }
     const look = { waiting: sum.waiting / ADAPTIVE.startLookSamples, active: sum.active / ADAPTIVE.startLookSamples };
+    observer.reading = presenceLooked(observer.reading, sum.present / ADAPTIVE.startLookSamples);
     observer.looked = lookStartRate(look, ceiling);
     if (observer.looked?.busy) observer.reading = othersLooked(observer.reading, look);
     // Looked: not stale again until another pause, whatever the first take's outcome.

@@ -225,6 +225,51 @@ describe('adaptive row-delete admission: one shared rate', () => {
     assert.equal((await stored()).rate, ADAPTIVE.startRowsPerSecond, 'stepped within restartAfterSeconds: not set again');
   });
 
+  test("a start look that saw an application now and then keeps the worker from taking the database for its own, whatever its first take's one sample saw", async () => {
+    // The application: in a transaction about half the time, idle between, and never running a
+    // statement long enough to read as load. A quiet look (not busy) sees it in about half of its
+    // samples; each first take's own sample in about half of the trials. Before the look counted
+    // towards the presence share, a first take that saw nobody set it to 0, and the worker admitted
+    // its next groups without a statement (hasDatabaseAlone): the fix must hold in every trial.
+    const applicationPool = makePool(bed.databaseUrl, 1, 'application-now-and-then');
+    pools.push(applicationPool);
+    const application = await applicationPool.connect();
+    let running = true;
+    const pause = () => new Promise((resolve) => setTimeout(resolve, 4));
+    const nowAndThen = (async () => {
+      while (running) {
+        await application.query('BEGIN');
+        await application.query('SELECT 1');
+        await pause();
+        await application.query('COMMIT');
+        await pause();
+      }
+    })();
+    const lastTake = async (policy: string): Promise<string> =>
+      (await bed.pool.query<{ at: string }>('SELECT updated_at::text AS at FROM cleanup_admission WHERE policy = $1', [policy])).rows[0]!.at;
+    try {
+      for (let trial = 0; trial < 10; trial++) {
+        const policy = policyNamed(`look-presence-${trial}`);
+        // A new worker (its own pool): its first admission looks, then takes.
+        const pool = makePool(bed.databaseUrl, 2, `reaper-adaptive-presence-${trial}`);
+        try {
+          // The first take; then the second, which alone would be the probe that lets the next
+          // ADAPTIVE.aloneProbeSeconds of groups through without a statement.
+          for (let group = 0; group < 2; group++) assert.ok((await admitRows(pool, policy, 10, { holdMs: 5_000 })).admitted);
+          const probe = await lastTake(policy.name);
+          assert.ok((await admitRows(pool, policy, 10, { holdMs: 5_000 })).admitted);
+          assert.notEqual(await lastTake(policy.name), probe, `trial ${trial}: the third group took from the shared bucket (a statement), not as if alone`);
+        } finally {
+          await pool.end();
+        }
+      }
+    } finally {
+      running = false;
+      await nowAndThen;
+      application.release();
+    }
+  });
+
   test("a row lock held by the application makes the worker's own DELETE slow: the rate backs off", async () => {
     const policy = policyNamed('seat-holds');
     const pool = workerPool('c');

@@ -15,6 +15,7 @@ import {
   NO_READING,
   othersActiveObserve,
   othersLooked,
+  presenceLooked,
   othersPresentObserve,
   othersWaitingObserve,
   pressureOf,
@@ -207,6 +208,11 @@ test("the start look: an application busy enough that the law would back off sta
   assert.equal(looked.baselineMs, before.baselineMs);
   assert.equal(pressureOf(looked), null, 'no statement judged since the look: the first step waits for one');
   assert.equal(loadPressureOf(looked), 1 + ADAPTIVE.activePressure * 0.3, 'and then backs off from the load the look saw');
+  // Every look, busy or not, counts towards the presence share: the share of its samples that saw another client.
+  assert.equal(presenceLooked(NO_READING, 0.1).othersPresent, 0.1, 'a quiet look that saw an application now and then: present from the start');
+  assert.equal(presenceLooked(alone, 0.1).othersPresent, 0.1, 'a worker whose last run ended alone: present again');
+  assert.equal(presenceLooked(alone, 0), alone, 'a look that saw nobody changes nothing: the takes decide');
+  assert.equal(presenceLooked(before, 0.01).othersPresent, before.othersPresent, 'a higher share already known stays');
 });
 
 test('statement size: alone, what the rate admits in statementSeconds (at least one batch); shared with an application or not known yet, one batch', () => {
