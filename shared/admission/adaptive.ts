@@ -81,6 +81,21 @@ export const ADAPTIVE = {
    */
   activePressure: 6,
   /**
+   * How much pressure the other clients' statement rate adds: pressure = max(..., 1 + rate / this),
+   * where rate is the smoothed number of other client backends whose state changed (a statement
+   * started or ended) within the last changeWindowMs, per second of that window: about their
+   * statements per second, whatever the machine's speed. The active share above is their
+   * statements/s x their latency, so the same application reads lower on a faster database: on the
+   * 2026-12-04 evening machine (raw DELETE 113-174k rows/s) 300 statements/s read a look of 1.4-1.9,
+   * in the hold band, the rate rose to 15,647 rows/s and the foreground's p99 was 1.9x its alone.
+   * 200: an application at 200 statements/s backs reaper off (pressure 2), under 80/s lets it raise
+   * (1.4). Measured (pgbench, 4 connections, 200 samples of a 5 ms window): 300 statements/s read
+   * 300-370, 30/s read 18-47.
+   */
+  changesAtBackOff: 200,
+  /** The window of the state-change count (ms): short, so that one connection's consecutive statements rarely count once; long enough that 30/s is seen at all. */
+  changeWindowMs: 5,
+  /**
    * No rate set: one deleting statement takes at most what the adaptive rate admits in this long (at
    * least one batch), so a low rate means small statements, not rare big ones. While other clients
    * share the database (presence share at least presenceFull), one batch per statement whatever the
@@ -122,6 +137,8 @@ export interface LatencyReading {
   othersWaiting: number | null;
   /** Smoothed number of other client backends seen running a statement; null before the first sample. */
   othersActive: number | null;
+  /** Smoothed rate of the other client backends' state changes (a statement started or ended) per second; null before the first sample. */
+  othersChanges: number | null;
   /** Smoothed share of samples that saw another client in a statement or transaction; null before the first (counts as present). */
   othersPresent: number | null;
   /** Statements observed since this worker last proposed a step (a step needs at least one). */
@@ -130,7 +147,7 @@ export interface LatencyReading {
   lastAt: number | null;
 }
 
-export const NO_READING: LatencyReading = { baselineMs: new Map(), ratio: null, othersWaiting: null, othersActive: null, othersPresent: null, fresh: 0, lastAt: null };
+export const NO_READING: LatencyReading = { baselineMs: new Map(), ratio: null, othersWaiting: null, othersActive: null, othersChanges: null, othersPresent: null, fresh: 0, lastAt: null };
 
 const sizeClass = (rows: number): number => Math.floor(Math.log2(Math.max(1, rows)));
 
@@ -173,6 +190,11 @@ export function othersActiveObserve(reading: LatencyReading, count: number): Lat
   return { ...reading, othersActive: smoothed(reading.othersActive, count, ADAPTIVE.waitingWeight) };
 }
 
+/** An admission saw the other client backends of the database change state at `perSecond` (a statement started or ended). */
+export function othersChangesObserve(reading: LatencyReading, perSecond: number): LatencyReading {
+  return { ...reading, othersChanges: smoothed(reading.othersChanges, perSecond, ADAPTIVE.waitingWeight) };
+}
+
 /** An admission saw another client of the database in a statement or a transaction (`present`), or none. */
 export function othersPresentObserve(reading: LatencyReading, present: boolean): LatencyReading {
   return { ...reading, othersPresent: smoothed(reading.othersPresent, present ? 1 : 0, ADAPTIVE.presenceWeight) };
@@ -202,8 +224,8 @@ export function presenceLooked(reading: LatencyReading, presentShare: number): L
  * an application busy enough to back off from is there, and a worker whose last run ended alone
  * (below aloneBelow) would otherwise go on admitting without the rate until a take saw it.
  */
-export function othersLooked(reading: LatencyReading, look: { waiting: number; active: number }): LatencyReading {
-  return { ...reading, othersWaiting: look.waiting, othersActive: look.active, othersPresent: Math.max(reading.othersPresent ?? 0, ADAPTIVE.presenceFull), ratio: null, fresh: 0 };
+export function othersLooked(reading: LatencyReading, look: OthersLook): LatencyReading {
+  return { ...reading, othersWaiting: look.waiting, othersActive: look.active, othersChanges: look.changes, othersPresent: Math.max(reading.othersPresent ?? 0, ADAPTIVE.presenceFull), ratio: null, fresh: 0 };
 }
 
 /**
@@ -221,8 +243,8 @@ export function othersLooked(reading: LatencyReading, look: { waiting: number; a
  * raises in the band; 0.09 of the unthrottled rate at 30/s). Below raiseBelow: nothing (null), the
  * start rate or the stored one.
  */
-export function lookStartRate(look: { waiting: number; active: number }, ceiling: number | null): { rate: number; othersPressure: number; busy: boolean } | null {
-  const othersPressure = othersPressureOf(look.waiting, look.active);
+export function lookStartRate(look: OthersLook, ceiling: number | null): { rate: number; othersPressure: number; busy: boolean } | null {
+  const othersPressure = othersPressureOf(look);
   if (othersPressure < ADAPTIVE.raiseBelow) return null;
   const start = adaptiveStartRate(ceiling);
   const floor = Math.min(start, ADAPTIVE.floorRowsPerSecond);
@@ -231,9 +253,9 @@ export function lookStartRate(look: { waiting: number; active: number }, ceiling
   return { rate: Math.round(start * (floor / start) ** within), othersPressure, busy: false };
 }
 
-/** One admission's sample of the other client backends: waiting, running a statement, present at all. */
-export function othersObserve(reading: LatencyReading, sample: { waiting: number; active: number; present: number }): LatencyReading {
-  return othersPresentObserve(othersActiveObserve(othersWaitingObserve(reading, sample.waiting), sample.active), sample.present > 0);
+/** One admission's sample of the other client backends: waiting, running a statement, changing state per second, present at all. */
+export function othersObserve(reading: LatencyReading, sample: OthersLook & { present: number }): LatencyReading {
+  return othersPresentObserve(othersChangesObserve(othersActiveObserve(othersWaitingObserve(reading, sample.waiting), sample.active), sample.changes), sample.present > 0);
 }
 
 /**
@@ -245,17 +267,32 @@ export function pressureOf(reading: LatencyReading): number | null {
   if (reading.fresh === 0 || reading.ratio === null) return null;
   const shared = reading.othersPresent === null ? 1 : Math.min(1, reading.othersPresent / ADAPTIVE.presenceFull);
   const latency = 1 + (reading.ratio - 1) * shared;
-  return Math.max(latency, othersPressureOf(reading.othersWaiting ?? 0, reading.othersActive ?? 0));
+  return Math.max(latency, othersPressureOf({ waiting: reading.othersWaiting ?? 0, active: reading.othersActive ?? 0, changes: reading.othersChanges ?? 0 }));
 }
 
-/** The others' part of the pressure: max(1 + waitingPressure x waiting, 1 + activePressure x active). The take's reading and the start look both use it. */
-export function othersPressureOf(waiting: number, active: number): number {
-  return Math.max(1 + ADAPTIVE.waitingPressure * waiting, 1 + ADAPTIVE.activePressure * active);
+/** What the other client backends were seen doing (one sample, or the means of a look): waiting on a lock or IO, running a statement, changing state per second. */
+export interface OthersLook {
+  waiting: number;
+  active: number;
+  changes: number;
 }
 
-/** The part of the pressure that is the other clients' own load (1 + ADAPTIVE.activePressure x others active); null before the first sample. */
+/**
+ * The others' part of the pressure: max(1 + waitingPressure x waiting, their load). The take's
+ * reading and the start look both use it.
+ */
+export function othersPressureOf(look: OthersLook): number {
+  return Math.max(1 + ADAPTIVE.waitingPressure * look.waiting, othersLoadOf(look.active, look.changes));
+}
+
+/** The others' own load: max(1 + activePressure x active, 1 + changes / changesAtBackOff). */
+function othersLoadOf(active: number, changes: number): number {
+  return Math.max(1 + ADAPTIVE.activePressure * active, 1 + changes / ADAPTIVE.changesAtBackOff);
+}
+
+/** The part of the pressure that is the other clients' own load (othersLoadOf: their active share, their statement rate); null before the first sample. */
 export function loadPressureOf(reading: LatencyReading): number | null {
-  return reading.othersActive === null ? null : 1 + ADAPTIVE.activePressure * reading.othersActive;
+  return reading.othersActive === null ? null : othersLoadOf(reading.othersActive, reading.othersChanges ?? 0);
 }
 
 /**

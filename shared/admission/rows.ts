@@ -70,6 +70,7 @@ interface Gauges {
   latencyRatio: Gauge<'policy'>;
   othersWaiting: Gauge<'policy'>;
   othersActive: Gauge<'policy'>;
+  othersChanges: Gauge<'policy'>;
 }
 const gaugesByRegistry = new WeakMap<Registry, Gauges>();
 
@@ -111,6 +112,12 @@ export function brakeGauges(registry: Registry): Gauges {
       othersActive: new Gauge({
         name: 'reaper_row_admission_others_active',
         help: "row-delete adaptive admission: smoothed count of other client backends of the database seen running a statement at admission (pg_stat_activity): the share of the database's time the application keeps it busy (the rate backs off above 0.17)",
+        labelNames: ['policy'],
+        registers: [registry],
+      }),
+      othersChanges: new Gauge({
+        name: 'reaper_row_admission_others_changes_per_second',
+        help: "row-delete adaptive admission: smoothed state changes per second of the other client backends of the database (a statement started or ended, pg_stat_activity.state_change within the last 5 ms at admission): about the application's statements per second (the rate backs off above 200)",
         labelNames: ['policy'],
         registers: [registry],
       }),
@@ -246,15 +253,16 @@ function adaptiveTake(observer: Observer, ceiling: number | null, at: number, al
 async function lookIfStale(pool: Pool, observer: Observer, ceiling: number | null, at: number): Promise<void> {
   if (observer.lastTakeAt !== null && at - observer.lastTakeAt < ADAPTIVE.restartAfterSeconds * 1000) return;
   observer.looking ??= (async () => {
-    const sum = { waiting: 0, active: 0, present: 0 };
+    const sum = { waiting: 0, active: 0, changes: 0, present: 0 };
     for (let i = 0; i < ADAPTIVE.startLookSamples; i++) {
       if (i > 0) await new Promise((resolve) => setTimeout(resolve, ADAPTIVE.startLookGapMs));
       const sample = await admissionOthersSample(pool);
       sum.waiting += sample.waiting;
       sum.active += sample.active;
+      sum.changes += sample.changes;
       if (sample.present > 0) sum.present += 1;
     }
-    const look = { waiting: sum.waiting / ADAPTIVE.startLookSamples, active: sum.active / ADAPTIVE.startLookSamples };
+    const look = { waiting: sum.waiting / ADAPTIVE.startLookSamples, active: sum.active / ADAPTIVE.startLookSamples, changes: sum.changes / ADAPTIVE.startLookSamples };
     observer.reading = presenceLooked(observer.reading, sum.present / ADAPTIVE.startLookSamples);
     observer.looked = lookStartRate(look, ceiling);
     if (observer.looked?.busy) observer.reading = othersLooked(observer.reading, look);
@@ -401,11 +409,12 @@ async function admitRowsInTurn(
       if (observer) observer.lastTakeAt = at;
       if (observer && take.adaptive) {
         observer.seen = { state: take.adaptive, at };
-        observer.reading = othersObserve(observer.reading, { waiting: take.adaptive.othersWaiting, active: take.adaptive.othersActive, present: take.adaptive.othersPresent });
+        observer.reading = othersObserve(observer.reading, { waiting: take.adaptive.othersWaiting, active: take.adaptive.othersActive, changes: take.adaptive.othersChanges, present: take.adaptive.othersPresent });
         rate = Math.min(rate, take.adaptive.rate);
         gauges?.latencyRatio.set({ policy: policy.name }, observer.reading.ratio ?? 1);
         gauges?.othersWaiting.set({ policy: policy.name }, observer.reading.othersWaiting ?? 0);
         gauges?.othersActive.set({ policy: policy.name }, observer.reading.othersActive ?? 0);
+        gauges?.othersChanges.set({ policy: policy.name }, observer.reading.othersChanges ?? 0);
       }
       gauges?.rate.set({ policy: policy.name }, rate);
       if (take.admitted) {

@@ -270,6 +270,44 @@ describe('adaptive row-delete admission: one shared rate', () => {
     }
   });
 
+  test("an application of many short statements, rarely seen running one, is read by its statement rate: the start look starts at the floor and the signal is shown", async () => {
+    // Three connections, each a short statement then about 2 ms idle: several hundred statements
+    // per second, each in a statement a small share of the time (the active share a fast database
+    // shows for 300 statements/s, where the load term alone would start in the hold band or above
+    // it). pg_stat_activity.state_change counts them whatever their latency.
+    const applicationPool = makePool(bed.databaseUrl, 3, 'application-short-statements');
+    pools.push(applicationPool);
+    let running = true;
+    let statements = 0;
+    const loops = [0, 1, 2].map(async () => {
+      const application = await applicationPool.connect();
+      try {
+        while (running) {
+          await application.query('SELECT 1');
+          statements += 1;
+          await new Promise((resolve) => setTimeout(resolve, 2));
+        }
+      } finally {
+        application.release();
+      }
+    });
+    const startedAt = performance.now();
+    try {
+      await eventually('the application under way', () => statements > 100, { timeoutMs: 10_000, intervalMs: 10 });
+      const policy = policyNamed('short-statements');
+      const metrics = makeMetrics();
+      assert.ok((await admitRows(workerPool('short-statements'), policy, 10, { holdMs: 5_000, registry: metrics.registry })).admitted);
+      const perSecond = statements / ((performance.now() - startedAt) / 1000);
+      const changes = (await metricValue(metrics.registry, 'reaper_row_admission_others_changes_per_second', { policy: policy.name }))!;
+      const stored = (await bed.pool.query<{ rate: number; pressure: number }>('SELECT adaptive_rate AS rate, adaptive_pressure AS pressure FROM cleanup_admission WHERE policy = $1', [policy.name])).rows[0]!;
+      assert.equal(stored.rate, ADAPTIVE.floorRowsPerSecond, `started at the floor (look pressure ${stored.pressure})`);
+      assert.ok(changes >= ADAPTIVE.changesAtBackOff, `the signal is shown: ${changes.toFixed(0)} state changes/s (the application made ${perSecond.toFixed(0)} statements/s)`);
+    } finally {
+      running = false;
+      await Promise.all(loops);
+    }
+  });
+
   test("a row lock held by the application makes the worker's own DELETE slow: the rate backs off", async () => {
     const policy = policyNamed('seat-holds');
     const pool = workerPool('c');

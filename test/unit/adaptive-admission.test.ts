@@ -14,6 +14,7 @@ import {
   lookStartRate,
   NO_READING,
   othersActiveObserve,
+  othersObserve,
   othersLooked,
   presenceLooked,
   othersPresentObserve,
@@ -177,34 +178,34 @@ test("reaper's own latency counts in the measure others share the database: alon
 
 test("the start look: an application busy enough that the law would back off starts the rate at the floor; in the hold band the start is graded down from the start rate to the floor; a lighter one or nobody changes nothing; the ceiling bounds both", () => {
   // Means of the look's samples: at 300 statements/s of about 0.6 ms one running in about one sample of five.
-  assert.deepEqual(lookStartRate({ waiting: 0, active: 0.2 }, null), { rate: ADAPTIVE.floorRowsPerSecond, othersPressure: 1 + ADAPTIVE.activePressure * 0.2, busy: true });
+  assert.deepEqual(lookStartRate({ waiting: 0, active: 0.2, changes: 0 }, null), { rate: ADAPTIVE.floorRowsPerSecond, othersPressure: 1 + ADAPTIVE.activePressure * 0.2, busy: true });
   // Waiting on locks or IO counts too (as in the pressure).
-  assert.equal(lookStartRate({ waiting: 2, active: 0 }, null)?.rate, ADAPTIVE.floorRowsPerSecond);
+  assert.equal(lookStartRate({ waiting: 2, active: 0, changes: 0 }, null)?.rate, ADAPTIVE.floorRowsPerSecond);
   // At 30 statements/s: one in about fifty samples: no change.
-  assert.equal(lookStartRate({ waiting: 0, active: 0.05 }, null), null);
-  assert.equal(lookStartRate({ waiting: 0, active: 0 }, null), null);
+  assert.equal(lookStartRate({ waiting: 0, active: 0.05, changes: 0 }, null), null);
+  assert.equal(lookStartRate({ waiting: 0, active: 0, changes: 0 }, null), null);
   // The hold band: graded, not busy (the takes' own samples decide from there), lower the busier.
-  const band = (pressure: number) => lookStartRate({ waiting: 0, active: (pressure - 1) / ADAPTIVE.activePressure }, null)!;
+  const band = (pressure: number) => lookStartRate({ waiting: 0, active: (pressure - 1) / ADAPTIVE.activePressure, changes: 0 }, null)!;
   assert.equal(band(ADAPTIVE.raiseBelow).rate, ADAPTIVE.startRowsPerSecond, 'the band starts at the start rate');
   const middle = band((ADAPTIVE.raiseBelow + ADAPTIVE.backOffAbove) / 2);
   assert.equal(middle.busy, false);
   assert.equal(middle.rate, Math.round(Math.sqrt(ADAPTIVE.startRowsPerSecond * ADAPTIVE.floorRowsPerSecond)), 'half way: the geometric mean');
   assert.ok(band(1.5).rate > middle.rate && middle.rate > band(1.9).rate && band(1.9).rate > ADAPTIVE.floorRowsPerSecond, 'lower the busier');
-  assert.equal(lookStartRate({ waiting: 0, active: 0.5 }, 200)?.rate, 200, 'a ceiling below the floor');
-  assert.equal(lookStartRate({ waiting: 0, active: 0.1 }, 200)?.rate, 200, 'in the band, a ceiling below the floor');
-  assert.ok(lookStartRate({ waiting: 0, active: 0.1 }, 5_000)!.rate <= 5_000, 'in the band, at most the ceiling');
+  assert.equal(lookStartRate({ waiting: 0, active: 0.5, changes: 0 }, 200)?.rate, 200, 'a ceiling below the floor');
+  assert.equal(lookStartRate({ waiting: 0, active: 0.1, changes: 0 }, 200)?.rate, 200, 'in the band, a ceiling below the floor');
+  assert.ok(lookStartRate({ waiting: 0, active: 0.1, changes: 0 }, 5_000)!.rate <= 5_000, 'in the band, at most the ceiling');
   // A busy look replaces what the worker knew of the others' load (from another moment) and starts its latency ratio again; the baseline and the presence share stay.
   let before = latencyObserve(NO_READING, { ms: 5, rows: 500, at: 0 });
   before = latencyObserve(before, { ms: 50, rows: 500, at: 100 });
   for (let i = 0; i < 20; i++) before = othersActiveObserve(othersPresentObserve(before, true), 0);
-  const looked = othersLooked(before, { waiting: 0, active: 0.3 });
+  const looked = othersLooked(before, { waiting: 0, active: 0.3, changes: 0 });
   assert.deepEqual([looked.othersActive, looked.othersWaiting, looked.ratio, looked.fresh], [0.3, 0, null, 0]);
   assert.equal(looked.othersPresent, before.othersPresent);
   // A worker whose last run ended alone: an application busy enough to back off from is there.
   let alone = NO_READING;
   for (let i = 0; i < 100; i++) alone = othersPresentObserve(alone, false);
   assert.ok(alone.othersPresent! < ADAPTIVE.aloneBelow);
-  assert.equal(othersLooked(alone, { waiting: 0, active: 0.3 }).othersPresent, ADAPTIVE.presenceFull);
+  assert.equal(othersLooked(alone, { waiting: 0, active: 0.3, changes: 0 }).othersPresent, ADAPTIVE.presenceFull);
   assert.equal(looked.baselineMs, before.baselineMs);
   assert.equal(pressureOf(looked), null, 'no statement judged since the look: the first step waits for one');
   assert.equal(loadPressureOf(looked), 1 + ADAPTIVE.activePressure * 0.3, 'and then backs off from the load the look saw');
@@ -213,6 +214,35 @@ test("the start look: an application busy enough that the law would back off sta
   assert.equal(presenceLooked(alone, 0.1).othersPresent, 0.1, 'a worker whose last run ended alone: present again');
   assert.equal(presenceLooked(alone, 0), alone, 'a look that saw nobody changes nothing: the takes decide');
   assert.equal(presenceLooked(before, 0.01).othersPresent, before.othersPresent, 'a higher share already known stays');
+});
+
+test("the others' statement rate (state changes per second) backs reaper off whatever their statements' latency: the same application reads a lower active share on a faster database", () => {
+  // 300 statements/s of about 0.3 ms on a fast database: running in about one sample of twelve
+  // (active share 0.08, hold band by itself), but about 300 state changes per second.
+  const fast = { waiting: 0, active: 0.08, changes: 320 };
+  assert.ok(1 + ADAPTIVE.activePressure * fast.active < ADAPTIVE.backOffAbove, 'the active share alone would hold');
+  assert.deepEqual(lookStartRate(fast, null), { rate: ADAPTIVE.floorRowsPerSecond, othersPressure: 1 + 320 / ADAPTIVE.changesAtBackOff, busy: true });
+  // 30 statements/s (measured 18-47 changes/s): changes nothing, at the look or in the takes.
+  assert.equal(lookStartRate({ waiting: 0, active: 0.005, changes: 47 }, null), null);
+  // In the takes: one sample per admission, smoothed; the law backs off at 300/s and raises at 30/s.
+  // Seen running in one sample of `activeEvery` (about 1/12 at 300/s, 1/100 at 30/s on that database).
+  const takes = (changes: number, activeEvery: number) => {
+    let reading = latencyObserve(NO_READING, { ms: 5, rows: 500, at: 0 });
+    for (let i = 1; i <= 30; i++) reading = othersObserve(reading, { waiting: 0, active: i % activeEvery === 0 ? 1 : 0, changes: i % 2 === 0 ? changes * 1.6 : changes * 0.4, present: i % 10 === 0 ? 1 : 0 });
+    return reading;
+  };
+  const busy = takes(300, 12);
+  assert.ok(Math.abs(busy.othersChanges! - 300) < 60, `smoothed: ${busy.othersChanges}`);
+  assert.ok(pressureOf(busy)! >= ADAPTIVE.backOffAbove, `300/s: pressure ${pressureOf(busy)}`);
+  assert.equal(loadPressureOf(busy), Math.max(1 + ADAPTIVE.activePressure * busy.othersActive!, 1 + busy.othersChanges! / ADAPTIVE.changesAtBackOff), 'the load: the larger of the two terms');
+  const backedOff = adaptRate({ rate: 20_000, pressure: pressureOf(busy), loadPressure: loadPressureOf(busy), ceiling: null, elapsedSeconds: 0.25, admittedRowsPerSecond: 20_000 });
+  assert.equal(backedOff.decision, 'back-off');
+  assert.ok(backedOff.rate < 20_000 * ADAPTIVE.backOffFactor, `a step larger than backOffFactor at a load over the threshold: ${backedOff.rate}`);
+  const quiet = takes(30, 100);
+  assert.ok(pressureOf(quiet)! <= ADAPTIVE.raiseBelow, `30/s: pressure ${pressureOf(quiet)}`);
+  assert.equal(adaptRate({ rate: 20_000, pressure: pressureOf(quiet), loadPressure: loadPressureOf(quiet), ceiling: null, elapsedSeconds: 0.25, admittedRowsPerSecond: 20_000 }).decision, 'raise');
+  // A busy look keeps the rate it saw as the worker's reading.
+  assert.equal(othersLooked(NO_READING, fast).othersChanges, 320);
 });
 
 test('statement size: alone, what the rate admits in statementSeconds (at least one batch); shared with an application or not known yet, one batch', () => {

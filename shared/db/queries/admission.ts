@@ -3,6 +3,7 @@ import type { ResolvedTarget } from './expiring-rows';
 import { rowHeldSql, stillEligibleSql, type ClaimedOperation } from './ledger';
 import { SERVER_STANDBY_LAG_CTES } from './replication';
 import { prepared } from './prepared';
+import { ADAPTIVE } from '../../admission/adaptive';
 
 /**
  * Global admission per policy (cleanup_admission): one row, locked for the few milliseconds of a
@@ -321,6 +322,16 @@ export interface AdaptiveRowsState {
   othersActive: number;
   /** Other client backends of this database in a statement or a transaction now (not reaper's; 0 where not readable). */
   othersPresent: number;
+  /** Other client backends' state changes per second, counted over the last ADAPTIVE.changeWindowMs (0 where not readable). */
+  othersChanges: number;
+}
+
+/** One sample of the other client backends (OTHER_CLIENTS_COUNTS). */
+export interface OthersSample {
+  waiting: number;
+  active: number;
+  present: number;
+  changes: number;
 }
 
 /**
@@ -339,14 +350,18 @@ export interface AdaptiveRowsTake {
 
 /**
  * The other client backends of this database, as pg_stat_activity (alias `s`) shows them: not this
- * session, not reaper's own (application_name reaper...), in a statement or a transaction now. The
- * admission take and the start look count the same sessions.
+ * session, not reaper's own (application_name reaper...). The admission take and the start look
+ * count the same sessions: waiting on a lock or IO, running a statement (active), in a statement or
+ * a transaction now (present), and their state changes (a statement started or ended) within the
+ * last ADAPTIVE.changeWindowMs, per second of that window (changes: about their statements per second).
  */
-const OTHER_CLIENTS_NOW = `s.datname = current_database() AND s.pid <> pg_backend_pid() AND s.backend_type = 'client backend'
-         AND s.state IN ('active', 'idle in transaction', 'idle in transaction (aborted)') AND coalesce(s.application_name, '') NOT LIKE 'reaper%'`;
+const OTHER_CLIENTS = `s.datname = current_database() AND s.pid <> pg_backend_pid() AND s.backend_type = 'client backend'
+         AND coalesce(s.application_name, '') NOT LIKE 'reaper%'`;
 const OTHER_CLIENTS_COUNTS = `count(*) FILTER (WHERE s.state = 'active' AND s.wait_event_type IN ('Lock', 'LWLock', 'IO', 'BufferPin'))::int AS waiting,
               count(*) FILTER (WHERE s.state = 'active')::int AS active,
-              count(*)::int AS present`;
+              count(*) FILTER (WHERE s.state IN ('active', 'idle in transaction', 'idle in transaction (aborted)'))::int AS present,
+              count(*) FILTER (WHERE s.state_change > clock_timestamp() - interval '${ADAPTIVE.changeWindowMs} milliseconds')::float8
+                * ${1000 / ADAPTIVE.changeWindowMs} AS changes`;
 
 /**
  * The policy's adaptive rate (rows/s) while workers are stepping it: stepped within `freshSeconds`
@@ -369,11 +384,11 @@ export async function admissionAdaptiveRateInForce(db: Db, policy: string, fresh
   return result.rows[0]?.rate ?? null;
 }
 
-/** One look at the other clients (OTHER_CLIENTS_NOW): waiting on a lock or IO, running a statement, present at all. */
-export async function admissionOthersSample(db: Db): Promise<{ waiting: number; active: number; present: number }> {
+/** One look at the other clients (OTHER_CLIENTS_COUNTS): waiting on a lock or IO, running a statement, present at all, state changes per second. */
+export async function admissionOthersSample(db: Db): Promise<OthersSample> {
   // Autocommit: each call reads pg_stat_activity afresh (within a transaction it is read once).
-  const result = await db.query<{ waiting: number; active: number; present: number }>(
-    `SELECT ${OTHER_CLIENTS_COUNTS} FROM pg_stat_activity s WHERE ${OTHER_CLIENTS_NOW}`,
+  const result = await db.query<OthersSample>(
+    `SELECT ${OTHER_CLIENTS_COUNTS} FROM pg_stat_activity s WHERE ${OTHER_CLIENTS}`,
   );
   return result.rows[0]!;
 }
@@ -429,6 +444,7 @@ export async function admissionRowsTake(
     others_waiting: number;
     others_active: number;
     others_present: number;
+    others_changes: number;
   }>(
     prepared(braked ? 'admission_take_braked' : 'admission_take', `WITH ${lagCtes}cur AS (
        SELECT a.*, clock_timestamp() AS at_now,
@@ -459,10 +475,11 @@ export async function admissionRowsTake(
        adaptive_pressure = CASE WHEN d.stepped AND $12::float8 IS NOT NULL THEN $12::float8 ELSE d.adaptive_pressure END
      FROM decided d, LATERAL (
        -- Other client backends of this database (not reaper's): in a statement or a transaction
-       -- now (present), running a statement (active), and waiting on a lock or IO (waiting). Adaptive only.
+       -- now (present), running a statement (active), waiting on a lock or IO (waiting), and their
+       -- state changes per second (changes). Adaptive only.
        SELECT ${OTHER_CLIENTS_COUNTS}
        FROM pg_stat_activity s
-       WHERE $8::boolean AND ${OTHER_CLIENTS_NOW}
+       WHERE $8::boolean AND ${OTHER_CLIENTS}
      ) others
      WHERE a.policy = $1
      RETURNING d.admitted, a.tokens, d.paused, ${lagSeconds} AS lag, ${lagUnknown} AS unknown, d.braked,
@@ -470,7 +487,7 @@ export async function admissionRowsTake(
        $6::text[] AS standbys,
        a.adaptive_rate, reaper_iso(a.adapted_at) AS adapted_at, extract(epoch FROM d.at_now - a.adapted_at)::float8 AS since_step,
        a.adaptive_admitted AS admitted_since, a.adaptive_pressure AS pressure,
-       others.waiting AS others_waiting, others.active AS others_active, others.present AS others_present`,
+       others.waiting AS others_waiting, others.active AS others_active, others.present AS others_present, others.changes AS others_changes`,
     [
       take.policy,
       take.capacity,
@@ -498,7 +515,7 @@ export async function admissionRowsTake(
     braked: row.braked,
     adaptive:
       adaptive !== null && row.adaptive_rate !== null && row.adapted_at !== null
-        ? { rate: row.adaptive_rate, adaptedAt: row.adapted_at, sinceStepSeconds: row.since_step ?? 0, admittedSinceStep: row.admitted_since, pressure: row.pressure, othersWaiting: row.others_waiting, othersActive: row.others_active, othersPresent: row.others_present }
+        ? { rate: row.adaptive_rate, adaptedAt: row.adapted_at, sinceStepSeconds: row.since_step ?? 0, admittedSinceStep: row.admitted_since, pressure: row.pressure, othersWaiting: row.others_waiting, othersActive: row.others_active, othersPresent: row.others_present, othersChanges: row.others_changes }
         : null,
   };
 }
