@@ -16,6 +16,7 @@ import {
   presenceLooked,
   pressureOf,
   statementRows,
+  lookDone,
   type LatencyReading,
 } from './adaptive';
 import { overrideFor, rowAdmissionWith, type RowAdmission } from './overrides';
@@ -245,25 +246,28 @@ function adaptiveTake(observer: Observer, ceiling: number | null, at: number, al
 /**
  * A worker's first admission, or its first after ADAPTIVE.restartAfterSeconds without one (between
  * two runs): it looks at the other clients first (ADAPTIVE.startLookSamples samples of
- * pg_stat_activity, one autocommit statement each, so each reads it afresh). When they are not
- * quiet (lookStartRate), the next take starts a new rate, or one nobody stepped for that long, at
- * the look's rate: the floor when busy, graded in the hold band. About 0.2 s once per run and
- * worker; concurrent admissions of the worker share the one look.
+ * pg_stat_activity, one autocommit statement each, so each reads it afresh; lookDone ends it after
+ * ADAPTIVE.startLookQuietSamples when those saw nobody at all). When they are not quiet
+ * (lookStartRate), the next take starts a new rate, or one nobody stepped for that long, at the
+ * look's rate: the floor when busy, graded in the hold band. About 0.2 s once per run and worker
+ * (0.04 s on a database nobody else uses); concurrent admissions of the worker share the one look.
  */
 async function lookIfStale(pool: Pool, observer: Observer, ceiling: number | null, at: number): Promise<void> {
   if (observer.lastTakeAt !== null && at - observer.lastTakeAt < ADAPTIVE.restartAfterSeconds * 1000) return;
   observer.looking ??= (async () => {
     const sum = { waiting: 0, active: 0, changes: 0, present: 0 };
-    for (let i = 0; i < ADAPTIVE.startLookSamples; i++) {
-      if (i > 0) await new Promise((resolve) => setTimeout(resolve, ADAPTIVE.startLookGapMs));
+    let samples = 0;
+    while (!lookDone(samples, sum)) {
+      if (samples > 0) await new Promise((resolve) => setTimeout(resolve, ADAPTIVE.startLookGapMs));
       const sample = await admissionOthersSample(pool);
+      samples += 1;
       sum.waiting += sample.waiting;
       sum.active += sample.active;
       sum.changes += sample.changes;
       if (sample.present > 0) sum.present += 1;
     }
-    const look = { waiting: sum.waiting / ADAPTIVE.startLookSamples, active: sum.active / ADAPTIVE.startLookSamples, changes: sum.changes / ADAPTIVE.startLookSamples };
-    observer.reading = presenceLooked(observer.reading, sum.present / ADAPTIVE.startLookSamples);
+    const look = { waiting: sum.waiting / samples, active: sum.active / samples, changes: sum.changes / samples };
+    observer.reading = presenceLooked(observer.reading, sum.present / samples);
     observer.looked = lookStartRate(look, ceiling);
     if (observer.looked?.busy) observer.reading = othersLooked(observer.reading, look);
     // Looked: not stale again until another pause, whatever the first take's outcome.

@@ -11,6 +11,7 @@ import {
   adaptRate,
   latencyObserve,
   loadPressureOf,
+  lookDone,
   lookStartRate,
   NO_READING,
   othersActiveObserve,
@@ -243,6 +244,20 @@ test("the others' statement rate (state changes per second) backs reaper off wha
   assert.equal(adaptRate({ rate: 20_000, pressure: pressureOf(quiet), loadPressure: loadPressureOf(quiet), ceiling: null, elapsedSeconds: 0.25, admittedRowsPerSecond: 20_000 }).decision, 'raise');
   // A busy look keeps the rate it saw as the worker's reading.
   assert.equal(othersLooked(NO_READING, fast).othersChanges, 320);
+});
+
+test('a start look ends early only when its first samples saw nobody at all; anything seen, it takes all its samples', () => {
+  const nobody = { waiting: 0, active: 0, changes: 0, present: 0 };
+  assert.equal(lookDone(0, nobody), false);
+  assert.equal(lookDone(ADAPTIVE.startLookQuietSamples - 1, nobody), false);
+  assert.equal(lookDone(ADAPTIVE.startLookQuietSamples, nobody), true, 'nobody in the first samples: done');
+  assert.ok(ADAPTIVE.startLookQuietSamples < ADAPTIVE.startLookSamples);
+  // One state change, one session present, running or waiting, in any sample: the whole look.
+  for (const seen of [{ ...nobody, changes: 200 }, { ...nobody, present: 1 }, { ...nobody, active: 1 }, { ...nobody, waiting: 1 }]) {
+    assert.equal(lookDone(ADAPTIVE.startLookQuietSamples, seen), false, JSON.stringify(seen));
+    assert.equal(lookDone(ADAPTIVE.startLookSamples - 1, seen), false);
+    assert.equal(lookDone(ADAPTIVE.startLookSamples, seen), true);
+  }
 });
 
 test('statement size: alone, what the rate admits in statementSeconds (at least one batch); shared with an application or not known yet, one batch', () => {
