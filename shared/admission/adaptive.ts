@@ -17,8 +17,12 @@
 export const ADAPTIVE = {
   /** At most one step of the shared rate per this much database time, whatever the number of workers. */
   stepMs: 250,
-  /** The rate a policy starts at (or the ceiling, when lower): generous, so a quiet database is not slowed. */
-  startRowsPerSecond: 20_000,
+  /**
+   * The rate a policy starts at (or the ceiling, when lower): generous, so a quiet database is not
+   * slowed; at most floor ÷ 0.25³ (32,000), so a busy application's steps of × 0.25 bring it to
+   * the floor in three steps.
+   */
+  startRowsPerSecond: 32_000,
   /** The rate never goes below this (or the ceiling, when lower): a busy database slows a cleanup, never stops it. */
   floorRowsPerSecond: 500,
   /** No ceiling set: the rate never goes above this (the schema's largest rowsPerSecond). */
@@ -106,8 +110,8 @@ export const ADAPTIVE = {
    * A worker that has not taken for this long (between two runs, or never) looks at the other
    * clients before its first take (startLookSamples samples, startLookGapMs apart: 0.1 s); when
    * they are busy, that take starts a new rate, or one no worker has stepped for this long (from
-   * another moment), at the floor (lookStartRate). Without the look a policy started at 20,000
-   * rows/s whatever the application was doing, and took about three steps to come down.
+   * another moment), at the floor (lookStartRate). Without the look a policy started at the start
+   * rate whatever the application was doing, and took about three steps to come down.
    */
   restartAfterSeconds: 30,
   /**
@@ -244,11 +248,11 @@ export function othersLooked(reading: LatencyReading, look: OthersLook): Latency
  * would take it: before the first statement instead of after three steps) and the caller keeps the
  * look as the worker's reading (othersLooked; `busy`). In the hold band (raiseBelow up to
  * backOffAbove) the start rate is graded, geometrically from the start rate at raiseBelow down to
- * the floor at backOffAbove (1.7: about 3,200 rows/s), and the takes' own samples go on deciding
+ * the floor at backOffAbove (1.7: about 4,000 rows/s), and the takes' own samples go on deciding
  * (not busy): an application at 300 statements/s reads about 2 and a look is noisy, so an
- * all-or-nothing threshold started a run at 20,000 rows/s in three runs of four, which deleted half
+ * all-or-nothing threshold started a run at the start rate in three runs of four, which deleted half
  * of figure 7's rows in the first three seconds (2026-12-04); a look of 30 statements/s on a slow
- * machine reads about 1.5 and starts at about 11,000, and the takes raise it from there when they
+ * machine reads about 1.5 and starts at about 16,000 (half the start rate), and the takes raise it from there when they
  * read it quiet. Not the floor in the band: a start at the floor would stay there (the law never
  * raises in the band; 0.09 of the unthrottled rate at 30/s). Below raiseBelow: nothing (null), the
  * start rate or the stored one.

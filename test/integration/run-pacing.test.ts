@@ -4,6 +4,7 @@ import pino from 'pino';
 import { ConfirmingPublisher } from '../../shared/amqp/publisher';
 import { brokerNames } from '../../shared/amqp/topology';
 import { parsePolicies, type RowDeletePolicy } from '../../shared/config/policies';
+import { ADAPTIVE } from '../../shared/admission/adaptive';
 import { admitRows } from '../../shared/admission/rows';
 import { makePool } from '../../shared/db/pool';
 import { admissionAdaptiveRateInForce, admissionRowsEnsure } from '../../shared/db/queries/admission';
@@ -149,7 +150,7 @@ describe('run pacing by the adaptive rate', () => {
     assert.equal(await admissionAdaptiveRateInForce(world.bed.pool, 'paced-policy', 5), null, 'never stepped');
     assert.equal(await admissionAdaptiveRateInForce(world.bed.pool, 'no-such-policy', 5), null, 'no admission row');
     // A policy's very first take stores the start rate and its time, with no pressure, alone too.
-    await world.bed.pool.query(`UPDATE cleanup_admission SET adaptive_rate = 20000, adapted_at = clock_timestamp() WHERE policy = 'paced-policy'`);
+    await world.bed.pool.query(`UPDATE cleanup_admission SET adaptive_rate = ${ADAPTIVE.startRowsPerSecond}, adapted_at = clock_timestamp() WHERE policy = 'paced-policy'`);
     assert.equal(await admissionAdaptiveRateInForce(world.bed.pool, 'paced-policy', 5), null, 'the first take only: not a step');
     await world.bed.pool.query(`UPDATE cleanup_admission SET adaptive_rate = 750, adaptive_pressure = 2.4, adapted_at = clock_timestamp() WHERE policy = 'paced-policy'`);
     assert.equal(await admissionAdaptiveRateInForce(world.bed.pool, 'paced-policy', 5), 750, 'stepped just now');
@@ -169,7 +170,7 @@ describe('run pacing by the adaptive rate', () => {
     const stored = (await world.bed.pool.query<{ rate: number; fresh: boolean }>(
       `SELECT adaptive_rate AS rate, adapted_at > clock_timestamp() - interval '5 seconds' AS fresh FROM cleanup_admission WHERE policy = 'first-take'`,
     )).rows[0]!;
-    assert.deepEqual(stored, { rate: 20_000, fresh: true }, 'the first take stored the start rate just now');
+    assert.deepEqual(stored, { rate: ADAPTIVE.startRowsPerSecond, fresh: true }, 'the first take stored the start rate just now');
     assert.equal(await admissionAdaptiveRateInForce(world.bed.pool, 'first-take', 5), null, 'not a rate in force');
   });
 });
