@@ -1,13 +1,12 @@
 import assert from 'node:assert/strict';
-import { execFile } from 'node:child_process';
 import { createServer } from 'node:net';
 import { after, before, describe, test } from 'node:test';
-import { promisify } from 'node:util';
 import amqp from 'amqplib';
 import { brokerNames } from '../../shared/amqp/topology';
 import { encodeBatch } from '../../shared/contracts/batch';
 import { type TestBroker } from '../support/broker';
 import { eventually } from '../support/eventually';
+import { TcpProxy } from '../support/tcp-proxy';
 import { startReaper, type ReaperProcess } from '../support/processes';
 import { countReservations, seedHolds } from '../support/seed';
 import { type TestBed } from '../support/testbed';
@@ -110,43 +109,38 @@ describe('worker against the broker', () => {
   });
 
   test('a queue with other arguments found at a reconnect: the running worker exits 1 naming the queue and the argument', async () => {
-    const worker = startReaper('worker-conflict-later', ['worker'], bed.processEnv({ REAPER_DELIVERY_LIMIT: '20' }));
-    await worker.waitForLine('started', (line) => line.msg === 'worker started');
+    // The worker reaches the broker through a proxy that can refuse it: the queue is replaced while
+    // the worker is cut off, so it sees no consumer cancel (whose re-declare would find the conflict
+    // first) and can only find the new arguments when it reconnects.
+    const target = new URL(bed.amqpUrl);
+    const proxy = await TcpProxy.start({ targetHost: target.hostname, targetPort: Number(target.port || 5672) });
+    const worker = startReaper('worker-conflict-later', ['worker'], bed.processEnv({ REAPER_DELIVERY_LIMIT: '20', AMQP_URL: proxy.urlFor(bed.amqpUrl) }));
     const queue = names.workQueue('seat-holds');
     const connection = await amqp.connect(bed.amqpUrl);
     const channel = await connection.createChannel();
     try {
-      // Someone replaces the queue with another delivery limit; then the worker's connection drops.
+      await worker.waitForLine('started', (line) => line.msg === 'worker started');
+      proxy.refusing = true;
+      assert.ok(proxy.resetAll() > 0, 'the worker had no broker connection through the proxy');
+      await worker.waitForLine('a refused reconnect', (line) => line.msg === 'amqp connect failed');
       await channel.deleteQueue(queue);
       await channel.assertQueue(queue, {
         durable: true,
         arguments: { 'x-queue-type': 'quorum', 'x-delivery-limit': 5, 'x-dead-letter-exchange': '', 'x-dead-letter-routing-key': names.deadLetterQueue },
       });
-      await closeBrokerConnections(`reaper-worker ${bed.prefix} `);
+      proxy.refusing = false;
       const exit = await exitWithin(worker, 20_000);
       assert.deepEqual(exit, { code: 1, signal: null }, worker.output.slice(-4).join('\n'));
       const fatal = worker.lines.find((line) => line.msg === 'broker topology conflict: the worker exits 1');
       assert.ok(fatal, worker.output.slice(-4).join('\n'));
       assert.match(String(fatal.err), /x-delivery-limit/);
       assert.match(String(fatal.err), new RegExp(`queue '${queue.replace(/[.]/g, '\\.')}'`));
+      assert.ok(!worker.lines.some((line) => line.msg === 'consumer cancelled by the broker (queue deleted or moved); re-declaring and consuming again'), 'found by the cancel path, not at the reconnect');
     } finally {
+      await worker.stop(1_000);
       await channel.deleteQueue(queue);
       await connection.close();
+      await proxy.close();
     }
   });
 });
-
-/**
- * Closes the broker connections whose name starts with `namePrefix` (this file's only: other
- * files share the broker). Table output, not JSON: close_connection needs the <pid> form.
- */
-async function closeBrokerConnections(namePrefix: string): Promise<void> {
-  const run = promisify(execFile);
-  const { stdout } = await run('rabbitmqctl', ['list_connections', 'pid', 'client_properties', '-q', '--no-table-headers']);
-  const pids = stdout
-    .split('\n')
-    .filter((line) => (/\{"connection_name","([^"]*)"\}/.exec(line)?.[1] ?? '').startsWith(namePrefix))
-    .map((line) => line.split('\t')[0]!.trim());
-  assert.ok(pids.length > 0, `no broker connection named ${namePrefix}*`);
-  for (const pid of pids) await run('rabbitmqctl', ['close_connection', pid, 'test: reconnect', '-q']);
-}

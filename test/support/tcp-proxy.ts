@@ -9,6 +9,8 @@ import { createServer, connect, type AddressInfo, type Server, type Socket } fro
  * - `stallAll()`: every open connection stops moving bytes in both directions while both sockets
  *   stay open (what a hung middlebox or a frozen NAT entry does). New connections pass. `heal()`
  *   closes the stalled ones, as the dead path eventually would.
+ * - `refusing`: while true, every new connection is reset as soon as it arrives (a server that is
+ *   down), so a test can change the server's state while the client cannot see it.
  * - `latencyMs`: every chunk, in both directions, is delivered that much later (order kept).
  * - PostgreSQL links (`protocol: 'postgres'`) are also read, without changing a byte: the backend
  *   pid of each connection (BackendKeyData) is recorded, and `holdRepliesAfter(pattern)` stops the
@@ -37,6 +39,8 @@ export interface ProxyOptions {
 export class TcpProxy {
   readonly links = new Set<ProxyLink>();
   latencyMs = 0;
+  /** While true, new connections are reset on arrival. */
+  refusing = false;
   /** Bytes sent by clients through the proxy since it started (all links). */
   bytesUp = 0;
   private nextId = 1;
@@ -71,6 +75,11 @@ export class TcpProxy {
   }
 
   private accept(client: Socket): void {
+    if (this.refusing) {
+      client.on('error', () => undefined);
+      client.resetAndDestroy();
+      return;
+    }
     client.setNoDelay(true);
     const upstream = connect({ host: this.options.targetHost, port: this.options.targetPort });
     upstream.setNoDelay(true);
