@@ -11,7 +11,8 @@
  *   add --only foreground         figure 7 alone (on the mode's first seed size)
  *   add --pin                     root only: PostgreSQL on CPU 0, everything else on CPU 1 (taskset; restored afterwards)
  *                                 (BENCH_FOREGROUND_BATCH_SIZE=<n> runs figure 7's reaper contenders at batch n,
- *                                 BENCH_FOREGROUND_THROTTLE=<rows/s> its fixed-rate contender at that rate)
+ *                                 BENCH_FOREGROUND_THROTTLE=<rows/s> its fixed-rate contender at that rate,
+ *                                 BENCH_FOREGROUND_ROWS=<n> every cleanup on n rows instead of the mode's)
  *   add --only s3                 figure 9 alone (object storage), written as <date>-s3-<mode>.json and .md
  *   add --only cost               PostgreSQL CPU per deleted row and scheduler memory alone (bench/figures/cost.ts;
  *                                 BENCH_COST_BEFORE_BIN=<other build>/bin/reaper measures it A/B in the same rounds,
@@ -202,35 +203,46 @@ async function measureEventsArchive(context: BenchContext, config: ModeConfig, r
   report.eventsArchive = await runEventsArchive(context, seed, { batchSize: config.batchSize, repeats: config.repeats });
 }
 
-/** BENCH_FOREGROUND_BATCH_SIZE=<n>: figure 7's reaper contenders at that batch size (the unit of deletion) instead of the mode's. */
-function foregroundBatchOverride(): number | null {
-  const text = process.env.BENCH_FOREGROUND_BATCH_SIZE;
-  if (text === undefined || text === '') return null;
-  const n = Number(text);
-  if (!Number.isInteger(n) || n < 1 || n > 10_000) throw new Error(`BENCH_FOREGROUND_BATCH_SIZE must be a whole number from 1 to 10000, got ${JSON.stringify(text)}`);
-  return n;
-}
+/**
+ * Figure 7's diagnostic overrides, each a whole number from an environment variable (unset or
+ * empty: the mode's own value):
+ *  - BENCH_FOREGROUND_BATCH_SIZE=<n>: its reaper contenders at that batch size (the unit of deletion);
+ *  - BENCH_FOREGROUND_THROTTLE=<rows/s>: its fixed-rate contender at that rate (where the foreground's p99 holds);
+ *  - BENCH_FOREGROUND_ROWS=<n>: every cleanup deletes that many rows (at most the seed's candidates),
+ *    e.g. to see the adaptive rate after its ramp from the start rate, which a run of 50k rows at 30
+ *    statements/s (1-2 s) mostly spends in.
+ */
+const FOREGROUND_OVERRIDES = {
+  batchSize: { name: 'BENCH_FOREGROUND_BATCH_SIZE', most: 10_000, unit: '', mark: 'batch' },
+  throttle: { name: 'BENCH_FOREGROUND_THROTTLE', most: 1_000_000, unit: ' of rows/s', mark: 'throttle' },
+  rows: { name: 'BENCH_FOREGROUND_ROWS', most: 10_000_000, unit: ' of rows', mark: 'rows' },
+} as const;
 
-/** BENCH_FOREGROUND_THROTTLE=<rows/s>: figure 7's fixed-rate contender at that rate instead of the mode's (where the foreground's p99 holds). */
-function foregroundThrottleOverride(): number | null {
-  const text = process.env.BENCH_FOREGROUND_THROTTLE;
+function foregroundOverride(which: keyof typeof FOREGROUND_OVERRIDES): number | null {
+  const { name, most, unit } = FOREGROUND_OVERRIDES[which];
+  const text = process.env[name];
   if (text === undefined || text === '') return null;
   const n = Number(text);
-  if (!Number.isInteger(n) || n < 1 || n > 1_000_000) throw new Error(`BENCH_FOREGROUND_THROTTLE must be a whole number of rows/s from 1 to 1000000, got ${JSON.stringify(text)}`);
+  if (!Number.isInteger(n) || n < 1 || n > most) throw new Error(`${name} must be a whole number${unit} from 1 to ${most}, got ${JSON.stringify(text)}`);
   return n;
 }
 
 /** The results file's mark of figure 7's overrides, e.g. "-batch100-throttle1000" (or "-some-phases" with BENCH_FOREGROUND_PHASES). */
 function foregroundSuffix(): string {
-  const batchSize = foregroundBatchOverride();
-  const throttleRate = foregroundThrottleOverride();
-  return `${batchSize === null ? '' : `-batch${batchSize}`}${throttleRate === null ? '' : `-throttle${throttleRate}`}${process.env.BENCH_FOREGROUND_PHASES ? '-some-phases' : ''}`;
+  const marks = (Object.keys(FOREGROUND_OVERRIDES) as Array<keyof typeof FOREGROUND_OVERRIDES>).map((which) => {
+    const value = foregroundOverride(which);
+    return value === null ? '' : `-${FOREGROUND_OVERRIDES[which].mark}${value}`;
+  });
+  return `${marks.join('')}${process.env.BENCH_FOREGROUND_PHASES ? '-some-phases' : ''}`;
 }
 
 async function measureForeground(context: BenchContext, config: ModeConfig, seed: Seed, report: BenchReport): Promise<void> {
-  const batchSize = foregroundBatchOverride();
-  const throttleRate = foregroundThrottleOverride();
-  const sized = batchSize === null ? config.foreground : { ...config.foreground, reaperBatchSize: batchSize };
+  const batchSize = foregroundOverride('batchSize');
+  const throttleRate = foregroundOverride('throttle');
+  const rows = foregroundOverride('rows');
+  if (rows !== null && rows > seed.candidates) throw new Error(`BENCH_FOREGROUND_ROWS must be at most the seed's ${seed.candidates} candidates, got ${rows}`);
+  const counted = rows === null ? config.foreground : { ...config.foreground, rows };
+  const sized = batchSize === null ? counted : { ...counted, reaperBatchSize: batchSize };
   const throttled = throttleRate === null ? sized : { ...sized, throttle: { ...sized.throttle, rowsPerSecond: throttleRate } };
   const phases = process.env.BENCH_FOREGROUND_PHASES;
   const f = phases ? { ...throttled, onlyPhases: phases.split(',').map((label) => label.trim()).filter(Boolean) } : throttled;
