@@ -44,3 +44,41 @@ test('the fault proxy under latency delivers every byte, in order, in both direc
     await new Promise<void>((resolve) => sink.close(() => resolve()));
   }
 });
+
+/**
+ * `refusing` stands for a server that is down: a connection made meanwhile is reset before it
+ * reaches the server (a test changes the server's state while the client cannot see it), and one
+ * made afterwards passes again.
+ */
+test('the fault proxy while refusing resets new connections before they reach the server; afterwards they pass', async () => {
+  let accepted = 0;
+  const sink = createServer((socket: Socket) => {
+    accepted += 1;
+    socket.end('hello');
+  });
+  await new Promise<void>((resolve) => sink.listen(0, '127.0.0.1', () => resolve()));
+  const proxy = await TcpProxy.start({ targetHost: '127.0.0.1', targetPort: (sink.address() as AddressInfo).port });
+  const attempt = () =>
+    new Promise<{ data: string; error: string | null }>((resolve) => {
+      const client = connect({ host: '127.0.0.1', port: proxy.port });
+      let data = '';
+      let error: string | null = null;
+      client.on('data', (chunk: Buffer) => (data += chunk.toString()));
+      client.on('error', (e: NodeJS.ErrnoException) => (error = e.code ?? e.message));
+      client.on('close', () => resolve({ data, error }));
+    });
+  try {
+    proxy.refusing = true;
+    const refused = await attempt();
+    assert.equal(refused.data, '', 'nothing from the server while refusing');
+    assert.equal(refused.error, 'ECONNRESET');
+    assert.equal(accepted, 0, 'the server never saw the refused connection');
+    assert.equal(proxy.links.size, 0);
+    proxy.refusing = false;
+    assert.deepEqual(await attempt(), { data: 'hello', error: null });
+    assert.equal(accepted, 1);
+  } finally {
+    await proxy.close();
+    await new Promise<void>((resolve) => sink.close(() => resolve()));
+  }
+});
