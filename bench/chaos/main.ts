@@ -31,7 +31,7 @@
  * the services (each must exit 0) and prints the checker table. Exit 1 on any violation.
  */
 import { randomInt } from 'node:crypto';
-import { mkdirSync, writeFileSync } from 'node:fs';
+import { mkdirSync, rmSync, writeFileSync } from 'node:fs';
 import path from 'node:path';
 import { parseArgs } from 'node:util';
 import amqp from 'amqplib';
@@ -337,7 +337,12 @@ async function main(): Promise<number> {
     LOG_LEVEL: 'info',
   };
   const command = (label: string) => (label.startsWith('scheduler') ? 'scheduler' : label.startsWith('relay') ? 'relay' : 'worker');
-  const services = new Services((label) => startReaper(label, [command(label)], bed.processEnv({ ...serviceEnv, REAPER_WORKER_ID: label })));
+  // Every service's log is kept (each restart appends to its file): a run that fails explains itself.
+  const logDir = path.join(RESULTS_DIR, `chaos-${options.seed}`);
+  rmSync(logDir, { recursive: true, force: true });
+  mkdirSync(logDir, { recursive: true });
+  log(`service logs: ${path.relative(process.cwd(), logDir)}/`);
+  const services = new Services((label) => startReaper(label, [command(label)], bed.processEnv({ ...serviceEnv, REAPER_WORKER_ID: label }), path.join(logDir, `${label}.log`)));
   emergencyStops.push(async () => {
     for (const process of services.all.values()) process.signal('SIGKILL');
     await Promise.all([...services.all.values()].map((process) => process.exited));
@@ -553,6 +558,10 @@ async function main(): Promise<number> {
   const unpublished = async () => (await bed.pool.query<{ n: number }>('SELECT count(*)::int AS n FROM cleanup_outbox')).rows[0]!.n;
   while ((await unpublished()) > 0 && Date.now() < settleDeadline) await wait(500);
   const settledAt = (await bed.pool.query<{ now: string }>('SELECT reaper_iso(clock_timestamp()) AS now')).rows[0]!.now;
+  // Each work queue as the settle left it, services still running: a queue with messages and no
+  // consumer is a lost consumer, one with consumers that does not drain is a capacity problem.
+  const queuesAtSettle = await describeWorkQueues(bed, [ROWS, ASSETS]);
+  log(`work queues at the end of the settle: ${queuesAtSettle.map((q) => `${q.queue} ${q.messages} message(s), ${q.consumers} consumer(s)`).join('; ')}`);
   await Promise.all(recoveries);
   problems.push(...(await services.stopAll()));
   problems.push(...services.unexpectedExits.map((exit) => `unexpected exit: ${exit}`));
@@ -614,6 +623,8 @@ async function main(): Promise<number> {
         events: report.events ?? null,
         longestRecoveryMs: longest?.recoveryMs ?? null,
         problems,
+        queuesAtSettle,
+        serviceLogs: path.relative(process.cwd(), logDir),
       },
       null,
       2,
@@ -646,6 +657,22 @@ async function bindEventsConsumer(bed: TestBed): Promise<string> {
     await connection.close();
   }
   return queue;
+}
+
+/** Messages and consumers of each policy's work queue now (passive declare: the broker's count). */
+async function describeWorkQueues(bed: TestBed, policies: readonly string[]): Promise<Array<{ queue: string; messages: number; consumers: number }>> {
+  const names = brokerNames(bed.prefix);
+  const broker = await openTestBroker(bed.amqpUrl);
+  try {
+    const described = [];
+    for (const policy of policies) {
+      const queue = names.workQueue(policy);
+      described.push({ queue, messages: await broker.messageCount(queue), consumers: await broker.consumerCount(queue) });
+    }
+    return described;
+  } finally {
+    await broker.close();
+  }
 }
 
 /** What a crash of the tool itself must still undo (services killed, servers restored, database dropped). */

@@ -1,3 +1,4 @@
+import { randomUUID } from 'node:crypto';
 import type { Logger } from 'pino';
 import { ReconnectingConnection } from '../../shared/amqp/connection';
 import { ConfirmingPublisher } from '../../shared/amqp/publisher';
@@ -12,21 +13,22 @@ import {
   expiryEventMessageId,
   expiryEventRoutingKey,
 } from '../../shared/contracts/expiry-event';
-import { makePool, withTransaction, type Pool } from '../../shared/db/pool';
-import { outboxDeletePublished, outboxTakeOldest } from '../../shared/db/queries/outbox';
+import { makePool, type Pool } from '../../shared/db/pool';
+import { outboxClaimOldest, outboxDeletePublished, outboxReleaseClaims, outboxReleaseClaimsOf } from '../../shared/db/queries/outbox';
 import { failpoint } from '../../shared/observability/failpoint-hook';
 
 /**
  * `reaper relay`: publishes the expiry-event outbox (cleanup_outbox) to `<prefix>.events`.
  *
- * One pass takes the oldest RELAY_BATCH_SIZE rows (locked, SKIP LOCKED: several relays share the
- * outbox instead of publishing the same rows), publishes each with publisher confirms and
- * `mandatory`, and deletes, in the same transaction, only the rows whose events the broker
- * confirmed AND routed. What must stay true: an outbox row is deleted only after its confirm, so a
- * crash, a lost database connection or a broker outage at any point leaves the row to be
- * published again (at-least-once; the message id is the deletion's stable key, so consumers dedupe).
- * A broker outage, or no queue bound for a policy's events, only lets the outbox grow (up to each
- * policy's events.maxOutbox, where its deletions pause: services/worker/outbox-limit.ts).
+ * One pass claims the oldest RELAY_BATCH_SIZE unclaimed rows with a lease (one short statement,
+ * outboxClaimOldest), publishes each with publisher confirms and `mandatory` with no transaction
+ * open, then deletes the rows whose events the broker confirmed AND routed, where it still holds
+ * the claim, and gives back the claims of the rest. What must stay true: an outbox row is deleted
+ * only after its confirm, so a crash, a lost database connection or a broker outage at any point
+ * leaves the row to be published again (at-least-once; consumers dedupe on the message id); and no
+ * transaction or row lock is held while the relay waits on the broker (invariant 18). A broker
+ * outage, or no queue bound for a policy's events, only lets the outbox grow (up to each policy's
+ * events.maxOutbox, where its deletions pause: services/worker/outbox-limit.ts).
  */
 
 export const RELAY_BATCH_SIZE = 200;
@@ -35,44 +37,42 @@ export const RELAY_IDLE_MS = 500;
 /** Wait after a pass that failed (broker or database trouble) before the next. */
 export const RELAY_FAILURE_BACKOFF_MS = 2_000;
 /**
- * A draining relay takes each pass after the last row of the one before (see outboxTakeOldest) and
- * starts again from the oldest row after a pass that reached the end of the outbox, failed, or
- * after this many passes: a row below the cursor (committed late, skipped while another relay held
- * it, or left by a failed publish) waits at most that long.
+ * How long a pass's claim keeps other relays off its rows: past the publisher's confirm timeout
+ * (10 s), so a live relay deletes or gives back its rows before the claim runs out, and short, as
+ * it is also how long a killed relay's rows wait for another relay (a relay restarted under the
+ * same REAPER_WORKER_ID takes its earlier life's claims back at once: outboxReleaseClaimsOf).
  */
-export const RELAY_RESCAN_EVERY_PASSES = 25;
+export const RELAY_CLAIM_MS = 15_000;
 
 export interface RelayPass {
   taken: number;
   published: number;
-  /** The id of the last row taken ('0' when none): where the next pass may start. */
-  lastId: string;
   /** The first refusal of the pass (unroutable, nacked, no confirm), when some publish failed. */
   failure: string | null;
 }
 
-/** One pass over the oldest outbox rows (see the module comment). */
-export async function relayOnce(deps: { pool: Pool; publisher: ConfirmingPublisher; exchange: string; batchSize: number; afterId?: string }): Promise<RelayPass> {
-  return withTransaction(deps.pool, async (client) => {
-    const entries = await outboxTakeOldest(client, deps.batchSize, deps.afterId);
-    if (entries.length === 0) return { taken: 0, published: 0, lastId: '0', failure: null };
-    failpoint('relay-before-publish');
-    const outcomes = await Promise.allSettled(
-      entries.map(({ event }) =>
-        deps.publisher.publish(deps.exchange, expiryEventRoutingKey(event.policy), encodeExpiryEvent(event), {
-          messageId: expiryEventMessageId(event),
-          contentType: 'application/json',
-          type: 'reaper.expiry',
-          headers: { [EVENT_CAUSE_HEADER]: EVENT_CAUSE_EXPIRY, 'x-reaper-event-version': EXPIRY_EVENT_VERSION },
-        }),
-      ),
-    );
-    const confirmed = entries.filter((_, index) => outcomes[index]!.status === 'fulfilled');
-    failpoint('relay-after-confirm');
-    await outboxDeletePublished(client, confirmed.map((entry) => entry.outboxId));
-    const refused = outcomes.find((outcome): outcome is PromiseRejectedResult => outcome.status === 'rejected');
-    return { taken: entries.length, published: confirmed.length, lastId: entries.at(-1)!.outboxId, failure: refused ? String((refused.reason as Error).message ?? refused.reason) : null };
-  });
+/** One pass over the oldest unclaimed outbox rows (see the module comment). */
+export async function relayOnce(deps: { pool: Pool; publisher: ConfirmingPublisher; exchange: string; batchSize: number; owner: string; claimMs?: number }): Promise<RelayPass> {
+  const entries = await outboxClaimOldest(deps.pool, { limit: deps.batchSize, owner: deps.owner, leaseMs: deps.claimMs ?? RELAY_CLAIM_MS });
+  if (entries.length === 0) return { taken: 0, published: 0, failure: null };
+  failpoint('relay-before-publish');
+  const outcomes = await Promise.allSettled(
+    entries.map(({ event }) =>
+      deps.publisher.publish(deps.exchange, expiryEventRoutingKey(event.policy), encodeExpiryEvent(event), {
+        messageId: expiryEventMessageId(event),
+        contentType: 'application/json',
+        type: 'reaper.expiry',
+        headers: { [EVENT_CAUSE_HEADER]: EVENT_CAUSE_EXPIRY, 'x-reaper-event-version': EXPIRY_EVENT_VERSION },
+      }),
+    ),
+  );
+  const confirmed = entries.filter((_, index) => outcomes[index]!.status === 'fulfilled');
+  const refusedEntries = entries.filter((_, index) => outcomes[index]!.status === 'rejected');
+  failpoint('relay-after-confirm');
+  await outboxDeletePublished(deps.pool, confirmed.map((entry) => entry.outboxId), deps.owner);
+  if (refusedEntries.length > 0) await outboxReleaseClaims(deps.pool, refusedEntries.map((entry) => entry.outboxId), deps.owner);
+  const refused = outcomes.find((outcome): outcome is PromiseRejectedResult => outcome.status === 'rejected');
+  return { taken: entries.length, published: confirmed.length, failure: refused ? String((refused.reason as Error).message ?? refused.reason) : null };
 }
 
 export interface RelayHandle {
@@ -106,24 +106,26 @@ export async function startRelay(env: Env, policies: PolicySet, log: Logger): Pr
       wake = done;
     });
 
+  // Each process its own claim owner: two relays started with the same REAPER_WORKER_ID must not
+  // delete each other's rows.
+  const owner = `${env.workerId}:${randomUUID()}`;
+  // A relay restarted under the same id (a process restarted in place) does not wait out its
+  // earlier life's claims: that process is gone. (Two live relays must not share an id.)
+  const reclaimed = await outboxReleaseClaimsOf(pool, `${env.workerId}:`).catch((error: Error) => {
+    log.warn({ err: error.message }, 'taking back earlier claims failed; they are taken again when their lease ends');
+    return 0;
+  });
+  if (reclaimed > 0) log.info({ reclaimed }, 'outbox claims of an earlier relay with this id taken back');
   const loop = (async () => {
-    // Where the next pass starts (RELAY_RESCAN_EVERY_PASSES): '0' = the oldest row.
-    let afterId = '0';
-    let passesSinceRescan = 0;
     while (!stopping) {
       let pass: RelayPass;
       try {
-        pass = await relayOnce({ pool, publisher, exchange, batchSize: RELAY_BATCH_SIZE, afterId });
+        pass = await relayOnce({ pool, publisher, exchange, batchSize: RELAY_BATCH_SIZE, owner });
       } catch (error) {
-        afterId = '0';
         log.warn({ err: (error as Error).message }, 'relay pass failed; the outbox rows stay and are published again');
         await pause(RELAY_FAILURE_BACKOFF_MS);
         continue;
       }
-      passesSinceRescan += 1;
-      const goOn = pass.failure === null && pass.taken === RELAY_BATCH_SIZE && passesSinceRescan < RELAY_RESCAN_EVERY_PASSES;
-      afterId = goOn ? pass.lastId : '0';
-      if (!goOn) passesSinceRescan = 0;
       if (pass.taken > 0) log.info({ taken: pass.taken, published: pass.published }, 'expiry events published');
       if (pass.failure !== null) {
         log.warn({ failure: pass.failure, unpublished: pass.taken - pass.published }, 'some expiry events were not confirmed; they stay in the outbox');

@@ -52,7 +52,7 @@ export async function readBacklog(db: Db, policies: readonly Policy[], targets: 
     result.push({
       policy: policy.name,
       kind: policy.kind,
-      target: await targetBacklogRead(db, target),
+      target: await targetBacklogRead(db, target, undefined, { remotePolicy: policy.kind === 'remote-delete' }),
       ledger: policy.kind === 'remote-delete' ? await ledgerBacklogRead(db, policy.name, policy.leaseMs) : null,
       lastCompleted: lastCompleted.get(policy.name) ?? null,
     });
@@ -145,6 +145,8 @@ export function startBacklogGauges(deps: {
       const policy = entry.policy;
       metrics.oldestEligibleAgeSeconds.set({ policy }, entry.target.oldestEligibleAgeSeconds);
       metrics.eligibleRows.set({ policy }, entry.target.eligibleRows);
+      metrics.heldRows.set({ policy }, entry.target.heldRows);
+      metrics.reviewRows.set({ policy }, entry.target.reviewRows);
       // row-delete holds no lease (one autocommitted statement per batch): its oldest lease is 0.
       metrics.oldestLeasedAgeSeconds.set({ policy }, entry.ledger?.oldestLeasedAgeSeconds ?? 0);
       if (entry.ledger) metrics.oldestRunnableAgeSeconds.set({ policy }, entry.ledger.oldestRunnableAgeSeconds);

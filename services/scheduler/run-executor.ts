@@ -15,10 +15,12 @@ import {
   runsRecordCount,
   runsSetPolicyVersion,
   runsMarkFailed,
+  runsEarlierWithUndeliveredBatches,
   runsMarkPublished,
   runsRecordProgress,
   type Run,
   type RunClaim,
+  UNDELIVERED_COUNT_CAP,
 } from '../../shared/db/queries/runs';
 import type { Metrics } from '../../shared/observability/metrics';
 import { failpoint } from '../../shared/observability/failpoint-hook';
@@ -27,6 +29,15 @@ import { windowStateAt } from '../../shared/schedule/window';
 
 /** Batches built per window (one scan query); all are confirmed before progress is stored. */
 const CONFIRM_WINDOW = 32;
+/**
+ * remote-delete: a new scheduled run (cron, catch-up) publishes nothing while an earlier run of the policy, published at most
+ * this long ago, still has batches no worker has received (issue 43, the chaos stall). They carry
+ * the same unrecorded items the scan would find, and copying them into a queue that is already
+ * behind is what made its delay, and its inflow, grow together. Bounded so that a batch lost for
+ * good (a purged queue) holds back new runs for this long at most; runs that end `incomplete` stop
+ * holding them back at once.
+ */
+export const CARRIED_BY_BROKER_MAX_MS = 10 * 60_000;
 /**
  * Pacing (deps.paceBy): while the policy's workers are admitted at an adaptive rate, the run
  * publishes at most this far (in seconds of that rate) ahead of what they may delete, in windows of
@@ -218,6 +229,15 @@ async function executeClaimed(context: RunContext, run: Run, policy: Policy, tar
   log.info({ resumedFrom: run.cursor, claim: run.claimCount }, 'run scanning');
   const versioned = await attempt('record the policy version', () => runsSetPolicyVersion(deps.pool, claim, version));
   if (!versioned.ok) return versioned.outcome;
+  // Scheduled runs only: a run an operator asked for (manual, replay) publishes what it finds.
+  const scheduled = run.trigger === 'cron' || run.trigger === 'catch-up';
+  if (policy.kind === 'remote-delete' && scheduled && run.cursor === null && run.batchesConfirmed === 0) {
+    const carried = await attempt('look for batches still in the broker', () =>
+      runsEarlierWithUndeliveredBatches(deps.pool, { policy: run.policy, runId: run.runId, withinMs: CARRIED_BY_BROKER_MAX_MS }),
+    );
+    if (!carried.ok) return carried.outcome;
+    if (carried.value) return deferToCarryingRun(context, carried.value);
+  }
   const start = await attempt('count for the brake', async () => {
     await deps.beforeStep?.('count');
     return startingAllowance(context, run, policy, target, version);
@@ -296,7 +316,8 @@ async function executeClaimed(context: RunContext, run: Run, policy: Policy, tar
       // flipped back): what is left needs a decision of its own.
       const counted = await attempt('count for the brake', () => countTotal(context, run, policy, target, progress, allowance.fraction));
       if (!counted.ok) return counted.outcome;
-      return hold(context, policy, version, { counted: counted.value.total, capped: counted.value.capped, reason: `${counted.value.total}${counted.value.capped ? '+' : ''} candidates > ${allowance.describe}` });
+      const measured = counted.value.total + run.unconfirmedCandidates;
+      return hold(context, policy, version, { counted: measured, capped: counted.value.capped, reason: `${measured}${counted.value.capped ? '+' : ''} candidates > ${allowance.describe}` });
     }
     if (window.reachedEnd) break;
   }
@@ -310,6 +331,24 @@ async function executeClaimed(context: RunContext, run: Run, policy: Policy, tar
   if (nonFinite > 0) log.warn({ nonFinite }, "rows expiring at '-infinity' are never published: give them a real expiry");
   // The completion pass would find it too; this only makes a run with nothing to wait for final at once.
   await runsCompleteIfAllBatchesDone(deps.pool, run.runId).catch((error: Error) =>
+    log.warn({ err: error.message }, 'completion check failed; the completion pass retries'),
+  );
+  return 'published';
+}
+
+/**
+ * An earlier run's batches are still in the broker: this run publishes nothing, says why in its
+ * reason, and completes (it has no batch to wait for). The next run scans again.
+ */
+async function deferToCarryingRun(context: RunContext, carrying: { runId: string; undelivered: number }): Promise<RunOutcome> {
+  const { deps, log, claim } = context;
+  const note = `published nothing: run ${carrying.runId} still has ${carrying.undelivered}${carrying.undelivered >= UNDELIVERED_COUNT_CAP ? '+' : ''} batch(es) no worker has received`;
+  const published = await retrying(context, 'mark published', () => runsMarkPublished(deps.pool, claim, note));
+  if (!published.ok) return published.outcome;
+  if (!published.value) return lostLease(log);
+  deps.metrics.runsDeferredTotal.inc({ policy: context.policy });
+  log.info({ carryingRun: carrying.runId, undelivered: carrying.undelivered }, 'run deferred: an earlier run still has batches in the broker');
+  await runsCompleteIfAllBatchesDone(deps.pool, claim.runId).catch((error: Error) =>
     log.warn({ err: error.message }, 'completion check failed; the completion pass retries'),
   );
   return 'published';
@@ -342,8 +381,9 @@ async function startingAllowance(
   if (run.approvedCandidates !== null) {
     if (run.approvedPolicyVersion !== version) {
       const counted = await countTotal(context, run, policy, target, progress, limits?.maxFractionPerRun !== undefined);
-      const reason = `policy version changed since the approval (approved under ${run.approvedPolicyVersion ?? 'unknown'}, now ${version}): ${counted.total}${counted.capped ? '+' : ''} candidates`;
-      return { hold: { counted: counted.total, capped: counted.capped, reason } };
+      const measured = counted.total + run.unconfirmedCandidates;
+      const reason = `policy version changed since the approval (approved under ${run.approvedPolicyVersion ?? 'unknown'}, now ${version}): ${measured}${counted.capped ? '+' : ''} candidates`;
+      return { hold: { counted: measured, capped: counted.capped, reason } };
     }
     const tolerance = limits?.approvalTolerance ?? DEFAULT_APPROVAL_TOLERANCE;
     if (context.deps.onCounted) await countTotal(context, run, policy, target, progress, false);
@@ -359,10 +399,13 @@ async function startingAllowance(
   if (!limited && !context.deps.onCounted) return { allowance: UNLIMITED };
   const counted = await countTotal(context, run, policy, target, progress, limits?.maxFractionPerRun !== undefined);
   const allowance = limited ? allowanceOf(policy, counted.guarded) : UNLIMITED;
-  // As fitWindow does: a window an earlier claim may have published unconfirmed counts too.
-  if (counted.total + run.unconfirmedCandidates <= allowance.limit) return { allowance };
-  const unconfirmed = run.unconfirmedCandidates > 0 ? ` (+${run.unconfirmedCandidates} published unconfirmed by an earlier claim)` : '';
-  return { hold: { counted: counted.total, capped: counted.capped, reason: `${counted.total}${counted.capped ? '+' : ''} candidates${unconfirmed} > ${allowance.describe}` } };
+  // As fitWindow does: a window an earlier claim may have published unconfirmed counts too. The
+  // hold shows the number the allowance is measured against, so approving it lets the run finish
+  // (holding with the total alone left no room for the first page: an approval loop, issue 40).
+  const measured = counted.total + run.unconfirmedCandidates;
+  if (measured <= allowance.limit) return { allowance };
+  const unconfirmed = run.unconfirmedCandidates > 0 ? ` (${run.unconfirmedCandidates} of them published unconfirmed by an earlier claim)` : '';
+  return { hold: { counted: measured, capped: counted.capped, reason: `${measured}${counted.capped ? '+' : ''} candidates${unconfirmed} > ${allowance.describe}` } };
 }
 
 /** The smaller of the policy's limits, as an allowance; `guarded` is the base of maxFractionPerRun. */

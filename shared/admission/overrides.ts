@@ -1,6 +1,6 @@
 import type { AnyRemoteDeletePolicy, Policy, RemoteDeletePolicy, RowDeletePolicy } from '../config/policies';
 import type { Db, Pool } from '../db/pool';
-import { admissionOverridesRead, type AdmissionOverride } from '../db/queries/admission';
+import { admissionOverridesRead, admissionPausedRead, type AdmissionOverride } from '../db/queries/admission';
 
 /**
  * Live admission control: `reaper admission set` stores an override in PostgreSQL
@@ -31,6 +31,28 @@ export async function overrideFor(pool: Pool, policy: string): Promise<Admission
     });
   }
   return (await cached.value).get(policy) ?? null;
+}
+
+const pausedCaches = new WeakMap<Pool, { readAt: number; value: Promise<Set<string>> }>();
+
+/**
+ * Whether `reaper pause` holds the policy (cleanup_admission.paused), read again when the last
+ * read is older than OVERRIDE_REFRESH_MS (one query for all policies): row-delete workers check it
+ * before every admission, whatever the rate, so a pause stops every deletion within a second.
+ */
+export async function pausedFor(pool: Pool, policy: string): Promise<boolean> {
+  let cached = pausedCaches.get(pool);
+  const now = performance.now();
+  if (!cached || now - cached.readAt > OVERRIDE_REFRESH_MS) {
+    const entry = { readAt: now, value: admissionPausedRead(pool).then((names) => new Set(names)) };
+    cached = entry;
+    pausedCaches.set(pool, entry);
+    // A failed read is not kept: the next call reads again (the caller sees this one's error).
+    entry.value.catch(() => {
+      if (pausedCaches.get(pool) === entry) pausedCaches.delete(pool);
+    });
+  }
+  return (await cached.value).has(policy);
 }
 
 /** remote-delete: the file's admission with an override's values over it. */

@@ -19,7 +19,7 @@ import {
   lookDone,
   type LatencyReading,
 } from './adaptive';
-import { overrideFor, rowAdmissionWith, type RowAdmission } from './overrides';
+import { overrideFor, pausedFor, rowAdmissionWith, type RowAdmission } from './overrides';
 
 /**
  * The row-delete throttle, global across workers (issue 12): a token bucket of ROWS per second
@@ -163,6 +163,23 @@ export async function assertBrakeReadable(pool: Pool, policy: RowDeletePolicy): 
   if (!readable) {
     throw new Error(
       `brake.maxReplicationLagSeconds needs the standbys' replay lag, which role "${role}" cannot read: GRANT pg_read_all_stats TO "${role}" (reaper roles --print includes it)`,
+    );
+  }
+}
+
+/**
+ * Start-up check of an adaptive policy (the default): the rate steps by what the worker sees of
+ * the application's sessions in pg_stat_activity, whose state, wait event, backend type and state
+ * change PostgreSQL shows another role's sessions only to members of pg_read_all_stats. Without it
+ * every application session would look like nobody and the worker would admit without a rate
+ * (issue 40); refusing to start names the missing grant instead.
+ */
+export async function assertOthersReadable(pool: Pool, policy: RowDeletePolicy): Promise<void> {
+  if (!adaptiveAdmission(policy)) return;
+  const { role, readable } = await replicationLagReadable(pool);
+  if (!readable) {
+    throw new Error(
+      `adaptive admission (the default) reads other sessions' state in pg_stat_activity, which role "${role}" cannot read: GRANT pg_read_all_stats TO "${role}" (reaper roles --print includes it), or set admission: { adaptive: false }`,
     );
   }
 }
@@ -366,10 +383,16 @@ async function admitRowsInTurn(
   const adaptive = adaptiveAdmission(policy);
   for (;;) {
     const admission = rowAdmissionWith(policy, await overrideFor(pool, policy.name));
-    if (admission.rowsPerSecond === null && maxLag === null && !adaptive) return { admitted: true, admission, waitedMs: performance.now() - started };
+    // `reaper pause <policy>`: nothing is admitted, whatever the rate (an unthrottled or "alone"
+    // policy takes no token, so the pause is checked here, before any shortcut).
+    const paused = await pausedFor(pool, policy.name);
+    if (!paused && admission.rowsPerSecond === null && maxLag === null && !adaptive) return { admitted: true, admission, waitedMs: performance.now() - started };
     let reason: RowsRefused['reason'];
     let retryInMs: number;
-    if (admission.rowsPerSecond === null && !adaptive) {
+    if (paused) {
+      reason = 'paused';
+      retryInMs = MAX_ASK_INTERVAL_MS;
+    } else if (admission.rowsPerSecond === null && !adaptive) {
       // A brake without a rate: only the lag is read.
       const at = now();
       const lag = await replicationLagRead(pool, { standbys });

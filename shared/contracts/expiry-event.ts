@@ -1,20 +1,27 @@
 /**
- * The expiry event, version 1 (docs/design.md "Expiry events"): what `reaper relay` publishes to
+ * The expiry event, version 2 (docs/design.md "Expiry events"): what `reaper relay` publishes to
  * `<prefix>.events` for each deletion of a policy with `events: { enabled: true }`.
  *
  * Versioning, like the batch contract: a field is only ever added in a new version (consumers of
  * version N accept every version up to N, and ignore fields they do not know); a field's meaning
- * never changes within a version. Delivery is at-least-once: consumers dedupe on the message id,
- * which is the operation's stable key and so the same on every redelivery of one deletion.
+ * never changes within a version. Delivery is at-least-once: consumers dedupe on the message id.
+ *
+ * Version 2 (issue 40) added `eventId`, which is also the message id: `<policy>:<key>:<observed
+ * expiry>:<deletion>`, where the deletion is the outbox row's id. Version 1's id was the operation
+ * key alone, the same for a row deleted, restored and deleted again: a consumer deduping on it
+ * dropped the second, real deletion. The outbox row lives until its confirm, so the id is the same
+ * on every retry of one deletion and differs between two deletions.
  */
-export const EXPIRY_EVENT_VERSION = 1;
+export const EXPIRY_EVENT_VERSION = 2;
 
 /** Header on every expiry event: the deletion was reaper's expiry, not a user's delete. */
 export const EVENT_CAUSE_HEADER = 'x-reaper-cause';
 export const EVENT_CAUSE_EXPIRY = 'expiry';
 
-export interface ExpiryEventV1 {
-  version: 1;
+export interface ExpiryEventV2 {
+  version: 2;
+  /** Unique per deletion, stable across the relay's retries: the message id (expiryEventId). */
+  eventId: string;
   policy: string;
   /** The row's key as canonical text (a uuid as its canonical text). */
   key: string;
@@ -30,9 +37,17 @@ export interface ExpiryEventV1 {
   policyVersion: string;
 }
 
-/** `<policy>:<key>:<observed expiry>`: the operation's stable key (remote-delete's ledger key too). */
-export function expiryEventMessageId(event: Pick<ExpiryEventV1, 'policy' | 'key' | 'observedExpiry'>): string {
-  return `${event.policy}:${event.key}:${event.observedExpiry}`;
+/**
+ * `<policy>:<key>:<observed expiry>:<deletion>`: the retention decision (the remote ledger's
+ * operation key) and which deletion of it (the outbox row's id, a decimal integer).
+ */
+export function expiryEventId(decision: { policy: string; key: string; observedExpiry: string }, deletion: string): string {
+  return `${decision.policy}:${decision.key}:${decision.observedExpiry}:${deletion}`;
+}
+
+/** The message id of an event: its eventId. */
+export function expiryEventMessageId(event: Pick<ExpiryEventV2, 'eventId'>): string {
+  return event.eventId;
 }
 
 /** The topic routing key: consumers bind `<policy>.expired`, or `#.expired` for every policy. */
@@ -40,6 +55,6 @@ export function expiryEventRoutingKey(policy: string): string {
   return `${policy}.expired`;
 }
 
-export function encodeExpiryEvent(event: ExpiryEventV1): Buffer {
+export function encodeExpiryEvent(event: ExpiryEventV2): Buffer {
   return Buffer.from(JSON.stringify(event));
 }

@@ -105,6 +105,12 @@ export function makeMetrics(policies: readonly MetricPolicy[] = []) {
       labelNames: ['policy', 'trigger'] as const,
       registers: [registry],
     }),
+    runsDeferredTotal: new Counter({
+      name: 'reaper_runs_deferred_total',
+      help: 'remote-delete runs that published nothing because an earlier run of the policy still had batches in the broker, by policy',
+      labelNames: ['policy'] as const,
+      registers: [registry],
+    }),
     batchesPublishedTotal: new Counter({
       name: 'reaper_batches_published_total',
       help: 'Batches confirmed by the broker, by policy',
@@ -175,7 +181,7 @@ export function makeMetrics(policies: readonly MetricPolicy[] = []) {
     // Backlog gauges: read from PostgreSQL by every scheduler replica (aggregate with max by (policy)).
     oldestEligibleAgeSeconds: new Gauge({
       name: 'reaper_oldest_eligible_age_seconds',
-      help: 'Now minus the expiry of the oldest row that satisfies the guard and has expired (0 when none)',
+      help: 'Now minus the expiry of the oldest row reaper may delete now: guard true, expired, no legal hold, not in review (0 when none)',
       labelNames: ['policy'] as const,
       registers: [registry],
     }),
@@ -199,7 +205,19 @@ export function makeMetrics(policies: readonly MetricPolicy[] = []) {
     }),
     eligibleRows: new Gauge({
       name: 'reaper_eligible_rows',
-      help: 'Expired rows waiting (guard true), counted up to a cap of 10000',
+      help: 'Expired rows reaper may delete now (guard true, no legal hold, not in review), counted up to a cap of 10000',
+      labelNames: ['policy'] as const,
+      registers: [registry],
+    }),
+    heldRows: new Gauge({
+      name: 'reaper_held_rows',
+      help: 'Expired rows (guard true) kept by an active legal hold, counted up to a cap of 10000: not a backlog',
+      labelNames: ['policy'] as const,
+      registers: [registry],
+    }),
+    reviewRows: new Gauge({
+      name: 'reaper_review_rows',
+      help: 'remote-delete: expired rows whose operation ended rejected or gave-up (a person decides), counted up to a cap of 10000',
       labelNames: ['policy'] as const,
       registers: [registry],
     }),

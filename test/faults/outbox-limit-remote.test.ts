@@ -2,7 +2,7 @@ import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
 import amqp, { type Channel, type ChannelModel, type GetMessage } from 'amqplib';
 import { brokerNames } from '../../shared/amqp/topology';
-import type { ExpiryEventV1 } from '../../shared/contracts/expiry-event';
+import type { ExpiryEventV2 } from '../../shared/contracts/expiry-event';
 import { stopAllCleanly } from '../support/fixtures';
 import { drainQueue } from '../support/broker';
 import { eventually } from '../support/eventually';
@@ -102,8 +102,10 @@ describe('remote-delete: the expiry-event outbox limit pauses deletions until th
         return new Set(events.map((message) => message.properties.messageId as string)).size >= ASSETS && (await outboxCount()) === 0;
       }, { timeoutMs: 30_000 });
       const keys = (await ledgerRows(world.bed.pool)).map((operation) => operation.operation_key).sort();
-      assert.deepEqual([...new Set(events.map((message) => message.properties.messageId as string))].sort(), keys, 'one event per deletion, its id the operation key');
-      assert.deepEqual([...new Set(events.map((message) => (JSON.parse(message.content.toString()) as ExpiryEventV1).key))].sort(), ids);
+      // The event id is the operation key and the deletion (the outbox row's id): one per deletion.
+      const decisions = [...new Set(events.map((message) => message.properties.messageId as string))].map((id) => id.replace(/:\d+$/, ''));
+      assert.deepEqual(decisions.sort(), keys, 'one event per deletion, its id the operation key and the deletion');
+      assert.deepEqual([...new Set(events.map((message) => (JSON.parse(message.content.toString()) as ExpiryEventV2).key))].sort(), ids);
       const after = await runReaperCli(['status', '--json'], world.bed.processEnv());
       const resumed = (JSON.parse(after.stdout) as { policies: Array<{ policy: string; events: { paused: boolean } | null }> }).policies.find((entry) => entry.policy === MEDIA_POLICY);
       assert.equal(resumed?.events?.paused, false, 'no longer paused');

@@ -1,7 +1,7 @@
 import assert from 'node:assert/strict';
 import { after, before, beforeEach, describe, test } from 'node:test';
 import amqp, { type Channel, type ChannelModel, type GetMessage } from 'amqplib';
-import { EVENT_CAUSE_EXPIRY, EVENT_CAUSE_HEADER, type ExpiryEventV1 } from '../../shared/contracts/expiry-event';
+import { EVENT_CAUSE_EXPIRY, EVENT_CAUSE_HEADER, type ExpiryEventV2 } from '../../shared/contracts/expiry-event';
 import { policyVersion, parsePolicies } from '../../shared/config/policies';
 import { closeBedAndBroker, combinedPoliciesYaml, makeRowBatch, openBedAndBroker, publishBatch, rowDeletePolicyYaml, type BedAndBroker } from '../support/fixtures';
 import { drainQueue } from '../support/broker';
@@ -83,6 +83,28 @@ describe('expiry events: outbox and relay crashes', () => {
     await drainEvents();
   });
 
+  test('a row deleted, put back with the same expiry and deleted again: two events with two ids (issue 40)', async () => {
+    const seeded = await seedHolds(world.bed.pool, { expiredHeld: 1 });
+    const [id] = seeded.expiredHeld;
+    // A uuid the database made (CREATE TABLE AS takes no parameters).
+    assert.match(id!, /^[0-9a-f-]{36}$/);
+    await world.bed.pool.query(`CREATE TABLE test_saved_row AS SELECT * FROM seat_reservations WHERE reservation_id = '${id}'`);
+    await deleteThroughWorker([id!]);
+    // Put back exactly as it was (what `reaper restore` does), then deleted again under the same decision.
+    await world.bed.pool.query('INSERT INTO seat_reservations SELECT * FROM test_saved_row; DROP TABLE test_saved_row');
+    await deleteThroughWorker([id!]);
+    const relay = startReaper('relay-twice', ['relay'], env());
+    try {
+      const events = await eventsArriving(2);
+      const bodies = events.map((message) => JSON.parse(message.content.toString()) as ExpiryEventV2);
+      assert.deepEqual(bodies.map((body) => body.key), [id, id], 'one event per deletion');
+      assert.equal(bodies[0]!.observedExpiry, bodies[1]!.observedExpiry, 'the same decision');
+      assert.equal(new Set(events.map(idOf)).size, 2, `a consumer deduping on the message id keeps both: ${events.map(idOf).join(', ')}`);
+    } finally {
+      await relay.stop();
+    }
+  });
+
   test('one outbox row per deletion that happened: none for a no-op, a renewal race or a held row', async () => {
     const seeded = await seedHolds(world.bed.pool, { expiredHeld: 10 });
     const [renewed, held, gone, ...deleted] = seeded.expiredHeld;
@@ -121,17 +143,18 @@ describe('expiry events: outbox and relay crashes', () => {
       const events = await eventsArriving(7);
       const version = policyVersion(parsePolicies(POLICY_YAML, 'test').get('seat-holds')!);
       for (const message of events) {
-        const body = JSON.parse(message.content.toString()) as ExpiryEventV1;
-        assert.equal(body.version, 1);
+        const body = JSON.parse(message.content.toString()) as ExpiryEventV2;
+        assert.equal(body.version, 2);
         assert.equal(body.policy, 'seat-holds');
         assert.equal(body.policyVersion, version);
-        assert.equal(idOf(message), `seat-holds:${body.key}:${body.observedExpiry}`, 'message id = the stable operation key');
+        assert.match(idOf(message), new RegExp(`^seat-holds:${body.key}:${body.observedExpiry.replace(/\./g, '\\.')}:\\d+$`), 'message id = the decision and its deletion');
+        assert.equal(body.eventId, idOf(message), 'the body carries the message id');
         assert.equal(message.properties.headers?.[EVENT_CAUSE_HEADER], EVENT_CAUSE_EXPIRY);
         assert.equal(message.properties.deliveryMode, 2, 'persistent');
         assert.equal(message.fields.routingKey, 'seat-holds.expired');
         for (const field of ['cutoff', 'runId', 'batchId', 'deletedAt'] as const) assert.ok(body[field], `${field} is set`);
       }
-      assert.deepEqual(events.map((message) => (JSON.parse(message.content.toString()) as ExpiryEventV1).key).sort(), [...deleted!].sort());
+      assert.deepEqual(events.map((message) => (JSON.parse(message.content.toString()) as ExpiryEventV2).key).sort(), [...deleted!].sort());
       await eventually('the outbox to be empty', async () => (await outboxKeys()).length === 0);
     } finally {
       await relay.stop();
@@ -170,7 +193,7 @@ describe('expiry events: outbox and relay crashes', () => {
     const fresh = startReaper('relay-after-restart', ['relay'], env());
     try {
       const events = await eventsArriving(5);
-      assert.deepEqual(events.map((message) => (JSON.parse(message.content.toString()) as ExpiryEventV1).key).sort(), [...seeded.expiredHeld].sort());
+      assert.deepEqual(events.map((message) => (JSON.parse(message.content.toString()) as ExpiryEventV2).key).sort(), [...seeded.expiredHeld].sort());
       await eventually('the outbox to be empty', async () => (await outboxKeys()).length === 0);
     } finally {
       await fresh.stop();
@@ -218,13 +241,17 @@ describe('expiry events: outbox and relay crashes', () => {
   test("the relay's database connection killed between the confirm and the outbox delete: nothing lost, the same ids again", async () => {
     const seeded = await seedHolds(world.bed.pool, { expiredHeld: 4 });
     await deleteThroughWorker(seeded.expiredHeld);
-    // A SHARE lock on the outbox lets the relay take and publish its batch (FOR UPDATE is ROW
-    // SHARE) but makes its DELETE wait: the relay is held after the confirm, before the delete.
+    // A test-only BEFORE DELETE trigger that waits for an advisory lock this session holds: the
+    // relay claims and publishes its batch (an UPDATE, not held back) but its DELETE waits, so
+    // the relay is held after the confirm, before the delete.
+    await world.bed.pool.query(`CREATE FUNCTION test_hold_outbox_delete() RETURNS trigger LANGUAGE plpgsql AS
+      $$ BEGIN PERFORM pg_advisory_xact_lock(424242); RETURN OLD; END $$`);
+    await world.bed.pool.query(`CREATE TRIGGER test_hold_outbox_delete BEFORE DELETE ON cleanup_outbox FOR EACH ROW EXECUTE FUNCTION test_hold_outbox_delete()`);
     const lock = await world.bed.pool.connect();
     let relay: ReaperProcess | null = null;
     try {
       await lock.query('BEGIN');
-      await lock.query('LOCK TABLE cleanup_outbox IN SHARE MODE');
+      await lock.query('SELECT pg_advisory_xact_lock(424242)');
       relay = startReaper('relay-db-lost', ['relay'], env());
       const first = await eventsArriving(4);
       const waiting = await eventually('the relay DELETE to wait on the outbox lock', async () => {
@@ -234,6 +261,7 @@ describe('expiry events: outbox and relay crashes', () => {
         return found.rows[0]?.pid;
       });
       await world.bed.pool.query('SELECT pg_terminate_backend($1)', [waiting]);
+      await world.bed.pool.query('DROP TRIGGER test_hold_outbox_delete ON cleanup_outbox');
       await lock.query('COMMIT');
       const again = await eventsArriving(4);
       assert.deepEqual(again.map(idOf).sort(), first.map(idOf).sort(), 'republished with the same message ids');
@@ -243,6 +271,7 @@ describe('expiry events: outbox and relay crashes', () => {
     } finally {
       await lock.query('ROLLBACK').catch(() => undefined); // already committed unless the test failed first
       lock.release();
+      await world.bed.pool.query('DROP TRIGGER IF EXISTS test_hold_outbox_delete ON cleanup_outbox; DROP FUNCTION IF EXISTS test_hold_outbox_delete()');
       await relay?.stop();
     }
   });

@@ -3,7 +3,7 @@ import { randomUUID } from 'node:crypto';
 import { after, before, describe, test } from 'node:test';
 import amqp, { type Channel, type ChannelModel, type ConsumeMessage } from 'amqplib';
 import { brokerNames } from '../../shared/amqp/topology';
-import type { ExpiryEventV1 } from '../../shared/contracts/expiry-event';
+import type { ExpiryEventV2 } from '../../shared/contracts/expiry-event';
 import { eventually } from '../support/eventually';
 import { rowDeletePolicyYaml } from '../support/fixtures';
 import { startPrivatePostgres, type PrivatePostgres } from '../support/private-postgres';
@@ -94,14 +94,15 @@ describe('expiry events: the database restarts while the relay publishes', () =>
       for (const message of messages) {
         const id = message.properties.messageId as string;
         const body = message.content.toString();
-        const event = JSON.parse(body) as ExpiryEventV1;
-        assert.equal(id, `${POLICY}:${event.key}:${event.observedExpiry}`, 'message id = the stable key of the deletion');
+        const event = JSON.parse(body) as ExpiryEventV2;
+        assert.equal(id, event.eventId, 'message id = the event id');
+        assert.ok(id.startsWith(`${POLICY}:${event.key}:${event.observedExpiry}:`), `the event id is the decision and its deletion: ${id}`);
         if (byId.has(id)) {
           duplicates += 1;
           assert.equal(body, byId.get(id), `a duplicate of ${id} is the same event`);
         } else byId.set(id, body);
       }
-      assert.deepEqual([...byId.values()].map((body) => (JSON.parse(body) as ExpiryEventV1).key).sort(), keys, 'every outbox row published, nothing lost');
+      assert.deepEqual([...byId.values()].map((body) => (JSON.parse(body) as ExpiryEventV2).key).sort(), keys, 'every outbox row published, nothing lost');
       assert.ok(
         relay.lines.some((line) => line.msg === 'relay pass failed; the outbox rows stay and are published again'),
         `the relay saw the restart: ${relay.output.slice(-5).join('\n')}`,

@@ -1,5 +1,5 @@
 import { spawn, type ChildProcess, type SpawnOptions } from 'node:child_process';
-import { readFileSync } from 'node:fs';
+import { createWriteStream, readFileSync } from 'node:fs';
 import path from 'node:path';
 import { eventually } from './eventually';
 
@@ -22,7 +22,10 @@ export class ReaperProcess {
     readonly label: string,
     args: string[],
     env: NodeJS.ProcessEnv,
+    /** Every line the process prints is also appended here (the chaos run keeps each service's log). */
+    logFile?: string,
   ) {
+    const logStream = logFile ? createWriteStream(logFile, { flags: 'a' }) : null;
     this.child = spawnOwned(process.execPath, [REAPER_BIN, ...args], { env, stdio: ['ignore', 'pipe', 'pipe'] });
     live.add(this);
     this.exited = new Promise((resolve) =>
@@ -39,6 +42,7 @@ export class ReaperProcess {
         const text = buffer.slice(0, newline);
         buffer = buffer.slice(newline + 1);
         this.output.push(text);
+        logStream?.write(`${text}\n`);
         if (process.env.TEST_ECHO) process.stderr.write(`[${label}] ${text}\n`);
         try {
           this.lines.push(JSON.parse(text) as LogLine);
@@ -49,6 +53,11 @@ export class ReaperProcess {
     };
     this.child.stdout!.on('data', onData);
     this.child.stderr!.on('data', onData);
+    if (logStream) {
+      logStream.on('error', () => undefined); // a full disk must not end the run that keeps the log
+      // 'close' comes after the last output: nothing is written after end().
+      this.child.once('close', (code, signal) => logStream.end(`# exit ${JSON.stringify({ code, signal })}\n`));
+    }
   }
 
   get pid(): number {
@@ -103,8 +112,8 @@ export class ReaperProcess {
 
 const live = new Set<ReaperProcess>();
 
-export function startReaper(label: string, args: string[], env: NodeJS.ProcessEnv): ReaperProcess {
-  return new ReaperProcess(label, args, env);
+export function startReaper(label: string, args: string[], env: NodeJS.ProcessEnv, logFile?: string): ReaperProcess {
+  return new ReaperProcess(label, args, env, logFile);
 }
 
 /** Labels of processes found still running by a clean-up helper before it stopped them. */

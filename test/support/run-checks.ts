@@ -259,16 +259,22 @@ async function checkEvents(pool: pg.Pool, input: CheckerInput, deliveredIds: rea
     )
   ).rows.map((row) => row.id);
   const deletions = new Set(expected);
-  const delivered = new Set(deliveredIds);
+  // An event id is the decision and its deletion (`...:<outbox id>`): the decision is what a
+  // deletion in the audit or the table is matched by; a decision delivered under two deletion ids
+  // would be two events for one deletion, counted as spurious.
+  const decisionOf = (id: string) => id.replace(/:\d+$/, '');
+  const deliveredDeletions = new Map<string, Set<string>>();
+  for (const id of deliveredIds) deliveredDeletions.set(decisionOf(id), (deliveredDeletions.get(decisionOf(id)) ?? new Set()).add(id));
+  const delivered = new Set(deliveredDeletions.keys());
   const missing = [...deletions].filter((id) => !delivered.has(id));
-  const spurious = [...delivered].filter((id) => !deletions.has(id));
+  const spurious = [...delivered].filter((id) => !deletions.has(id) || deliveredDeletions.get(id)!.size > 1);
   const outboxLeft = (await pool.query<{ n: number }>('SELECT count(*)::int AS n FROM cleanup_outbox')).rows[0]!.n;
   return {
     check: {
       deletions: deletions.size,
       delivered: deliveredIds.length,
-      distinct: delivered.size,
-      duplicates: deliveredIds.length - delivered.size,
+      distinct: new Set(deliveredIds).size,
+      duplicates: deliveredIds.length - new Set(deliveredIds).size,
       missing: missing.length,
       spurious: spurious.length,
       outboxLeft,

@@ -1,7 +1,7 @@
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
 import { parsePolicies, policyVersion } from '../../shared/config/policies';
-import { encodeExpiryEvent, expiryEventMessageId, expiryEventRoutingKey, type ExpiryEventV1 } from '../../shared/contracts/expiry-event';
+import { encodeExpiryEvent, expiryEventId, expiryEventMessageId, expiryEventRoutingKey, type ExpiryEventV2 } from '../../shared/contracts/expiry-event';
 import type { Db } from '../../shared/db/pool';
 import { makeOutboxLimitCheck, OUTBOX_CHECK_TTL_MS } from '../../services/worker/outbox-limit';
 
@@ -28,9 +28,10 @@ test('events: off when absent (the policy version is the same as before the key 
   assert.throws(() => parse(`${base}    events: { enabeld: true }\n`), /events/);
 });
 
-test('the event: message id is the stable operation key, routing key <policy>.expired, body versioned', () => {
-  const event: ExpiryEventV1 = {
-    version: 1,
+test('the event: message id is the decision and its deletion, routing key <policy>.expired, body versioned', () => {
+  const event: ExpiryEventV2 = {
+    version: 2,
+    eventId: expiryEventId({ policy: 'seat-holds', key: 'a b/%', observedExpiry: '2026-11-29T20:00:00.123456Z' }, '42'),
     policy: 'seat-holds',
     key: 'a b/%',
     observedExpiry: '2026-11-29T20:00:00.123456Z',
@@ -40,7 +41,9 @@ test('the event: message id is the stable operation key, routing key <policy>.ex
     deletedAt: '2026-11-29T20:00:01.000000Z',
     policyVersion: 'abc',
   };
-  assert.equal(expiryEventMessageId(event), 'seat-holds:a b/%:2026-11-29T20:00:00.123456Z');
+  assert.equal(expiryEventMessageId(event), 'seat-holds:a b/%:2026-11-29T20:00:00.123456Z:42');
+  // The same row deleted again (restored, expired again at the same instant): another id.
+  assert.notEqual(expiryEventId({ policy: 'seat-holds', key: 'a b/%', observedExpiry: '2026-11-29T20:00:00.123456Z' }, '43'), event.eventId);
   assert.equal(expiryEventRoutingKey('seat-holds'), 'seat-holds.expired');
   assert.deepEqual(JSON.parse(encodeExpiryEvent(event).toString()), event);
 });

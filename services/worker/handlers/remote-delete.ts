@@ -45,6 +45,19 @@ export const POLL_ADMISSION_WITHIN_MS = 300;
 /** Longest sleep of a waiting batch between two reads of its place in line. */
 const LINE_CHECK_MAX_MS = 250;
 /**
+ * A waiting batch gives way to the operations ahead of it only while someone takes them. The
+ * copies that carry them may sit behind this very batch in the queue (a delay tier's return, a
+ * sweeper's send, another run's batch): then nobody takes them while this batch waits, every
+ * prefetch slot can fill with batches waiting for each other's operations, and the queue grows
+ * faster than it drains (the 10-minute chaos stall, issue 43). When the line has not moved for
+ * this long (or two tokens' time at a slow rate), the batch asks admission for its own operations:
+ * the shared bucket still decides how fast anything is called.
+ */
+export const LINE_STILL_MS = 500;
+export function lineStillMs(ratePerSecond: number): number {
+  return Math.max(LINE_STILL_MS, (2 * 1000) / ratePerSecond);
+}
+/**
  * A batch whose operations can be admitted within this time goes to a delay tier; a longer wait
  * (its turn is far, the policy is paused or blocked for long, a backoff) is kept in the ledger
  * only: the message is acked and the ledger sweeper publishes the batch again when its turn is near.
@@ -100,6 +113,8 @@ export function makeRemoteDeleteHandler(policy: RemoteDeletePolicy, target: Reso
     let admitted = 0;
     let superseded = 0;
     let waitedInWorker = 0;
+    /** Admission asks made because the line ahead stood still (nobody took the operations ahead). */
+    let standingStillClaims = 0;
     // Calls run while the loop asks for the next grant: a batch at the head of the line takes every
     // token as it arrives (within the concurrency cap), not one round of calls at a time.
     const inProgress = new Set<Promise<void>>();
@@ -128,6 +143,9 @@ export function makeRemoteDeleteHandler(policy: RemoteDeletePolicy, target: Reso
       // lock, so a whole scan is recorded quickly and the next run's scan finds it in the ledger.
       let line = recorded.known.length > 0 ? await readLine() : null;
       const parkAtOnce = line !== null && line.due > 0 && line.turnMs > WAIT_IN_WORKER_MAX_MS;
+      // When the line last moved (its count ahead fell): ahead only falls as others claim.
+      let lineMoved = { ahead: line?.ahead ?? 0, at: Date.now() };
+      const stillFor = lineStillMs(rate);
       // A call whose outcome write failed ends the claiming: the next would most likely fail the same way.
       while (!parkAtOnce && recorded.known.length > 0 && Date.now() < holdUntil && callErrors.length === 0) {
         if (line && inProgress.size === 0 && line.due > 0 && line.turnMs > POLL_ADMISSION_WITHIN_MS) {
@@ -139,7 +157,10 @@ export function makeRemoteDeleteHandler(policy: RemoteDeletePolicy, target: Reso
           }
           line = await readLine();
           if (line.turnMs > WAIT_IN_WORKER_MAX_MS) break;
-          if (line.turnMs > POLL_ADMISSION_WITHIN_MS && Date.now() < holdUntil) continue;
+          if (line.ahead < lineMoved.ahead) lineMoved = { ahead: line.ahead, at: Date.now() };
+          const lineStill = Date.now() - lineMoved.at >= stillFor;
+          if (lineStill) standingStillClaims += 1;
+          if (!lineStill && line.turnMs > POLL_ADMISSION_WITHIN_MS && Date.now() < holdUntil) continue;
         }
         line = null;
         grant = await admitAndClaim(context.pool, policy, target, { keys: recorded.known, owner: context.workerId, cutoff: batch.cutoff, batchId: batch.batchId });
@@ -190,6 +211,7 @@ export function makeRemoteDeleteHandler(policy: RemoteDeletePolicy, target: Reso
       notEligible: batch.items.length - recorded.known.length,
       admitted,
       waitedInWorker,
+      standingStillClaims,
     };
     return endRemoteDelivery({ policy, batch, context, known: recorded.known, remaining, verdict: grant?.verdict ?? 'none-due', grantWaitMs: grant?.waitMs ?? 0, rate, confirmed: tally.confirmed ?? 0, detail });
   };

@@ -213,6 +213,12 @@ export async function admissionSetPaused(db: Db, policies: readonly string[], pa
   return changed;
 }
 
+/** The policies `reaper pause` holds now. */
+export async function admissionPausedRead(db: Db): Promise<string[]> {
+  const result = await db.query<{ policy: string }>('SELECT policy FROM cleanup_admission WHERE paused');
+  return result.rows.map((row) => row.policy);
+}
+
 export async function admissionList(
   db: Db,
 ): Promise<Array<{ policy: string; paused: boolean; tokens: number; blockedForMs: number; adaptiveRate: number | null; adaptivePressure: number | null; adaptedAt: string | null }>> {
@@ -355,11 +361,16 @@ export interface AdaptiveRowsTake {
  * a transaction now (present), and their state changes (a statement started or ended) within the
  * last ADAPTIVE.changeWindowMs, per second of that window (changes: about their statements per second).
  */
-const OTHER_CLIENTS = `s.datname = current_database() AND s.pid <> pg_backend_pid() AND s.backend_type = 'client backend'
+const OTHER_CLIENTS = `s.datname = current_database() AND s.pid <> pg_backend_pid()
+         AND (s.backend_type = 'client backend' OR s.backend_type IS NULL)
          AND coalesce(s.application_name, '') NOT LIKE 'reaper%'`;
+// A session whose state this role may not read (another role's, without pg_read_all_stats: state,
+// backend type and wait event read NULL) counts as present and active, never as nobody: unknown
+// is not "alone" (issue 40). The worker refuses to start without the grant (assertOthersReadable);
+// this keeps a grant revoked later on the safe side.
 const OTHER_CLIENTS_COUNTS = `count(*) FILTER (WHERE s.state = 'active' AND s.wait_event_type IN ('Lock', 'LWLock', 'IO', 'BufferPin'))::int AS waiting,
-              count(*) FILTER (WHERE s.state = 'active')::int AS active,
-              count(*) FILTER (WHERE s.state IN ('active', 'idle in transaction', 'idle in transaction (aborted)'))::int AS present,
+              count(*) FILTER (WHERE s.state = 'active' OR s.state IS NULL)::int AS active,
+              count(*) FILTER (WHERE s.state IN ('active', 'idle in transaction', 'idle in transaction (aborted)') OR s.state IS NULL)::int AS present,
               count(*) FILTER (WHERE s.state_change > clock_timestamp() - interval '${ADAPTIVE.changeWindowMs} milliseconds')::float8
                 * ${1000 / ADAPTIVE.changeWindowMs} AS changes`;
 

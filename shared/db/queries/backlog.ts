@@ -1,5 +1,5 @@
 import type { Db } from '../pool';
-import { guardSql, type ResolvedTarget } from './expiring-rows';
+import { guardSql, noActiveHoldProbedOnlyIfAny, type ResolvedTarget } from './expiring-rows';
 
 /**
  * What is waiting, read from PostgreSQL (the source of truth) for the backlog gauges and for
@@ -13,28 +13,43 @@ import { guardSql, type ResolvedTarget } from './expiring-rows';
 export const ELIGIBLE_ROWS_CAP = 10_000;
 
 export interface TargetBacklog {
-  /** Now minus the expiry of the oldest row that satisfies the guard and has expired; 0 when none. */
+  /** Now minus the expiry of the oldest row reaper may delete now (the scan's predicate); 0 when none. */
   oldestEligibleAgeSeconds: number;
-  /** Expired rows satisfying the guard, counted up to ELIGIBLE_ROWS_CAP. */
+  /** Expired rows reaper may delete now (guard true, no active hold, not in review), counted up to ELIGIBLE_ROWS_CAP. */
   eligibleRows: number;
+  /** Expired rows with the guard true that a legal hold keeps (counted up to the cap): reaper must not delete them. */
+  heldRows: number;
+  /** remote-delete: expired rows whose operation ended rejected or gave-up, waiting for a person (up to the cap); 0 for row-delete. */
+  reviewRows: number;
 }
 
 /**
- * One statement per policy. Both subqueries are `ORDER BY expiry LIMIT n` shapes over the same
- * predicate the keyset scan uses, so the planner takes the (expiresAt, key) index (partial on the
- * guard where the migration made it so) and reads at most `cap` index entries.
+ * One statement per policy. Each subquery is an `ORDER BY expiry LIMIT n` shape over the keyset
+ * scan's predicate, so the planner takes the (expiresAt, key) index (partial on the guard where
+ * the migration made it so) and reads at most `cap` index entries. "Eligible" is what reaper may
+ * delete now, the scan's predicate (expiringRowsExpiredSql: no active hold) and, for remote-delete,
+ * no operation that ended in review (rejected, gave-up): a held row or a refused asset is not a
+ * backlog and must not page (issue 40), so each has a gauge of its own.
  */
-export async function targetBacklogRead(db: Db, target: ResolvedTarget, cap: number = ELIGIBLE_ROWS_CAP): Promise<TargetBacklog> {
-  const { table, expiresAt } = target;
-  const guard = guardSql(target, 2);
-  const eligible = `t.${expiresAt} <= clock_timestamp() AND t.${expiresAt} > '-infinity'::timestamptz${guard}`;
-  const result = await db.query<{ oldest_age: number | null; waiting: number }>(
+export async function targetBacklogRead(db: Db, target: ResolvedTarget, cap: number = ELIGIBLE_ROWS_CAP, options: { remotePolicy?: boolean } = {}): Promise<TargetBacklog> {
+  const { table, expiresAt, key } = target;
+  // $1 cap, $2 policy, $3.. guard values.
+  const expired = `t.${expiresAt} <= clock_timestamp() AND t.${expiresAt} > '-infinity'::timestamptz${guardSql(target, 3)}`;
+  const inReview = options.remotePolicy
+    ? `EXISTS (SELECT 1 FROM cleanup_ledger l WHERE l.operation_key = $2 || ':' || t.${key}::text || ':' || reaper_iso(t.${expiresAt})
+         AND l.state = 'done' AND l.outcome IN ('rejected', 'gave-up'))`
+    : 'false';
+  const notHeld = noActiveHoldProbedOnlyIfAny('$2', `t.${key}`);
+  const eligible = `${expired} AND ${notHeld} AND NOT ${inReview}`;
+  const result = await db.query<{ oldest_age: number | null; waiting: number; held: number; review: number }>(
     `SELECT greatest(0, extract(epoch FROM clock_timestamp() - (SELECT t.${expiresAt} FROM ${table} t WHERE ${eligible} ORDER BY t.${expiresAt} LIMIT 1)))::float8 AS oldest_age,
-            (SELECT count(*) FROM (SELECT 1 FROM ${table} t WHERE ${eligible} ORDER BY t.${expiresAt} LIMIT $1) capped)::int AS waiting`,
-    [cap, ...target.guardValues],
+            (SELECT count(*) FROM (SELECT 1 FROM ${table} t WHERE ${eligible} ORDER BY t.${expiresAt} LIMIT $1) capped)::int AS waiting,
+            (SELECT count(*) FROM (SELECT 1 FROM ${table} t WHERE ${expired} AND NOT ${notHeld} ORDER BY t.${expiresAt} LIMIT $1) capped)::int AS held,
+            (SELECT count(*) FROM (SELECT 1 FROM ${table} t WHERE ${expired} AND ${notHeld} AND ${inReview} ORDER BY t.${expiresAt} LIMIT $1) capped)::int AS review`,
+    [cap, target.policy, ...target.guardValues],
   );
   const row = result.rows[0]!;
-  return { oldestEligibleAgeSeconds: row.oldest_age ?? 0, eligibleRows: row.waiting };
+  return { oldestEligibleAgeSeconds: row.oldest_age ?? 0, eligibleRows: row.waiting, heldRows: row.held, reviewRows: row.review };
 }
 
 export interface LedgerBacklog {

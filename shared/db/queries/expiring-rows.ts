@@ -164,6 +164,19 @@ export function noActiveHoldProbedOnlyIfAny(policyParameter: string, keyExpressi
 }
 
 /**
+ * remote-delete, the one definition of "the ledger already carries this row's retention decision"
+ * (docs/design.md): an operation with the row's key exists, open or done, except one that ended
+ * `held` or `superseded` (its row holds the decision again: the worker re-opens it). The scan
+ * leaves such rows out, and the brake's count and `reaper plan` count exactly what the scan would
+ * publish, so they use the same SQL (issue 40: a count of `held` only made an approval that could
+ * never be satisfied). `policyParameter` is the policy name's parameter; `t` is the target's alias.
+ */
+export function ledgerCarriesDecisionSql(policyParameter: string, target: Pick<ResolvedTarget, 'key' | 'expiresAt'>): string {
+  return `EXISTS (SELECT 1 FROM cleanup_ledger l WHERE l.operation_key = ${policyParameter} || ':' || t.${target.key}::text || ':' || reaper_iso(t.${target.expiresAt})
+      AND (l.outcome IS NULL OR l.outcome NOT IN ('held', 'superseded')))`;
+}
+
+/**
  * One page of the keyset scan (the caller cuts it into batches): rows that satisfy the guard and expired at or before the cutoff,
  * strictly after `after`, in (expiry, key) order. Memory stays bounded by `limit` whatever the backlog.
  */
@@ -191,8 +204,7 @@ export async function expiringRowsScanPage(
   let unrecordedClause = '';
   if (page.unrecordedFor !== undefined) {
     params.push(page.unrecordedFor);
-    unrecordedClause = ` AND NOT EXISTS (SELECT 1 FROM cleanup_ledger l WHERE l.operation_key = $${params.length} || ':' || t.${key}::text || ':' || reaper_iso(t.${expiresAt})
-      AND (l.outcome IS NULL OR l.outcome NOT IN ('held', 'superseded')))`;
+    unrecordedClause = ` AND NOT ${ledgerCarriesDecisionSql(`$${params.length}`, target)}`;
   }
   // Not a named statement: the guard is a parameter, and only a plan made for its value can use a
   // partial index on the guard (a generic plan would scan and sort).

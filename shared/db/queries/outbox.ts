@@ -1,4 +1,4 @@
-import type { ExpiryEventV1 } from '../../contracts/expiry-event';
+import { expiryEventId, type ExpiryEventV2 } from '../../contracts/expiry-event';
 import type { Db } from '../pool';
 
 /**
@@ -37,18 +37,20 @@ export function outboxInsertForSettledSql(parameters: { policy: string; policyVe
 
 export interface OutboxEntry {
   outboxId: string;
-  event: ExpiryEventV1;
+  event: ExpiryEventV2;
 }
 
 /**
- * The relay's batch: the oldest `limit` rows after `afterId` no other relay holds, locked until the
- * caller's transaction ends (SKIP LOCKED: several relays share the work instead of publishing the
- * same rows). Must run inside a transaction that lives until the published rows are deleted.
- * `afterId` lets a draining relay start where its last pass ended: from the start, the index scan
- * walks every entry its earlier passes deleted until vacuum removes them (slower with each pass
- * while a long transaction elsewhere holds the cluster's xmin back). '0' = from the oldest.
+ * The relay's claim: the oldest `limit` rows that no live claim holds, claimed by `owner` for
+ * `leaseMs`, in one short statement (autocommit: no transaction stays open while the caller waits
+ * for the broker). Always from the oldest row: a row that committed after a row with a higher id
+ * (ids are taken at insert, commits land in any order) is never left behind a pass. SKIP LOCKED
+ * keeps two relays that claim at the same moment apart; the lease keeps them apart afterwards.
+ * A claim that outlives its lease (a relay killed or stalled) is taken again by any relay; the
+ * owner's own claims are taken again at once (its passes run one at a time: a claim of its own
+ * seen at the start of a pass is left by a pass that failed before its delete).
  */
-export async function outboxTakeOldest(db: Db, limit: number, afterId = '0'): Promise<OutboxEntry[]> {
+export async function outboxClaimOldest(db: Db, claim: { limit: number; owner: string; leaseMs: number }): Promise<OutboxEntry[]> {
   const result = await db.query<{
     outbox_id: string;
     policy: string;
@@ -60,31 +62,55 @@ export async function outboxTakeOldest(db: Db, limit: number, afterId = '0'): Pr
     deleted_at: string;
     policy_version: string;
   }>(
-    `SELECT outbox_id::text, policy, key, reaper_iso(observed_expiry) AS observed_expiry, reaper_iso(cutoff) AS cutoff,
-       run_id::text, batch_id, reaper_iso(deleted_at) AS deleted_at, policy_version
-     FROM cleanup_outbox WHERE outbox_id > $2::bigint ORDER BY outbox_id LIMIT $1 FOR UPDATE SKIP LOCKED`,
-    [limit, afterId],
+    `UPDATE cleanup_outbox o SET claimed_by = $2, claimed_until = clock_timestamp() + $3 * interval '1 millisecond'
+     FROM (SELECT outbox_id FROM cleanup_outbox WHERE claimed_until IS NULL OR claimed_until < clock_timestamp() OR claimed_by = $2
+           ORDER BY outbox_id LIMIT $1 FOR UPDATE SKIP LOCKED) picked
+     WHERE o.outbox_id = picked.outbox_id
+     RETURNING o.outbox_id::text, o.policy, o.key, reaper_iso(o.observed_expiry) AS observed_expiry, reaper_iso(o.cutoff) AS cutoff,
+       o.run_id::text, o.batch_id, reaper_iso(o.deleted_at) AS deleted_at, o.policy_version`,
+    [claim.limit, claim.owner, claim.leaseMs],
   );
-  return result.rows.map((row) => ({
-    outboxId: row.outbox_id,
-    event: {
-      version: 1,
-      policy: row.policy,
-      key: row.key,
-      observedExpiry: row.observed_expiry,
-      cutoff: row.cutoff,
-      runId: row.run_id,
-      batchId: row.batch_id,
-      deletedAt: row.deleted_at,
-      policyVersion: row.policy_version,
-    },
-  }));
+  return result.rows
+    .sort((a, b) => (BigInt(a.outbox_id) < BigInt(b.outbox_id) ? -1 : 1))
+    .map((row) => ({
+      outboxId: row.outbox_id,
+      event: {
+        version: 2,
+        eventId: expiryEventId({ policy: row.policy, key: row.key, observedExpiry: row.observed_expiry }, row.outbox_id),
+        policy: row.policy,
+        key: row.key,
+        observedExpiry: row.observed_expiry,
+        cutoff: row.cutoff,
+        runId: row.run_id,
+        batchId: row.batch_id,
+        deletedAt: row.deleted_at,
+        policyVersion: row.policy_version,
+      },
+    }));
 }
 
-/** Deletes rows whose events the broker confirmed. Returns how many were deleted. */
-export async function outboxDeletePublished(db: Db, outboxIds: readonly string[]): Promise<number> {
-  const result = await db.query('DELETE FROM cleanup_outbox WHERE outbox_id = ANY($1::bigint[])', [outboxIds]);
+/**
+ * Deletes rows whose events the broker confirmed, where `owner` still holds their claim (a relay
+ * whose lease ran out leaves them to the relay that took them over: published twice at worst,
+ * consumers dedupe on the message id). Returns how many were deleted.
+ */
+export async function outboxDeletePublished(db: Db, outboxIds: readonly string[], owner: string): Promise<number> {
+  const result = await db.query('DELETE FROM cleanup_outbox WHERE outbox_id = ANY($1::bigint[]) AND claimed_by = $2', [outboxIds, owner]);
   return result.rowCount ?? 0;
+}
+
+/** Gives back every claim whose owner starts with `ownerPrefix` (a relay's earlier life). Returns how many. */
+export async function outboxReleaseClaimsOf(db: Db, ownerPrefix: string): Promise<number> {
+  const result = await db.query(
+    `UPDATE cleanup_outbox SET claimed_by = NULL, claimed_until = NULL WHERE claimed_by IS NOT NULL AND left(claimed_by, length($1)) = $1`,
+    [ownerPrefix],
+  );
+  return result.rowCount ?? 0;
+}
+
+/** Gives back claims that were not published (a refused or unconfirmed publish): taken again at the next pass. */
+export async function outboxReleaseClaims(db: Db, outboxIds: readonly string[], owner: string): Promise<void> {
+  await db.query('UPDATE cleanup_outbox SET claimed_by = NULL, claimed_until = NULL WHERE outbox_id = ANY($1::bigint[]) AND claimed_by = $2', [outboxIds, owner]);
 }
 
 /**

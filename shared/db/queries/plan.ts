@@ -1,5 +1,5 @@
 import type { Db } from '../pool';
-import { guardSql, type ResolvedTarget } from './expiring-rows';
+import { guardSql, ledgerCarriesDecisionSql, type ResolvedTarget } from './expiring-rows';
 import { noActiveHold } from './holds';
 
 /**
@@ -21,10 +21,7 @@ export interface PlanCounts {
 export async function planCount(db: Db, target: ResolvedTarget, cutoff: string, options: { unrecordedFor?: string } = {}): Promise<PlanCounts> {
   const guard = guardSql(target, 4);
   // remote-delete: what the scan publishes leaves out decisions the ledger already carries.
-  const recorded = options.unrecordedFor
-    ? `EXISTS (SELECT 1 FROM cleanup_ledger l WHERE l.operation_key = $3 || ':' || t.${target.key}::text || ':' || reaper_iso(t.${target.expiresAt})
-         AND l.outcome IS DISTINCT FROM 'held')`
-    : 'false AND $3::text IS NULL';
+  const recorded = options.unrecordedFor ? ledgerCarriesDecisionSql('$3', target) : 'false AND $3::text IS NULL';
   const result = await db.query<{
     candidates: string;
     held: string;
@@ -127,8 +124,7 @@ export async function planBrakeCount(
   let unrecorded = '';
   if (options.unrecordedFor !== undefined) {
     params.push(options.unrecordedFor);
-    unrecorded = ` AND NOT EXISTS (SELECT 1 FROM cleanup_ledger l WHERE l.operation_key = $${params.length} || ':' || t.${key}::text || ':' || reaper_iso(t.${expiresAt})
-      AND l.outcome IS DISTINCT FROM 'held')`;
+    unrecorded = ` AND NOT ${ledgerCarriesDecisionSql(`$${params.length}`, target)}`;
   }
   const guardFrom = params.length + 1;
   params.push(...target.guardValues);

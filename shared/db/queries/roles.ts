@@ -66,8 +66,8 @@ export const REAPER_TABLE_GRANTS: ReaperTableGrants = {
   cleanup_admission: { scheduler: ['SELECT'], worker: ['SELECT', 'INSERT', 'UPDATE'], operator: ['SELECT', 'INSERT', 'UPDATE'] },
   // kept bodies of remote batches until their receipt; the ledger sweeper republishes them
   cleanup_remote_batches: { scheduler: [], worker: ['SELECT', 'INSERT', 'UPDATE', 'DELETE'] },
-  // webhook signatures accepted once, pruned by age
-  cleanup_webhook_signatures: { scheduler: ['SELECT', 'INSERT', 'DELETE'], worker: [] },
+  // webhook signatures accepted once, pruned by age (the prune's FOR UPDATE SKIP LOCKED needs UPDATE)
+  cleanup_webhook_signatures: { scheduler: ['SELECT', 'INSERT', 'UPDATE', 'DELETE'], worker: [] },
   // legal holds: read by the scan, the brake and every deleting statement; placed by operators
   cleanup_holds: { scheduler: ['SELECT'], worker: ['SELECT'], operator: ['SELECT', 'INSERT', 'UPDATE', 'DELETE'] },
   // audit rows: written by the deleting statements, kept to retainDays by the scheduler
@@ -79,8 +79,8 @@ export const REAPER_TABLE_GRANTS: ReaperTableGrants = {
   // the restore log: written by `reaper restore` only
   cleanup_restores: { scheduler: [], worker: [], operator: ['SELECT'] },
   // expiry events: written by the deleting statements (the worker reads its size for the limit);
-  // `reaper relay` (scheduler role) publishes and deletes them, the scheduler's gauge reads their age
-  cleanup_outbox: { scheduler: ['SELECT', 'DELETE'], worker: ['SELECT', 'INSERT'], operator: ['SELECT'] },
+  // `reaper relay` (scheduler role) claims (UPDATE), publishes and deletes them, the scheduler's gauge reads their age
+  cleanup_outbox: { scheduler: ['SELECT', 'UPDATE', 'DELETE'], worker: ['SELECT', 'INSERT'], operator: ['SELECT'] },
   // `reaper admission set`: live overrides every worker reads (set by operators)
   cleanup_admission_overrides: { scheduler: ['SELECT'], worker: ['SELECT'], operator: ['SELECT', 'INSERT', 'UPDATE', 'DELETE'] },
   // each process records a heartbeat (and forgets old ones); the scheduler reads the workers' versions
@@ -219,10 +219,16 @@ export function rolesSql(policies: PolicySet, names: DbRoleNames = DEFAULT_DB_RO
       `ALTER ROLE ${role} SET idle_in_transaction_session_timeout = ${ms(limits.idleInTransactionSessionTimeoutMs)};`,
     );
   }
-  if ([...policies.values()].some((policy) => policy.kind === 'row-delete' && policy.brake !== undefined)) {
-    // The replica-lag brake reads replay_lag from pg_stat_replication, which only members of
-    // pg_read_all_stats (or superusers) see; without it the brake would read no lag at all.
-    lines.push('', '-- brake.maxReplicationLagSeconds: the worker reads the standbys\' replay lag.', `GRANT pg_read_all_stats TO ${q(names.worker)};`);
+  const rowPolicies = [...policies.values()].filter((policy) => policy.kind === 'row-delete');
+  const braked = rowPolicies.some((policy) => policy.brake !== undefined);
+  const adaptive = rowPolicies.some((policy) => policy.admission?.adaptive !== false);
+  if (braked || adaptive) {
+    // The replica-lag brake reads replay_lag from pg_stat_replication, and adaptive admission (the
+    // default) reads the application's sessions in pg_stat_activity: only members of
+    // pg_read_all_stats (or superusers) see either. Without it the brake would read no lag, and
+    // adaptive admission no application (the worker refuses to start instead).
+    const uses = [braked ? 'brake.maxReplicationLagSeconds (the standbys\' replay lag)' : null, adaptive ? 'adaptive admission (other sessions\' state)' : null].filter(Boolean).join(' and ');
+    lines.push('', `-- ${uses}: the worker reads server statistics.`, `GRANT pg_read_all_stats TO ${q(names.worker)};`);
   }
   const targets = targetGrants(policies);
   lines.push(

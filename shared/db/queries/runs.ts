@@ -283,13 +283,52 @@ export async function runsBeginWindow(db: Db, claim: RunClaim, candidates: numbe
   return result.rowCount === 1;
 }
 
-/** The scan reached the end: every batch is confirmed by the broker. Conditional on the claim. */
-export async function runsMarkPublished(db: Db, claim: RunClaim): Promise<boolean> {
+/**
+ * The scan reached the end: every batch is confirmed by the broker. Conditional on the claim.
+ * `note` (a run that published nothing on purpose says why) is kept in the run's reason.
+ */
+export async function runsMarkPublished(db: Db, claim: RunClaim, note: string | null = null): Promise<boolean> {
   const result = await db.query(
-    `UPDATE cleanup_runs SET state = 'published', published_at = clock_timestamp(), lease_expires_at = NULL WHERE ${HELD_BY_CLAIM}`,
-    [claim.runId, claim.owner, claim.claim],
+    `UPDATE cleanup_runs SET state = 'published', published_at = clock_timestamp(), lease_expires_at = NULL, error = coalesce($4, error) WHERE ${HELD_BY_CLAIM}`,
+    [claim.runId, claim.owner, claim.claim, note],
   );
   return result.rowCount === 1;
+}
+
+/** Undelivered batches counted per earlier run, at most (the answer only needs "some", and a size for the log). */
+export const UNDELIVERED_COUNT_CAP = 1_000;
+
+/**
+ * remote-delete: an earlier run of the policy, published within `withinMs`, some of whose batches
+ * no worker has received yet — no receipt, and not kept (a worker keeps a batch in
+ * cleanup_remote_batches at its first delivery, in the transaction that records its operations,
+ * and writes the receipt when it is done). Those batches still sit in the broker and carry their
+ * items; a new scan would find the same items unrecorded in the ledger and publish them again.
+ * Null when there is none. Only batches after the run's completion cursor are looked at (those
+ * before it have receipts), at most UNDELIVERED_COUNT_CAP per run.
+ */
+export async function runsEarlierWithUndeliveredBatches(
+  db: Db,
+  query: { policy: string; runId: string; withinMs: number },
+): Promise<{ runId: string; undelivered: number } | null> {
+  const result = await db.query<{ run_id: string; undelivered: number }>(
+    `SELECT r.run_id, u.undelivered
+     FROM cleanup_runs r
+     CROSS JOIN LATERAL (
+       SELECT count(*)::int AS undelivered FROM (
+         SELECT 1 FROM cleanup_run_batches rb
+         WHERE rb.run_id = r.run_id AND rb.batch_id > coalesce(r.completion_cursor, '')
+           AND NOT EXISTS (SELECT 1 FROM cleanup_batches b WHERE b.batch_id = rb.batch_id)
+           AND NOT EXISTS (SELECT 1 FROM cleanup_remote_batches k WHERE k.batch_id = rb.batch_id)
+         LIMIT $4) x
+     ) u
+     WHERE r.policy = $1 AND r.run_id <> $2 AND r.state = 'published'
+       AND r.published_at > clock_timestamp() - $3 * interval '1 millisecond' AND u.undelivered > 0
+     ORDER BY r.published_at DESC LIMIT 1`,
+    [query.policy, query.runId, query.withinMs, UNDELIVERED_COUNT_CAP],
+  );
+  const row = result.rows[0];
+  return row ? { runId: row.run_id, undelivered: row.undelivered } : null;
 }
 
 /** Gives the lease up at shutdown so another replica resumes the run at once, from the cursor. */
