@@ -320,7 +320,9 @@ async function main(): Promise<number> {
   const log = (text: string) => process.stdout.write(`${text}\n`);
   log(`chaos: seed ${options.seed}, ${options.minutes} min${options.serverFaults ? '' : ', no server faults'} (replay: npm run chaos -- --minutes ${options.minutes} --seed ${options.seed}${options.serverFaults ? '' : ' --no-server-faults'})`);
 
-  const bed = await makeTestBed('chaos');
+  // As deployed: every service logs in as its printed least-privilege role (issue 40); the faults
+  // (backend terminations, restarts) and the checker use the bed's superuser pool.
+  const bed = await makeTestBed('chaos', { asDeployed: true });
   bed.pool.on('error', () => undefined); // its idle connections die with a PostgreSQL restart
   const api: MediaApi = await startMediaApi({ ratePerSecond: 60, burst: 30 });
   const database = new URL(bed.databaseUrl);

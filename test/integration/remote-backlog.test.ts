@@ -91,7 +91,7 @@ describe('remote-delete: runs do not copy what the broker already carries, and t
   let broker: TestBroker;
 
   before(async () => {
-    world.bed = await makeTestBed('remote_backlog_runs');
+    world.bed = await makeTestBed('remote_backlog_runs', { asDeployed: true });
     world.api = await startMediaApi();
     // A run every 2 seconds (the chaos run's every 10 s, five times as often).
     const yaml = mediaPolicyYaml({ baseUrl: world.api.url, ratePerSecond: 200, burst: 50, concurrency: 8, batchSize: 10, timeoutMs: 2000 }).replace(

@@ -18,7 +18,7 @@ let bed: TestBed;
 const started: ReaperProcess[] = [];
 
 before(async () => {
-  bed = await makeTestBed('row_pause');
+  bed = await makeTestBed('row_pause', { asDeployed: true });
   bed.writePolicies(rowDeletePolicyYaml({ batchSize: 10 }));
 });
 

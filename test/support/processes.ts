@@ -2,6 +2,8 @@ import { spawn, type ChildProcess, type SpawnOptions } from 'node:child_process'
 import { createWriteStream, readFileSync } from 'node:fs';
 import path from 'node:path';
 import { eventually } from './eventually';
+import type { DbRoleNames } from '../../shared/db/queries/roles';
+import { AS_DEPLOYED_ROLES_VARIABLE, SUPERUSER_REASON_VARIABLE, type AsDeployedRoles } from './as-deployed';
 
 /** The compiled CLI; tests run reaper exactly as an operator does. */
 export const REAPER_BIN = path.resolve(__dirname, '..', '..', '..', 'bin', 'reaper');
@@ -113,7 +115,48 @@ export class ReaperProcess {
 const live = new Set<ReaperProcess>();
 
 export function startReaper(label: string, args: string[], env: NodeJS.ProcessEnv, logFile?: string): ReaperProcess {
-  return new ReaperProcess(label, args, env, logFile);
+  return new ReaperProcess(label, args, asDeployedEnv(args, env), logFile);
+}
+
+/** The role a reaper command logs in as when deployed (README "Deploying"); null: no database role of its own. */
+function deployedRoleOf(command: string | undefined): keyof DbRoleNames | null {
+  switch (command) {
+    case 'scheduler':
+    case 'relay': // README: the relay runs with the scheduler's role
+      return 'scheduler';
+    case 'worker':
+      return 'worker';
+    case 'migrate':
+      return 'migrator';
+    case 'roles':
+    case 'demo':
+    case 'topology':
+    case 'sql':
+    case undefined:
+      return null;
+    default:
+      return 'operator'; // the CLI's operator commands
+  }
+}
+
+/**
+ * An as-deployed test bed (testbed.ts `asDeployed`): the process logs in as its command's role
+ * instead of the bed's superuser, unless its environment names why it must not
+ * (REAPER_TEST_SUPERUSER_BECAUSE). A DATABASE_URL that names another user (a test that chose a
+ * role itself) is left alone; only the user changes, so a proxy's host and port stay.
+ */
+function asDeployedEnv(args: readonly string[], env: NodeJS.ProcessEnv): NodeJS.ProcessEnv {
+  const carried = env[AS_DEPLOYED_ROLES_VARIABLE];
+  if (carried === undefined) return env;
+  const { [AS_DEPLOYED_ROLES_VARIABLE]: _roles, ...rest } = env;
+  const role = deployedRoleOf(args[0]);
+  if (rest[SUPERUSER_REASON_VARIABLE] || role === null || rest.DATABASE_URL === undefined) return rest;
+  const deployed = JSON.parse(carried) as AsDeployedRoles;
+  const url = new URL(rest.DATABASE_URL);
+  if (decodeURIComponent(url.username) !== deployed.superuser) return rest;
+  url.username = deployed.roles[role];
+  url.password = '';
+  return { ...rest, DATABASE_URL: url.toString() };
 }
 
 /** Labels of processes found still running by a clean-up helper before it stopped them. */
@@ -149,7 +192,7 @@ export async function assertNoLeakedProcesses(): Promise<void> {
 
 /** Runs the CLI to completion (bounded: a CLI still running after `timeoutMs` is killed and fails). */
 export async function runReaperCli(args: string[], env: NodeJS.ProcessEnv, timeoutMs = 60_000): Promise<{ code: number | null; stdout: string }> {
-  const cli = new ReaperProcess(`cli ${args[0]}`, args, env);
+  const cli = new ReaperProcess(`cli ${args[0]}`, args, asDeployedEnv(args, env));
   const { code } = await cli.exitWithin(timeoutMs, 'to finish');
   return { code, stdout: cli.output.join('\n') };
 }

@@ -48,6 +48,7 @@ export interface SweepReport {
   standbys: string[];
   slots: string[];
   databases: string[];
+  roles: string[];
   brokerObjects: string[];
   folders: string[];
   /** What could not be looked at (and why): the sweep goes on without it. */
@@ -58,7 +59,7 @@ export async function sweepLeftovers(options: SweepOptions = {}): Promise<SweepR
   const olderThanMs = options.olderThanMs ?? SWEEP_AGE_MS;
   const inScope = (name: string) => options.scope === undefined || name.includes(options.scope);
   const old = (at: number | undefined) => at !== undefined && Date.now() - at >= olderThanMs;
-  const report: SweepReport = { processes: [], standbys: [], slots: [], databases: [], brokerObjects: [], folders: [], skipped: [] };
+  const report: SweepReport = { processes: [], standbys: [], slots: [], databases: [], roles: [], brokerObjects: [], folders: [], skipped: [] };
   const servers = options.servers ?? (await findRunningServers());
   if (!servers) return { ...report, skipped: ['the servers: none is running yet (a run on fresh containers has nothing to sweep)'] };
   const step = async (what: string, action: () => Promise<void> | void) => {
@@ -77,6 +78,7 @@ export async function sweepLeftovers(options: SweepOptions = {}): Promise<SweepR
     try {
       await dropSlots(admin, report, inScope, old);
       await dropDatabases(admin, report, inScope, old);
+      await dropTestRoles(admin, report, inScope, old);
     } finally {
       await admin.end();
     }
@@ -89,7 +91,7 @@ export async function sweepLeftovers(options: SweepOptions = {}): Promise<SweepR
 export function describeSweep(report: SweepReport): string[] {
   // Broker objects by prefix: a prefix has a few dozen.
   const prefixes = [...new Set(report.brokerObjects.map((name) => name.split('.')[0]!))].map((prefix) => `${prefix}.* (${report.brokerObjects.filter((name) => name.startsWith(`${prefix}.`)).length})`);
-  const lines = (['processes', 'standbys', 'slots', 'databases', 'folders'] as const)
+  const lines = (['processes', 'standbys', 'slots', 'databases', 'roles', 'folders'] as const)
     .filter((kind) => report[kind].length > 0)
     .map((kind) => `removed leftovers of an earlier run (${kind}): ${report[kind].join(', ')}`);
   if (prefixes.length > 0) lines.push(`removed leftovers of an earlier run (queues and exchanges): ${prefixes.join(', ')}`);
@@ -250,6 +252,24 @@ async function dropDatabases(admin: pg.Client, report: SweepReport, inScope: Fil
     if (!old(at)) continue;
     await admin.query(`DROP DATABASE IF EXISTS ${pg.escapeIdentifier(name)} WITH (FORCE)`);
     report.databases.push(name);
+  }
+}
+
+/**
+ * The roles of as-deployed test beds (`reaper_t_<role>_<suffix>`, testbed.ts), by their age. After
+ * the databases: what they owned went with them. A role that still owns something elsewhere is
+ * left (reported as skipped), never forced.
+ */
+async function dropTestRoles(admin: pg.Client, report: SweepReport, inScope: Filter, old: Age): Promise<void> {
+  const roles = await admin.query<{ rolname: string }>(`SELECT rolname FROM pg_roles WHERE rolname LIKE 'reaper\\_t\\_%'`);
+  for (const { rolname: name } of roles.rows) {
+    if (!inScope(name) || !old(stampOf(name))) continue;
+    try {
+      await admin.query(`DROP ROLE IF EXISTS ${pg.escapeIdentifier(name)}`);
+      report.roles.push(name);
+    } catch (error) {
+      report.skipped.push(`role ${name}: ${(error as Error).message}`);
+    }
   }
 }
 

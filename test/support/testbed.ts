@@ -1,4 +1,5 @@
 import { randomBytes } from 'node:crypto';
+import { execFileSync } from 'node:child_process';
 import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import path from 'node:path';
@@ -7,6 +8,9 @@ import { parse as parseYaml } from 'yaml';
 import { makeTopology } from '../../shared/amqp/topology';
 import { loadEnv, type Env } from '../../shared/config/env';
 import { migrate } from '../../shared/db/migrate';
+import { parsePolicies } from '../../shared/config/policies';
+import { rolesSql, type DbRoleNames } from '../../shared/db/queries/roles';
+import { AS_DEPLOYED_ROLES_VARIABLE, type AsDeployedRoles } from './as-deployed';
 import { demoTablesCreate } from '../../shared/db/queries/demo-tables';
 import { deleteBrokerNames, listBrokerObjects, namesUnder } from './broker';
 import { findServers } from './servers';
@@ -42,6 +46,14 @@ export interface TestBedOptions {
   cleanupAmqpUrl?: string;
   /** Makes the database on this PostgreSQL instead of the shared one (a test's own cluster: test/support/private-postgres.ts). */
   adminDatabaseUrl?: string;
+  /**
+   * Issue 40, "test as deployed": the roles `reaper roles --print` makes, created for this bed
+   * (names ending in its suffix, dropped by close()) and re-applied for every policies file
+   * written; reaper processes this bed's environment starts (startReaper, runReaperCli) then log
+   * in as the role of their command (scheduler, worker, relay: scheduler, CLI: operator, migrate:
+   * migrator). A process that must be the superuser says why: REAPER_TEST_SUPERUSER_BECAUSE.
+   */
+  asDeployed?: boolean;
 }
 
 export async function makeTestBed(label: string, options: TestBedOptions = {}): Promise<TestBed> {
@@ -87,10 +99,30 @@ export async function makeTestBed(label: string, options: TestBedOptions = {}): 
   }
   const pool = new pg.Pool({ connectionString: databaseUrl, max: 4 });
   const folder = mkdtempSync(path.join(tmpdir(), `reaper-test-${safeLabel}-`));
+  const roles: DbRoleNames | null = options.asDeployed
+    ? { migrator: `reaper_t_migrator_${suffix}`, scheduler: `reaper_t_scheduler_${suffix}`, worker: `reaper_t_worker_${suffix}`, operator: `reaper_t_operator_${suffix}` }
+    : null;
+  /** The printed roles for a policies file, applied to this bed's database (synchronously: writePolicies is). */
+  const applyRoles = (file: string) => {
+    if (!roles) return;
+    const sql = rolesSql(parsePolicies(readFileSync(file, 'utf8'), file, process.env), roles);
+    execFileSync('psql', ['-X', '-q', '-v', 'ON_ERROR_STOP=1', databaseUrl], { input: sql, stdio: ['pipe', 'ignore', 'pipe'] });
+  };
+  const dropRoles = async () => {
+    if (!roles) return;
+    const admin = new pg.Client({ connectionString: adminDatabaseUrl });
+    await admin.connect();
+    try {
+      for (const role of Object.values(roles)) await admin.query(`DROP ROLE IF EXISTS ${pg.escapeIdentifier(role)}`);
+    } finally {
+      await admin.end();
+    }
+  };
   // The default policies are the demo's, without its blast-radius `limits`: tests seed mostly
   // expired tables on purpose; the brake has its own tests (guardrails-brake.test.ts).
   let policiesPath = path.join(folder, 'policies-demo-unbraked.yaml');
   writeFileSync(policiesPath, readFileSync(DEMO_POLICIES, 'utf8').replace(/^\s*limits:.*\n/gm, ''));
+  applyRoles(policiesPath);
   // What close() deletes on the broker: every prefix a process of this file was given, and every
   // policy name of every policies file written (plus the demo's, the default file).
   const prefixes = new Set([prefix]);
@@ -106,6 +138,7 @@ export async function makeTestBed(label: string, options: TestBedOptions = {}): 
       REAPER_AMQP_PREFIX: prefix,
       LOG_LEVEL: process.env.TEST_LOG_LEVEL ?? 'info',
       ...(policiesPath ? { REAPER_POLICIES: policiesPath } : {}),
+      ...(roles ? { [AS_DEPLOYED_ROLES_VARIABLE]: JSON.stringify({ superuser: decodeURIComponent(url.username), roles } satisfies AsDeployedRoles) } : {}),
       ...overrides,
     };
   };
@@ -120,6 +153,7 @@ export async function makeTestBed(label: string, options: TestBedOptions = {}): 
       for (const name of policyNamesIn(yaml)) policyNames.add(name);
       policiesPath = path.join(folder, `policies-${randomBytes(3).toString('hex')}.yaml`);
       writeFileSync(policiesPath, yaml);
+      applyRoles(policiesPath);
       return policiesPath;
     },
     processEnv,
@@ -141,6 +175,7 @@ export async function makeTestBed(label: string, options: TestBedOptions = {}): 
       await step(() => pool.end());
       await step(() => deleteBrokerObjects(options.cleanupAmqpUrl ?? servers.amqpUrl, [...prefixes], [...policyNames]));
       await step(dropDatabase);
+      await step(dropRoles); // after the database: the grants and ownerships went with it
       await step(() => rmSync(folder, { recursive: true, force: true }));
       if (failures.length > 0) throw failures[0];
     },

@@ -64,8 +64,9 @@ export const REAPER_TABLE_GRANTS: ReaperTableGrants = {
   cleanup_ledger: { scheduler: ['SELECT', 'INSERT', 'UPDATE'], worker: ['SELECT', 'INSERT', 'UPDATE'], operator: ['SELECT'] },
   // the scheduler's backlog gauges read the pause switch and the 429 block; `reaper pause` sets it
   cleanup_admission: { scheduler: ['SELECT'], worker: ['SELECT', 'INSERT', 'UPDATE'], operator: ['SELECT', 'INSERT', 'UPDATE'] },
-  // kept bodies of remote batches until their receipt; the ledger sweeper republishes them
-  cleanup_remote_batches: { scheduler: [], worker: ['SELECT', 'INSERT', 'UPDATE', 'DELETE'] },
+  // kept bodies of remote batches until their receipt; the ledger sweeper republishes them; a
+  // scheduled run (scheduler, or `trigger --execute` as the operator) reads which were received
+  cleanup_remote_batches: { scheduler: ['SELECT'], worker: ['SELECT', 'INSERT', 'UPDATE', 'DELETE'], operator: ['SELECT'] },
   // webhook signatures accepted once, pruned by age (the prune's FOR UPDATE SKIP LOCKED needs UPDATE)
   cleanup_webhook_signatures: { scheduler: ['SELECT', 'INSERT', 'UPDATE', 'DELETE'], worker: [] },
   // legal holds: read by the scan, the brake and every deleting statement; placed by operators
