@@ -81,7 +81,7 @@ export function registerRestoreCommand(program: Command): void {
         if (policy.archive?.retainDays !== undefined && run.ageDays > policy.archive.retainDays && counted.archived < run.deleted && options.id === undefined) {
           process.stderr.write(`reaper: note: run ${options.run} is past archive.retainDays (${policy.archive.retainDays}): ${run.deleted - counted.archived} of its ${run.deleted} deleted rows were pruned and cannot be restored\n`);
         }
-        const { columns, mismatches } = await archiveCheckColumns(pool, target, selection);
+        const { columns, mismatches, sameColumns } = await archiveCheckColumns(pool, target, selection);
         if (mismatches.length > 0) {
           const why = mismatches.map((m) =>
             m.problem === 'missing'
@@ -90,7 +90,7 @@ export function registerRestoreCommand(program: Command): void {
           );
           throw new RestoreRefused(`refusing to restore run ${options.run}: ${why.join('; ')}`);
         }
-        return restoreInBatches(pool, target, { ...selection, columns, batchSize, dryRun: !!options.dryRun, json, policy: policy.name, counted });
+        return restoreInBatches(pool, target, { ...selection, columns, sameColumns, batchSize, dryRun: !!options.dryRun, json, policy: policy.name, counted });
       });
       printResult(json, result, () => describe(result));
       // Not everything is back (keys that exist again): exit 1 so a script notices; they are listed.
@@ -109,6 +109,8 @@ async function restoreInBatches(
   target: ResolvedTarget,
   job: ArchiveSelection & {
     columns: string[];
+    /** The table has exactly the archived columns: rows go back through their record's text (exact). */
+    sameColumns: boolean;
     batchSize: number;
     dryRun: boolean;
     json: boolean;
@@ -139,7 +141,7 @@ async function restoreInBatches(
     try {
       rows = job.dryRun
         ? await archiveRestorePreview(pool, target, step)
-        : await archiveRestoreStep(pool, target, { ...step, columns: job.columns, restoreId: restoreId!, operator });
+        : await archiveRestoreStep(pool, target, { ...step, columns: job.columns, sameColumns: job.sameColumns, restoreId: restoreId!, operator });
     } catch (error) {
       progress.done();
       const failed = error as { code?: string; message: string; constraint?: string };
@@ -158,7 +160,8 @@ async function restoreInBatches(
         if (result.conflictKeys.length < LISTED_CONFLICTS) result.conflictKeys.push(row.key);
       }
     }
-    after = rows[rows.length - 1]!.archiveId;
+    // The highest id handled (numerically): the next step starts after it, never before.
+    after = rows.reduce((highest, row) => (BigInt(row.archiveId) > BigInt(highest) ? row.archiveId : highest), after);
     progress.update(result.restored, result.conflicts);
     // Test-only: the batch is committed, the next not begun (a kill here must restore nothing twice).
     if (!job.dryRun) failpoint('restore-after-batch');

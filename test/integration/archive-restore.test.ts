@@ -37,7 +37,9 @@ describe('archive and restore', () => {
   const log = pino({ level: process.env.TEST_LOG_LEVEL ?? 'silent' });
 
   before(async () => {
-    world = await openBedAndBroker('archive_restore', rowDeletePolicyYaml({ batchSize: 10, archiveRetainDays: RETAIN_DAYS }));
+    // As deployed: `reaper restore` (the CLI) runs as reaper_operator, the role the README names
+    // for it (issue 40 item 5: before, no printed role could restore). The runs are in process.
+    world = await openBedAndBroker('archive_restore', rowDeletePolicyYaml({ batchSize: 10, archiveRetainDays: RETAIN_DAYS }), { asDeployed: true });
     const env = world.bed.env();
     policies = loadPolicies(env.policiesPath);
     scheduler = await startScheduler(env, policies, log);
@@ -150,6 +152,26 @@ describe('archive and restore', () => {
       { outcome: 'conflict', n: 4 },
       { outcome: 'restored', n: 8 },
     ], 'each restore logs the conflicts it reported; each row restored once');
+  });
+
+  test('archive ids that cross a power of ten within one step: a conflict is listed once, never a raw cleanup_restores_pkey error (issue 40)', async () => {
+    // The run's rows get archive ids 96..107, so one restore step holds 96..99 and 100..107: in
+    // text order '99' sorts after '107', the cursor went back to 99, and the next step met the
+    // conflict row (id >= 100, still unrestored) again in the same restore (a duplicate log row).
+    await pool().query('ALTER TABLE cleanup_archive ALTER COLUMN archive_id RESTART WITH 96');
+    const { runId, ids } = await deletedByARun(12);
+    const byArchiveId = await pool().query<{ key: string }>(`SELECT key FROM cleanup_archive WHERE run_id = $1 ORDER BY archive_id`, [runId]);
+    assert.equal(byArchiveId.rows.length, 12);
+    const conflicting = byArchiveId.rows[11]!.key; // archive id 107
+    await pool().query(
+      `INSERT INTO seat_reservations (reservation_id, status, expires_at, seat, holder) VALUES ($1, 'confirmed', now() + interval '1 day', 'new seat', 'new holder')`,
+      [conflicting],
+    );
+    const restore = await cli(['restore', '--run', runId, '--json', '--batch-size', '50']);
+    assert.equal(restore.code, 1, `one key exists again: exit 1, listed\n${restore.stdout}`);
+    const result = parsed(restore.stdout);
+    assert.deepEqual({ restored: result.restored, conflicts: result.conflicts, keys: result.conflictKeys }, { restored: 11, conflicts: 1, keys: [conflicting] });
+    assert.equal(ids.length, 12);
   });
 
   test('a key the run deleted twice (re-created in between) goes back once; its later copy is reported, and marked only if restored', async () => {

@@ -12,7 +12,7 @@ import { openTestBroker, type TestBroker } from './broker';
 import { eventually } from './eventually';
 import { assertNoLeakedProcesses, runReaperCli, startReaper, stopLeftovers, type ReaperProcess } from './processes';
 import { databaseNowIso, itemsFor } from './seed';
-import { makeTestBed, type TestBed } from './testbed';
+import { makeTestBed, type TestBed, type TestBedOptions } from './testbed';
 
 /**
  * Fixtures the row-delete and broker tests share, instead of a copy per file: the seat-holds
@@ -274,8 +274,8 @@ export interface BedAndBroker {
 }
 
 /** The usual before() of a file that talks to the broker: its bed (with this policies file, when given) and a test client on its broker. */
-export async function openBedAndBroker(label: string, policiesYaml?: string): Promise<BedAndBroker> {
-  const bed = await makeTestBed(label);
+export async function openBedAndBroker(label: string, policiesYaml?: string, options: TestBedOptions = {}): Promise<BedAndBroker> {
+  const bed = await makeTestBed(label, options);
   if (policiesYaml !== undefined) bed.writePolicies(policiesYaml);
   return { bed, broker: await openTestBroker(bed.amqpUrl), names: brokerNames(bed.prefix) };
 }

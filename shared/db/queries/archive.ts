@@ -15,13 +15,18 @@ import type { ResolvedTarget } from './expiring-rows';
  * Parameters it relies on: $9 the policy, $11 the policy version. Both empty when the archive is
  * off, so that statement is exactly what it was.
  */
+/** The session writes (and reads) dates and intervals in the styles a record's text is exact in. */
+const TEXT_STYLE_IS_PORTABLE = `current_setting('DateStyle') LIKE 'ISO%' AND current_setting('IntervalStyle') = 'postgres'`;
+
 export function archivedCte(enabled: boolean): { returning: string; cte: string } {
   if (!enabled) return { returning: '', cte: '' };
   return {
-    returning: ', to_jsonb(t) AS row_data',
+    // The record's text only in the output style every PostgreSQL reads back unambiguously (the
+    // default): a session set to another DateStyle or IntervalStyle archives the jsonb image alone.
+    returning: `, to_jsonb(t) AS row_data, CASE WHEN ${TEXT_STYLE_IS_PORTABLE} THEN t::text END AS row_text`,
     cte: `, archived AS (
-       INSERT INTO cleanup_archive (policy, key, row_data, run_id, batch_id, policy_version)
-       SELECT $9, r.key, r.row_data, r.run_id, r.batch_id, $11 FROM removed r
+       INSERT INTO cleanup_archive (policy, key, row_data, row_text, run_id, batch_id, policy_version)
+       SELECT $9, r.key, r.row_data, r.row_text, r.run_id, r.batch_id, $11 FROM removed r
      )`,
   };
 }
@@ -87,7 +92,7 @@ export async function archiveCheckColumns(
   db: Db,
   target: ResolvedTarget,
   selection: ArchiveSelection,
-): Promise<{ columns: string[]; mismatches: ColumnMismatch[] }> {
+): Promise<{ columns: string[]; mismatches: ColumnMismatch[]; sameColumns: boolean }> {
   const result = await db.query<{ column: string; archived: boolean; present: boolean; generated: boolean; required: boolean }>(
     `WITH archived AS (
        SELECT DISTINCT k AS column FROM cleanup_archive a CROSS JOIN LATERAL jsonb_object_keys(a.row_data) k
@@ -106,13 +111,14 @@ export async function archiveCheckColumns(
   const mismatches: ColumnMismatch[] = [];
   const columns: string[] = [];
   // No archived row left: nothing to compare (and no column is "required" of nothing).
-  if (!result.rows.some((row) => row.archived)) return { columns, mismatches };
+  if (!result.rows.some((row) => row.archived)) return { columns, mismatches, sameColumns: false };
   for (const row of result.rows) {
     if (row.archived && !row.present) mismatches.push({ column: row.column, problem: 'missing' });
     else if (!row.archived && row.required) mismatches.push({ column: row.column, problem: 'required' });
     else if (row.archived && !row.generated) columns.push(row.column);
   }
-  return { columns, mismatches };
+  // The record's text form is positional: it is read back only into the very columns it came from.
+  return { columns, mismatches, sameColumns: result.rows.every((row) => row.archived && row.present) };
 }
 
 /** One archived row a restore step handled: put back, or left in the archive because its key exists again. */
@@ -132,7 +138,7 @@ const toRestored = (row: StepRow): RestoredRow => ({ archiveId: row.archive_id, 
 
 /** `... AND` filter on the selection's unrestored rows after a cursor, as `a`; parameters $1 run, $2 key, $3 after, $4 limit. */
 function pendingSql(target: ResolvedTarget, lock: boolean): string {
-  return `SELECT a.archive_id, a.key, a.policy, a.row_data FROM cleanup_archive a
+  return `SELECT a.archive_id, a.key, a.policy, a.row_data, a.row_text FROM cleanup_archive a
        WHERE a.run_id = $1 AND a.restored_at IS NULL AND ($2::text IS NULL OR a.key = ($2::text::${target.keyType})::text)
          AND a.archive_id > $3::bigint
        ORDER BY a.archive_id LIMIT $4${lock ? ' FOR UPDATE' : ''}`;
@@ -149,7 +155,7 @@ function pendingSql(target: ResolvedTarget, lock: boolean): string {
 export async function archiveRestoreStep(
   db: Db,
   target: ResolvedTarget,
-  step: ArchiveSelection & { columns: readonly string[]; after: string; limit: number; restoreId: string; operator: string },
+  step: ArchiveSelection & { columns: readonly string[]; after: string; limit: number; restoreId: string; operator: string; sameColumns: boolean },
 ): Promise<RestoredRow[]> {
   const columns = step.columns.map(quoteIdentifier);
   const result = await db.query<StepRow>(
@@ -161,8 +167,13 @@ export async function archiveRestoreStep(
        SELECT DISTINCT ON (p.key) p.* FROM pending p ORDER BY p.key, p.archive_id
      ), inserted AS (
        INSERT INTO ${target.table} (${columns.join(', ')}) OVERRIDING SYSTEM VALUE
-       SELECT ${columns.map((column) => `r.${column}`).join(', ')}
-       FROM earliest p CROSS JOIN LATERAL jsonb_populate_record(NULL::${target.table}, p.row_data) r
+       SELECT ${columns.map((column) => `(x.r).${column}`).join(', ')}
+       FROM earliest p CROSS JOIN LATERAL (
+         -- Exact: the record's text through the table's row type, when the table has the columns it
+         -- had (step.sameColumns); otherwise by column name from the jsonb image.
+         SELECT CASE WHEN $7::boolean AND p.row_text IS NOT NULL AND ${TEXT_STYLE_IS_PORTABLE} THEN p.row_text::${target.table}
+                     ELSE jsonb_populate_record(NULL::${target.table}, p.row_data) END AS r
+       ) x
        ON CONFLICT (${target.key}) DO NOTHING
        RETURNING ${target.key}::text AS key
      ), outcome AS (
@@ -176,8 +187,11 @@ export async function archiveRestoreStep(
        INSERT INTO cleanup_restores (restore_id, archive_id, run_id, policy, key, outcome, operator)
        SELECT $5, o.archive_id, $1, o.policy, o.key, CASE WHEN o.restored THEN 'restored' ELSE 'conflict' END, $6 FROM outcome o
      )
-     SELECT archive_id::text, key, restored FROM outcome ORDER BY archive_id`,
-    [step.runId, step.key, step.after, step.limit, step.restoreId, step.operator],
+     -- Ordered by the number (o.archive_id), not by the text column of the same name: in text order
+     -- '10' < '9', the caller's cursor went back, and a conflict row came round again in the same
+     -- restore (a duplicate log row: cleanup_restores_pkey, issue 40).
+     SELECT o.archive_id::text AS archive_id, o.key, o.restored FROM outcome o ORDER BY o.archive_id`,
+    [step.runId, step.key, step.after, step.limit, step.restoreId, step.operator, step.sameColumns],
   );
   return result.rows.map(toRestored);
 }
@@ -189,7 +203,7 @@ export async function archiveRestorePreview(
   step: ArchiveSelection & { after: string; limit: number },
 ): Promise<RestoredRow[]> {
   const result = await db.query<StepRow>(
-    `SELECT p.archive_id::text, p.key, NOT EXISTS (SELECT 1 FROM ${target.table} t WHERE t.${target.key} = p.key::${target.keyType}) AS restored
+    `SELECT p.archive_id::text AS archive_id, p.key, NOT EXISTS (SELECT 1 FROM ${target.table} t WHERE t.${target.key} = p.key::${target.keyType}) AS restored
      FROM (${pendingSql(target, false)}) p ORDER BY p.archive_id`,
     [step.runId, step.key, step.after, step.limit],
   );

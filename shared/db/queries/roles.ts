@@ -74,11 +74,11 @@ export const REAPER_TABLE_GRANTS: ReaperTableGrants = {
   // audit rows: written by the deleting statements, kept to retainDays by the scheduler
   cleanup_audit: { scheduler: ['SELECT', 'DELETE'], worker: ['INSERT'], operator: ['SELECT'] },
   // archived rows (archive.enabled): written by the deleting statement, kept to retainDays by the
-  // scheduler; `reaper restore` runs as a role that may insert into the policy's table (the
-  // migrator or the application's own role): reaper_operator only reads them
-  cleanup_archive: { scheduler: ['SELECT', 'DELETE'], worker: ['INSERT'], operator: ['SELECT'] },
-  // the restore log: written by `reaper restore` only
-  cleanup_restores: { scheduler: [], worker: [], operator: ['SELECT'] },
+  // scheduler; `reaper restore` runs as reaper_operator: it locks and marks the rows it puts back
+  // (FOR UPDATE, UPDATE) and INSERTs into the policy's table (targetGrants: archived policies only)
+  cleanup_archive: { scheduler: ['SELECT', 'DELETE'], worker: ['INSERT'], operator: ['SELECT', 'UPDATE'] },
+  // the restore log: written by `reaper restore` (the operator) only
+  cleanup_restores: { scheduler: [], worker: [], operator: ['SELECT', 'INSERT'] },
   // expiry events: written by the deleting statements (the worker reads its size for the limit);
   // `reaper relay` (scheduler role) claims (UPDATE), publishes and deletes them, the scheduler's gauge reads their age
   cleanup_outbox: { scheduler: ['SELECT', 'UPDATE', 'DELETE'], worker: ['SELECT', 'INSERT'], operator: ['SELECT'] },
@@ -113,11 +113,15 @@ export const DEFAULT_DB_ROLE_TIMEOUTS: Readonly<Record<keyof DbRoleNames, DbRole
   operator: { statementTimeoutMs: 60_000, lockTimeoutMs: 5_000, idleInTransactionSessionTimeoutMs: 60_000 },
 };
 
-/** What each role gets on each policy's table, by policy kind (the migrator and the operator: SELECT). */
-export function targetGrants(policies: PolicySet): Map<string, { scheduler: Set<DbPrivilege>; worker: Set<DbPrivilege> }> {
-  const grants = new Map<string, { scheduler: Set<DbPrivilege>; worker: Set<DbPrivilege> }>();
+/**
+ * What each role gets on each policy's table, by policy kind (the migrator: SELECT; the operator:
+ * SELECT, and INSERT where a row-delete policy archives its rows: `reaper restore` puts them back).
+ */
+export function targetGrants(policies: PolicySet): Map<string, { scheduler: Set<DbPrivilege>; worker: Set<DbPrivilege>; operator: Set<DbPrivilege> }> {
+  const grants = new Map<string, { scheduler: Set<DbPrivilege>; worker: Set<DbPrivilege>; operator: Set<DbPrivilege> }>();
   for (const policy of policies.values()) {
-    const entry = grants.get(policy.table) ?? { scheduler: new Set<DbPrivilege>(), worker: new Set<DbPrivilege>() };
+    const entry = grants.get(policy.table) ?? { scheduler: new Set<DbPrivilege>(), worker: new Set<DbPrivilege>(), operator: new Set<DbPrivilege>(['SELECT']) };
+    if (policy.kind === 'row-delete' && policy.archive?.enabled) entry.operator.add('INSERT');
     // The scheduler scans for expired rows (and webhooks re-read one): read only.
     entry.scheduler.add('SELECT');
     // The worker's conditional DELETE/UPDATE reads the columns it compares (SELECT), and the
@@ -259,7 +263,8 @@ export function rolesSql(policies: PolicySet, names: DbRoleNames = DEFAULT_DB_RO
       `REVOKE ALL ON ${q(table)} FROM ${migrator}, ${scheduler}, ${worker}, ${operator};`,
       `GRANT ${[...grants.scheduler].join(', ')} ON ${q(table)} TO ${scheduler};`,
       `GRANT ${[...grants.worker].join(', ')} ON ${q(table)} TO ${worker};`,
-      `GRANT SELECT ON ${q(table)} TO ${migrator}, ${operator};`,
+      `GRANT SELECT ON ${q(table)} TO ${migrator};`,
+      `GRANT ${[...grants.operator].join(', ')} ON ${q(table)} TO ${operator};`,
     );
   }
   lines.push('', 'COMMIT;', '');
