@@ -5,6 +5,7 @@ import { registerApprovalCommands } from './approvals';
 import { registerAuditCommand } from './audit';
 import { NotFoundError, UsageError } from './common';
 import { registerDeadLetterCommands } from './dlq';
+import { registerDoctorCommand } from './doctor';
 import { registerEventsCommands } from './events';
 import { registerHoldCommands } from './holds';
 import { registerPauseCommands } from './pause';
@@ -44,6 +45,7 @@ export function makeProgram(): Command {
   registerEventsCommands(program);
 
   addRolesCommand(program);
+  registerDoctorCommand(program);
 
   // Operator commands stop on SIGINT/SIGTERM at once (the services drain instead: runService).
   // Explicit handlers matter when the command is PID 1 (a container, a Kubernetes Job): the kernel

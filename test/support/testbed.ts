@@ -33,6 +33,8 @@ export interface TestBed {
   /** Environment for a reaper process or for loadEnv(), with overrides. */
   processEnv(overrides?: Record<string, string>): NodeJS.ProcessEnv;
   env(overrides?: Record<string, string>): Env;
+  /** The printed roles of an as-deployed bed (options.asDeployed); null otherwise. */
+  roles: DbRoleNames | null;
   close(): Promise<void>;
 }
 
@@ -158,6 +160,7 @@ export async function makeTestBed(label: string, options: TestBedOptions = {}): 
     },
     processEnv,
     env: (overrides) => loadEnv(processEnv(overrides)),
+    roles,
     async close() {
       if (closed) return;
       closed = true;

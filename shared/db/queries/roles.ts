@@ -57,7 +57,7 @@ export type ReaperTableGrants = Readonly<Record<string, { scheduler: readonly Db
  * --execute` executes a run as the scheduler does).
  */
 export const REAPER_TABLE_GRANTS: ReaperTableGrants = {
-  reaper_schema_migrations: { scheduler: ['SELECT'], worker: ['SELECT'] }, // assertSchemaCurrent at start-up (the CLI does not check)
+  reaper_schema_migrations: { scheduler: ['SELECT'], worker: ['SELECT'], operator: ['SELECT'] }, // assertSchemaCurrent at start-up, and `reaper doctor`
   cleanup_runs: { scheduler: ['SELECT', 'INSERT', 'UPDATE'], worker: [], operator: ['SELECT', 'INSERT', 'UPDATE'] },
   cleanup_run_batches: { scheduler: ['SELECT', 'INSERT'], worker: [], operator: ['SELECT', 'INSERT'] },
   cleanup_batches: { scheduler: ['SELECT'], worker: ['SELECT', 'INSERT'], operator: ['SELECT'] },
@@ -269,4 +269,56 @@ export function rolesSql(policies: PolicySet, names: DbRoleNames = DEFAULT_DB_RO
   }
   lines.push('', 'COMMIT;', '');
   return lines.join('\n');
+}
+
+/** One privilege a deployment role needs: `privilege` on `table`, or membership in `table` when privilege is 'MEMBER'. */
+export interface NeededPrivilege {
+  role: string;
+  /** What the role is for (scheduler, worker, operator), for the message. */
+  purpose: GranteeRole;
+  table: string;
+  privilege: DbPrivilege | 'MEMBER';
+  /** Why it is needed, for the message. */
+  why: string;
+}
+
+/**
+ * Everything the printed roles grant for these policies (REAPER_TABLE_GRANTS, targetGrants and
+ * pg_read_all_stats), as a list `reaper doctor` checks one by one against the database.
+ */
+export function neededPrivileges(policies: PolicySet, names: Pick<DbRoleNames, GranteeRole>): NeededPrivilege[] {
+  const needed: NeededPrivilege[] = [];
+  for (const [table, grants] of Object.entries(REAPER_TABLE_GRANTS)) {
+    for (const purpose of GRANTEES) {
+      for (const privilege of grants[purpose] ?? []) needed.push({ role: names[purpose], purpose, table, privilege, why: `reaper's table ${table}` });
+    }
+  }
+  for (const [table, grants] of targetGrants(policies)) {
+    for (const purpose of GRANTEES) {
+      for (const privilege of grants[purpose]) needed.push({ role: names[purpose], purpose, table, privilege, why: `policy table ${table}` });
+    }
+  }
+  const rowPolicies = [...policies.values()].filter((policy) => policy.kind === 'row-delete');
+  if (rowPolicies.some((policy) => policy.brake !== undefined || policy.admission?.adaptive !== false)) {
+    needed.push({ role: names.worker, purpose: 'worker', table: 'pg_read_all_stats', privilege: 'MEMBER', why: 'adaptive admission (the default) and the replica-lag brake read server statistics' });
+  }
+  return needed;
+}
+
+/** Of `needed`, what the database does not grant now (a role that does not exist lacks everything). */
+export async function privilegesMissing(db: Db, needed: readonly NeededPrivilege[]): Promise<Array<NeededPrivilege & { roleExists: boolean; tableExists: boolean }>> {
+  if (needed.length === 0) return [];
+  const result = await db.query<{ i: number; role_exists: boolean; table_exists: boolean; granted: boolean | null }>(
+    `SELECT n.i::int AS i, r.oid IS NOT NULL AS role_exists,
+            (n.privilege = 'MEMBER' OR to_regclass(quote_ident(n.tbl)) IS NOT NULL OR to_regclass(n.tbl) IS NOT NULL) AS table_exists,
+            CASE WHEN r.oid IS NULL THEN false
+                 WHEN n.privilege = 'MEMBER' THEN pg_has_role(n.role, n.tbl, 'USAGE')
+                 WHEN coalesce(to_regclass(quote_ident(n.tbl)), to_regclass(n.tbl)) IS NULL THEN false
+                 ELSE has_table_privilege(n.role, coalesce(to_regclass(quote_ident(n.tbl)), to_regclass(n.tbl)), n.privilege) END AS granted
+     FROM unnest($1::text[], $2::text[], $3::text[]) WITH ORDINALITY AS n(role, tbl, privilege, i)
+     LEFT JOIN pg_roles r ON r.rolname = n.role
+     ORDER BY n.i`,
+    [needed.map((entry) => entry.role), needed.map((entry) => entry.table), needed.map((entry) => entry.privilege)],
+  );
+  return result.rows.filter((row) => !row.granted).map((row) => ({ ...needed[row.i - 1]!, roleExists: row.role_exists, tableExists: row.table_exists }));
 }
