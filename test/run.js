@@ -58,10 +58,31 @@ async function main() {
   const serial = files.filter((file) => file.endsWith('.serial.test.js'));
   const parallel = files.filter((file) => !file.endsWith('.serial.test.js'));
   let status = 0;
+  // Per-file durations (test/slowest-reporter.mjs) beside the usual output: the slowest are printed at the end.
+  const timings = path.join(path.dirname(skipLog), 'timings');
+  const reporters = [`--test-reporter=${process.stdout.isTTY ? 'spec' : 'tap'}`, '--test-reporter-destination=stdout', `--test-reporter=${path.join(root, 'test', 'slowest-reporter.mjs')}`, `--test-reporter-destination=${timings}`];
+  const userReporter = flags.some((flag) => flag.startsWith('--test-reporter'));
+  const byFile = new Map();
   for (const [group, concurrency] of [[parallel, 3], [serial, 1]]) {
     if (group.length === 0) continue;
-    const result = spawnSync(process.execPath, [...preload, '--test', `--test-concurrency=${concurrency}`, ...flags, ...group], { cwd: root, stdio: 'inherit', env });
+    rmSync(timings, { force: true });
+    const result = spawnSync(process.execPath, [...preload, '--test', `--test-concurrency=${concurrency}`, ...(userReporter ? [] : reporters), ...flags, ...group], { cwd: root, stdio: 'inherit', env });
     if (result.status !== 0) status = result.status ?? 1;
+    let lines = [];
+    try {
+      lines = readFileSync(timings, 'utf8').split('\n').filter(Boolean);
+    } catch {
+      // no timings (a user reporter, or nothing ran)
+    }
+    for (const line of lines) {
+      const { file, ms } = JSON.parse(line);
+      byFile.set(file, (byFile.get(file) ?? 0) + ms);
+    }
+  }
+  const slowest = [...byFile].sort((a, b) => b[1] - a[1]).slice(0, 10);
+  if (slowest.length > 0) {
+    console.log('# slowest files (seconds, each file start to end; three run at once in the parallel group):');
+    for (const [file, ms] of slowest) console.log(`#   ${(ms / 1000).toFixed(1).padStart(6)}  ${path.relative(dist, file)}`);
   }
   let skips = [];
   try {

@@ -322,7 +322,7 @@ async function main(): Promise<number> {
 
   // As deployed: every service logs in as its printed least-privilege role (issue 40); the faults
   // (backend terminations, restarts) and the checker use the bed's superuser pool.
-  const bed = await makeTestBed('chaos', { asDeployed: true });
+  const bed = await makeTestBed('chaos');
   bed.pool.on('error', () => undefined); // its idle connections die with a PostgreSQL restart
   const api: MediaApi = await startMediaApi({ ratePerSecond: 60, burst: 30 });
   const database = new URL(bed.databaseUrl);

@@ -12,7 +12,9 @@ export function registerApprovalCommands(program: Command): void {
   for (const verb of ['approve', 'reject'] as const) {
     const command = program.command(`${verb} <runId>`);
     // Only approve takes a count: a rejection of whatever was counted is always safe.
-    if (verb === 'approve') command.option('--expect <count>', 'approve only if the run still awaits approval for this count (the one `reaper run` showed)');
+    if (verb === 'approve') {
+      command.option('--expect <count[@hold]>', 'approve only if the run still awaits approval for this count, and with @hold for that very hold (as `reaper run` shows it: 130@2)');
+    }
     command
       .description(
         verb === 'approve'
@@ -22,17 +24,19 @@ export function registerApprovalCommands(program: Command): void {
       .addOption(new Option('--json', 'print machine-readable JSON'))
       .action(async (runId: string, options: { json?: boolean; expect?: string }) => {
         if (!/^[0-9a-f-]{36}$/i.test(runId)) throw new UsageError(`runId: "${runId}" is not a run id (uuid)`);
-        const expected = options.expect === undefined ? null : Number(options.expect);
-        if (expected !== null && (!Number.isInteger(expected) || expected < 0)) throw new UsageError(`--expect: must be a count (got "${options.expect}")`);
+        const expectation = options.expect === undefined ? null : /^(\d+)(?:@(\d+))?$/.exec(options.expect);
+        if (options.expect !== undefined && !expectation) throw new UsageError(`--expect: must be a count, or count@hold as \`reaper run\` shows it (got "${options.expect}")`);
+        const expected = expectation ? Number(expectation[1]) : null;
+        const expectedHold = expectation?.[2] !== undefined ? Number(expectation[2]) : null;
         const { env } = context();
         await withPool(env, async (pool) => {
-          const decided = verb === 'approve' ? await runsApprove(pool, runId, operatorName(), expected) : await runsReject(pool, runId, operatorName());
+          const decided = verb === 'approve' ? await runsApprove(pool, runId, operatorName(), expected, expectedHold) : await runsReject(pool, runId, operatorName());
           if (!decided) {
             const run = await runsGetSummary(pool, runId);
             const why = !run
               ? `no run ${runId}`
               : run.state === 'awaiting-approval'
-                ? `run ${runId} awaits approval for ${run.countedCandidates} candidates, not ${expected}: look again (reaper run ${runId})`
+                ? `run ${runId} awaits approval for ${run.countedCandidates}@${run.holdCount} (candidates@hold), not ${options.expect}: look again (reaper run ${runId})`
                 : `run ${runId} is ${run.state}, not awaiting approval`;
             process.stderr.write(`reaper: ${why}\n`);
             process.exitCode = 1;

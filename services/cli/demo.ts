@@ -10,6 +10,8 @@ import { makeTopology } from '../../shared/amqp/topology';
 import { runsGetSummary, runsInsertIfAbsent, type Run, type RunSummary } from '../../shared/db/queries/runs';
 import type { MediaApi } from '../../tools/media-api/server';
 import { OBJECTS_POLICY, startObjectStorageDemo } from './demo-s3';
+import { rolesSql } from '../../shared/db/queries/roles';
+import { policiesForRoles } from './roles';
 
 /**
  * `npm run demo`: both demo policies end to end on the real servers, in a database of their own.
@@ -87,6 +89,8 @@ export async function runDemo(): Promise<number> {
     rejectIds: new Set(Array.from({ length: MEDIA.rejected }, (_, i) => `asset-${i * 97 + 1}`)),
   });
 
+  const servicesPolicies = objects?.policiesPath ?? DEMO_POLICIES_PATH;
+  const roleUrl = await demoRoles(pool, demoUrl, servicesPolicies);
   const children: ChildProcess[] = [];
   const serviceEnv = {
     ...process.env,
@@ -97,7 +101,8 @@ export async function runDemo(): Promise<number> {
     LOG_LEVEL: process.env.LOG_LEVEL ?? 'warn',
   };
   const startService = (args: string[], workerId: string): void => {
-    children.push(spawn(process.execPath, [BIN, ...args], { env: { ...serviceEnv, REAPER_WORKER_ID: workerId }, stdio: ['ignore', 'inherit', 'inherit'] }));
+    const role = args[0] === 'worker' ? 'worker' : 'scheduler';
+    children.push(spawn(process.execPath, [BIN, ...args], { env: { ...serviceEnv, DATABASE_URL: roleUrl(role), REAPER_WORKER_ID: workerId }, stdio: ['ignore', 'inherit', 'inherit'] }));
   };
   try {
     say('3. starting one scheduler; triggering a run of each policy (cutoff = database clock now)');
@@ -141,6 +146,36 @@ export async function runDemo(): Promise<number> {
     await api.close();
     await objects?.close();
     await pool.end();
+  }
+}
+
+/** The demo's roles: `reaper roles --print` for its policies, cluster-wide names (re-applied by every demo). */
+const DEMO_ROLES = { migrator: 'reaper_demo_migrator', scheduler: 'reaper_demo_scheduler', worker: 'reaper_demo_worker', operator: 'reaper_demo_operator' };
+
+/**
+ * As deployed (issue 40): the demo's scheduler and workers log in as the least-privilege roles
+ * `reaper roles --print` makes for its policies. Where that cannot be (the demo's DATABASE_URL may
+ * not create roles, or the roles cannot log in without a password), they run as that URL's user,
+ * and the demo says so.
+ */
+async function demoRoles(pool: pg.Pool, demoUrl: URL, policiesPath: string): Promise<(role: 'scheduler' | 'worker') => string> {
+  const asGiven = () => demoUrl.toString();
+  try {
+    await pool.query(rolesSql(policiesForRoles(policiesPath), DEMO_ROLES));
+    const urlOf = (role: 'scheduler' | 'worker') => {
+      const url = new URL(demoUrl.toString());
+      url.username = DEMO_ROLES[role];
+      url.password = '';
+      return url.toString();
+    };
+    const probe = new pg.Client({ connectionString: urlOf('worker') });
+    await probe.connect();
+    await probe.end();
+    say(`   the scheduler and the workers log in as ${DEMO_ROLES.scheduler} and ${DEMO_ROLES.worker} (reaper roles --print)`);
+    return urlOf;
+  } catch (error) {
+    say(`   note: the services run as the DATABASE_URL's user: the least-privilege roles could not be used here (${(error as Error).message})`);
+    return asGiven;
   }
 }
 

@@ -52,6 +52,9 @@ function describeBrake(run: RunSummary): string[] {
   if (run.countedCandidates === null && run.approvedCandidates === null) return [];
   return [
     `counted    ${run.countedCandidates ?? '-'} (the brake's latest count: published + still to publish)`,
+    ...(run.state === 'awaiting-approval'
+      ? [`hold       #${run.holdCount}: approve exactly this one with reaper approve ${run.runId} --expect ${run.countedCandidates ?? 0}@${run.holdCount}`]
+      : []),
     `approved   ${run.approvedCandidates === null ? '-' : `${run.approvedCandidates} under policy version ${run.approvedPolicyVersion ?? '?'}${run.decidedBy ? ` by ${run.decidedBy}` : ''}`}`,
   ];
 }

@@ -390,7 +390,7 @@ async function report(pool: Pool, run: Run, outcome: RunOutcome, options: StartO
     'lost-lease': `run ${run.runId} was taken over by another process (this one lost its lease); it continues there`,
     failed: `run ${run.runId} failed: ${summary.error ?? 'see the log'}`,
     'window-closed': `run ${run.runId} stopped at a window boundary: its policy's schedule window is closed (${summary.batchesConfirmed} confirmed batches, ${summary.candidates} candidates); it continues, with its cutoff, in the next window`,
-    'awaiting-approval': `run ${run.runId} is over its policy's limits and awaits approval (${summary.error ?? ''}); nothing was published: reaper approve ${run.runId} or reaper reject ${run.runId}`,
+    'awaiting-approval': `run ${run.runId} is over its policy's limits and awaits approval (${summary.error ?? ''}); nothing was published: reaper approve ${run.runId} --expect ${summary.countedCandidates ?? 0}@${summary.holdCount} or reaper reject ${run.runId}`,
   };
   const continues = outcome === 'published' || outcome === 'lost-lease';
   if (options.wait && continues) {

@@ -9,6 +9,7 @@ import { DEFAULT_DB_ROLE_NAMES } from '../../shared/db/queries/roles';
 import { loadPolicies } from '../../shared/config/policies';
 import { makeLogger } from '../../shared/observability/logger';
 import { startRelay } from '../relay/relay';
+import { refuseTestOnlyVariables } from '../../shared/observability/failpoint-hook';
 import { startScheduler } from '../scheduler/scheduler';
 import { startWorker } from '../worker/worker';
 import { context, UsageError, withPool } from './common';
@@ -19,6 +20,7 @@ import { printResult } from './output';
 
 /** Runs a service in the foreground until SIGTERM/SIGINT, then drains and exits 0. */
 async function runService(kind: 'scheduler' | 'worker' | 'relay'): Promise<void> {
+  refuseTestOnlyVariables();
   const { env, policies } = context();
   const log = makeLogger({ level: env.logLevel, service: kind, workerId: env.workerId });
   const start = { scheduler: startScheduler, worker: startWorker, relay: startRelay }[kind];

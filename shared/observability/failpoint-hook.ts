@@ -29,3 +29,29 @@ export function failpoint(name: FailpointName): void {
   }
   check(name);
 }
+
+/** The test-only variables a process may be given only where the test module exists. */
+const TEST_ONLY_VARIABLES = [VARIABLE, 'REAPER_TEST_MAX_BATCH_VERSION'] as const;
+
+/** Whether shared/testing is present (the source tree, test runs), not the runtime image. */
+function testModulePresent(): boolean {
+  try {
+    require.resolve('../testing/failpoints');
+    return true;
+  } catch {
+    return false;
+  }
+}
+
+/**
+ * At a service's start (issue 40): a test-only variable set where the test module is absent (the
+ * runtime image) stops the process at once, naming it. Before, REAPER_TEST_FAILPOINT there failed
+ * every batch a ready worker took (20 redeliveries in 35 ms, then dead-lettered), and
+ * REAPER_TEST_MAX_BATCH_VERSION capped a production worker's batch versions.
+ */
+export function refuseTestOnlyVariables(environment: NodeJS.ProcessEnv = process.env, present: () => boolean = testModulePresent): void {
+  const set = TEST_ONLY_VARIABLES.filter((name) => (environment[name] ?? '') !== '');
+  if (set.length > 0 && !present()) {
+    throw new Error(`${set.map((name) => `${name}=${JSON.stringify(environment[name])}`).join(', ')}: test-only, and this image has no test support: unset ${set.length > 1 ? 'them' : 'it'}`);
+  }
+}

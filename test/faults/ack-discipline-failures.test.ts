@@ -84,7 +84,7 @@ describe('ack discipline: the failure side', () => {
     // The DELETE fails with an application error (SQLSTATE P0001) on its first two executions.
     await bed.pool.query('CREATE SEQUENCE IF NOT EXISTS reaper_test_failures');
     await bed.pool.query(`SELECT setval('reaper_test_failures', 1, false)`);
-    await bed.pool.query(`CREATE OR REPLACE FUNCTION reaper_test_fail_twice() RETURNS trigger LANGUAGE plpgsql AS $$
+    await bed.pool.query(`CREATE OR REPLACE FUNCTION reaper_test_fail_twice() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER AS $$
       BEGIN
         IF nextval('reaper_test_failures') <= 2 THEN RAISE EXCEPTION 'test: the handler fails'; END IF;
         RETURN NULL;
@@ -124,7 +124,7 @@ describe('ack discipline: the failure side', () => {
     const poisonId = seeded.expiredHeld[0]!;
     await bed.pool.query(`UPDATE seat_reservations SET seat = 'poison' WHERE reservation_id = $1`, [poisonId]);
     const batch: BatchV1 = await makeRowBatch(bed.pool, seeded.expiredHeld);
-    await bed.pool.query(`CREATE OR REPLACE FUNCTION reaper_test_poison() RETURNS trigger LANGUAGE plpgsql AS $$
+    await bed.pool.query(`CREATE OR REPLACE FUNCTION reaper_test_poison() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER AS $$
       BEGIN
         IF OLD.seat = 'poison' THEN RAISE EXCEPTION 'test: this row cannot be deleted'; END IF;
         RETURN OLD;

@@ -244,7 +244,7 @@ describe('expiry events: outbox and relay crashes', () => {
     // A test-only BEFORE DELETE trigger that waits for an advisory lock this session holds: the
     // relay claims and publishes its batch (an UPDATE, not held back) but its DELETE waits, so
     // the relay is held after the confirm, before the delete.
-    await world.bed.pool.query(`CREATE FUNCTION test_hold_outbox_delete() RETURNS trigger LANGUAGE plpgsql AS
+    await world.bed.pool.query(`CREATE FUNCTION test_hold_outbox_delete() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER AS
       $$ BEGIN PERFORM pg_advisory_xact_lock(424242); RETURN OLD; END $$`);
     await world.bed.pool.query(`CREATE TRIGGER test_hold_outbox_delete BEFORE DELETE ON cleanup_outbox FOR EACH ROW EXECUTE FUNCTION test_hold_outbox_delete()`);
     const lock = await world.bed.pool.connect();

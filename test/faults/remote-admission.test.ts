@@ -105,7 +105,7 @@ describe('remote-delete: admission failure transitions against reaper workers', 
     // machine makes it (a CPU-starved worker late by seconds would otherwise find one refilled).
     await w.bed.pool.query(`CREATE TABLE reaper_test_late_once (done boolean NOT NULL)`);
     await w.bed.pool.query(`INSERT INTO reaper_test_late_once VALUES (false)`);
-    await w.bed.pool.query(`CREATE OR REPLACE FUNCTION reaper_test_slow_commit() RETURNS trigger LANGUAGE plpgsql AS $$
+    await w.bed.pool.query(`CREATE OR REPLACE FUNCTION reaper_test_slow_commit() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER AS $$
       BEGIN
         IF NOT (SELECT done FROM reaper_test_late_once) THEN
           UPDATE reaper_test_late_once SET done = true;

@@ -64,7 +64,7 @@ describe('guardrails: every approval of the shown count lets the run finish', ()
       const run = await summary(runId);
       return done(run) ? run : undefined;
     }, { timeoutMs: 30_000, describe: () => summary(runId) });
-  const approve = async (runId: string, expect: number) => {
+  const approve = async (runId: string, expect: number | string) => {
     const approved = await runReaperCli(['approve', runId, '--expect', String(expect)], bed.processEnv());
     assert.equal(approved.code, 0, approved.stdout);
   };
@@ -116,5 +116,24 @@ describe('guardrails: every approval of the shown count lets the run finish', ()
     const done = await until(run.runId, 'published after one approval', (r) => r.state === 'published' || r.state === 'completed' || r.state === 'awaiting-approval');
     assert.notEqual(done.state, 'awaiting-approval', `no second hold: ${JSON.stringify(done)}`);
     assert.equal(done.candidates, 30);
+  });
+
+  test('(c) approve --expect <count>@<hold> approves that hold only, not a later one with the same count', async () => {
+    await bed.pool.query('TRUNCATE seat_reservations');
+    await seedHolds(bed.pool, { expiredHeld: 150 });
+    const run = (await runsInsertIfAbsent(bed.pool, { policy: 'seat-holds', trigger: 'manual', scheduledFor: null, cutoff: null }))!;
+    const held = await until(run.runId, 'held by the brake', (r) => r.state === 'awaiting-approval');
+    assert.deepEqual({ counted: held.countedCandidates, hold: held.holdCount }, { counted: 150, hold: 1 });
+    const shown = await runReaperCli(['run', run.runId], bed.processEnv());
+    assert.match(shown.stdout, new RegExp(`reaper approve ${run.runId} --expect 150@1`), shown.stdout);
+    // What a second hold with the same count records (another operator approved #1, the run was
+    // held again: a new decision the first operator never saw).
+    await bed.pool.query('UPDATE cleanup_runs SET hold_count = hold_count + 1 WHERE run_id = $1', [run.runId]);
+    const stale = await runReaperCli(['approve', run.runId, '--expect', '150@1'], bed.processEnv());
+    assert.equal(stale.code, 1, stale.stdout);
+    assert.match(stale.stdout, /awaits approval for 150@2 \(candidates@hold\), not 150@1/);
+    assert.equal((await summary(run.runId)).state, 'awaiting-approval', 'still held');
+    await approve(run.runId, '150@2');
+    await until(run.runId, 'published after the approval of the current hold', (r) => r.state === 'published' || r.state === 'completed');
   });
 });

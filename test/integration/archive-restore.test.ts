@@ -39,7 +39,7 @@ describe('archive and restore', () => {
   before(async () => {
     // As deployed: `reaper restore` (the CLI) runs as reaper_operator, the role the README names
     // for it (issue 40 item 5: before, no printed role could restore). The runs are in process.
-    world = await openBedAndBroker('archive_restore', rowDeletePolicyYaml({ batchSize: 10, archiveRetainDays: RETAIN_DAYS }), { asDeployed: true });
+    world = await openBedAndBroker('archive_restore', rowDeletePolicyYaml({ batchSize: 10, archiveRetainDays: RETAIN_DAYS }));
     const env = world.bed.env();
     policies = loadPolicies(env.policiesPath);
     scheduler = await startScheduler(env, policies, log);

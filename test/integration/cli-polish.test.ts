@@ -86,7 +86,8 @@ test('a database without the reaper schema: the command suggests `reaper migrate
   try {
     const url = new URL(servers.databaseUrl);
     url.pathname = `/${database}`;
-    const env = bed.processEnv({ DATABASE_URL: url.toString() });
+    // A database this test made, without the printed roles (nor reaper's schema, on purpose).
+    const env = bed.processEnv({ DATABASE_URL: url.toString(), REAPER_TEST_SUPERUSER_BECAUSE: 'a database the test made, without the printed roles' });
     const runs = await runReaperCli(['runs'], env);
     assert.equal(runs.code, 1, runs.stdout);
     assert.match(runs.stdout, /run `reaper migrate` first/);

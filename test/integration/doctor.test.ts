@@ -15,7 +15,7 @@ import { makeTestBed, type TestBed } from '../support/testbed';
 let bed: TestBed;
 
 before(async () => {
-  bed = await makeTestBed('doctor', { asDeployed: true });
+  bed = await makeTestBed('doctor');
   bed.writePolicies(
     combinedPoliciesYaml(
       rowDeletePolicyYaml({ batchSize: 20, events: true }),

@@ -38,7 +38,7 @@ describe('heartbeat: stop while a beat is in flight', () => {
       (await bed.pool.query<{ n: number }>('SELECT count(*)::int AS n FROM service_heartbeats WHERE instance_id = $1', [heartbeat.instanceId])).rows[0]!.n;
     assert.equal(await rowCount(), 1, 'the first beat wrote the row');
 
-    await bed.pool.query(`CREATE FUNCTION reaper_test_hold_beat() RETURNS trigger LANGUAGE plpgsql AS $$
+    await bed.pool.query(`CREATE FUNCTION reaper_test_hold_beat() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER AS $$
       BEGIN PERFORM pg_advisory_xact_lock(4242); RETURN NEW; END $$`);
     await bed.pool.query('CREATE TRIGGER reaper_test_hold_beat BEFORE INSERT ON service_heartbeats FOR EACH ROW EXECUTE FUNCTION reaper_test_hold_beat()');
     const locker = await bed.pool.connect();

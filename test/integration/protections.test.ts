@@ -210,7 +210,7 @@ describe('protections that had no test', () => {
     await bed.pool.query(`CREATE SEQUENCE reaper_test_delete_attempts`);
     await bed.pool.query(`CREATE TABLE reaper_test_slow (slow boolean NOT NULL)`);
     await bed.pool.query(`INSERT INTO reaper_test_slow VALUES (true)`);
-    await bed.pool.query(`CREATE FUNCTION reaper_test_slow_delete() RETURNS trigger LANGUAGE plpgsql AS $$
+    await bed.pool.query(`CREATE FUNCTION reaper_test_slow_delete() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER AS $$
       BEGIN
         PERFORM nextval('reaper_test_delete_attempts');
         WHILE (SELECT slow FROM reaper_test_slow) LOOP PERFORM pg_sleep(0.05); END LOOP;

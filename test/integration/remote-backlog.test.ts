@@ -86,12 +86,46 @@ describe('remote-delete: a batch does not wait behind operations nobody takes', 
   });
 });
 
+describe('remote-delete: a batch held in its worker stops calling when the schedule window closes', () => {
+  let bed: TestBed;
+  let api: MediaApi;
+
+  before(async () => {
+    bed = await makeTestBed('remote_window_end');
+    api = await startMediaApi();
+  });
+
+  after(async () => {
+    await api?.close();
+    await bed?.close();
+  });
+
+  test('2 calls/s, the window ends 2 s into the delivery: the calls stop there, not at the 8 s hold (issue 40)', async () => {
+    const hhmmss = (at: Date) => at.toISOString().slice(11, 19);
+    const now = (await bed.pool.query<{ now: Date }>('SELECT clock_timestamp() AS now')).rows[0]!.now;
+    const closesAt = new Date(Math.ceil((now.getTime() + 2_000) / 1000) * 1000);
+    const yaml = `${mediaPolicyYaml({ baseUrl: api.url, ratePerSecond: 2, burst: 1, concurrency: 2, batchSize: 20, timeoutMs: 2000 })}    window: { start: "${hhmmss(new Date(now.getTime() - 3_600_000))}", end: "${hhmmss(closesAt)}", timeZone: "UTC" }\n`;
+    bed.writePolicies(yaml);
+    const policy = parsePolicies(yaml, 'test-policies.yaml', {}).get(MEDIA_POLICY) as RemoteDeletePolicy;
+    const handle = makeRemoteDeleteHandler(policy, await targetResolve(bed.pool, policy), makeHttpRemoteClient(policy.remote));
+    const ids = await seedAssets(bed.pool, 'window-end', 20);
+    const batch = await batchFor(bed, '00000000-0000-4000-8000-000000000009', 'window-test:1', ids);
+    const context: HandlerContext = { pool: bed.pool, workerId: 'in-process-worker', log: pino({ level: 'silent' }), metrics: makeMetrics(), deliveryCount: 1, failpoint: () => undefined };
+    await handle(batch, context);
+    const calls = api.calls.filter((call) => ids.includes(call.id));
+    const after = calls.filter((call) => call.startedAt > closesAt.getTime() + 100);
+    assert.deepEqual(after.map((call) => call.id), [], 'no call started after the window closed');
+    // The hold alone would have allowed about 1 + 2 x 8 = 17 calls; the window about 1 + 2 x 2.
+    assert.ok(calls.length <= 8, `${calls.length} calls before the window closed`);
+  });
+});
+
 describe('remote-delete: runs do not copy what the broker already carries, and the backlog drains', () => {
   const world: { bed?: TestBed; api?: MediaApi } = {};
   let broker: TestBroker;
 
   before(async () => {
-    world.bed = await makeTestBed('remote_backlog_runs', { asDeployed: true });
+    world.bed = await makeTestBed('remote_backlog_runs');
     world.api = await startMediaApi();
     // A run every 2 seconds (the chaos run's every 10 s, five times as often).
     const yaml = mediaPolicyYaml({ baseUrl: world.api.url, ratePerSecond: 200, burst: 50, concurrency: 8, batchSize: 10, timeoutMs: 2000 }).replace(

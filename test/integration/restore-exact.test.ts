@@ -45,7 +45,7 @@ const POLICIES = `policies:
 `;
 
 before(async () => {
-  bed = await makeTestBed('restore_exact', { asDeployed: true });
+  bed = await makeTestBed('restore_exact');
   await bed.pool.query(TABLE);
   bed.writePolicies(POLICIES); // the printed roles are applied for this file (the table exists now)
 });

@@ -162,7 +162,7 @@ describe('row-delete: coalesced groups', () => {
     );
     await bed.pool.query(`
       CREATE TABLE test_admission_asks (at timestamptz NOT NULL DEFAULT clock_timestamp());
-      CREATE FUNCTION test_admission_ask() RETURNS trigger LANGUAGE plpgsql AS $$
+      CREATE FUNCTION test_admission_ask() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER AS $$
         BEGIN INSERT INTO test_admission_asks DEFAULT VALUES; RETURN NEW; END $$;
       CREATE TRIGGER test_admission_ask AFTER UPDATE ON cleanup_admission FOR EACH ROW EXECUTE FUNCTION test_admission_ask();`);
     // Its hold nearly spent: the first chunk finds the bucket full, the second is refused at once.

@@ -18,7 +18,7 @@ let bed: TestBed;
 const started: ReaperProcess[] = [];
 
 before(async () => {
-  bed = await makeTestBed('row_pause', { asDeployed: true });
+  bed = await makeTestBed('row_pause');
   bed.writePolicies(rowDeletePolicyYaml({ batchSize: 10 }));
 });
 

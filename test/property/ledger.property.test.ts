@@ -586,7 +586,7 @@ describe('property: the remote-delete ledger under random interleavings (real Po
       CREATE TABLE property_ledger_history (
         id bigserial PRIMARY KEY, operation_key text NOT NULL, policy text NOT NULL, state text NOT NULL, outcome text,
         owner text, attempt int NOT NULL, lease_expires_at timestamptz, at timestamptz NOT NULL DEFAULT clock_timestamp());
-      CREATE FUNCTION property_ledger_log() RETURNS trigger LANGUAGE plpgsql AS $$
+      CREATE FUNCTION property_ledger_log() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER AS $$
       BEGIN
         INSERT INTO property_ledger_history (operation_key, policy, state, outcome, owner, attempt, lease_expires_at)
         VALUES (NEW.operation_key, NEW.policy, NEW.state, NEW.outcome, NEW.lease_owner, NEW.attempt_count, NEW.lease_expires_at);

@@ -31,13 +31,13 @@ export async function recordAdmissionEvents(pool: pg.Pool): Promise<AdmissionEve
     `CREATE TABLE IF NOT EXISTS reaper_test_admission_events (at timestamptz NOT NULL, statement_at timestamptz NOT NULL, decided_at timestamptz, kind text NOT NULL, detail text)`,
   );
   // An AFTER trigger sees the whole statement's changes: the admission row as the claiming statement stored it.
-  await pool.query(`CREATE OR REPLACE FUNCTION reaper_test_claim_event() RETURNS trigger LANGUAGE plpgsql AS $$
+  await pool.query(`CREATE OR REPLACE FUNCTION reaper_test_claim_event() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER AS $$
     BEGIN
       INSERT INTO reaper_test_admission_events
         VALUES (clock_timestamp(), statement_timestamp(), (SELECT refilled_at FROM cleanup_admission WHERE policy = NEW.policy), 'claim', NEW.operation_key);
       RETURN NULL;
     END $$`);
-  await pool.query(`CREATE OR REPLACE FUNCTION reaper_test_admission_event() RETURNS trigger LANGUAGE plpgsql AS $$
+  await pool.query(`CREATE OR REPLACE FUNCTION reaper_test_admission_event() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER AS $$
     BEGIN
       IF NEW.blocked_until IS DISTINCT FROM OLD.blocked_until THEN
         INSERT INTO reaper_test_admission_events VALUES (clock_timestamp(), statement_timestamp(), NULL, 'block', NEW.blocked_until::text);

@@ -145,9 +145,18 @@ function deployedRoleOf(command: string | undefined): keyof DbRoleNames | null {
  * (REAPER_TEST_SUPERUSER_BECAUSE). A DATABASE_URL that names another user (a test that chose a
  * role itself) is left alone; only the user changes, so a proxy's host and port stay.
  */
-function asDeployedEnv(args: readonly string[], env: NodeJS.ProcessEnv): NodeJS.ProcessEnv {
+export function asDeployedEnv(args: readonly string[], env: NodeJS.ProcessEnv): NodeJS.ProcessEnv {
   const carried = env[AS_DEPLOYED_ROLES_VARIABLE];
-  if (carried === undefined) return env;
+  if (carried === undefined) {
+    // The suite's check: a process given a database but neither a bed's roles nor a reason would
+    // run as whatever user the URL names, likely the superuser, and prove nothing as deployed.
+    if (env.DATABASE_URL !== undefined && !env[SUPERUSER_REASON_VARIABLE] && deployedRoleOf(args[0]) !== null) {
+      throw new Error(
+        `reaper ${args[0]} started with a DATABASE_URL that is not a test bed's (no ${AS_DEPLOYED_ROLES_VARIABLE}): start it with bed.processEnv(), or set ${SUPERUSER_REASON_VARIABLE} to why it must be the superuser`,
+      );
+    }
+    return env;
+  }
   const { [AS_DEPLOYED_ROLES_VARIABLE]: _roles, ...rest } = env;
   const role = deployedRoleOf(args[0]);
   if (rest[SUPERUSER_REASON_VARIABLE] || role === null || rest.DATABASE_URL === undefined) return rest;

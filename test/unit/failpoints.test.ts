@@ -5,7 +5,7 @@ import { cpSync, mkdtempSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import path from 'node:path';
 import { failpoint, TEST_FAILPOINT_VARIABLE } from '../../shared/testing/failpoints';
-import { failpoint as productFailpoint } from '../../shared/observability/failpoint-hook';
+import { failpoint as productFailpoint, refuseTestOnlyVariables } from '../../shared/observability/failpoint-hook';
 
 /**
  * A failpoint name that is not a known point (a typo in a crash test) must fail EVERY check, not
@@ -43,4 +43,12 @@ test('without shared/testing (the runtime image) the hook is a no-op when unarme
   } finally {
     rmSync(image, { recursive: true, force: true });
   }
+});
+
+test('a test-only variable where the image has no test support stops the service at start, naming it (issue 40)', () => {
+  const absent = () => false;
+  assert.throws(() => refuseTestOnlyVariables({ REAPER_TEST_FAILPOINT: 'after-commit' }, absent), /REAPER_TEST_FAILPOINT="after-commit": test-only, and this image has no test support: unset it/);
+  assert.throws(() => refuseTestOnlyVariables({ REAPER_TEST_MAX_BATCH_VERSION: '1' }, absent), /REAPER_TEST_MAX_BATCH_VERSION="1": test-only/);
+  assert.doesNotThrow(() => refuseTestOnlyVariables({}, absent), 'nothing set: nothing to refuse');
+  assert.doesNotThrow(() => refuseTestOnlyVariables({ REAPER_TEST_FAILPOINT: 'after-commit' }, () => true), 'the source tree and test runs keep them');
 });

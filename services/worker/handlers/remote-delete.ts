@@ -7,6 +7,7 @@ import {
   type AdmissionGrant,
 } from '../../../shared/admission/controller';
 import { eventsEnabled, policyVersion, type RemoteDeletePolicy } from '../../../shared/config/policies';
+import { windowStateAt } from '../../../shared/schedule/window';
 import { auditRecordConfirmed } from '../../../shared/db/queries/audit';
 import { withTransaction } from '../../../shared/db/pool';
 import type { ResolvedTarget } from '../../../shared/db/queries/expiring-rows';
@@ -147,7 +148,10 @@ export function makeRemoteDeleteHandler(policy: RemoteDeletePolicy, target: Reso
       let lineMoved = { ahead: line?.ahead ?? 0, at: Date.now() };
       const stillFor = lineStillMs(rate);
       // A call whose outcome write failed ends the claiming: the next would most likely fail the same way.
-      while (!parkAtOnce && recorded.known.length > 0 && Date.now() < holdUntil && callErrors.length === 0) {
+      // The schedule window is checked at every turn, not only when the message arrived: a batch
+      // held in this loop must not go on calling past the window's end (issue 40). What is left
+      // goes back as any unfinished batch does, and meets the window gate on its next delivery.
+      while (!parkAtOnce && recorded.known.length > 0 && Date.now() < holdUntil && callErrors.length === 0 && windowStateAt(policy.window, new Date()).open) {
         if (line && inProgress.size === 0 && line.due > 0 && line.turnMs > POLL_ADMISSION_WITHIN_MS) {
           // Not at the head of the line yet: wait without the lock until the operations ahead are nearly taken.
           const napMs = Math.min(line.turnMs - POLL_ADMISSION_WITHIN_MS, LINE_CHECK_MAX_MS, holdUntil - Date.now());

@@ -1,4 +1,5 @@
 import { overrideFor, rowAdmissionWith } from '../../../shared/admission/overrides';
+import { outsideWindow } from '../window-gate';
 import { admitRows, maxRowsPerStatement, noteRowStatement, takeRowSlot, untilRowSlot, type RowsRefused } from '../../../shared/admission/rows';
 import { eventsEnabled, policyVersion, type RowDeletePolicy } from '../../../shared/config/policies';
 import type { BatchV1 } from '../../../shared/contracts/batch';
@@ -155,6 +156,13 @@ export function makeRowDeleteGroupHandler(policy: RowDeletePolicy, target: Resol
       context.log.info({ reason: admitted.reason, batches: unique.length, rows, waitedMs: Math.round(admitted.waitedMs) }, 'row-delete not admitted in time; batches go to a delay tier');
       for (const batch of unique) results[firstIndex.get(batch.batchId)!] = later(admitted.reason, admitted.retryInMs);
       return admitted;
+    }
+    // Admission may have waited (up to the group's hold): the schedule window may have closed
+    // meanwhile. Nothing is deleted past its end (issue 40); the batches wait for the opening.
+    const closed = outsideWindow(policy, new Date());
+    if (closed) {
+      for (const batch of unique) results[firstIndex.get(batch.batchId)!] = closed;
+      return null;
     }
     const concurrency = admitted.admission.concurrency;
 

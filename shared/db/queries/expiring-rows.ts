@@ -39,6 +39,9 @@ export interface ExpiringItem {
   observedExpiry: string; // ISO 8601 UTC with microseconds
 }
 
+/** Key types whose `::text` is one text per value, whatever the session: what a key may be. */
+const CANONICAL_TEXT_KEY_TYPES = /^(smallint|integer|bigint|text|uuid|character varying(\(\d+\))?|character(\(\d+\))?|numeric\(\d+,\d+\))$/;
+
 /**
  * Checks that the table and columns exist and reads the key's type, so ids (always strings in a
  * message) are cast to it and the primary-key index is used. Throws a message naming what is missing.
@@ -61,7 +64,15 @@ export async function targetResolve(db: Db, spec: TargetSpec): Promise<ResolvedT
   const missing = wanted.filter((name) => !types.has(name));
   if (missing.length > 0) throw new Error(`table "${spec.table}" has no column ${missing.map((m) => `"${m}"`).join(', ')}`);
   const keyType = types.get(spec.key)!;
-  if (!/^[a-z][a-z0-9 ]*(\(\d+\))?$/.test(keyType)) throw new Error(`key column "${spec.key}" has unsupported type ${keyType}`);
+  if (!/^[a-z][a-z0-9 ]*(\(\d+(,\d+)?\))?$/.test(keyType)) throw new Error(`key column "${spec.key}" has unsupported type ${keyType}`);
+  if (!CANONICAL_TEXT_KEY_TYPES.test(keyType)) {
+    // The key's text is part of every operation key, audit row, hold and event id: one value must
+    // always read the same (issue 40). numeric without a scale keeps what was typed (1.0 vs 1.00),
+    // timestamps and dates print by the session's TimeZone and DateStyle, floats by extra_float_digits.
+    throw new Error(
+      `key column "${spec.key}" of table "${spec.table}" is ${keyType}, whose text is not one per value (the key's text names the row in the ledger, the audit, holds and events): use an integer, text, varchar, char, uuid or numeric(p,s) key`,
+    );
+  }
   const expiryType = types.get(spec.expiresAt)!;
   if (expiryType !== 'timestamp with time zone') {
     throw new Error(`column "${spec.expiresAt}" must be timestamptz, it is ${expiryType}`);

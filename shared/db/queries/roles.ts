@@ -72,7 +72,8 @@ export const REAPER_TABLE_GRANTS: ReaperTableGrants = {
   // legal holds: read by the scan, the brake and every deleting statement; placed by operators
   cleanup_holds: { scheduler: ['SELECT'], worker: ['SELECT'], operator: ['SELECT', 'INSERT', 'UPDATE', 'DELETE'] },
   // audit rows: written by the deleting statements, kept to retainDays by the scheduler
-  cleanup_audit: { scheduler: ['SELECT', 'DELETE'], worker: ['INSERT'], operator: ['SELECT'] },
+  // (remote-delete: a confirmation is audited once per operation, a NOT EXISTS over the audit: SELECT)
+  cleanup_audit: { scheduler: ['SELECT', 'DELETE'], worker: ['SELECT', 'INSERT'], operator: ['SELECT'] },
   // archived rows (archive.enabled): written by the deleting statement, kept to retainDays by the
   // scheduler; `reaper restore` runs as reaper_operator: it locks and marks the rows it puts back
   // (FOR UPDATE, UPDATE) and INSERTs into the policy's table (targetGrants: archived policies only)

@@ -65,6 +65,8 @@ export interface Run {
    * window the lost claim was publishing in here): counted against the brake's allowance.
    */
   unconfirmedCandidates: number;
+  /** How many times the brake held the run: the current hold's number while it awaits approval. */
+  holdCount: number;
 }
 
 /** A run with the workers' receipts summed in. */
@@ -98,12 +100,13 @@ interface RunRow {
   approved_candidates: string | null;
   approved_policy_version: string | null;
   unconfirmed_candidates: string;
+  hold_count: number;
 }
 
 const RUN_COLUMNS = `run_id, policy, trigger, reaper_iso(scheduled_for) AS scheduled_for, reaper_iso(cutoff) AS cutoff,
   state, replay_of, reaper_iso(cursor_expiry) AS cursor_expiry, cursor_key, claim_count, candidates, skipped, batches_confirmed, error,
   reaper_iso(created_at) AS created_at, reaper_iso(finished_at) AS finished_at, reaper_iso(approved_at) AS approved_at, decided_by, policy_version,
-  counted_candidates, approved_candidates, approved_policy_version, unconfirmed_candidates`;
+  counted_candidates, approved_candidates, approved_policy_version, unconfirmed_candidates, hold_count`;
 
 function toRun(row: RunRow): Run {
   return {
@@ -129,6 +132,7 @@ function toRun(row: RunRow): Run {
     approvedCandidates: row.approved_candidates === null ? null : Number(row.approved_candidates),
     approvedPolicyVersion: row.approved_policy_version,
     unconfirmedCandidates: Number(row.unconfirmed_candidates),
+    holdCount: row.hold_count,
   };
 }
 
@@ -526,7 +530,7 @@ export async function runsListSummaries(db: Db, filter: { policy?: string | unde
  */
 export async function runsHoldForApproval(db: Db, claim: RunClaim, hold: { counted: number; reason: string; policyVersion: string }): Promise<boolean> {
   const result = await db.query(
-    `UPDATE cleanup_runs SET state = 'awaiting-approval', counted_candidates = $4, error = $5, policy_version = $6, lease_expires_at = NULL
+    `UPDATE cleanup_runs SET state = 'awaiting-approval', counted_candidates = $4, error = $5, policy_version = $6, lease_expires_at = NULL, hold_count = hold_count + 1
      WHERE ${HELD_BY_CLAIM}`,
     [claim.runId, claim.owner, claim.claim, hold.counted, hold.reason, hold.policyVersion],
   );
@@ -551,16 +555,17 @@ export async function runsSetPolicyVersion(db: Db, claim: RunClaim, version: str
  * count in the row (a newer hold) is not approved. Null when the run is not awaiting approval
  * (or not with that count).
  */
-export async function runsApprove(db: Db, runId: string, by: string, expected: number | null = null): Promise<Run | null> {
+export async function runsApprove(db: Db, runId: string, by: string, expected: number | null = null, expectedHold: number | null = null): Promise<Run | null> {
   const result = await db.query<RunRow>(
     `WITH approved AS (
        UPDATE cleanup_runs SET state = 'pending', approved_at = clock_timestamp(), decided_by = $2,
          approved_candidates = counted_candidates, approved_policy_version = policy_version,
          error = format('approved %s over the brake: %s', counted_candidates, coalesce(error, ''))
        WHERE run_id = $1 AND state = 'awaiting-approval' AND ($3::bigint IS NULL OR counted_candidates = $3)
+         AND ($4::int IS NULL OR hold_count = $4)
        RETURNING *)
      SELECT ${RUN_COLUMNS}, pg_notify('${RUNS_CHANNEL}', policy) FROM approved`,
-    [runId, by, expected],
+    [runId, by, expected, expectedHold],
   );
   return result.rows[0] ? toRun(result.rows[0]) : null;
 }
