@@ -58,15 +58,17 @@ describe('PostgreSQL restarted (immediate) mid-run', () => {
         // (locks.ts's holdCheckpointLock, but on a client that expects to lose its connection.)
         const checkpoint = await bed.pool.connect();
         checkpoint.on('error', () => undefined);
-        await checkpoint.query('BEGIN');
-        await checkpoint.query('LOCK TABLE cleanup_run_batches IN SHARE MODE');
-        await group.eventuallyAlive('the scheduler to wait on a checkpoint', () => schedulerWaitsOnCheckpoint(bed.pool), { timeoutMs: 20_000, intervalMs: 20 });
-        await afterBatches(5);
-        stateAtRestart = (await bed.pool.query<{ state: string }>('SELECT state FROM cleanup_runs WHERE run_id = $1', [runId])).rows[0]!.state;
         try {
+          await checkpoint.query('BEGIN');
+          await checkpoint.query('LOCK TABLE cleanup_run_batches IN SHARE MODE');
+          await group.eventuallyAlive('the scheduler to wait on a checkpoint', () => schedulerWaitsOnCheckpoint(bed.pool), { timeoutMs: 20_000, intervalMs: 20 });
+          await afterBatches(5);
+          stateAtRestart = (await bed.pool.query<{ state: string }>('SELECT state FROM cleanup_runs WHERE run_id = $1', [runId])).rows[0]!.state;
           await restartPostgresImmediately();
         } finally {
-          checkpoint.release(true); // its connection died with the restart: destroyed, not pooled
+          // Whatever failed first (issue 43: a failed wait left it checked out, and bed.close() hung):
+          // destroyed, not pooled (its connection died with the restart, or holds the lock).
+          checkpoint.release(true);
           await ensurePostgresUp();
         }
         const endedAt = Date.now();

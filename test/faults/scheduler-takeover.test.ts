@@ -160,8 +160,15 @@ describe('scheduler crash and takeover', () => {
           timeoutMs: 60_000,
           describe: async () => ({ run: await runRow(bed.pool, runId), receipts: (await receiptsOfRun(runId)).length }),
         });
-        const { republishedBatches, noop } = await assertTakenOverRun(runId, createdCutoff, checkpointed, seeded);
         const firstClaimOnBroker = point === 'scheduler-after-checkpoint' ? 0 : onBroker;
+        // The run completes once its checkpointed batches have receipts; the crashed claim's
+        // uncheckpointed copies are not among them and may still be in a worker's hands then (a
+        // CI run caught the check a moment early: 0 of 32). Wait for their receipts too.
+        await workers.eventuallyAlive('every batch on the broker settled, the crashed claim\'s copies included', async () => (await receiptsOfRun(runId)).length === TOTAL_BATCHES + firstClaimOnBroker, {
+          timeoutMs: 30_000,
+          describe: async () => ({ receipts: (await receiptsOfRun(runId)).length, expected: TOTAL_BATCHES + firstClaimOnBroker }),
+        });
+        const { republishedBatches, noop } = await assertTakenOverRun(runId, createdCutoff, checkpointed, seeded);
         assert.equal(republishedBatches, firstClaimOnBroker, 'every uncheckpointed batch the crashed claim left on the broker was delivered, and its rows published again');
         assert.equal(noop, firstClaimOnBroker * BATCH_SIZE, 'each of their rows is one no-op');
         console.log(`[scheduler-takeover] ${point}: first-claim batches on the broker=${onBroker} republished=${republishedBatches} noop rows=${noop}`);

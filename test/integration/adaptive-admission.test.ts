@@ -331,15 +331,27 @@ describe('adaptive row-delete admission: one shared rate', () => {
     const holder = await bed.pool.connect();
     // And another connection of the application is in a transaction meanwhile: the database is shared.
     const application = await bed.pool.connect();
-    await application.query('BEGIN');
-    await application.query('SELECT 1');
+    // Released in the finally below whatever fails first: a client left checked out (in a
+    // transaction) would hold bed.close() until the hook's timeout (issue 43).
+    let applicationReleased = false;
+    const releaseApplication = async () => {
+      if (applicationReleased) return;
+      applicationReleased = true;
+      await application.query('COMMIT').catch(() => undefined);
+      application.release();
+    };
     try {
+      await application.query('BEGIN');
+      await application.query('SELECT 1');
       await holder.query('BEGIN');
       await holder.query('SELECT 1 FROM seat_reservations WHERE reservation_id = $1 FOR UPDATE', [locked.items[0]!.id]);
       const release = setTimeout(() => void holder.query('COMMIT'), 1_500);
       const [result] = await group([locked], context);
       clearTimeout(release);
       assert.deepEqual(result, { kind: 'done', deleted: 20, noop: 0, duplicate: false });
+    } catch (error) {
+      await releaseApplication();
+      throw error;
     } finally {
       await holder.query('COMMIT').catch(() => undefined);
       holder.release();
@@ -357,8 +369,7 @@ describe('adaptive row-delete admission: one shared rate', () => {
         { timeoutMs: 5_000, intervalMs: 50 },
       );
     } finally {
-      await application.query('COMMIT');
-      application.release();
+      await releaseApplication();
     }
   });
 });

@@ -251,12 +251,18 @@ describe('remote-delete: the claim re-checks, fences and counts', () => {
     const pool = new pg.Pool({ connectionString: proxy.urlFor(bed.databaseUrl), max: 1 });
     try {
       const client = await pool.connect();
-      await client.query('BEGIN');
-      const downBefore = [...proxy.links].reduce((sum, link) => sum + link.bytesDown, 0);
-      const pick = await ledgerSweepPick(client, { policy: policyName, ratePerSecond: 10_000, aheadMs: 3000, staleMs: 30_000, limit: 1000 });
-      const down = [...proxy.links].reduce((sum, link) => sum + link.bytesDown, 0) - downBefore;
-      await client.query('ROLLBACK');
-      client.release();
+      let pick: Awaited<ReturnType<typeof ledgerSweepPick>>;
+      let down: number;
+      try {
+        await client.query('BEGIN');
+        const downBefore = [...proxy.links].reduce((sum, link) => sum + link.bytesDown, 0);
+        pick = await ledgerSweepPick(client, { policy: policyName, ratePerSecond: 10_000, aheadMs: 3000, staleMs: 30_000, limit: 1000 });
+        down = [...proxy.links].reduce((sum, link) => sum + link.bytesDown, 0) - downBefore;
+        await client.query('ROLLBACK');
+      } finally {
+        // Released whatever failed: a client left checked out holds pool.end() below (issue 43).
+        client.release(true);
+      }
       // Once: the message plus ~200 bytes an operation's row (~110 KB here). Joined per operation it
       // was 400 times the message (~11 MB).
       const bound = 2 * content.length + 400 * 300;

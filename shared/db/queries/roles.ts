@@ -236,6 +236,11 @@ export function rolesSql(policies: PolicySet, names: DbRoleNames = DEFAULT_DB_RO
     const uses = [braked ? 'brake.maxReplicationLagSeconds (the standbys\' replay lag)' : null, adaptive ? 'adaptive admission (other sessions\' state)' : null].filter(Boolean).join(' and ');
     lines.push('', `-- ${uses}: the worker reads server statistics.`, `GRANT pg_read_all_stats TO ${q(names.worker)};`);
   }
+  if (braked) {
+    // `reaper status` shows the standbys' lag and whether the brake is engaged: as the operator it
+    // reads pg_stat_replication too (without the role it would read no lag: "not engaged").
+    lines.push('-- brake.maxReplicationLagSeconds: `reaper status` (the operator) reads the standbys\' lag.', `GRANT pg_read_all_stats TO ${q(names.operator)};`);
+  }
   const targets = targetGrants(policies);
   lines.push(
     '',
@@ -302,6 +307,9 @@ export function neededPrivileges(policies: PolicySet, names: Pick<DbRoleNames, G
   const rowPolicies = [...policies.values()].filter((policy) => policy.kind === 'row-delete');
   if (rowPolicies.some((policy) => policy.brake !== undefined || policy.admission?.adaptive !== false)) {
     needed.push({ role: names.worker, purpose: 'worker', table: 'pg_read_all_stats', privilege: 'MEMBER', why: 'adaptive admission (the default) and the replica-lag brake read server statistics' });
+  }
+  if (rowPolicies.some((policy) => policy.brake !== undefined)) {
+    needed.push({ role: names.operator, purpose: 'operator', table: 'pg_read_all_stats', privilege: 'MEMBER', why: '`reaper status` shows the standbys\' lag the brake reads' });
   }
   return needed;
 }
