@@ -148,6 +148,33 @@ describe('row-delete: coalesced groups', () => {
     assert.equal((await broker.drain(names.deadLetterQueue)).length, 0);
   });
 
+  test('a group whose admission waited past the schedule window\'s end deletes nothing, and waits for the opening (issue 40)', async () => {
+    // 4 rows/s, a bucket of 10: the first group takes the bucket, the second waits about 2.5 s for
+    // its tokens; the window ends 1-2 s after the first group. Admitted after the end, it must not delete.
+    const hhmmss = (at: Date) => at.toISOString().slice(11, 19);
+    const now = (await bed.pool.query<{ now: Date }>('SELECT clock_timestamp() AS now')).rows[0]!.now;
+    const closesAt = new Date(Math.ceil((now.getTime() + 1_000) / 1000) * 1000);
+    const windowed: RowDeletePolicy = {
+      ...policy,
+      name: 'seat-holds',
+      admission: { adaptive: false, rowsPerSecond: 4, burst: 10 },
+      window: { start: hhmmss(new Date(now.getTime() - 3_600_000)), end: hhmmss(closesAt), timeZone: 'UTC' },
+    };
+    const windowedGroup = makeRowDeleteGroupHandler(windowed, await targetResolve(bed.pool, windowed));
+    await bed.pool.query(
+      `INSERT INTO cleanup_admission (policy, tokens, refilled_at) VALUES ($1, 10, clock_timestamp())
+       ON CONFLICT (policy) DO UPDATE SET tokens = 10, refilled_at = clock_timestamp()`,
+      [policy.name],
+    );
+    const [first, second] = await batches(2, 10);
+    assert.deepEqual(await windowedGroup([first!], context()), [{ kind: 'done', deleted: 10, noop: 0, duplicate: false }]);
+    const [late] = await windowedGroup([second!], context());
+    assert.ok(Date.now() > closesAt.getTime(), 'admitted (or refused) only after the window ended');
+    assert.equal(late!.kind, 'retry', `the late group goes to a delay tier: ${JSON.stringify(late)}`);
+    assert.match((late as { reason: string }).reason, /window/, 'for the window');
+    assert.equal(await countReservations(bed.pool, second!.items.map((item) => item.id)), 10, 'nothing deleted past the window\'s end');
+  });
+
   // Last in the file: it leaves the policy's bucket empty at 1 row/s.
   test('a refused chunk sends the rest of its group back with it, unasked', async () => {
     // One batch per chunk (the burst), a bucket that holds one chunk and refills in 10 s.
