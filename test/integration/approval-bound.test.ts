@@ -32,8 +32,8 @@ describe('guardrails: an approval covers what was counted, and no more', () => {
   const startServices = async () => {
     const env = bed.env();
     const policies = loadPolicies(env.policiesPath);
-    scheduler = await startScheduler(env, policies, log);
-    worker = await startWorker(env, policies, log);
+    scheduler = await startScheduler(bed.as(env, 'scheduler'), policies, log);
+    worker = await startWorker(bed.as(env, 'worker'), policies, log);
   };
   const stopServices = async () => {
     await scheduler?.stop();

@@ -56,7 +56,7 @@ describe('guardrails: every approval of the shown count lets the run finish', ()
 
   const startSchedulerHere = async () => {
     const env = bed.env();
-    scheduler = await startScheduler(env, loadPolicies(env.policiesPath), log);
+    scheduler = await startScheduler(bed.as(env, 'scheduler'), loadPolicies(env.policiesPath), log);
   };
   const summary = async (runId: string) => (await runsGetSummary(bed.pool, runId))!;
   const until = (runId: string, what: string, done: (run: RunSummary) => boolean) =>

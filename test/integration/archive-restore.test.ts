@@ -42,8 +42,8 @@ describe('archive and restore', () => {
     world = await openBedAndBroker('archive_restore', rowDeletePolicyYaml({ batchSize: 10, archiveRetainDays: RETAIN_DAYS }));
     const env = world.bed.env();
     policies = loadPolicies(env.policiesPath);
-    scheduler = await startScheduler(env, policies, log);
-    worker = await startWorker(env, policies, log);
+    scheduler = await startScheduler(world.bed.as(env, 'scheduler'), policies, log);
+    worker = await startWorker(world.bed.as(env, 'worker'), policies, log);
   });
 
   after(async () => {

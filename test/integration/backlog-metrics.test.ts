@@ -45,12 +45,12 @@ describe('backlog gauges and outcome counters', () => {
 
   const env = () => bed.env({ REAPER_BACKLOG_REFRESH_MS: String(REFRESH_MS) });
   async function scheduler(): Promise<SchedulerHandle> {
-    const handle = await startScheduler(env(), loadPolicies(env().policiesPath), log);
+    const handle = await startScheduler(bed.as(env(), 'scheduler'), loadPolicies(env().policiesPath), log);
     running.push(handle);
     return handle;
   }
   async function worker(): Promise<WorkerHandle> {
-    const handle = await startWorker(env(), loadPolicies(env().policiesPath), log);
+    const handle = await startWorker(bed.as(env(), 'worker'), loadPolicies(env().policiesPath), log);
     running.push(handle);
     return handle;
   }

@@ -27,8 +27,8 @@ describe('guardrails: the blast-radius brake', () => {
     bed.writePolicies(rowDeletePolicyYaml({ batchSize: 10, limits: { maxPerRun: 10, maxFractionPerRun: 0.9 } }));
     const env = bed.env();
     const policies = loadPolicies(env.policiesPath);
-    scheduler = await startScheduler(env, policies, log);
-    worker = await startWorker(env, policies, log);
+    scheduler = await startScheduler(bed.as(env, 'scheduler'), policies, log);
+    worker = await startWorker(bed.as(env, 'worker'), policies, log);
   });
 
   after(async () => {

@@ -31,7 +31,7 @@ describe('guardrails: row-delete', () => {
     names = brokerNames(bed.prefix);
     // Declare the topology (a worker asserts it at start) so the snapshots can count its queues.
     const env = bed.env();
-    await (await startWorker(env, loadPolicies(env.policiesPath), log)).stop();
+    await (await startWorker(bed.as(env, 'worker'), loadPolicies(env.policiesPath), log)).stop();
   });
 
   after(async () => {
@@ -57,8 +57,8 @@ describe('guardrails: row-delete', () => {
   async function runToCompletion(cutoff: string | null): Promise<{ deleted: number; noop: number }> {
     const env = bed.env();
     const policies = loadPolicies(env.policiesPath);
-    const scheduler = await startScheduler(env, policies, log);
-    const worker = await startWorker(env, policies, log);
+    const scheduler = await startScheduler(bed.as(env, 'scheduler'), policies, log);
+    const worker = await startWorker(bed.as(env, 'worker'), policies, log);
     try {
       const run = (await runsInsertIfAbsent(bed.pool, { policy: 'seat-holds', trigger: cutoff ? 'replay' : 'manual', scheduledFor: null, cutoff }))!;
       return await eventually('the run completed', async () => {
@@ -110,7 +110,7 @@ describe('guardrails: row-delete', () => {
     const held = seeded.expiredHeld[3]!;
     assert.equal((await cli(['hold', 'add', 'seat-holds', held, '--reason', 'subpoena'])).code, 0);
     const env = bed.env();
-    const worker: WorkerHandle = await startWorker(env, loadPolicies(env.policiesPath), log);
+    const worker: WorkerHandle = await startWorker(bed.as(env, 'worker'), loadPolicies(env.policiesPath), log);
     try {
       const receipt = await eventually('the receipt', async () => (await bed.pool.query('SELECT deleted, noop FROM cleanup_batches WHERE batch_id = $1', [batch.batchId])).rows[0]);
       assert.deepEqual(receipt, { deleted: 7, noop: 1 });
@@ -140,7 +140,7 @@ describe('guardrails: row-delete', () => {
     const renewed = seeded.expiredHeld.slice(0, 3);
     await bed.pool.query(`UPDATE seat_reservations SET expires_at = now() + interval '1 hour' WHERE reservation_id = ANY($1::uuid[])`, [renewed]);
     const env = bed.env();
-    const worker = await startWorker(env, loadPolicies(env.policiesPath), log);
+    const worker = await startWorker(bed.as(env, 'worker'), loadPolicies(env.policiesPath), log);
     try {
       for (let copy = 0; copy < 3; copy++) {
         await publishBatch(broker, names, batch);
@@ -183,7 +183,7 @@ describe('guardrails: row-delete', () => {
     );
     assert.equal(inserted.rowCount, 3);
     const env = bed.env();
-    const scheduler = await startScheduler(env, loadPolicies(env.policiesPath), log);
+    const scheduler = await startScheduler(bed.as(env, 'scheduler'), loadPolicies(env.policiesPath), log);
     try {
       await eventually('the row past retention pruned', async () =>
         (await bed.pool.query(`SELECT 1 FROM cleanup_audit WHERE key = 'old-1'`)).rowCount === 0,

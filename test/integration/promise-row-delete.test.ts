@@ -110,7 +110,7 @@ describe('keep the promise: row-delete', () => {
        RETURNING reservation_id::text AS id`,
     );
     const env = bed.env();
-    const scheduler: SchedulerHandle = await startScheduler(env, loadPolicies(env.policiesPath), log);
+    const scheduler: SchedulerHandle = await startScheduler(bed.as(env, 'scheduler'), loadPolicies(env.policiesPath), log);
     try {
       const run = (await runsInsertIfAbsent(bed.pool, { policy: 'seat-holds', trigger: 'manual', scheduledFor: null, cutoff: null }))!;
       const done = await eventually('the run completed', async () => {

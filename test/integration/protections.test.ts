@@ -74,9 +74,9 @@ describe('protections that had no test', () => {
     const policies = loadPolicies(env.policiesPath);
     rowPolicy = policies.get(POLICY) as RowDeletePolicy;
     mediaPolicy = policies.get(MEDIA_POLICY) as RemoteDeletePolicy;
-    scheduler = await startScheduler(env, policies, log);
+    scheduler = await startScheduler(bed.as(env, 'scheduler'), policies, log);
     // Only the worker has the short statement timeout (the statement-timeout test is about it).
-    worker = await startWorker(bed.env({ REAPER_STATEMENT_TIMEOUT_MS: String(STATEMENT_TIMEOUT_MS) }), new Map([[POLICY, rowPolicy]]), log);
+    worker = await startWorker(bed.as(bed.env({ REAPER_STATEMENT_TIMEOUT_MS: String(STATEMENT_TIMEOUT_MS) }), 'worker'), new Map([[POLICY, rowPolicy]]), log);
   });
 
   after(async () => {

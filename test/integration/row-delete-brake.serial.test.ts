@@ -60,7 +60,7 @@ describe('row-delete: replica-lag brake', () => {
 
       const log = pino({ level: 'info' }, { write: (line: string) => void lines.push(JSON.parse(line) as Record<string, unknown>) });
       const env = bed.env({ REAPER_WORKER_ID: 'braked-worker' });
-      worker = await startWorker(env, loadPolicies(env.policiesPath), log);
+      worker = await startWorker(bed.as(env, 'worker'), loadPolicies(env.policiesPath), log);
       const braked = async () => (await worker!.metrics.registry.getSingleMetric('reaper_replication_brake_engaged')?.get())?.values.find((v) => v.labels.policy === 'seat-holds')?.value;
 
       // Replay paused, WAL still flowing (the standby receives it but does not apply it): its lag grows.

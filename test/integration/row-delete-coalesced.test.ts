@@ -124,10 +124,10 @@ describe('row-delete: coalesced groups', () => {
     const env = bed.env({ REAPER_PREFETCH: '16', REAPER_WORKER_ID: 'coalescing-worker' });
     const log = pino({ level: process.env.TEST_LOG_LEVEL ?? 'silent' });
     // A first start declares the topology; the batches then wait in the queue, to be in hand at once.
-    await (await startWorker(env, loadPolicies(env.policiesPath), log)).stop();
+    await (await startWorker(bed.as(env, 'worker'), loadPolicies(env.policiesPath), log)).stop();
     for (const batch of all) await publishBatch(broker, names, batch);
     await publishBatch(broker, names, all[3]!); // a duplicate delivery, in hand with its original
-    const worker = await startWorker(env, loadPolicies(env.policiesPath), log);
+    const worker = await startWorker(bed.as(env, 'worker'), loadPolicies(env.policiesPath), log);
     try {
       const counter = async (name: string, labels: Record<string, string>): Promise<number> => {
         const metric = await worker.metrics.registry.getSingleMetric(name)!.get();

@@ -49,7 +49,7 @@ describe('scan and delete edges', () => {
   /** Runs the scan of one run in an in-process scheduler until the run is at least `published`. */
   async function scanRun(cutoff: string | null): Promise<string> {
     const env = bed.env();
-    const scheduler = await startScheduler(env, loadPolicies(env.policiesPath), log);
+    const scheduler = await startScheduler(bed.as(env, 'scheduler'), loadPolicies(env.policiesPath), log);
     try {
       const run = await runsInsertIfAbsent(bed.pool, { policy: 'seat-holds', trigger: cutoff ? 'replay' : 'manual', scheduledFor: null, cutoff });
       assert.ok(run, 'the run was recorded');
@@ -124,7 +124,7 @@ describe('scan and delete edges', () => {
     // The DELETE: a batch that lists rows expiring after its cutoff (a scan that used now(), a
     // hand-made message) deletes only what is <= cutoff.
     const env = bed.env();
-    const worker = await startWorker(env, loadPolicies(env.policiesPath), log);
+    const worker = await startWorker(bed.as(env, 'worker'), loadPolicies(env.policiesPath), log);
     try {
       const forged = await makeRowBatch(bed.pool, [...beforeCutoff, ...atCutoff, ...afterCutoff], { cutoff });
       await publishBatch(broker, names, forged);

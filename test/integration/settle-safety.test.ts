@@ -117,7 +117,7 @@ describe('settle and the consumer never throw, and never lose a message', () => 
   test('a worker whose metrics throw after every commit stays alive, acks each batch and goes on', async () => {
     const { log, lines } = capturingLogger();
     const env = bed.env();
-    const worker = await startWorker(env, loadPolicies(env.policiesPath), log);
+    const worker = await startWorker(bed.as(env, 'worker'), loadPolicies(env.policiesPath), log);
     try {
       worker.metrics.itemsTotal.inc = () => {
         throw new Error('a metrics bug');

@@ -52,7 +52,7 @@ describe('worker prefetch per kind of queue', () => {
     // A long lock timeout: the statements wait for the test's lock instead of failing back to the queue.
     const env = bed.env({ ...overrides, REAPER_LOCK_TIMEOUT_MS: '120000', REAPER_WORKER_ID: `prefetch-${randomUUID().slice(0, 8)}` });
     const log = pino({ level: process.env.TEST_LOG_LEVEL ?? 'silent' });
-    const worker: WorkerHandle = await startWorker(env, loadPolicies(env.policiesPath), log);
+    const worker: WorkerHandle = await startWorker(bed.as(env, 'worker'), loadPolicies(env.policiesPath), log);
     try {
       await withTablesLocked(async () => {
         await publishBatches('seat-holds', ROW_BATCHES);

@@ -389,9 +389,9 @@ export async function batchReceipt(pool: pg.Pool, batchId: string): Promise<{ de
 /** Logs of in-process services: silent unless TEST_LOG_LEVEL asks. */
 export const testLog: Logger = pino({ level: process.env.TEST_LOG_LEVEL ?? 'silent' });
 
-/** A worker running in the test's own process on the bed's current policies file (its metrics readable directly). */
+/** A worker running in the test's own process on the bed's current policies file (its metrics readable directly), logged in as the worker's role. */
 export function startInProcessWorker(bed: TestBed, envOverrides: Record<string, string> = {}, log: Logger = testLog): Promise<WorkerHandle> {
-  const env = bed.env(envOverrides);
+  const env = bed.as(bed.env(envOverrides), 'worker'); // as deployed: the worker's printed role
   return startWorker(env, loadPolicies(env.policiesPath), log);
 }
 

@@ -35,6 +35,11 @@ export interface TestBed {
   env(overrides?: Record<string, string>): Env;
   /** The printed roles this bed's processes log in as; null for a bed made with superuserBecause. */
   roles: DbRoleNames | null;
+  /**
+   * `env` for a service run in process, as deployed: its database URL logs in as the role (an URL
+   * naming another user than the bed's superuser is left alone, as startReaper does).
+   */
+  as(env: Env, role: 'scheduler' | 'worker'): Env;
   close(): Promise<void>;
 }
 
@@ -187,6 +192,14 @@ export async function makeTestBed(label: string, options: TestBedOptions = {}): 
     processEnv,
     env: (overrides) => loadEnv(processEnv(overrides)),
     roles,
+    as(env, role) {
+      if (!roles) return env;
+      const given = new URL(env.databaseUrl);
+      if (decodeURIComponent(given.username) !== decodeURIComponent(url.username)) return env;
+      given.username = roles[role];
+      given.password = '';
+      return { ...env, databaseUrl: given.toString() };
+    },
     async close() {
       if (closed) return;
       closed = true;
