@@ -85,7 +85,7 @@ const WEIGHTS: Record<FaultKind, number> = {
 const SERVER_FAULTS = new Set<FaultKind>(['pg-restart', 'broker-memory-alarm']);
 const SERVER_FAULT_GAP_MS = 90_000;
 
-/** Settings that make every fault detectable within seconds (documented in README "Reliability"). */
+/** Settings that make every fault detectable within seconds (documented in docs/testing.md "Reliability"). */
 const HEARTBEAT_S = 2;
 const STATEMENT_TIMEOUT_MS = 3_000;
 const REMOTE_LEASE_MS = 12_000; // the least a 2 s remote timeout allows (timeout + 10 s)

@@ -155,7 +155,7 @@ function rowEnvironment(context: BenchContext, batchSize: number, audit = false)
  * container's memory limit gives one (Node sizes its heap from the cgroup limit; infra/k8s sets
  * 96-384 Mi). Without any, V8 sizes the heap for the whole machine (a 4 GB limit here, heap growing
  * factor 4) and a process's peak RSS creeps up with the length of a run although its live heap stays
- * ~16 MB (issue 18; README "Performance"). BENCH_SERVICE_NODE_ARGS overrides it ('' for none).
+ * ~16 MB (issue 18; docs/performance.md "Performance"). BENCH_SERVICE_NODE_ARGS overrides it ('' for none).
  */
 export const SERVICE_NODE_ARGS: readonly string[] = (process.env.BENCH_SERVICE_NODE_ARGS ?? '--max-old-space-size=512').split(' ').filter(Boolean);
 const SCHEDULER: ServiceSpec = { kind: 'scheduler', id: 'bench-scheduler', nodeArgs: SERVICE_NODE_ARGS };

@@ -37,7 +37,7 @@ export interface RemoteDeletePolicyInput extends Omit<RowDeletePolicyInput, 'kin
   retry: { maxAttempts: number };
 }
 
-/** An object storage policy (remote.kind s3, README "Object storage (S3)"). */
+/** An object storage policy (remote.kind s3, docs/guardrails.md "Object storage (S3)"). */
 export interface S3PolicyInput extends Omit<RowDeletePolicyInput, 'kind' | 'admission' | 'audit'> {
   kind: 'remote-delete';
   remote: { kind: 's3'; bucket: string; key: string; endpoint: string; forcePathStyle: boolean; region: string; maxKeysPerRequest: number; timeoutMs: number };

@@ -7,7 +7,7 @@ import type { RunSummary } from '../../shared/db/queries/runs';
 import type { S3StandIn } from '../../tools/s3-stand-in/server';
 
 /**
- * The object storage part of `reaper demo` (README "Object storage (S3)"): a policy
+ * The object storage part of `reaper demo` (docs/guardrails.md "Object storage (S3)"): a policy
  * `media-objects` (remote.kind s3) over the demo's media_assets rows whose status is `archived`,
  * deleting their objects "media/<id>" from an in-process S3 server (the stand-in: s3rver behind a
  * recording proxy) in DeleteObjects requests, with admission in requests and keys. Kept apart from

@@ -11,7 +11,7 @@ import { eventsStatus, outboxFullLine } from './status';
  * `reaper events status`: the expiry-event outbox per policy with events on (unpublished events,
  * counted up to events.maxOutbox; the oldest one's age; whether the policy's deletions are paused
  * by the limit), where the events go, and how many `reaper relay` connections the database sees.
- * The same numbers as `reaper status`'s events column, for the runbook (README "Expiry events").
+ * The same numbers as `reaper status`'s events column, for the runbook (docs/guardrails.md "Expiry events").
  */
 export function registerEventsCommands(program: Command): void {
   const events = program.command('events').description('expiry events (the transactional outbox and `reaper relay`)');

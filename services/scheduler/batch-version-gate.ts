@@ -35,7 +35,7 @@ export interface BatchVersionDecision {
  * What this cannot see: an older worker that connects after a window was published (a rollback,
  * an old pod restarting). It dead-letters those batches as `unsupported-version`; nothing is
  * deleted or lost, and `reaper dlq requeue --reason unsupported-version` sends them again once it
- * is gone (README "Operating": the upgrade runbook; test/faults/rolling-upgrade.test.ts).
+ * is gone (docs/operating.md "Operating": the upgrade runbook; test/faults/rolling-upgrade.test.ts).
  *
  * Every change of decision is logged (warn when held back, info when the named version is published).
  */

@@ -48,7 +48,7 @@ const common = {
   batchSize: z.number().int().min(1).max(1000).default(500),
   /**
    * Blast-radius brake: a run whose scan finds more candidates than either limit publishes nothing
-   * and waits for `reaper approve`. Absent: no brake (README "Guardrails" says why).
+   * and waits for `reaper approve`. Absent: no brake (docs/guardrails.md "Guardrails" says why).
    */
   limits: z
     .strictObject({
@@ -73,7 +73,7 @@ const common = {
     })
     .optional(),
   /**
-   * Expiry events through the transactional outbox (README "Expiry events"): one cleanup_outbox row
+   * Expiry events through the transactional outbox (docs/guardrails.md "Expiry events"): one cleanup_outbox row
    * per deletion, in the deleting transaction, published by `reaper relay`. `maxOutbox`: past this
    * many unpublished events the policy's deletions pause (a broker outage only lets the outbox grow
    * up to here). Optional, not defaulted at the top: an absent key keeps the policy version unchanged.
@@ -163,7 +163,7 @@ const remotePolicy = z.strictObject({
 });
 
 /**
- * Object storage as a remote (README "Object storage (S3)"): a remote-delete policy whose
+ * Object storage as a remote (docs/guardrails.md "Object storage (S3)"): a remote-delete policy whose
  * `remote.kind` is `s3` deletes objects with DeleteObjects requests of up to `maxKeysPerRequest`
  * keys, credentials from the AWS SDK's default chain (never in this file, never logged).
  * `admission` counts requests AND keys (S3 guides 3,500 DELETE requests per second per prefix).
@@ -256,7 +256,7 @@ export function eventsEnabled(policy: Policy): boolean {
   return policy.events?.enabled === true;
 }
 
-/** leaseMs >= remote.timeoutMs + this (README "Configuration"): the margin a claim needs beyond the request itself. */
+/** leaseMs >= remote.timeoutMs + this (docs/configuration.md "Configuration"): the margin a claim needs beyond the request itself. */
 export const LEASE_MARGIN_MS = 10_000;
 
 const policySchema = z.discriminatedUnion('kind', [rowDeletePolicy, remotePolicy]);

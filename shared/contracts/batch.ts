@@ -15,7 +15,7 @@ export const NEWEST_BATCH_VERSION: BatchVersion = 2;
 /**
  * What a scheduler publishes when REAPER_BATCH_VERSION is not set: the newest version the whole
  * fleet accepts. The previous release's workers accept only 1, so 1 until every worker runs a
- * release that knows 2 (README "Operating": the upgrade runbook); then the next release raises it.
+ * release that knows 2 (docs/operating.md "Operating": the upgrade runbook); then the next release raises it.
  */
 export const FLEET_BATCH_VERSION: BatchVersion = 1;
 export const MAX_BATCH_ITEMS = 1000;

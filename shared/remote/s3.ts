@@ -12,7 +12,7 @@ function sdk(): typeof import('@aws-sdk/client-s3') {
 }
 
 /**
- * Object storage as a remote (README "Object storage (S3)"): DeleteObjects requests of many keys,
+ * Object storage as a remote (docs/guardrails.md "Object storage (S3)"): DeleteObjects requests of many keys,
  * sent with @aws-sdk/client-s3. Credentials come from the SDK's default chain (environment, web
  * identity / IRSA, shared files, instance metadata): nothing here reads, stores or logs them.
  *

@@ -10,7 +10,7 @@ import { runReaperCli, startReaper, type ReaperProcess } from '../support/proces
 import { allConfirmed, assetStatuses, ledgerRows, ledgerSummary, MEDIA_POLICY, remoteWorldSuite, seedAssets, startRemoteServices } from '../support/remote-helpers';
 
 /**
- * remote-delete past `events.maxOutbox` (README "Expiry events", services/worker/outbox-limit.ts):
+ * remote-delete past `events.maxOutbox` (docs/guardrails.md "Expiry events", services/worker/outbox-limit.ts):
  * with no relay running the outbox only grows; once it holds the limit the policy makes no more
  * remote calls (its batches wait in a delay tier, reason `outbox-full`, and come back paused
  * again), `reaper status` says why, and nothing is lost: once a relay drains the outbox the

@@ -10,7 +10,7 @@ import { runReaperCli, startReaper, type ReaperProcess } from '../support/proces
 import { countReservations, seedHolds } from '../support/seed';
 
 /**
- * Expiry events through the transactional outbox (README "Expiry events"): the deleting statement
+ * Expiry events through the transactional outbox (docs/guardrails.md "Expiry events"): the deleting statement
  * writes one outbox row per deletion that happened, and `reaper relay` deletes a row only after the
  * broker confirmed its event. The relay is really killed (SIGKILL, by its own failpoint) before it
  * publishes and after the confirm; what a consumer bound to `<prefix>.events` receives is checked.

@@ -2,7 +2,7 @@
  * infra/rabbitmq/definitions.json imports, and its configure permissions keep each service to what
  * it declares (issue 20 item 6). Into a scratch vhost of the running broker, `rabbitmqctl
  * import_definitions` loads one document: a users file made as a deployment makes it (salted
- * SHA-256 hashes of the passwords in its AMQP URLs, README "Deploying") plus the shipped topology
+ * SHA-256 hashes of the passwords in its AMQP URLs, docs/deploying.md "Deploying") plus the shipped topology
  * and permissions, with the vhost and user names made unique. Then, logged in as each service: the
  * topology each asserts at start is allowed, the worker's presence queue too, and the scheduler
  * can neither declare nor delete a presence queue (ACCESS_REFUSED). Vhost and users go in `after`.

@@ -118,7 +118,7 @@ export function startReaper(label: string, args: string[], env: NodeJS.ProcessEn
   return new ReaperProcess(label, args, asDeployedEnv(args, env), logFile);
 }
 
-/** The role a reaper command logs in as when deployed (README "Deploying"); null: no database role of its own. */
+/** The role a reaper command logs in as when deployed (docs/deploying.md "Deploying"); null: no database role of its own. */
 function deployedRoleOf(command: string | undefined): keyof DbRoleNames | null {
   switch (command) {
     case 'scheduler':

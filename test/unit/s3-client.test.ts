@@ -7,7 +7,7 @@ import { classifyRequestError, makeObjectStorageClient, objectKeyFor, type S3Req
 
 /**
  * The object storage client with the SDK mocked (aws-sdk-client-mock): versioned buckets and
- * Object Lock, which s3rver does not implement (README "Object storage (S3)"), and the
+ * Object Lock, which s3rver does not implement (docs/guardrails.md "Object storage (S3)"), and the
  * classification of whole-request failures.
  */
 

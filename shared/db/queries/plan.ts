@@ -83,7 +83,7 @@ export async function planRecentRowsPerSecond(db: Db, policy: string): Promise<n
  * The most rows one statement of the brake's count reads. The brake only needs "over the limit or
  * not" and a count an operator can approve; a bound keeps the count inside the statement timeout
  * (REAPER_STATEMENT_TIMEOUT_MS, 60 s) on any table size: about a million index entries, each with
- * its hold probe, take a second or two. Beyond it the count says "at least" (README "Guardrails").
+ * its hold probe, take a second or two. Beyond it the count says "at least" (docs/guardrails.md "Guardrails").
  */
 export const BRAKE_COUNT_CAP = 1_000_000;
 

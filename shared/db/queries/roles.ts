@@ -260,7 +260,7 @@ export function rolesSql(policies: PolicySet, names: DbRoleNames = DEFAULT_DB_RO
   for (const fn of REAPER_FUNCTIONS) lines.push(`ALTER FUNCTION ${fn} OWNER TO ${migrator};`);
   lines.push(
     '',
-    '-- The policies\' tables (they belong to their application): per policy kind, see README "Deploying".',
+    '-- The policies\' tables (they belong to their application): per policy kind, see docs/deploying.md "Deploying".',
     '-- The operator reads them (plan, status, trigger --execute); the migrator reads them for the live',
     '-- views it owns (`reaper migrate --views`: a view reads its tables with its owner\'s rights).',
   );
