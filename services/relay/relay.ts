@@ -67,11 +67,11 @@ export async function relayOnce(deps: { pool: Pool; publisher: ConfirmingPublish
     ),
   );
   const confirmed = entries.filter((_, index) => outcomes[index]!.status === 'fulfilled');
-  const refusedEntries = entries.filter((_, index) => outcomes[index]!.status === 'rejected');
   failpoint('relay-after-confirm');
   await outboxDeletePublished(deps.pool, confirmed.map((entry) => entry.outboxId), deps.owner);
-  if (refusedEntries.length > 0) await outboxReleaseClaims(deps.pool, refusedEntries.map((entry) => entry.outboxId), deps.owner);
   const refused = outcomes.find((outcome): outcome is PromiseRejectedResult => outcome.status === 'rejected');
+  // Given back at once for any relay (this one takes its own claims again at its next pass anyway).
+  if (refused) await outboxReleaseClaims(deps.pool, entries.filter((_, index) => outcomes[index]!.status === 'rejected').map((entry) => entry.outboxId), deps.owner);
   return { taken: entries.length, published: confirmed.length, failure: refused ? String((refused.reason as Error).message ?? refused.reason) : null };
 }
 

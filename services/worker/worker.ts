@@ -18,7 +18,7 @@ import { targetResolve } from '../../shared/db/queries/expiring-rows';
 import { startHealthServer } from '../../shared/observability/http';
 import { makeMetrics, type Metrics } from '../../shared/observability/metrics';
 import { classifyHandlerError } from './errors';
-import { assertBrakeReadable, assertOthersReadable } from '../../shared/admission/rows';
+import { assertStatisticsReadable } from '../../shared/admission/rows';
 import { makeRowDeleteGroupHandler, type BatchGroupHandler } from './handlers/row-delete';
 import { makeCoalescer, type Coalescer } from './coalescer';
 import { failpoint } from '../../shared/observability/failpoint-hook';
@@ -63,8 +63,8 @@ async function makeHandler(policy: Policy, pool: Pool, log: Logger, metrics: Met
   const target = await targetResolve(pool, policy);
   switch (policy.kind) {
     case 'row-delete':
-      await assertBrakeReadable(pool, policy); // a brake that cannot read the lag is a start-up error, not lag 0
-      await assertOthersReadable(pool, policy); // adaptive admission that cannot see the application is an error, not "alone"
+      // A brake that cannot read the lag, or adaptive admission that cannot see the application, is a start-up error, not "lag 0" or "alone".
+      await assertStatisticsReadable(pool, policy);
       return makeRowDeleteGroupHandler(policy, target);
     case 'remote-delete': {
       if (isS3Policy(policy)) {

@@ -10,49 +10,42 @@ import { admissionOverridesRead, admissionPausedRead, type AdmissionOverride } f
  */
 export const OVERRIDE_REFRESH_MS = 500;
 
-interface Cached {
-  readAt: number;
-  value: Promise<Map<string, AdmissionOverride>>;
+/**
+ * A read shared by every caller of one pool, made again when the last is older than
+ * OVERRIDE_REFRESH_MS (one query for all policies). A failed read is not kept: the next call reads
+ * again (the caller sees this one's error).
+ */
+function refreshedPerPool<T>(read: (pool: Pool) => Promise<T>): (pool: Pool) => Promise<T> {
+  const caches = new WeakMap<Pool, { readAt: number; value: Promise<T> }>();
+  return (pool) => {
+    const now = performance.now();
+    let cached = caches.get(pool);
+    if (!cached || now - cached.readAt > OVERRIDE_REFRESH_MS) {
+      const entry = { readAt: now, value: read(pool) };
+      cached = entry;
+      caches.set(pool, entry);
+      entry.value.catch(() => {
+        if (caches.get(pool) === entry) caches.delete(pool);
+      });
+    }
+    return cached.value;
+  };
 }
 
-const caches = new WeakMap<Pool, Cached>();
+const overridesInForce = refreshedPerPool(async (pool) => new Map((await admissionOverridesRead(pool)).map((row) => [row.policy, row])));
+const pausedPolicies = refreshedPerPool(async (pool) => new Set(await admissionPausedRead(pool)));
 
-/** The overrides in force, read again when the last read is older than OVERRIDE_REFRESH_MS (one query for all policies). */
+/** The override in force for `policy` (null: the file's values). */
 export async function overrideFor(pool: Pool, policy: string): Promise<AdmissionOverride | null> {
-  let cached = caches.get(pool);
-  const now = performance.now();
-  if (!cached || now - cached.readAt > OVERRIDE_REFRESH_MS) {
-    const value = admissionOverridesRead(pool).then((rows) => new Map(rows.map((row) => [row.policy, row])));
-    cached = { readAt: now, value };
-    caches.set(pool, cached);
-    // A failed read is not kept: the next call reads again (the caller sees this one's error).
-    value.catch(() => {
-      if (caches.get(pool) === cached) caches.delete(pool);
-    });
-  }
-  return (await cached.value).get(policy) ?? null;
+  return (await overridesInForce(pool)).get(policy) ?? null;
 }
-
-const pausedCaches = new WeakMap<Pool, { readAt: number; value: Promise<Set<string>> }>();
 
 /**
- * Whether `reaper pause` holds the policy (cleanup_admission.paused), read again when the last
- * read is older than OVERRIDE_REFRESH_MS (one query for all policies): row-delete workers check it
+ * Whether `reaper pause` holds the policy (cleanup_admission.paused): row-delete workers check it
  * before every admission, whatever the rate, so a pause stops every deletion within a second.
  */
 export async function pausedFor(pool: Pool, policy: string): Promise<boolean> {
-  let cached = pausedCaches.get(pool);
-  const now = performance.now();
-  if (!cached || now - cached.readAt > OVERRIDE_REFRESH_MS) {
-    const entry = { readAt: now, value: admissionPausedRead(pool).then((names) => new Set(names)) };
-    cached = entry;
-    pausedCaches.set(pool, entry);
-    // A failed read is not kept: the next call reads again (the caller sees this one's error).
-    entry.value.catch(() => {
-      if (pausedCaches.get(pool) === entry) pausedCaches.delete(pool);
-    });
-  }
-  return (await cached.value).has(policy);
+  return (await pausedPolicies(pool)).has(policy);
 }
 
 /** remote-delete: the file's admission with an override's values over it. */

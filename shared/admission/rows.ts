@@ -153,33 +153,23 @@ function noteUnknownLag(pool: Pool, policy: string, unknown: readonly string[], 
 }
 
 /**
- * Start-up check of a policy with a brake: the worker's role must read the standbys' lag
- * (pg_read_all_stats), or every standby would read as unknown and the brake would stop every
- * deletion after its grace. Refusing to start names the missing grant instead.
+ * Start-up check of a row-delete policy whose brake or adaptive admission (the default) reads
+ * server statistics: the standbys' replay lag (pg_stat_replication) and other sessions' state
+ * (pg_stat_activity), which PostgreSQL shows another role only through pg_read_all_stats. Without
+ * it the brake would read every standby as unknown and stop every deletion after its grace, and
+ * adaptive admission would see nobody and admit without a rate (issue 40). One query for both;
+ * refusing to start names the missing grant and what needs it.
  */
-export async function assertBrakeReadable(pool: Pool, policy: RowDeletePolicy): Promise<void> {
-  if (!policy.brake) return;
+export async function assertStatisticsReadable(pool: Pool, policy: RowDeletePolicy): Promise<void> {
+  const needs = [
+    policy.brake ? "brake.maxReplicationLagSeconds needs the standbys' replay lag" : null,
+    adaptiveAdmission(policy) ? "adaptive admission (the default) reads other sessions' state in pg_stat_activity" : null,
+  ].filter((need): need is string => need !== null);
+  if (needs.length === 0) return;
   const { role, readable } = await replicationLagReadable(pool);
   if (!readable) {
     throw new Error(
-      `brake.maxReplicationLagSeconds needs the standbys' replay lag, which role "${role}" cannot read: GRANT pg_read_all_stats TO "${role}" (reaper roles --print includes it)`,
-    );
-  }
-}
-
-/**
- * Start-up check of an adaptive policy (the default): the rate steps by what the worker sees of
- * the application's sessions in pg_stat_activity, whose state, wait event, backend type and state
- * change PostgreSQL shows another role's sessions only to members of pg_read_all_stats. Without it
- * every application session would look like nobody and the worker would admit without a rate
- * (issue 40); refusing to start names the missing grant instead.
- */
-export async function assertOthersReadable(pool: Pool, policy: RowDeletePolicy): Promise<void> {
-  if (!adaptiveAdmission(policy)) return;
-  const { role, readable } = await replicationLagReadable(pool);
-  if (!readable) {
-    throw new Error(
-      `adaptive admission (the default) reads other sessions' state in pg_stat_activity, which role "${role}" cannot read: GRANT pg_read_all_stats TO "${role}" (reaper roles --print includes it), or set admission: { adaptive: false }`,
+      `${needs.join(', and ')}, which role "${role}" cannot read: GRANT pg_read_all_stats TO "${role}" (reaper roles --print includes it)${adaptiveAdmission(policy) ? ', or set admission: { adaptive: false }' : ''}`,
     );
   }
 }

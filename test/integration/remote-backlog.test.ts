@@ -29,6 +29,11 @@ import { makeTestBed, type TestBed } from '../support/testbed';
  * Each test below fails with its fix reverted (see the closing note of issue 43).
  */
 
+/** A handler's context for a delivery handled in the test's own process (its first delivery). */
+function inProcessContext(bed: TestBed): HandlerContext {
+  return { pool: bed.pool, workerId: 'in-process-worker', log: pino({ level: 'silent' }), metrics: makeMetrics(), deliveryCount: 1, failpoint: () => undefined };
+}
+
 /** A batch for `ids` of the media policy, as a run would publish it. */
 async function batchFor(bed: TestBed, runId: string, batchId: string, ids: readonly string[]): Promise<BatchV1> {
   const cutoff = (await bed.pool.query<{ now: string }>(`SELECT reaper_iso(clock_timestamp()) AS now`)).rows[0]!.now;
@@ -62,7 +67,7 @@ describe('remote-delete: a batch does not wait behind operations nobody takes', 
     await bed?.close();
   });
 
-  const context = (): HandlerContext => ({ pool: bed.pool, workerId: 'in-process-worker', log: pino({ level: 'silent' }), metrics: makeMetrics(), deliveryCount: 1, failpoint: () => undefined });
+  const context = () => inProcessContext(bed);
 
   test('operations ahead whose copies nobody is processing: the batch claims its own within one delivery', async () => {
     // 100 operations recorded first (ahead in line), by a batch whose copy is "still in the queue":
@@ -110,8 +115,7 @@ describe('remote-delete: a batch held in its worker stops calling when the sched
     const handle = makeRemoteDeleteHandler(policy, await targetResolve(bed.pool, policy), makeHttpRemoteClient(policy.remote));
     const ids = await seedAssets(bed.pool, 'window-end', 20);
     const batch = await batchFor(bed, '00000000-0000-4000-8000-000000000009', 'window-test:1', ids);
-    const context: HandlerContext = { pool: bed.pool, workerId: 'in-process-worker', log: pino({ level: 'silent' }), metrics: makeMetrics(), deliveryCount: 1, failpoint: () => undefined };
-    await handle(batch, context);
+    await handle(batch, inProcessContext(bed));
     const calls = api.calls.filter((call) => ids.includes(call.id));
     const after = calls.filter((call) => call.startedAt > closesAt.getTime() + 100);
     assert.deepEqual(after.map((call) => call.id), [], 'no call started after the window closed');
