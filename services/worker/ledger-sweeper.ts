@@ -8,6 +8,7 @@ import type { AnyRemoteDeletePolicy } from '../../shared/config/policies';
 import { encodeBatch, type BatchV1 } from '../../shared/contracts/batch';
 import { windowStateAt } from '../../shared/schedule/window';
 import { withTransaction, type Pool } from '../../shared/db/pool';
+import type { ResolvedTarget } from '../../shared/db/queries/expiring-rows';
 import { ledgerDatabaseNow, ledgerMarkCarried, ledgerSweepPick, ledgerUnmarkCarried, remoteBatchesKeep, remoteBatchesOrphaned, type SweepCandidate } from '../../shared/db/queries/ledger';
 
 /**
@@ -57,6 +58,8 @@ export interface LedgerSweeperDeps {
   publisher: ConfirmingPublisher;
   names: BrokerNames;
   policies: readonly AnyRemoteDeletePolicy[];
+  /** Each policy's resolved table (its key type spells a message's ids canonically). */
+  targets: ReadonlyMap<string, ResolvedTarget>;
   log: Logger;
   registry: Registry;
 }
@@ -71,7 +74,7 @@ export function startLedgerSweeper(deps: LedgerSweeperDeps): { stop(): Promise<v
         // and the first pass after the opening sends them (window-gate.ts would only delay them).
         if (!windowStateAt(policy.window, new Date()).open) continue;
         try {
-          const published = await sweepPolicy(deps, policy);
+          const published = await sweepPolicy(deps, policy, deps.targets.get(policy.name)!);
           if (published > 0) deps.log.info({ policy: policy.name, batches: published }, 'ledger sweeper published batches for waiting operations');
         } catch (error) {
           deps.log.warn({ policy: policy.name, err: (error as Error).message }, 'ledger sweep failed; the next pass retries');
@@ -97,7 +100,7 @@ export function startLedgerSweeper(deps: LedgerSweeperDeps): { stop(): Promise<v
  * than CARRY_STALE_MS. Either way an operation is published again, never lost; a duplicate copy is
  * a counted no-op for workers (the ledger decides).
  */
-export async function sweepPolicy(deps: Omit<LedgerSweeperDeps, 'policies' | 'log'>, policy: AnyRemoteDeletePolicy): Promise<number> {
+export async function sweepPolicy(deps: Omit<LedgerSweeperDeps, 'policies' | 'targets' | 'log'>, policy: AnyRemoteDeletePolicy, target: ResolvedTarget): Promise<number> {
   // The rate in force: the file's, or what `reaper admission set` put over it (as the claim reads it).
   const { ratePerSecond } = remoteAdmissionWith(policy, await overrideFor(deps.pool, policy.name));
   const messages = await withTransaction(deps.pool, async (client) => {
@@ -114,6 +117,7 @@ export async function sweepPolicy(deps: Omit<LedgerSweeperDeps, 'policies' | 'lo
     // A parked batch whose operations another batch finished: sent again, its delivery writes the receipt.
     const look = await remoteBatchesOrphaned(client, {
       policy: policy.name,
+      keyType: target.keyType,
       after: orphanCursor.get(policy.name) ?? null,
       limit: ORPHAN_LOOK_BATCHES,
       keptForMs: CARRY_STALE_MS,

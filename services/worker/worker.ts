@@ -14,7 +14,7 @@ import { makeRemoteDeleteHandler } from './handlers/remote-delete';
 import { makeS3DeleteHandler } from './handlers/s3-delete';
 import { makeObjectStorageClient } from '../../shared/remote/s3';
 import { startLedgerSweeper } from './ledger-sweeper';
-import { targetResolve } from '../../shared/db/queries/expiring-rows';
+import { targetResolve, type ResolvedTarget } from '../../shared/db/queries/expiring-rows';
 import { startHealthServer } from '../../shared/observability/http';
 import { makeMetrics, type Metrics } from '../../shared/observability/metrics';
 import { classifyHandlerError } from './errors';
@@ -59,8 +59,7 @@ const FATAL_DRAIN_MS = 10_000;
  */
 const ROW_GROUPS_PER_POLICY = 2;
 
-async function makeHandler(policy: Policy, pool: Pool, log: Logger, metrics: Metrics): Promise<BatchHandler | BatchGroupHandler> {
-  const target = await targetResolve(pool, policy);
+async function makeHandler(policy: Policy, target: ResolvedTarget, pool: Pool, log: Logger, metrics: Metrics): Promise<BatchHandler | BatchGroupHandler> {
   switch (policy.kind) {
     case 'row-delete':
       // A brake that cannot read the lag, or adaptive admission that cannot see the application, is a start-up error, not "lag 0" or "alone".
@@ -94,12 +93,16 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
   const handlers = new Map<string, BatchHandler>();
   /** row-delete: one coalescer per policy in front of its group handler. */
   const coalescers = new Map<string, Coalescer<BatchV1, BatchResult>>();
+  /** Each policy's table as resolved at start (key type: the ledger sweeper's canonical keys). */
+  const targets = new Map<string, ResolvedTarget>();
   let stopping = false;
   try {
     await assertSchemaCurrent(pool);
     for (const policy of policies.values()) {
       try {
-        const made = await makeHandler(policy, pool, log, metrics);
+        const target = await targetResolve(pool, policy);
+        targets.set(policy.name, target);
+        const made = await makeHandler(policy, target, pool, log, metrics);
         if (policy.kind === 'row-delete') {
           const group = made as BatchGroupHandler;
           const groupLog = log.child({ policy: policy.name });
@@ -140,7 +143,7 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
   const publisher = new ConfirmingPublisher(connection);
   // Work waiting in the ledger (its turn, a webhook, a reclaimed lease, a lost delay copy) is sent again from there.
   const remotePolicies = [...policies.values()].filter((policy): policy is AnyRemoteDeletePolicy => policy.kind === 'remote-delete');
-  const sweeper = remotePolicies.length > 0 ? startLedgerSweeper({ pool, publisher, names, policies: remotePolicies, log, registry: metrics.registry }) : null;
+  const sweeper = remotePolicies.length > 0 ? startLedgerSweeper({ pool, publisher, names, policies: remotePolicies, targets, log, registry: metrics.registry }) : null;
   const settleDeps: SettleDeps = { publisher, names, metrics, deliveryLimit: env.deliveryLimit };
   // Accepts every batch version it knows (REAPER_TEST_MAX_BATCH_VERSION caps it, tests only) and announces it.
   const { highestAccepted } = loadBatchVersionConfig();

@@ -59,10 +59,18 @@ export interface ObjectStorageClient {
 }
 
 /** Per-key error codes that are worth the same operation again (S3 "Error responses"); any other is rejected. */
-export const RETRYABLE_KEY_CODES: ReadonlySet<string> = new Set(['InternalError', 'SlowDown', 'ServiceUnavailable', 'RequestTimeout', 'OperationAborted', 'NoResult']);
+export const RETRYABLE_KEY_CODES: ReadonlySet<string> = new Set(['InternalError', 'SlowDown', 'ServiceUnavailable', 'RequestTimeout', 'OperationAborted', 'NoResult', 'RequestFailed']);
 
 /** Whole-request answers that block the policy (S3 asks to slow down). */
 const THROTTLING_CODES: ReadonlySet<string> = new Set(['SlowDown', 'Throttling', 'ThrottlingException', 'TooManyRequests', 'TooManyRequestsException', 'RequestLimitExceeded']);
+
+/** What the DeleteObjects requests of one exchange answered (deleteEntries). */
+interface EntriesAnswer {
+  deleted: Array<{ key: string; versionId: string | null }>;
+  errors: Array<{ key: string; versionId: string | null; code: string; message: string }>;
+  /** A request after the first failed: the object keys of its entries and of those after it, and how it failed. */
+  unsent: { keys: ReadonlySet<string>; failure: Exclude<S3RequestOutcome, { kind: 'answered' }> } | null;
+}
 
 /** DeleteObjects takes at most this many entries (S3 API limit): `versions: all` splits beyond it. */
 const ENTRIES_PER_DELETE = 1000;
@@ -119,7 +127,13 @@ export function makeS3Client(remote: S3DeletePolicy['remote'], extra: Partial<S3
  * when all of its versions are. The whole exchange is bounded by remote.timeoutMs.
  */
 export function makeObjectStorageClient(remote: S3DeletePolicy['remote'], client: S3Client = makeS3Client(remote)): ObjectStorageClient {
-  async function deleteEntries(entries: ObjectIdentifier[], signal: AbortSignal, onSend: (() => Promise<void> | void) | undefined): Promise<{ deleted: Array<{ key: string; versionId: string | null }>; errors: Array<{ key: string; versionId: string | null; code: string; message: string }> }> {
+  /**
+   * The DeleteObjects requests of the entries, ENTRIES_PER_DELETE at a time. The first failing
+   * throws (nothing was answered: a whole-request outcome). A later one ends the exchange with what
+   * the earlier ones answered: those versions are gone and must be reported (audited), and the
+   * entries from the failed request on are `unsent` with the failure's class.
+   */
+  async function deleteEntries(entries: ObjectIdentifier[], signal: AbortSignal, onSend: (() => Promise<void> | void) | undefined): Promise<EntriesAnswer> {
     const deleted: Array<{ key: string; versionId: string | null }> = [];
     const errors: Array<{ key: string; versionId: string | null; code: string; message: string }> = [];
     for (let at = 0; at < entries.length; at += ENTRIES_PER_DELETE) {
@@ -135,13 +149,19 @@ export function makeObjectStorageClient(remote: S3DeletePolicy['remote'], client
           { step: 'deserialize', priority: 'low', name: 'reaperBeforeSend' },
         );
       }
-      const answer = await client.send(command, { abortSignal: signal });
+      let answer;
+      try {
+        answer = await client.send(command, { abortSignal: signal });
+      } catch (error) {
+        if (at === 0) throw error;
+        return { deleted, errors, unsent: { keys: new Set(entries.slice(at).map((entry) => entry.Key!)), failure: classifyRequestError(error) } };
+      }
       for (const item of answer.Deleted ?? []) if (item.Key !== undefined) deleted.push({ key: item.Key, versionId: item.VersionId ?? null });
       for (const item of answer.Errors ?? []) {
         if (item.Key !== undefined) errors.push({ key: item.Key, versionId: item.VersionId ?? null, code: item.Code ?? 'Error', message: item.Message ?? '' });
       }
     }
-    return { deleted, errors };
+    return { deleted, errors, unsent: null };
   }
 
   async function listVersions(key: string, signal: AbortSignal): Promise<string[]> {
@@ -204,7 +224,7 @@ export function makeObjectStorageClient(remote: S3DeletePolicy['remote'], client
         } else {
           entries = objectKeys.map((key) => ({ Key: key }));
         }
-        const answer = entries.length > 0 ? await deleteEntries(entries, signal, options.onSend) : { deleted: [], errors: [] };
+        const answer: EntriesAnswer = entries.length > 0 ? await deleteEntries(entries, signal, options.onSend) : { deleted: [], errors: [], unsent: null };
         const deletedByKey = new Map<string, Array<string | null>>();
         for (const item of answer.deleted) deletedByKey.set(item.key, [...(deletedByKey.get(item.key) ?? []), remote.versions === 'all' ? item.versionId : null]);
         const errorsByKey = new Map<string, Array<{ code: string; message: string }>>();
@@ -218,6 +238,15 @@ export function makeObjectStorageClient(remote: S3DeletePolicy['remote'], client
             const refusal = errors.find((error) => !RETRYABLE_KEY_CODES.has(error.code));
             const first = refusal ?? errors[0]!;
             results.set(key, { kind: refusal ? 'rejected' : 'retryable', code: first.code, message: first.message, deletedVersionIds });
+          } else if (answer.unsent?.keys.has(key)) {
+            // A later request of the exchange failed with some of the key's versions in it: what went is reported.
+            const { failure } = answer.unsent;
+            results.set(
+              key,
+              failure.kind === 'rejected'
+                ? { kind: 'rejected', code: failure.code, message: failure.reason, deletedVersionIds }
+                : { kind: 'retryable', code: failure.kind === 'throttled' ? failure.code : 'RequestFailed', message: failure.kind === 'throttled' ? `HTTP ${failure.status} ${failure.code}` : failure.reason, deletedVersionIds },
+            );
           } else if (listed !== null) {
             // versions: all -- every listed version must be reported deleted (none listed: nothing is there).
             const wanted = listed.get(key)!.length;

@@ -33,7 +33,8 @@ const SWEPT = 'media-swept';
  *    `007` is row 7), and the settle step re-checks holds;
  *  - item 3: an operation superseded because its guard changed is re-opened when the guard
  *    changes back, and the oldest-eligible gauge counts the row meanwhile;
- *  - item 11: a confirmation under a stale lease still writes its audit row (once per operation);
+ *  - item 11: a confirmation under a stale lease still writes its audit row (once per operation),
+ *    and so does one whose recording transaction failed (issue 40 item 8);
  *    the ledger sweeper paces by the live admission override, not the file's rate.
  */
 describe('remote-delete ledger: canonical keys, re-opened decisions, complete audit', () => {
@@ -258,6 +259,36 @@ describe('remote-delete ledger: canonical keys, re-opened decisions, complete au
     assert.equal((await auditOf(MEDIA_POLICY, assetId!)).length, 1);
   });
 
+  test('item 8: a call the remote confirmed whose recording transaction fails is audited anyway; the row renewed before the next claim ends it superseded, audited once', async () => {
+    const [assetId] = await seedAssets(bed.pool, 'unrecorded-confirmed', 1);
+    const key = await currentKeyOf(bed.pool, assetId!);
+    // The confirming transaction fails (as a lock timeout or a lost connection would): the ledger
+    // refuses to finish this one operation. The audit row is written in another statement.
+    await bed.pool.query(`CREATE FUNCTION refuse_finish() RETURNS trigger LANGUAGE plpgsql AS $$
+      BEGIN RAISE EXCEPTION 'test: the confirming transaction fails'; END $$`);
+    await bed.pool.query(`CREATE TRIGGER refuse_finish BEFORE UPDATE ON cleanup_ledger FOR EACH ROW
+      WHEN (NEW.state = 'done' AND NEW.operation_key = '${key}') EXECUTE FUNCTION refuse_finish()`);
+    try {
+      const cutoff = await databaseNow();
+      const batch = batchOf(MEDIA_POLICY, [{ id: assetId!, observedExpiry: key.slice(MEDIA_POLICY.length + assetId!.length + 2) }], cutoff);
+      await assert.rejects(handle(batch), /the confirming transaction fails/);
+    } finally {
+      await bed.pool.query(`DROP TRIGGER refuse_finish ON cleanup_ledger; DROP FUNCTION refuse_finish()`);
+    }
+    assert.equal(api.executionsByKey().get(key), 1, 'the remote deleted it');
+    assert.equal((await ledgerOf(MEDIA_POLICY)).find((row) => row.operation_key === key)!.state, 'in_flight', 'the outcome is not recorded');
+    assert.deepEqual(await auditOf(MEDIA_POLICY, assetId!), [{ key: assetId, operation_key: key, outcome: 'confirmed' }], 'the deletion that happened is audited');
+
+    // The row is renewed before the lease runs out; the next claim supersedes the operation and
+    // makes no call: the audit row above is the only record of the deletion, and stays the only one.
+    await bed.pool.query(`UPDATE media_assets SET retention_expires_at = now() + interval '1 day' WHERE asset_id = $1`, [assetId]);
+    await bed.pool.query(`UPDATE cleanup_ledger SET lease_expires_at = clock_timestamp() - interval '1 millisecond' WHERE operation_key = $1`, [key]);
+    const next = await admitAndClaim(bed.pool, media, targets.get(MEDIA_POLICY)!, { keys: [key], owner: 'other-worker', cutoff: await databaseNow(), batchId: 'other-batch' });
+    assert.equal(next.superseded, 1);
+    assert.equal(api.executionsByKey().get(key), 1, 'no second call');
+    assert.equal((await auditOf(MEDIA_POLICY, assetId!)).length, 1);
+  });
+
   test('item 11: the ledger sweeper sends as much as the live admission override allows, not the file rate', async () => {
     const connection: ChannelModel = await amqp.connect(bed.amqpUrl);
     const broker: TestBroker = await openTestBroker(bed.amqpUrl);
@@ -277,7 +308,7 @@ describe('remote-delete ledger: canonical keys, re-opened decisions, complete au
       );
       // The file says 1 call/s (3 operations within the sweeper's 3 s look-ahead); the operator raised it to 20/s.
       await admissionOverrideSet(bed.pool, { policy: SWEPT, rate: 20, setBy: 'test' });
-      const published = await sweepPolicy({ pool, publisher: new ConfirmingPublisher(fixedConnection(connection), 5_000), names, registry: makeMetrics().registry }, swept);
+      const published = await sweepPolicy({ pool, publisher: new ConfirmingPublisher(fixedConnection(connection), 5_000), names, registry: makeMetrics().registry }, swept, targets.get(SWEPT)!);
       assert.ok(published > 0);
       const messages = await broker.drain(names.workQueue(SWEPT));
       const sent = messages
@@ -310,7 +341,7 @@ describe('remote-delete ledger: canonical keys, re-opened decisions, complete au
       const atGate = new Promise<void>((resolve) => (waiting = resolve));
       // The real publisher, with its confirm held back until the checks below are done.
       const held = { publish: async (...args: Parameters<ConfirmingPublisher['publish']>) => (waiting(), await gate, real.publish(...args)) } as unknown as ConfirmingPublisher;
-      sweeping = sweepPolicy({ pool, publisher: held, names, registry: makeMetrics().registry }, swept);
+      sweeping = sweepPolicy({ pool, publisher: held, names, registry: makeMetrics().registry }, swept, targets.get(SWEPT)!);
       await atGate;
       // While the sweeper waits for the broker: no ledger row is locked, no transaction of its pool is open.
       const locked = await bed.pool.query(`SELECT operation_key FROM cleanup_ledger WHERE policy = $1 FOR UPDATE NOWAIT`, [SWEPT]).then(
@@ -328,7 +359,7 @@ describe('remote-delete ledger: canonical keys, re-opened decisions, complete au
       // A publish that fails hands the marks back: the next pass may pick the same operations at once.
       await bed.pool.query(`UPDATE cleanup_ledger SET last_delivered_at = NULL, batch_id = NULL WHERE policy = $1 AND state = 'pending'`, [SWEPT]);
       const failing = { publish: async () => Promise.reject(new Error('broker refused')) } as unknown as ConfirmingPublisher;
-      await assert.rejects(sweepPolicy({ pool, publisher: failing, names, registry: makeMetrics().registry }, swept), /broker refused/);
+      await assert.rejects(sweepPolicy({ pool, publisher: failing, names, registry: makeMetrics().registry }, swept, targets.get(SWEPT)!), /broker refused/);
       const carried = await bed.pool.query<{ n: number }>(`SELECT count(*)::int AS n FROM cleanup_ledger WHERE policy = $1 AND state = 'pending' AND last_delivered_at IS NOT NULL`, [SWEPT]);
       assert.equal(carried.rows[0]!.n, 0, 'nothing is left marked as carried by a copy that was never published');
     } finally {

@@ -71,4 +71,43 @@ describe('object storage: versioned bucket (SDK mock)', () => {
     assert.equal(s3.commandCalls(DeleteObjectsCommand).length, before, 'no request for a rejected key: not retried in a loop');
     assert.equal((await ledgerRows(bed.pool, [locked!]))[0]!.attempt_count, 1);
   });
+
+  test('versions: all over more than one DeleteObjects: a later request that fails leaves the versions the earlier one deleted audited, and only the keys it carried open', async () => {
+    // 2 x 600 versions: the first request carries 1,000 entries (one key whole, 400 of the other),
+    // the second the other key's last 200, and it fails (an HTTP 500: the request may not have run).
+    const [first, second] = await seedAssets(bed.pool, 'chunked', 2);
+    const policy = parsePolicies(
+      s3PolicyYaml({ endpoint: 'http://127.0.0.1:1', requestsPerSecond: 100, keysPerSecond: 1000, concurrency: 2, versions: 'all' }),
+      'test-policies.yaml',
+      {},
+    ).get(MEDIA_POLICY) as S3DeletePolicy;
+    const target = await targetResolve(bed.pool, policy);
+    s3.reset();
+    for (const asset of [first!, second!]) {
+      s3.on(ListObjectVersionsCommand, { Prefix: `media/${asset}` }).resolves({
+        Versions: Array.from({ length: 600 }, (_, i) => ({ Key: `media/${asset}`, VersionId: `${asset}-v${i}` })),
+        IsTruncated: false,
+      });
+    }
+    let requests = 0;
+    s3.on(DeleteObjectsCommand).callsFake((input: { Delete: { Objects: Array<{ Key: string; VersionId: string }> } }) => {
+      requests += 1;
+      if (requests > 1) throw Object.assign(new Error('We encountered an internal error. Please try again.'), { name: 'InternalError', $metadata: { httpStatusCode: 500 } });
+      return { Deleted: input.Delete.Objects.map((o) => ({ Key: o.Key, VersionId: o.VersionId })) };
+    });
+    const handle = makeS3DeleteHandler(policy, target, makeObjectStorageClient(policy.remote, client));
+
+    const result = await handle(await batchFor(bed.pool, [first!, second!]), handlerContext(bed.pool));
+    assert.notEqual(result.kind, 'dead-letter', JSON.stringify(result));
+    assert.equal(requests, 2, 'two DeleteObjects requests: 1,000 entries, then 200');
+    const rows = await ledgerRows(bed.pool, [first!, second!]);
+    const audited = new Map(await Promise.all(rows.map(async (row) => [row.asset_id, (await auditVersionsOf(bed.pool, row.operation_key)).length] as const)));
+    const whole = rows.find((row) => audited.get(row.asset_id) === 600);
+    const split = rows.find((row) => audited.get(row.asset_id) === 400);
+    assert.ok(whole && split, `one key audited with its 600 versions, the other with the 400 the first request deleted (audited: ${JSON.stringify([...audited])})`);
+    assert.equal(whole.outcome, 'confirmed', 'the key whose versions all went in the first request is confirmed');
+    assert.equal(split.state, 'pending', 'the key the failed request carried is tried again');
+    assert.equal(split.outcome, null);
+    assert.equal(split.last_result, 'S3 RequestFailed');
+  });
 });

@@ -250,7 +250,7 @@ async function callAndRecord(
   switch (outcome.kind) {
     case 'confirmed': {
       result = 'confirmed';
-      applied = await withTransaction(context.pool, async (client) => {
+      applied = await recordConfirmation(policy, key, context, () => withTransaction(context.pool, async (client) => {
         const finished = await ledgerFinish(client, { ...claim, outcome: 'confirmed', lastResult: `HTTP ${outcome.status}` });
         // The remote deleted the object even when this claim is stale: audited either way (once per operation).
         if (policy.audit?.enabled) await auditRecordConfirmed(client, key, policyVersion(policy));
@@ -264,7 +264,7 @@ async function callAndRecord(
           });
         }
         return finished;
-      });
+      }));
       break;
     }
     case 'rate-limited': {
@@ -317,6 +317,42 @@ async function callAndRecord(
     return 'stale-lease';
   }
   return result;
+}
+
+/** Tries of the audit row alone after a confirmation's transaction failed, and the wait before each. */
+const AUDIT_ALONE_WAITS_MS = [0, 250, 1_000, 3_000];
+
+/**
+ * The remote said it deleted the object: `record` writes the outcome, the audit row and the row's
+ * settle in one transaction. When that transaction fails (lock timeout, a lost connection, the
+ * database restarting), the outcome stays unrecorded and the operation in flight: its lease
+ * expires, it is claimed again and re-checked against its row. The deletion happened, though, and
+ * if the row changes meanwhile (renewed, held) the next claim supersedes the operation and no call
+ * ever confirms it again: so the audit row is written on its own first (a few tries over about 4 s),
+ * then the failure goes on as before. auditRecordConfirmed writes once per operation, so a later
+ * confirmation adds nothing. Still lost: an audit row whose own tries all fail (an outage longer
+ * than the tries) for a row that changes before the operation is claimed again; it is logged.
+ */
+async function recordConfirmation(policy: RemoteDeletePolicy, operationKey: string, context: HandlerContext, record: () => Promise<boolean>): Promise<boolean> {
+  try {
+    return await record();
+  } catch (error) {
+    if (policy.audit?.enabled) {
+      let written = false;
+      for (const waitMs of AUDIT_ALONE_WAITS_MS) {
+        if (waitMs > 0) await sleep(waitMs);
+        try {
+          await withTransaction(context.pool, (client) => auditRecordConfirmed(client, operationKey, policyVersion(policy)));
+          written = true;
+          break;
+        } catch {
+          // the database is still away: the next try, or the log below
+        }
+      }
+      if (!written) context.log.error({ operationKey, err: (error as Error).message }, 'remote confirmed a deletion that could not be recorded or audited; the next claim re-checks the row');
+    }
+    throw error;
+  }
 }
 
 /** The observed expiry is the part of the key after "<policy>:<id>:". */

@@ -270,13 +270,16 @@ export async function remoteBatchesForget(db: Db, batchId: string): Promise<void
  *
  * Looks at most `limit` kept batches after `after` (batch id order; the caller goes round), kept
  * or last sent again more than `keptForMs` ago (a delivery in progress writes its own receipt),
- * naming at least one recorded operation and no open one. Those returned count as sent again now
+ * naming at least one recorded operation and no open one. The message's ids are spelled as the
+ * publisher wrote them (`007` of a bigint key, an upper-case uuid): each is cast through the key's
+ * type (`keyType`, as resolved) to the canonical text the ledger's operation keys use; a kept
+ * batch's ids all cast (its delivery recorded them through the same cast). Those returned count as sent again now
  * (created_at moved to now: not returned again for `keptForMs`). `last`: the last batch id looked
  * at (null: the end was reached).
  */
 export async function remoteBatchesOrphaned(
   db: Db,
-  look: { policy: string; after: string | null; limit: number; keptForMs: number },
+  look: { policy: string; keyType: string; after: string | null; limit: number; keptForMs: number },
 ): Promise<{ orphans: Array<{ batchId: string; content: Buffer }>; last: string | null }> {
   const result = await db.query<{ batch_id: string; content: Buffer | null; orphan: boolean }>(
     `WITH window_ AS (
@@ -288,7 +291,7 @@ export async function remoteBatchesOrphaned(
          -- the operations the batch names (keys as recorded: policy, canonical id, reaper_iso expiry)
          SELECT count(l.operation_key) AS recorded, count(*) FILTER (WHERE l.state <> 'done') AS open
          FROM jsonb_array_elements(convert_from(w.content, 'UTF8')::jsonb -> 'items') AS i(item)
-         JOIN cleanup_ledger l ON l.operation_key = $1 || ':' || (i.item ->> 'id') || ':' || reaper_iso((i.item ->> 'observedExpiry')::timestamptz)
+         JOIN cleanup_ledger l ON l.operation_key = $1 || ':' || ((i.item ->> 'id')::${look.keyType})::text || ':' || reaper_iso((i.item ->> 'observedExpiry')::timestamptz)
        ) ops
      ), resent AS (
        UPDATE cleanup_remote_batches b SET created_at = clock_timestamp() FROM judged j
