@@ -197,15 +197,6 @@ describe('scheduler replicas and catch-up', () => {
     bed.writePolicies(policiesYaml(policy, 50));
     await bed.pool.query('DELETE FROM seat_reservations');
     const seeded = await seedHolds(bed.pool, { expiredHeld: 3_000, futureHeld: 100, expiredConfirmed: 100 });
-    // Rows that expire one by one during the next 6 s: later ticks' runs find new work.
-    const expiring = (
-      await bed.pool.query<{ reservation_id: string }>(
-        `INSERT INTO seat_reservations (reservation_id, status, expires_at, seat)
-         SELECT gen_random_uuid(), 'held', clock_timestamp() + i * interval '20 milliseconds' + random() * interval '1 millisecond', 'late-' || i
-         FROM generate_series(1, 300) i RETURNING reservation_id`,
-      )
-    ).rows.map((row) => row.reservation_id);
-    const lastExpiryMs = (await bed.pool.query<{ ms: number }>(`SELECT (extract(epoch FROM max(expires_at)) * 1000)::float8 AS ms FROM seat_reservations WHERE seat LIKE 'late-%'`)).rows[0]!.ms;
     const broker = await openTestBroker(bed.amqpUrl);
     const group = startServices(bed, [
       { label: 'scan-worker-1', kind: 'worker' },
@@ -215,7 +206,22 @@ describe('scheduler replicas and catch-up', () => {
       { label: 'scan-replica-c', kind: 'scheduler' },
     ]);
     const replicas = group.services.slice(2);
+    let expiring: string[] = [];
     try {
+      // Once a first run has completed (the 3,000 rows): rows that expire one by one during the next
+      // 6 s, so that later ticks' runs find new work however long the services took to start.
+      await group.eventuallyAlive('a first completed run', async () => (await bed.pool.query(`SELECT 1 FROM cleanup_runs WHERE policy = $1 AND state = 'completed' AND candidates > 0`, [policy])).rowCount! > 0, {
+        timeoutMs: 90_000,
+        intervalMs: 250,
+      });
+      expiring = (
+        await bed.pool.query<{ reservation_id: string }>(
+          `INSERT INTO seat_reservations (reservation_id, status, expires_at, seat)
+           SELECT gen_random_uuid(), 'held', clock_timestamp() + i * interval '20 milliseconds' + random() * interval '1 millisecond', 'late-' || i
+           FROM generate_series(1, 300) i RETURNING reservation_id`,
+        )
+      ).rows.map((row) => row.reservation_id);
+      const lastExpiryMs = (await bed.pool.query<{ ms: number }>(`SELECT (extract(epoch FROM max(expires_at)) * 1000)::float8 AS ms FROM seat_reservations WHERE seat LIKE 'late-%'`)).rows[0]!.ms;
       // Until a run whose cutoff is after the last expiry has completed: then every seeded row that expires has been scanned.
       await group.eventuallyAlive(
         'a completed run with a cutoff after the last expiry',

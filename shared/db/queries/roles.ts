@@ -202,7 +202,10 @@ export function rolesSql(policies: PolicySet, names: DbRoleNames = DEFAULT_DB_RO
   const all = ['migrator', 'scheduler', 'worker', 'operator'] as const;
   const lines: string[] = [
     `-- reaper: least-privilege roles (${all.map((role) => names[role]).join(', ')}).`,
-    '-- Run after `reaper migrate`, as a superuser or the owner of every table below; safe to run again.',
+    '-- Run as a superuser (or the owner of every table below) BEFORE the first `reaper migrate`, which',
+    '-- runs as the migrator it creates, and again whenever the policies change; safe to run again.',
+    '-- On a fresh database reaper\'s tables do not exist yet: their blocks below do nothing, and',
+    '-- `reaper migrate` (as the migrator) grants the same on each table as it creates it.',
     '-- Passwords are not set here: ALTER ROLE <role> PASSWORD ..., or your platform\'s authentication.',
     'BEGIN;',
     '',
@@ -252,12 +255,14 @@ export function rolesSql(policies: PolicySet, names: DbRoleNames = DEFAULT_DB_RO
     '',
     "-- reaper's own tables: owned by the migrator (later migrations alter them), then exactly the",
     '-- statements each role runs (shared/db/queries/). `reaper migrate` re-applies these grants at the',
-    '-- end of every run, so a table a later release adds needs no re-run of this file.',
+    '-- end of every run, so a table a later release adds needs no re-run of this file. Each block acts',
+    '-- only where its table exists (a fresh database has none yet).',
   );
+  const whereExists = (exists: string, statements: readonly string[]) => [`DO $$ BEGIN IF ${exists} IS NOT NULL THEN`, ...statements.map((statement) => `  ${statement}`), 'END IF; END $$;'];
   for (const [table, grants] of Object.entries(REAPER_TABLE_GRANTS)) {
-    lines.push(`ALTER TABLE ${q(table)} OWNER TO ${migrator};`, ...reaperTableGrantSql(table, grants, names));
+    lines.push(...whereExists(`to_regclass(${literal(q(table))})`, [`ALTER TABLE ${q(table)} OWNER TO ${migrator};`, ...reaperTableGrantSql(table, grants, names)]));
   }
-  for (const fn of REAPER_FUNCTIONS) lines.push(`ALTER FUNCTION ${fn} OWNER TO ${migrator};`);
+  for (const fn of REAPER_FUNCTIONS) lines.push(...whereExists(`to_regprocedure(${literal(fn)})`, [`ALTER FUNCTION ${fn} OWNER TO ${migrator};`]));
   lines.push(
     '',
     '-- The policies\' tables (they belong to their application): per policy kind, see docs/deploying.md "Deploying".',
