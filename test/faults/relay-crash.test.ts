@@ -161,6 +161,46 @@ describe('expiry events: outbox and relay crashes', () => {
     }
   });
 
+  test('a row committed behind a pass (a lower outbox id committing late) is published by one of the next passes, not after the backlog (issue 43)', async () => {
+    const BACKLOG = 2_000; // 10 passes of RELAY_BATCH_SIZE (200)
+    const version = policyVersion(parsePolicies(POLICY_YAML, 'policies.yaml', {}).get('seat-holds')!);
+    const insert = (keys: string) =>
+      `INSERT INTO cleanup_outbox (policy, key, observed_expiry, cutoff, policy_version)
+       SELECT 'seat-holds', k, now() - interval '1 hour', now(), '${version}' FROM (${keys}) AS keys(k)`;
+    // The late row takes the lowest id and commits only once the relay has passed it.
+    const late = await world.bed.pool.connect();
+    let open = false;
+    const relay = startReaper('relay-behind', ['relay'], env());
+    try {
+      await late.query('BEGIN');
+      open = true;
+      await late.query(insert(`SELECT 'late-row'`));
+      await world.bed.pool.query(insert(`SELECT 'backlog-' || lpad(i::text, 5, '0') FROM generate_series(1, ${BACKLOG}) i`));
+      // Consumed (not fetched one by one): the keys in the order the relay published them.
+      const keys: string[] = [];
+      const { consumerTag } = await channel.consume(queue(), (message) => message && keys.push((JSON.parse(message.content.toString()) as ExpiryEventV2).key), { noAck: true });
+      try {
+        await eventually('the first pass to publish', () => keys.length > 0, { intervalMs: 10 });
+        await late.query('COMMIT');
+        open = false;
+        await eventually(`all ${BACKLOG + 1} events`, () => keys.length === BACKLOG + 1, { timeoutMs: 60_000, describe: () => ({ arrived: keys.length }) });
+      } finally {
+        await channel.cancel(consumerTag);
+      }
+      const at = keys.indexOf('late-row');
+      assert.ok(at >= 0, 'the late row is published');
+      // Its commit came while the first pass was publishing: the second or third pass starts from
+      // the oldest unclaimed row, which is it. (A relay that went on after its last row would reach
+      // it only after the backlog's 2,000.)
+      assert.ok(at < 3 * 200, `the late row was event ${at + 1} of ${keys.length}: left behind a pass`);
+      await eventually('the outbox to be empty', async () => (await outboxKeys()).length === 0);
+    } finally {
+      if (open) await late.query('ROLLBACK').catch(() => undefined); // the test failed before the commit
+      late.release();
+      await relay.stop();
+    }
+  });
+
   test('relay killed after the confirm, before the outbox delete: the event arrives again with the same id', async () => {
     const seeded = await seedHolds(world.bed.pool, { expiredHeld: 5 });
     await deleteThroughWorker(seeded.expiredHeld);
