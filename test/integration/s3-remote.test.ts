@@ -223,43 +223,61 @@ describe('object storage remote (s3rver)', () => {
       'test-policies.yaml',
       {},
     ).get(MEDIA_POLICY) as S3DeletePolicy;
-    await bed.pool.query(`DELETE FROM cleanup_admission WHERE policy = $1`, [MEDIA_POLICY]);
-    const ids = await seedAssets(bed.pool, 'send-clock', 30);
-    const batch = await batchFor(bed.pool, ids);
-    const recorded = await recordRemoteBatch(slow.name, target, batch, handlerContext(bed.pool));
-    const claim = () => admitAndClaimS3(bed.pool, slow, target, { keys: recorded.known, owner: 'test-worker', cutoff: batch.cutoff, batchId: batch.batchId });
-    const asked = performance.now();
-    const grants: Array<{ grant: Awaited<ReturnType<typeof claim>>; askedAt: number; answeredAt: number }> = [];
-    for (let i = 0; i < 3; i++) {
-      const askedAt = performance.now();
-      grants.push({ grant: await claim(), askedAt, answeredAt: performance.now() });
-    }
-    const [first, second, third] = grants.map((entry) => entry.grant) as [S3Grant, S3Grant, S3Grant];
     const requestMs = (10 / (100 * S3_KEY_PACE)) * 1000;
-    assert.ok(first.sendAt - asked >= S3_SEND_MIN_LEAD_MS - 2, `the first may leave ${(first.sendAt - asked).toFixed(1)} ms after it was asked for (minimum lead ${S3_SEND_MIN_LEAD_MS})`);
-    // Whatever the machine's speed: each grant leaves at least one request's keys after the one
-    // before, and none is granted further ahead than the lead.
-    const granted = grants.filter((entry) => entry.grant.claimed.length > 0);
-    assert.deepEqual(granted.map((entry) => entry.grant.claimed.length), granted.map(() => 10), 'whole requests');
-    for (let i = 1; i < granted.length; i++) {
-      const apart = granted[i]!.grant.sendAt - granted[i - 1]!.grant.sendAt;
-      // Slack: each grant's bucket instant is put on this process's clock through its own
-      // statement's timing, so a grant's sendAt is late by up to the time its answer took to come
-      // back (bounded by its claim's round trip: a few ms on an idle machine, tens under load).
-      const slack = 8 + (granted[i - 1]!.answeredAt - granted[i - 1]!.askedAt);
-      assert.ok(apart >= requestMs - slack, `request ${i + 1} leaves ${apart.toFixed(1)} ms after the one before (one request's keys: ${requestMs.toFixed(1)} ms, slack ${slack.toFixed(1)} ms)`);
+    type Asked = { grant: S3Grant; askedAt: number; answeredAt: number };
+    /** From a full bucket (the policy's admission row removed): three claims one after another, each timed by this process. */
+    const threeClaims = async (attempt: number): Promise<{ asked: number; grants: Asked[] }> => {
+      await bed.pool.query(`DELETE FROM cleanup_admission WHERE policy = $1`, [MEDIA_POLICY]);
+      const ids = await seedAssets(bed.pool, `send-clock-${attempt}`, 30);
+      const batch = await batchFor(bed.pool, ids);
+      const recorded = await recordRemoteBatch(slow.name, target, batch, handlerContext(bed.pool));
+      const claim = () => admitAndClaimS3(bed.pool, slow, target, { keys: recorded.known, owner: 'test-worker', cutoff: batch.cutoff, batchId: batch.batchId });
+      const asked = performance.now();
+      const grants: Asked[] = [];
+      try {
+        for (let i = 0; i < 3; i++) {
+          const askedAt = performance.now();
+          grants.push({ grant: await claim(), askedAt, answeredAt: performance.now() });
+        }
+      } finally {
+        // The claims' requests and keys handed back: the next attempt (and test) starts from nothing in flight.
+        await bed.pool.query(`DELETE FROM cleanup_admission WHERE policy = $1`, [MEDIA_POLICY]);
+        await bed.pool.query(`UPDATE cleanup_ledger SET state = 'done', outcome = 'superseded' WHERE asset_id = ANY($1::text[])`, [ids]);
+      }
+      return { asked, grants };
+    };
+    // Whether two requests are lent ahead and the third waits depends on the bucket refilling less
+    // than a request between the first claim and the third, i.e. on how fast three claims answer
+    // here. No mode of this machine skips the assertions: every attempt checks what holds at any
+    // speed, and the attempts go on (a fresh bucket and fresh keys each) until one was asked in
+    // quick succession, which is then checked too; none in 20 attempts fails the test.
+    let quickAttempt: { asked: number; grants: Asked[] } | undefined;
+    for (let attempt = 0; attempt < 20 && !quickAttempt; attempt++) {
+      const { asked, grants } = await threeClaims(attempt);
+      const first = grants[0]!.grant;
+      assert.ok(first.sendAt - asked >= S3_SEND_MIN_LEAD_MS - 2, `the first may leave ${(first.sendAt - asked).toFixed(1)} ms after it was asked for (minimum lead ${S3_SEND_MIN_LEAD_MS})`);
+      // Whatever the machine's speed: each grant leaves at least one request's keys after the one
+      // before, and none is granted further ahead than the lead.
+      const granted = grants.filter((entry) => entry.grant.claimed.length > 0);
+      assert.deepEqual(granted.map((entry) => entry.grant.claimed.length), granted.map(() => 10), 'whole requests');
+      for (let i = 1; i < granted.length; i++) {
+        const apart = granted[i]!.grant.sendAt - granted[i - 1]!.grant.sendAt;
+        // Slack: each grant's bucket instant is put on this process's clock through its own
+        // statement's timing, so a grant's sendAt is late by up to the time its answer took to come
+        // back (bounded by its claim's round trip: a few ms on an idle machine, tens under load).
+        const slack = 8 + (granted[i - 1]!.answeredAt - granted[i - 1]!.askedAt);
+        assert.ok(apart >= requestMs - slack, `request ${i + 1} leaves ${apart.toFixed(1)} ms after the one before (one request's keys: ${requestMs.toFixed(1)} ms, slack ${slack.toFixed(1)} ms)`);
+      }
+      for (const entry of granted) assert.ok(entry.grant.sendAt - entry.answeredAt <= S3_SEND_LEAD_MS + 5, `granted ${(entry.grant.sendAt - entry.answeredAt).toFixed(1)} ms ahead (lead ${S3_SEND_LEAD_MS})`);
+      // Asked in quick succession: the bucket refilled less than half a request meanwhile.
+      if (grants[2]!.answeredAt - asked < requestMs / 2) quickAttempt = { asked, grants };
     }
-    for (const entry of granted) assert.ok(entry.grant.sendAt - entry.answeredAt <= S3_SEND_LEAD_MS + 5, `granted ${(entry.grant.sendAt - entry.answeredAt).toFixed(1)} ms ahead (lead ${S3_SEND_LEAD_MS})`);
-    // Asked in quick succession (the bucket refilled less than a request meanwhile): two requests
-    // are lent ahead, one request's keys apart, and the third waits.
-    const quick = grants[2]!.answeredAt - asked < requestMs / 2;
-    if (quick) {
-      assert.deepEqual([first.claimed.length, second.claimed.length, third.claimed.length], [10, 10, 0], 'two requests granted ahead, the third waits');
-      assert.equal(third.verdict, 'no-token');
-      assert.ok(second.sendAt - first.sendAt <= requestMs + 20, `the second leaves ${(second.sendAt - first.sendAt).toFixed(1)} ms after the first (one request's keys: ${requestMs.toFixed(1)} ms)`);
-    }
-    await bed.pool.query(`DELETE FROM cleanup_admission WHERE policy = $1`, [MEDIA_POLICY]);
-    await bed.pool.query(`UPDATE cleanup_ledger SET state = 'done', outcome = 'superseded' WHERE asset_id = ANY($1::text[])`, [ids]);
+    assert.ok(quickAttempt, `no attempt of 20 asked three claims within ${(requestMs / 2).toFixed(0)} ms: the machine is too loaded for this test to say anything about lending ahead`);
+    // Asked in quick succession: two requests are lent ahead, one request's keys apart, and the third waits.
+    const [first, second, third] = quickAttempt.grants.map((entry) => entry.grant) as [S3Grant, S3Grant, S3Grant];
+    assert.deepEqual([first.claimed.length, second.claimed.length, third.claimed.length], [10, 10, 0], 'two requests granted ahead, the third waits');
+    assert.equal(third.verdict, 'no-token');
+    assert.ok(second.sendAt - first.sendAt <= requestMs + 20, `the second leaves ${(second.sendAt - first.sendAt).toFixed(1)} ms after the first (one request's keys: ${requestMs.toFixed(1)} ms)`);
   });
 
   test('a request that leaves late charges its lateness to the keys bucket, so the next grant moves back as far', async () => {
