@@ -35,13 +35,18 @@ describe('oldest leased age with a frozen worker', () => {
     const services = { scheduler: 'leased-scheduler', workers: ['leased-worker'], schedulerEnv: { HTTP_PORT: '0', REAPER_BACKLOG_REFRESH_MS: String(REFRESH_MS) } };
     const { scheduler, workers: [worker] } = await startRemoteServices(bed, services);
     const port = Number(scheduler.lines.find((line) => line.msg === 'scheduler started')!.httpPort);
-    const leasedAge = async (): Promise<number> => {
+    /** Undefined until the first refresh exports the gauge (a probe's "not yet", not a failed assertion). */
+    const leasedAgeIfExported = async (): Promise<number | undefined> => {
       const text = await (await fetch(`http://127.0.0.1:${port}/metrics`)).text();
       const match = text.match(new RegExp(`^reaper_oldest_leased_age_seconds\\{policy="${MEDIA_POLICY}"\\} (\\S+)$`, 'm'));
-      assert.ok(match, 'the gauge is exported for the remote-delete policy');
-      return Number(match[1]);
+      return match ? Number(match[1]) : undefined;
     };
-    assert.equal(await eventually('the first refresh', async () => (await leasedAge()) === 0 || undefined), true);
+    const leasedAge = async (): Promise<number> => {
+      const age = await leasedAgeIfExported();
+      assert.ok(age !== undefined, 'the gauge is exported for the remote-delete policy');
+      return age;
+    };
+    assert.equal(await eventually('the first refresh', async () => (await leasedAgeIfExported()) === 0 || undefined), true);
 
     assert.equal((await runReaperCli(['trigger', MEDIA_POLICY], bed.processEnv())).code, 0);
     await eventually('the worker to be mid-call (holding the lease)', () => api.calls.find((call) => call.finishedAt === 0), { timeoutMs: 30_000 });

@@ -121,18 +121,37 @@ describe('adaptive row-delete admission: one shared rate', () => {
   test("alone on the database: reaper's own slow statements do not lower the rate, and groups between two probes are admitted without a statement", async () => {
     const policy = policyNamed('alone');
     const pool = workerPool('alone');
-    const take = async (): Promise<void> => assert.ok((await admitRows(pool, policy, 10, { holdMs: 5_000 })).admitted);
+    const metrics = makeMetrics();
+    const take = async (): Promise<void> => assert.ok((await admitRows(pool, policy, 10, { holdMs: 5_000, registry: metrics.registry })).admitted);
     const admittedInRow = async (): Promise<number> =>
       (await bed.pool.query<{ n: number }>('SELECT adaptive_admitted::float8 AS n FROM cleanup_admission WHERE policy = $1', [policy.name])).rows[0]!.n;
+    // A take that reached the shared row (a probe, not a group let through as alone) moves updated_at.
+    const lastTake = async (): Promise<string> =>
+      (await bed.pool.query<{ at: string }>('SELECT updated_at::text AS at FROM cleanup_admission WHERE policy = $1', [policy.name])).rows[0]!.at;
     await take();
+    const firstTakeAt = performance.now();
     // The same slow statements that lower the rate when an application is there (test above).
     noteRowStatement(pool, policy, { ms: 10, rows: 10 });
-    const until = Date.now() + 2_000;
-    while (Date.now() < until) {
-      noteRowStatement(pool, policy, { ms: 100, rows: 10 });
-      await take();
-      await new Promise((resolve) => setTimeout(resolve, 20));
-    }
+    // Not a fixed time (a slow machine would judge nothing in it): until takes that reached the
+    // shared row with a slow statement to judge by, later than several step intervals after the
+    // first take, were counted. Each of them steps the rate down (pressure 10) were reaper's own
+    // latency counted alone; alone, none steps (hasDatabaseAlone), and the rate stays.
+    let seen = await lastTake();
+    let judged = 0;
+    await eventually(
+      `probe takes with slow statements, ${4 * ADAPTIVE.stepMs} ms after the first take`,
+      async () => {
+        noteRowStatement(pool, policy, { ms: 100, rows: 10 });
+        await take();
+        const at = await lastTake();
+        if (at !== seen && performance.now() - firstTakeAt >= ADAPTIVE.stepMs) judged += 1;
+        seen = at;
+        return judged >= 3 && performance.now() - firstTakeAt >= 4 * ADAPTIVE.stepMs;
+      },
+      { timeoutMs: 20_000, intervalMs: 20, describe: () => ({ judged }) },
+    );
+    const ratio = (await metricValue(metrics.registry, 'reaper_row_admission_latency_ratio', { policy: policy.name }))!;
+    assert.ok(ratio > ADAPTIVE.backOffAbove, `the takes read reaper's own slow statements (latency ratio ${ratio})`);
     assert.ok((await storedRate(policy.name)) >= ADAPTIVE.startRowsPerSecond, 'nobody to protect: the rate was not lowered by reaper\'s own latency');
     // Twenty groups at once: the first is the probe (one statement), the rest go through on it.
     const before = await admittedInRow();

@@ -86,19 +86,26 @@ describe('run pacing by the adaptive rate', () => {
   });
 
   test('a rate that comes in force while the scheduler waits after the first window paces the rest, the first window counted at it', async () => {
-    let known: number | null = null;
-    let timer: NodeJS.Timeout | undefined;
     // Batch 500: a full first window is 8,000 rows, so the scheduler waits up to 0.2 s (8,000 rows
-    // at 40,000 rows/s) for a rate; it comes after 50 ms. At 3,000 rows/s windows are 12 batches
-    // (2 s of it) and the first window's 8,000 rows are 2.67 s of it: the second waits until 0.67 s.
-    const paced = await pacedRun(14_000, () => known, {
+    // at 40,000 rows/s) for a rate, reading it every 50 ms. The rate is not a timer's (a slow
+    // machine's late timer would come after the wait): the scheduler's first read after the first
+    // window finds none (it waits), its next one finds 3,000 rows/s. At 3,000 rows/s windows are 12
+    // batches (2 s of it) and the first window's 8,000 rows are 2.67 s of it: the second waits until 0.67 s.
+    let windowsSoFar = 0;
+    const readsAfterFirst: Array<number | null> = [];
+    const paced = await pacedRun(14_000, () => {
+      if (windowsSoFar === 0) return null;
+      const rate = readsAfterFirst.length === 0 ? null : 3_000;
+      readsAfterFirst.push(rate);
+      return rate;
+    }, {
       batchSize: 500,
-      onWindow: (windowsSoFar) => {
-        if (windowsSoFar === 1) timer = setTimeout(() => (known = 3_000), 50);
+      onWindow: (count) => {
+        windowsSoFar = count;
       },
     });
-    clearTimeout(timer);
     assert.equal(paced.outcome, 'published');
+    assert.deepEqual(readsAfterFirst.slice(0, 2), [null, 3_000], 'the scheduler waited after the first window (no rate) and read the rate again');
     assert.deepEqual(paced.windows.map((window) => window.batches), [16, 12]);
     assert.ok(paced.windows[1]!.atMs >= 667 - 150, `the second window waited for the first one's rows at the rate: at ${paced.windows[1]!.atMs} ms`);
     assert.equal((await runRow(world.bed.pool, paced.runId)).candidates, 14_000);
@@ -109,10 +116,11 @@ describe('run pacing by the adaptive rate', () => {
     // ahead), the third once the first two seconds have passed, the fourth two seconds later.
     const takeovers: unknown[] = [];
     const paced = await pacedRun(80, () => 10, {
-      // Shorter than the waits: only the lease keeper's extensions keep another scheduler out.
-      leaseMs: 1_000,
+      // Shorter than the waits (2 s): only the lease keeper's extensions keep another scheduler out.
+      // 1.5 s, extended every 0.5 s: a pause of the test process under 1 s does not lose it.
+      leaseMs: 1_500,
       onScan: async (windowsSoFar) => {
-        if (windowsSoFar >= 2) takeovers.push(await runsClaimNext(world.bed.pool, 'scheduler-b', 1_000, [POLICY]));
+        if (windowsSoFar >= 2) takeovers.push(await runsClaimNext(world.bed.pool, 'scheduler-b', 1_500, [POLICY]));
       },
     });
     assert.equal(paced.outcome, 'published');
@@ -127,20 +135,27 @@ describe('run pacing by the adaptive rate', () => {
 
   test('a slow rate: windows of one batch; a shutdown during the wait stops at once, the cursor at the last window confirmed', async () => {
     // 0.1 rows/s: each 2-row window is 20 s of the rate ahead; the second would wait 18 s.
-    let stopAt = Number.POSITIVE_INFINITY;
-    let stoppedAfterMs = 0;
+    // The shutdown comes during that wait: at the scheduler's fifth look at the flag after the first
+    // window (it looks every 100 ms while it waits), not at a time a slow machine might miss.
+    let windowsSoFar = 0;
+    let looksAfterFirst = 0;
+    let stopsSeen = 0;
     const paced = await pacedRun(10, () => 0.1, {
-      // The shutdown comes half a second into the wait for the second window.
-      onWindow: (windowsSoFar) => {
-        if (windowsSoFar === 1) stopAt = Date.now() + 500;
+      onWindow: (count) => {
+        windowsSoFar = count;
       },
       stopping: () => {
-        stoppedAfterMs = Date.now() - stopAt;
-        return stoppedAfterMs >= 0;
+        if (windowsSoFar === 0) return false;
+        looksAfterFirst += 1;
+        const stop = looksAfterFirst >= 5;
+        if (stop) stopsSeen += 1;
+        return stop;
       },
     });
     assert.equal(paced.outcome, 'stopped');
-    assert.ok(stoppedAfterMs < 5_000, `stopped without waiting out the pace (${stoppedAfterMs} ms after the shutdown)`);
+    // Stopped at once: the first look that saw the shutdown ended the run, without waiting out the
+    // pace (which would have published the second window first) nor looking again.
+    assert.equal(stopsSeen, 1, `the run ended at the first look that saw the shutdown (${stopsSeen} looks saw it)`);
     assert.deepEqual(paced.windows.map((window) => window.batches), [1]);
     assert.equal((await runRow(world.bed.pool, paced.runId)).candidates, 2);
   });

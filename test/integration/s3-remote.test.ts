@@ -12,6 +12,7 @@ import { makeObjectStorageClient } from '../../shared/remote/s3';
 import { startS3StandIn, type S3StandIn } from '../../tools/s3-stand-in/server';
 import { assetStatuses, ledgerRows, MEDIA_POLICY, seedAssets } from '../support/remote-helpers';
 import { auditCounts, batchFor, handlerContext, objectExists, putObjects, s3Environment, s3PolicyYaml } from '../support/s3-helpers';
+import { requireTool, type Requirement } from '../support/requirements';
 import { makeTestBed, type TestBed } from '../support/testbed';
 
 /**
@@ -216,50 +217,78 @@ describe('object storage remote (s3rver)', () => {
     assert.equal(stand.deleteCalls().length, 1, 'nothing more reached the store');
   });
 
-  test("sending on the bucket's clock: a grant from a full bucket leaves no sooner than the minimum lead, the next one granted at once a request's keys later, and no more is lent than the lead", async () => {
+  test("sending on the bucket's clock: a grant from a full bucket leaves no sooner than the minimum lead, the next one granted at once a request's keys later, and no more is lent than the lead", async (t) => {
     // 100 keys/s, 10 keys a request: 102 ms of keys per request at the pace, a lead of 30 keys.
     const slow = parsePolicies(
       s3PolicyYaml({ endpoint: stand.endpoint, requestsPerSecond: 100, keysPerSecond: 100, concurrency: 4, maxKeysPerRequest: 10, batchSize: 30 }),
       'test-policies.yaml',
       {},
     ).get(MEDIA_POLICY) as S3DeletePolicy;
-    await bed.pool.query(`DELETE FROM cleanup_admission WHERE policy = $1`, [MEDIA_POLICY]);
-    const ids = await seedAssets(bed.pool, 'send-clock', 30);
-    const batch = await batchFor(bed.pool, ids);
-    const recorded = await recordRemoteBatch(slow.name, target, batch, handlerContext(bed.pool));
-    const claim = () => admitAndClaimS3(bed.pool, slow, target, { keys: recorded.known, owner: 'test-worker', cutoff: batch.cutoff, batchId: batch.batchId });
-    const asked = performance.now();
-    const grants: Array<{ grant: Awaited<ReturnType<typeof claim>>; askedAt: number; answeredAt: number }> = [];
-    for (let i = 0; i < 3; i++) {
-      const askedAt = performance.now();
-      grants.push({ grant: await claim(), askedAt, answeredAt: performance.now() });
-    }
-    const [first, second, third] = grants.map((entry) => entry.grant) as [S3Grant, S3Grant, S3Grant];
     const requestMs = (10 / (100 * S3_KEY_PACE)) * 1000;
-    assert.ok(first.sendAt - asked >= S3_SEND_MIN_LEAD_MS - 2, `the first may leave ${(first.sendAt - asked).toFixed(1)} ms after it was asked for (minimum lead ${S3_SEND_MIN_LEAD_MS})`);
-    // Whatever the machine's speed: each grant leaves at least one request's keys after the one
-    // before, and none is granted further ahead than the lead.
-    const granted = grants.filter((entry) => entry.grant.claimed.length > 0);
-    assert.deepEqual(granted.map((entry) => entry.grant.claimed.length), granted.map(() => 10), 'whole requests');
-    for (let i = 1; i < granted.length; i++) {
-      const apart = granted[i]!.grant.sendAt - granted[i - 1]!.grant.sendAt;
-      // Slack: each grant's bucket instant is put on this process's clock through its own
-      // statement's timing, so a grant's sendAt is late by up to the time its answer took to come
-      // back (bounded by its claim's round trip: a few ms on an idle machine, tens under load).
-      const slack = 8 + (granted[i - 1]!.answeredAt - granted[i - 1]!.askedAt);
-      assert.ok(apart >= requestMs - slack, `request ${i + 1} leaves ${apart.toFixed(1)} ms after the one before (one request's keys: ${requestMs.toFixed(1)} ms, slack ${slack.toFixed(1)} ms)`);
+    type Asked = { grant: S3Grant; askedAt: number; answeredAt: number };
+    /** From a full bucket (the policy's admission row removed): three claims one after another, each timed by this process. */
+    const threeClaims = async (attempt: number): Promise<{ asked: number; grants: Asked[] }> => {
+      await bed.pool.query(`DELETE FROM cleanup_admission WHERE policy = $1`, [MEDIA_POLICY]);
+      const ids = await seedAssets(bed.pool, `send-clock-${attempt}`, 30);
+      const batch = await batchFor(bed.pool, ids);
+      const recorded = await recordRemoteBatch(slow.name, target, batch, handlerContext(bed.pool));
+      const claim = () => admitAndClaimS3(bed.pool, slow, target, { keys: recorded.known, owner: 'test-worker', cutoff: batch.cutoff, batchId: batch.batchId });
+      const asked = performance.now();
+      const grants: Asked[] = [];
+      try {
+        for (let i = 0; i < 3; i++) {
+          const askedAt = performance.now();
+          grants.push({ grant: await claim(), askedAt, answeredAt: performance.now() });
+        }
+      } finally {
+        // The claims' requests and keys handed back: the next attempt (and test) starts from nothing in flight.
+        await bed.pool.query(`DELETE FROM cleanup_admission WHERE policy = $1`, [MEDIA_POLICY]);
+        await bed.pool.query(`UPDATE cleanup_ledger SET state = 'done', outcome = 'superseded' WHERE asset_id = ANY($1::text[])`, [ids]);
+      }
+      return { asked, grants };
+    };
+    // Whether two requests are lent ahead and the third waits depends on the bucket refilling less
+    // than a request between the first claim and the third, i.e. on how fast three claims answer
+    // here. No mode of this machine skips the assertions: every attempt checks what holds at any
+    // speed, and the attempts go on (a fresh bucket and fresh keys each) until one was asked in
+    // quick succession, which is then checked too (none in 20: see below).
+    let quickAttempt: { asked: number; grants: Asked[] } | undefined;
+    const spans: number[] = [];
+    for (let attempt = 0; attempt < 20 && !quickAttempt; attempt++) {
+      const { asked, grants } = await threeClaims(attempt);
+      const first = grants[0]!.grant;
+      assert.ok(first.sendAt - asked >= S3_SEND_MIN_LEAD_MS - 2, `the first may leave ${(first.sendAt - asked).toFixed(1)} ms after it was asked for (minimum lead ${S3_SEND_MIN_LEAD_MS})`);
+      // Whatever the machine's speed: each grant leaves at least one request's keys after the one
+      // before, and none is granted further ahead than the lead.
+      const granted = grants.filter((entry) => entry.grant.claimed.length > 0);
+      assert.deepEqual(granted.map((entry) => entry.grant.claimed.length), granted.map(() => 10), 'whole requests');
+      for (let i = 1; i < granted.length; i++) {
+        const apart = granted[i]!.grant.sendAt - granted[i - 1]!.grant.sendAt;
+        // Slack: each grant's bucket instant is put on this process's clock through its own
+        // statement's timing, so a grant's sendAt is late by up to the time its answer took to come
+        // back (bounded by its claim's round trip: a few ms on an idle machine, tens under load).
+        const slack = 8 + (granted[i - 1]!.answeredAt - granted[i - 1]!.askedAt);
+        assert.ok(apart >= requestMs - slack, `request ${i + 1} leaves ${apart.toFixed(1)} ms after the one before (one request's keys: ${requestMs.toFixed(1)} ms, slack ${slack.toFixed(1)} ms)`);
+      }
+      for (const entry of granted) assert.ok(entry.grant.sendAt - entry.answeredAt <= S3_SEND_LEAD_MS + 5, `granted ${(entry.grant.sendAt - entry.answeredAt).toFixed(1)} ms ahead (lead ${S3_SEND_LEAD_MS})`);
+      // Asked in quick succession: the bucket refilled less than half a request meanwhile.
+      spans.push(Math.round(grants[2]!.answeredAt - asked));
+      if (grants[2]!.answeredAt - asked < requestMs / 2) quickAttempt = { asked, grants };
     }
-    for (const entry of granted) assert.ok(entry.grant.sendAt - entry.answeredAt <= S3_SEND_LEAD_MS + 5, `granted ${(entry.grant.sendAt - entry.answeredAt).toFixed(1)} ms ahead (lead ${S3_SEND_LEAD_MS})`);
-    // Asked in quick succession (the bucket refilled less than a request meanwhile): two requests
-    // are lent ahead, one request's keys apart, and the third waits.
-    const quick = grants[2]!.answeredAt - asked < requestMs / 2;
-    if (quick) {
-      assert.deepEqual([first.claimed.length, second.claimed.length, third.claimed.length], [10, 10, 0], 'two requests granted ahead, the third waits');
-      assert.equal(third.verdict, 'no-token');
-      assert.ok(second.sendAt - first.sendAt <= requestMs + 20, `the second leaves ${(second.sendAt - first.sendAt).toFixed(1)} ms after the first (one request's keys: ${requestMs.toFixed(1)} ms)`);
-    }
-    await bed.pool.query(`DELETE FROM cleanup_admission WHERE policy = $1`, [MEDIA_POLICY]);
-    await bed.pool.query(`UPDATE cleanup_ledger SET state = 'done', outcome = 'superseded' WHERE asset_id = ANY($1::text[])`, [ids]);
+    // A machine too loaded for three claims to answer within half a request's keys (two busy loops
+    // on both cores: 74-367 ms, measured) cannot show lending ahead at all: the test is then skipped
+    // visibly (counted in test/run.js's summary; a failure with REAPER_TEST_REQUIRE_ALL=1), after
+    // the assertions above ran on every attempt.
+    const quickEnough: Requirement = {
+      what: `three claims answered within ${(requestMs / 2).toFixed(0)} ms, to show lending ahead`,
+      missing: async () => (quickAttempt ? undefined : `no attempt of 20 was that quick (ms: ${spans.join(', ')}); a machine this loaded cannot show it`),
+    };
+    if (!(await requireTool(t, quickEnough)) || !quickAttempt) return;
+    // Asked in quick succession: two requests are lent ahead, one request's keys apart, and the third waits.
+    const [first, second, third] = quickAttempt.grants.map((entry) => entry.grant) as [S3Grant, S3Grant, S3Grant];
+    assert.deepEqual([first.claimed.length, second.claimed.length, third.claimed.length], [10, 10, 0], 'two requests granted ahead, the third waits');
+    assert.equal(third.verdict, 'no-token');
+    assert.ok(second.sendAt - first.sendAt <= requestMs + 20, `the second leaves ${(second.sendAt - first.sendAt).toFixed(1)} ms after the first (one request's keys: ${requestMs.toFixed(1)} ms)`);
   });
 
   test('a request that leaves late charges its lateness to the keys bucket, so the next grant moves back as far', async () => {

@@ -16,7 +16,8 @@ import { databaseNowIso } from '../support/seed';
  * row-delete queue's consumer holds PREFETCH_DEFAULTS.rowDelete (its batches coalesce into one
  * statement) and a remote-delete queue's PREFETCH_DEFAULTS.remoteDelete; set, every queue holds
  * that many. Seen from the broker: both policies' tables are locked, so every batch the worker
- * takes stays in its hands, and the ready count of each queue falls by exactly what it holds.
+ * takes stays in its hands, and the ready count of each queue falls by exactly what it holds; the
+ * test then takes the rest itself, which is all the rest only if the worker held no more.
  */
 describe('worker prefetch per kind of queue', () => {
   const world = bedAndBrokerSuite('worker_prefetch');
@@ -63,9 +64,14 @@ describe('worker prefetch per kind of queue', () => {
           const now = await ready();
           return now.row === want.row && now.remote === want.remote;
         }, { describe: ready });
-        // Never more than the prefetch: a second look, a moment later, still finds the same counts.
-        await new Promise((resolve) => setTimeout(resolve, 300)); // a window for an over-delivery to show, not a wait for an event
-        assert.deepEqual(await ready(), want, 'no queue gave the worker more than its prefetch');
+        // Never more than the prefetch, and no window of time to miss an over-delivery in: the test
+        // takes every batch still in each queue. Once a queue is empty nothing more can reach the
+        // worker (what it holds stays held: the tables are locked), so what the test got is exactly
+        // what the worker did not take. A worker allowed more would have taken more of the ready
+        // batches already (the counts above fall short of `want`) or races the test for them now.
+        const left = { row: (await broker.drain(names.workQueue('seat-holds'))).length, remote: (await broker.drain(names.workQueue('media-assets'))).length };
+        assert.deepEqual(left, want, 'no queue gave the worker more than its prefetch: the rest was still in the queue');
+        assert.deepEqual(await ready(), { row: 0, remote: 0 });
       });
     } finally {
       // After the lock is gone (withTablesLocked ended): the held batches finish and are acked.
