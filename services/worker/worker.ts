@@ -14,7 +14,7 @@ import { makeRemoteDeleteHandler } from './handlers/remote-delete';
 import { makeS3DeleteHandler } from './handlers/s3-delete';
 import { makeObjectStorageClient } from '../../shared/remote/s3';
 import { startLedgerSweeper } from './ledger-sweeper';
-import { targetResolve, type ResolvedTarget } from '../../shared/db/queries/expiring-rows';
+import { targetResolve, type ResolvedTarget } from '../../shared/db/queries/target';
 import { startHealthServer } from '../../shared/observability/http';
 import { makeMetrics, type Metrics } from '../../shared/observability/metrics';
 import { classifyHandlerError } from './errors';
