@@ -1,6 +1,7 @@
 import path from 'node:path';
 import PgBoss from 'pg-boss';
-import { expiringRowsScanPage, targetResolve } from '../../shared/db/queries/expiring-rows';
+import { expiringRowsScanPage } from '../../shared/db/queries/expiring-rows';
+import { targetResolve } from '../../shared/db/queries/target';
 import { checkFinished, checkSeatRows, throughput, type BenchContext, type Measured } from '../lib/context';
 import { CpuMeter } from '../lib/cpu';
 import { countSeatRows, databaseNowIso, type Seed } from '../lib/database';

@@ -14,7 +14,7 @@ import {
   type LedgerBacklog,
   type TargetBacklog,
 } from '../../shared/db/queries/backlog';
-import type { ResolvedTarget } from '../../shared/db/queries/expiring-rows';
+import type { ResolvedTarget } from '../../shared/db/queries/target';
 import { outboxOldestAges } from '../../shared/db/queries/outbox';
 import { KNOWN_LABELS, type Metrics } from '../../shared/observability/metrics';
 import { CRON_TIMEZONE } from './ticks';

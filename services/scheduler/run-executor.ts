@@ -5,7 +5,8 @@ import { batchBytesAtMost, encodeBatch, makeBatchId, MAX_ID_LENGTH, MAX_MESSAGE_
 import type { ConfirmingPublisher } from '../../shared/amqp/publisher';
 import type { BrokerNames } from '../../shared/amqp/topology';
 import type { Pool } from '../../shared/db/pool';
-import { expiringRowsCountNonFinite, expiringRowsScanPage, type ResolvedTarget } from '../../shared/db/queries/expiring-rows';
+import { expiringRowsCountNonFinite, expiringRowsScanPage } from '../../shared/db/queries/expiring-rows';
+import type { ResolvedTarget } from '../../shared/db/queries/target';
 import {
   runClaimOf,
   runsCompleteIfAllBatchesDone,

@@ -10,7 +10,7 @@ import { adaptiveAdmission } from '../../shared/admission/rows';
 import { assertSchemaCurrent } from '../../shared/db/migrate';
 import { admissionAdaptiveRateInForce } from '../../shared/db/queries/admission';
 import { makePool, warmPool } from '../../shared/db/pool';
-import { targetResolve, type ResolvedTarget } from '../../shared/db/queries/expiring-rows';
+import { targetResolve, type ResolvedTarget } from '../../shared/db/queries/target';
 import {
   runClaimOf,
   runsClaimNext,

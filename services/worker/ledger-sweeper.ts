@@ -8,7 +8,7 @@ import type { AnyRemoteDeletePolicy } from '../../shared/config/policies';
 import { encodeBatch, type BatchV1 } from '../../shared/contracts/batch';
 import { windowStateAt } from '../../shared/schedule/window';
 import { withTransaction, type Pool } from '../../shared/db/pool';
-import type { ResolvedTarget } from '../../shared/db/queries/expiring-rows';
+import type { ResolvedTarget } from '../../shared/db/queries/target';
 import { ledgerDatabaseNow, ledgerMarkCarried, ledgerSweepPick, ledgerUnmarkCarried, remoteBatchesKeep, remoteBatchesOrphaned, type SweepCandidate } from '../../shared/db/queries/ledger';
 
 /**

@@ -9,7 +9,7 @@ import { admitRows, maxRowsPerStatement, noteRowStatement } from '../../shared/a
 import { parsePolicies, type RowDeletePolicy } from '../../shared/config/policies';
 import { makeBatchId, type BatchV1 } from '../../shared/contracts/batch';
 import { makePool } from '../../shared/db/pool';
-import { targetResolve } from '../../shared/db/queries/expiring-rows';
+import { targetResolve } from '../../shared/db/queries/target';
 import { makeMetrics } from '../../shared/observability/metrics';
 import { makeRowDeleteGroupHandler } from '../../services/worker/handlers/row-delete';
 import { eventually } from '../support/eventually';

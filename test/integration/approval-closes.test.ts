@@ -4,7 +4,7 @@ import pino from 'pino';
 import { loadPolicies } from '../../shared/config/policies';
 import { runsGetSummary, runsInsertIfAbsent, type RunSummary } from '../../shared/db/queries/runs';
 import { planBrakeCount, planCount } from '../../shared/db/queries/plan';
-import { targetResolve } from '../../shared/db/queries/expiring-rows';
+import { targetResolve } from '../../shared/db/queries/target';
 import { startScheduler, type SchedulerHandle } from '../../services/scheduler/scheduler';
 import { eventually } from '../support/eventually';
 import { combinedPoliciesYaml, rowDeletePolicyYaml } from '../support/fixtures';

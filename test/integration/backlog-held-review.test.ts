@@ -9,7 +9,7 @@ import assert from 'node:assert/strict';
 import { after, before, test } from 'node:test';
 import { parsePolicies, type Policy } from '../../shared/config/policies';
 import { targetBacklogRead } from '../../shared/db/queries/backlog';
-import { targetResolve } from '../../shared/db/queries/expiring-rows';
+import { targetResolve } from '../../shared/db/queries/target';
 import { combinedPoliciesYaml, rowDeletePolicyYaml } from '../support/fixtures';
 import { currentKeyOf, MEDIA_POLICY, mediaPolicyYaml, seedAssets } from '../support/remote-helpers';
 import { seedHolds } from '../support/seed';

@@ -1,7 +1,7 @@
 import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
 import { parsePolicies } from '../../shared/config/policies';
-import { targetResolve, type ResolvedTarget } from '../../shared/db/queries/expiring-rows';
+import { targetResolve, type ResolvedTarget } from '../../shared/db/queries/target';
 import { holdsAdd } from '../../shared/db/queries/holds';
 import { BRAKE_COUNT_CAP, planBrakeCount } from '../../shared/db/queries/plan';
 import { rowDeletePolicyYaml } from '../support/fixtures';

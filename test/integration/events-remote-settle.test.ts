@@ -2,7 +2,7 @@ import assert from 'node:assert/strict';
 import { randomUUID } from 'node:crypto';
 import { after, before, describe, test } from 'node:test';
 import { parsePolicies, type RemoteDeletePolicy } from '../../shared/config/policies';
-import { targetResolve, type ResolvedTarget } from '../../shared/db/queries/expiring-rows';
+import { targetResolve, type ResolvedTarget } from '../../shared/db/queries/target';
 import { targetSettleConfirmed } from '../../shared/db/queries/ledger';
 import { MEDIA_POLICY, mediaPolicyYaml, seedAssets } from '../support/remote-helpers';
 import { makeTestBed, type TestBed } from '../support/testbed';

@@ -1,7 +1,8 @@
 import assert from 'node:assert/strict';
 import { after, before, test } from 'node:test';
 import { parsePolicies } from '../../shared/config/policies';
-import { expiringRowsExpiredSql, targetResolve, type ResolvedTarget } from '../../shared/db/queries/expiring-rows';
+import { expiringRowsExpiredSql } from '../../shared/db/queries/expiring-rows';
+import { targetResolve, type ResolvedTarget } from '../../shared/db/queries/target';
 import { rowDeletePolicyYaml } from '../support/fixtures';
 import { seedHolds } from '../support/seed';
 import { makeTestBed, type TestBed } from '../support/testbed';

@@ -3,7 +3,7 @@ import { after, before, describe, test } from 'node:test';
 import pino from 'pino';
 import { loadPolicies } from '../../shared/config/policies';
 import { brokerNames } from '../../shared/amqp/topology';
-import { targetResolve } from '../../shared/db/queries/expiring-rows';
+import { targetResolve } from '../../shared/db/queries/target';
 import { runsGetSummary, runsInsertIfAbsent } from '../../shared/db/queries/runs';
 import { startScheduler, type SchedulerHandle } from '../../services/scheduler/scheduler';
 import { type WorkerHandle } from '../../services/worker/worker';

@@ -4,7 +4,7 @@ import pino from 'pino';
 import { parsePolicies, type RemoteDeletePolicy } from '../../shared/config/policies';
 import type { BatchV1 } from '../../shared/contracts/batch';
 import { brokerNames } from '../../shared/amqp/topology';
-import { targetResolve } from '../../shared/db/queries/expiring-rows';
+import { targetResolve } from '../../shared/db/queries/target';
 import { makeHttpRemoteClient } from '../../shared/remote/client';
 import { makeMetrics } from '../../shared/observability/metrics';
 import { HOLD_BATCH_MAX_MS, makeRemoteDeleteHandler } from '../../services/worker/handlers/remote-delete';

@@ -6,7 +6,7 @@ import { admitAndClaim } from '../../shared/admission/controller';
 import { parsePolicies, type RemoteDeletePolicy } from '../../shared/config/policies';
 import { encodeBatch, type BatchV1 } from '../../shared/contracts/batch';
 import { admissionSetPaused } from '../../shared/db/queries/admission';
-import { targetResolve, type ResolvedTarget } from '../../shared/db/queries/expiring-rows';
+import { targetResolve, type ResolvedTarget } from '../../shared/db/queries/target';
 import { ledgerFinish, ledgerReschedule, ledgerSweepPick, remoteBatchesKeep } from '../../shared/db/queries/ledger';
 import { makeHttpRemoteClient } from '../../shared/remote/client';
 import { makeMetrics } from '../../shared/observability/metrics';

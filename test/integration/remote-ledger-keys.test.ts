@@ -10,7 +10,8 @@ import { parsePolicies, type RemoteDeletePolicy } from '../../shared/config/poli
 import { decodeBatch, type BatchV1 } from '../../shared/contracts/batch';
 import { admissionOverrideSet, admissionSetPaused } from '../../shared/db/queries/admission';
 import { targetBacklogRead } from '../../shared/db/queries/backlog';
-import { expiringRowsDeleteGroupIfStillExpired, expiringRowsScanPage, targetResolve, type ResolvedTarget } from '../../shared/db/queries/expiring-rows';
+import { expiringRowsDeleteGroupIfStillExpired, expiringRowsScanPage } from '../../shared/db/queries/expiring-rows';
+import { targetResolve, type ResolvedTarget } from '../../shared/db/queries/target';
 import { holdsAdd, holdsRemove } from '../../shared/db/queries/holds';
 import { makeHttpRemoteClient } from '../../shared/remote/client';
 import { makeMetrics } from '../../shared/observability/metrics';

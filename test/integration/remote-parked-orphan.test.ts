@@ -6,7 +6,7 @@ import { fixedConnection, ConfirmingPublisher } from '../../shared/amqp/publishe
 import { assertTopology, brokerNames, makeTopology } from '../../shared/amqp/topology';
 import { parsePolicies, type RemoteDeletePolicy } from '../../shared/config/policies';
 import { decodeBatch, encodeBatch, type BatchV1 } from '../../shared/contracts/batch';
-import { targetResolve, type ResolvedTarget } from '../../shared/db/queries/expiring-rows';
+import { targetResolve, type ResolvedTarget } from '../../shared/db/queries/target';
 import { ledgerFinish, remoteBatchesKeep } from '../../shared/db/queries/ledger';
 import { makeHttpRemoteClient } from '../../shared/remote/client';
 import { makeMetrics } from '../../shared/observability/metrics';

@@ -5,7 +5,7 @@ import pino from 'pino';
 import { brokerNames } from '../../shared/amqp/topology';
 import { makeBatchId, type BatchV1 } from '../../shared/contracts/batch';
 import { loadPolicies, type RowDeletePolicy } from '../../shared/config/policies';
-import { targetResolve } from '../../shared/db/queries/expiring-rows';
+import { targetResolve } from '../../shared/db/queries/target';
 import { makeMetrics } from '../../shared/observability/metrics';
 import { makeRowDeleteGroupHandler, ROW_ADMISSION_HOLD_MS, type BatchGroupHandler } from '../../services/worker/handlers/row-delete';
 import type { HandlerContext } from '../../services/worker/handlers/types';

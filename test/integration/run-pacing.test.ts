@@ -8,7 +8,7 @@ import { ADAPTIVE } from '../../shared/admission/adaptive';
 import { admitRows } from '../../shared/admission/rows';
 import { makePool } from '../../shared/db/pool';
 import { admissionAdaptiveRateInForce, admissionRowsEnsure } from '../../shared/db/queries/admission';
-import { targetResolve } from '../../shared/db/queries/expiring-rows';
+import { targetResolve } from '../../shared/db/queries/target';
 import { runsClaimNext, runsInsertIfAbsent } from '../../shared/db/queries/runs';
 import { makeMetrics } from '../../shared/observability/metrics';
 import { executeRun, type RunExecutorDeps } from '../../services/scheduler/run-executor';

@@ -6,7 +6,7 @@ import { admitAndClaimS3, S3_KEY_PACE, S3_SEND_LEAD_MS, S3_SEND_MIN_LEAD_MS, typ
 import type { BatchHandler } from '../../services/worker/handlers/types';
 import { parsePolicies, type S3DeletePolicy } from '../../shared/config/policies';
 import { admissionSetPaused } from '../../shared/db/queries/admission';
-import { targetResolve, type ResolvedTarget } from '../../shared/db/queries/expiring-rows';
+import { targetResolve, type ResolvedTarget } from '../../shared/db/queries/target';
 import { holdsAdd } from '../../shared/db/queries/holds';
 import { makeObjectStorageClient } from '../../shared/remote/s3';
 import { startS3StandIn, type S3StandIn } from '../../tools/s3-stand-in/server';

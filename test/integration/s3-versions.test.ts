@@ -4,7 +4,7 @@ import { DeleteObjectsCommand, ListObjectVersionsCommand, S3Client } from '@aws-
 import { mockClient } from 'aws-sdk-client-mock';
 import { makeS3DeleteHandler } from '../../services/worker/handlers/s3-delete';
 import { parsePolicies, type S3DeletePolicy } from '../../shared/config/policies';
-import { targetResolve } from '../../shared/db/queries/expiring-rows';
+import { targetResolve } from '../../shared/db/queries/target';
 import { auditVersionsOf } from '../../shared/db/queries/ledger-s3';
 import { makeObjectStorageClient } from '../../shared/remote/s3';
 import { assetStatuses, ledgerRows, MEDIA_POLICY, seedAssets } from '../support/remote-helpers';

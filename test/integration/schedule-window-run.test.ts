@@ -5,7 +5,7 @@ import { ConfirmingPublisher } from '../../shared/amqp/publisher';
 import { brokerNames } from '../../shared/amqp/topology';
 import { parsePolicies } from '../../shared/config/policies';
 import { decodeBatch } from '../../shared/contracts/batch';
-import { targetResolve } from '../../shared/db/queries/expiring-rows';
+import { targetResolve } from '../../shared/db/queries/target';
 import { runClaimOf, runsClaimNext, runsInsertIfAbsent, runsReleaseLease } from '../../shared/db/queries/runs';
 import { makeMetrics } from '../../shared/observability/metrics';
 import { executeRun, type RunExecutorDeps } from '../../services/scheduler/run-executor';

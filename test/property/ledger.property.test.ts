@@ -6,7 +6,8 @@ import { admitAndClaim, blockAdmission, bucketShape, type AdmissionGrant } from 
 import { parsePolicies, type RemoteDeletePolicy } from '../../shared/config/policies';
 import { withTransaction } from '../../shared/db/pool';
 import { admissionSetPaused } from '../../shared/db/queries/admission';
-import { targetResolve, type ExpiringItem, type ResolvedTarget } from '../../shared/db/queries/expiring-rows';
+import { type ExpiringItem } from '../../shared/db/queries/expiring-rows';
+import { targetResolve, type ResolvedTarget } from '../../shared/db/queries/target';
 import { holdsAdd, holdsRemove } from '../../shared/db/queries/holds';
 import {
   ledgerFinish,

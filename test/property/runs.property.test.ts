@@ -8,7 +8,7 @@ import { ConfirmingPublisher } from '../../shared/amqp/publisher';
 import { brokerNames, makeTopology } from '../../shared/amqp/topology';
 import { DEFAULT_APPROVAL_TOLERANCE, parsePolicies, type Policy } from '../../shared/config/policies';
 import { decodeBatch } from '../../shared/contracts/batch';
-import { targetResolve, type ResolvedTarget } from '../../shared/db/queries/expiring-rows';
+import { targetResolve, type ResolvedTarget } from '../../shared/db/queries/target';
 import { runsApprove, runsClaimNext, runsInsertIfAbsent, runsReject } from '../../shared/db/queries/runs';
 import { makeMetrics } from '../../shared/observability/metrics';
 import { executeRun, type RunExecutorDeps, type RunOutcome, type RunStep } from '../../services/scheduler/run-executor';

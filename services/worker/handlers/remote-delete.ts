@@ -10,7 +10,7 @@ import { eventsEnabled, policyVersion, type RemoteDeletePolicy } from '../../../
 import { windowStateAt } from '../../../shared/schedule/window';
 import { auditRecordConfirmed } from '../../../shared/db/queries/audit';
 import { withTransaction } from '../../../shared/db/pool';
-import type { ResolvedTarget } from '../../../shared/db/queries/expiring-rows';
+import type { ResolvedTarget } from '../../../shared/db/queries/target';
 import {
   ledgerDueSummary,
   ledgerFinish,

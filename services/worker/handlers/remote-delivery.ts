@@ -3,7 +3,7 @@ import type { AnyRemoteDeletePolicy } from '../../../shared/config/policies';
 import { encodeBatch, type BatchV1 } from '../../../shared/contracts/batch';
 import { withTransaction } from '../../../shared/db/pool';
 import { batchesRecordReceipt } from '../../../shared/db/queries/batches';
-import type { ResolvedTarget } from '../../../shared/db/queries/expiring-rows';
+import type { ResolvedTarget } from '../../../shared/db/queries/target';
 import { ledgerPark, ledgerRecordCandidates, remoteBatchesForget, remoteBatchesKeep } from '../../../shared/db/queries/ledger';
 import type { OutboxLimitCheck } from '../outbox-limit';
 import { OUTBOX_FULL_REASON, OUTBOX_FULL_RETRY_MS } from '../outbox-limit';

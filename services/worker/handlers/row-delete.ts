@@ -4,7 +4,8 @@ import { admitRows, maxRowsPerStatement, noteRowStatement, takeRowSlot, untilRow
 import { eventsEnabled, policyVersion, type RowDeletePolicy } from '../../../shared/config/policies';
 import type { BatchV1 } from '../../../shared/contracts/batch';
 import { ROW_DELETE_PLAN_CACHE_MODE, withTransaction } from '../../../shared/db/pool';
-import { expiringRowsDeleteGroupIfStillExpired, type GroupBatchOutcome, type ResolvedTarget } from '../../../shared/db/queries/expiring-rows';
+import { expiringRowsDeleteGroupIfStillExpired, type GroupBatchOutcome } from '../../../shared/db/queries/expiring-rows';
+import type { ResolvedTarget } from '../../../shared/db/queries/target';
 import { classifyHandlerError } from '../errors';
 import { makeOutboxLimitCheck, OUTBOX_FULL_REASON, OUTBOX_FULL_RETRY_MS } from '../outbox-limit';
 import type { BatchResult } from '../results';

@@ -2,7 +2,7 @@ import { admitAndClaimS3, chargeLateSend, untilSendAt, type S3Grant } from '../.
 import { blockAdmission } from '../../../shared/admission/controller';
 import { eventsEnabled, policyVersion, type S3DeletePolicy } from '../../../shared/config/policies';
 import { withTransaction } from '../../../shared/db/pool';
-import type { ResolvedTarget } from '../../../shared/db/queries/expiring-rows';
+import type { ResolvedTarget } from '../../../shared/db/queries/target';
 import { ledgerDueSummary, type ClaimedOperation } from '../../../shared/db/queries/ledger';
 import {
   auditRecordS3Deleted,

@@ -1,5 +1,5 @@
 import type { Db } from '../pool';
-import type { ResolvedTarget } from './expiring-rows';
+import type { ResolvedTarget } from './target';
 import { rowHeldSql, stillEligibleSql, type ClaimedOperation } from './ledger';
 import { SERVER_STANDBY_LAG_CTES } from './replication';
 import { prepared } from './prepared';

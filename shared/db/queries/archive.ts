@@ -1,7 +1,7 @@
 import type { Db } from '../pool';
 import { quoteIdentifier } from '../pool';
 import { trailPrune } from './audit';
-import type { ResolvedTarget } from './expiring-rows';
+import type { ResolvedTarget } from './target';
 
 /**
  * The archive (cleanup_archive): row-delete policies with `archive.enabled` copy each deleted row

@@ -1,5 +1,6 @@
 import type { Db } from '../pool';
-import { guardSql, noActiveHoldProbedOnlyIfAny, type ResolvedTarget } from './expiring-rows';
+import { guardSql, noActiveHoldProbedOnlyIfAny } from './expiring-rows';
+import type { ResolvedTarget } from './target';
 
 /**
  * What is waiting, read from PostgreSQL (the source of truth) for the backlog gauges and for

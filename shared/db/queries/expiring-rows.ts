@@ -1,10 +1,13 @@
 import pg from 'pg';
 import type { Db } from '../pool';
-import { quoteIdentifier } from '../pool';
 import { archivedCte } from './archive';
 import { noActiveHold } from './holds';
 import { outboxInsertForRemovedSql } from './outbox';
 import { prepared } from './prepared';
+import type { ResolvedTarget } from './target';
+
+// Callers in services/cli still import these from here; new code imports ./target.
+export { targetResolve, type ResolvedTarget, type TargetSpec } from './target';
 
 /**
  * SQL over a policy's own table ("the target"): the keyset scan the scheduler runs and the
@@ -12,123 +15,9 @@ import { prepared } from './prepared';
  * policy and pass through quoteIdentifier; every value is a parameter.
  */
 
-export interface TargetSpec {
-  /** The policy's name: holds and audit rows are per policy. Defaults to the table's name. */
-  name?: string;
-  table: string;
-  key: string;
-  expiresAt: string;
-  guard: Readonly<Record<string, string | number | boolean>>;
-  /** remote-delete: columns set on the row once the remote confirmed (checked at start-up too). */
-  markConfirmed?: Readonly<Record<string, string | number | boolean>> | undefined;
-}
-
-/** A target whose names were checked against the catalog. */
-export interface ResolvedTarget {
-  readonly policy: string;
-  readonly table: string; // quoted
-  readonly key: string; // quoted
-  readonly expiresAt: string; // quoted
-  readonly keyType: string; // from format_type(), e.g. "uuid", "text", "bigint"
-  readonly guardColumns: readonly string[]; // quoted, in the order of guardValues
-  readonly guardValues: readonly string[];
-}
-
 export interface ExpiringItem {
   id: string;
   observedExpiry: string; // ISO 8601 UTC with microseconds
-}
-
-/** Key types whose `::text` is one text per value, whatever the session: what a key may be. */
-const CANONICAL_TEXT_KEY_TYPES = /^(smallint|integer|bigint|text|uuid|character varying(\(\d+\))?|character(\(\d+\))?|numeric\(\d+,\d+\))$/;
-
-/**
- * Checks that the table and columns exist and reads the key's type, so ids (always strings in a
- * message) are cast to it and the primary-key index is used. Throws a message naming what is missing.
- */
-export async function targetResolve(db: Db, spec: TargetSpec): Promise<ResolvedTarget> {
-  const guardNames = Object.keys(spec.guard);
-  const markNames = Object.keys(spec.markConfirmed ?? {});
-  const wanted = [spec.key, spec.expiresAt, ...guardNames, ...markNames];
-  const result = await db.query<{ attname: string; type: string }>(
-    `SELECT a.attname, format_type(a.atttypid, a.atttypmod) AS type
-     FROM pg_attribute a
-     WHERE a.attrelid = to_regclass($1) AND a.attname = ANY($2::text[]) AND a.attnum > 0 AND NOT a.attisdropped`,
-    [quoteIdentifier(spec.table), wanted],
-  );
-  if (result.rowCount === 0) {
-    const exists = await db.query<{ found: string | null }>('SELECT to_regclass($1)::text AS found', [quoteIdentifier(spec.table)]);
-    if (exists.rows[0]?.found === null) throw new Error(`table "${spec.table}" does not exist`);
-  }
-  const types = new Map(result.rows.map((row) => [row.attname, row.type]));
-  const missing = wanted.filter((name) => !types.has(name));
-  if (missing.length > 0) throw new Error(`table "${spec.table}" has no column ${missing.map((m) => `"${m}"`).join(', ')}`);
-  const keyType = types.get(spec.key)!;
-  if (!/^[a-z][a-z0-9 ]*(\(\d+(,\d+)?\))?$/.test(keyType)) throw new Error(`key column "${spec.key}" has unsupported type ${keyType}`);
-  if (!CANONICAL_TEXT_KEY_TYPES.test(keyType)) {
-    // The key's text is part of every operation key, audit row, hold and event id: one value must
-    // always read the same (issue 40). numeric without a scale keeps what was typed (1.0 vs 1.00),
-    // timestamps and dates print by the session's TimeZone and DateStyle, floats by extra_float_digits.
-    throw new Error(
-      `key column "${spec.key}" of table "${spec.table}" is ${keyType}, whose text is not one per value (the key's text names the row in the ledger, the audit, holds and events): use an integer, text, varchar, char, uuid or numeric(p,s) key`,
-    );
-  }
-  const expiryType = types.get(spec.expiresAt)!;
-  if (expiryType !== 'timestamp with time zone') {
-    throw new Error(`column "${spec.expiresAt}" must be timestamptz, it is ${expiryType}`);
-  }
-  await requireUniqueKey(db, spec);
-  await requireCastableValues(db, spec, types);
-  return {
-    policy: spec.name ?? spec.table,
-    table: quoteIdentifier(spec.table),
-    key: quoteIdentifier(spec.key),
-    expiresAt: quoteIdentifier(spec.expiresAt),
-    keyType,
-    guardColumns: guardNames.map(quoteIdentifier),
-    guardValues: guardNames.map((name) => String(spec.guard[name])),
-  };
-}
-
-/**
- * One item must name one row: the DELETE deletes `key = id`, the receipt counts items, and the
- * keyset scan orders by (expiry, key). A key that is not unique would delete several rows per item
- * and skip rows sharing (expiry, key), so a primary key or a non-partial unique index on exactly
- * this column is required.
- */
-async function requireUniqueKey(db: Db, spec: TargetSpec): Promise<void> {
-  const result = await db.query<{ unique: boolean }>(
-    `SELECT EXISTS (
-       SELECT 1 FROM pg_index i
-       JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0]
-       WHERE i.indrelid = to_regclass($1) AND i.indisunique AND i.indisvalid AND i.indpred IS NULL
-         AND i.indexprs IS NULL AND i.indnkeyatts = 1 AND a.attname = $2) AS unique`,
-    [quoteIdentifier(spec.table), spec.key],
-  );
-  if (!result.rows[0]?.unique) {
-    throw new Error(
-      `key column "${spec.key}" of table "${spec.table}" is not unique: reaper needs a primary key or a non-partial unique index on exactly "${spec.key}"`,
-    );
-  }
-}
-
-/**
- * Every guard and markConfirmed value must be a value of its column's type: a typo found only
- * after the remote confirmed would roll the ledger write back and call the remote again and again.
- */
-async function requireCastableValues(db: Db, spec: TargetSpec, types: ReadonlyMap<string, string>): Promise<void> {
-  const checks = [
-    ...Object.entries(spec.guard).map(([column, value]) => ({ where: 'guard', column, value })),
-    ...Object.entries(spec.markConfirmed ?? {}).map(([column, value]) => ({ where: 'markConfirmed', column, value })),
-  ];
-  for (const check of checks) {
-    const type = types.get(check.column)!;
-    try {
-      await db.query(`SELECT $1::${type}`, [String(check.value)]);
-    } catch (error) {
-      throw new Error(`${check.where}.${check.column}: ${JSON.stringify(check.value)} is not a valid ${type} (${(error as Error).message})`);
-    }
-  }
 }
 
 /** ` AND t.<guard column> = $n ...` for the target's guard, its values bound from `$firstParameter` on. */

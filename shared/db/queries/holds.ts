@@ -1,5 +1,5 @@
 import type { Db } from '../pool';
-import type { ResolvedTarget } from './expiring-rows';
+import type { ResolvedTarget } from './target';
 
 /**
  * Legal holds (cleanup_holds). A held key is left out of scans and plans, and every statement that

@@ -1,6 +1,7 @@
 import { quoteIdentifier, type Db } from '../pool';
 import { dueRecheckCtes, type admissionGrantAndClaim } from './admission';
-import { guardSql, type ResolvedTarget } from './expiring-rows';
+import { guardSql } from './expiring-rows';
+import type { ResolvedTarget } from './target';
 import { noActiveHold } from './holds';
 import { outboxInsertForSettledSql } from './outbox';
 import type { ClaimedOperation, LedgerOutcome } from './ledger';

@@ -1,5 +1,6 @@
 import { quoteIdentifier, type Db } from '../pool';
-import { guardSql, type ExpiringItem, type ResolvedTarget } from './expiring-rows';
+import { guardSql, type ExpiringItem } from './expiring-rows';
+import type { ResolvedTarget } from './target';
 import { noActiveHold } from './holds';
 import { outboxInsertForSettledSql } from './outbox';
 

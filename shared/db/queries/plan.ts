@@ -1,5 +1,6 @@
 import type { Db } from '../pool';
-import { guardSql, ledgerCarriesDecisionSql, type ResolvedTarget } from './expiring-rows';
+import { guardSql, ledgerCarriesDecisionSql } from './expiring-rows';
+import type { ResolvedTarget } from './target';
 import { noActiveHold } from './holds';
 
 /**
