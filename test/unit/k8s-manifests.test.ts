@@ -106,6 +106,35 @@ function matches(selector: Obj | undefined, labels: Obj | undefined): boolean {
   return Object.entries(selector ?? {}).every(([key, value]) => labels?.[key] === value);
 }
 
+/** A Kubernetes label selector (matchLabels and matchExpressions) against a pod's labels. */
+function selects(selector: Obj | undefined, labels: Obj): boolean {
+  const expressions = (selector?.matchExpressions ?? []) as Obj[];
+  return matches(selector?.matchLabels, labels) && expressions.every((e) => {
+    const has = Object.hasOwn(labels, e.key);
+    switch (e.operator) {
+      case 'In': return has && (e.values as string[]).includes(labels[e.key]);
+      case 'NotIn': return !has || !(e.values as string[]).includes(labels[e.key]);
+      case 'Exists': return has;
+      case 'DoesNotExist': return !has;
+      default: throw new Error(`unknown selector operator ${e.operator}`);
+    }
+  });
+}
+
+/** Every ingress and egress rule that some policy opens for pods with these labels (policies add up). */
+function openedFor(policies: Obj[], podLabels: Obj): { ingress: { policy: string; rule: Obj }[]; egress: { policy: string; rule: Obj }[] } {
+  const selecting = policies.filter((p) => selects(p.spec.podSelector, podLabels));
+  const rules = (type: 'Ingress' | 'Egress') => selecting
+    .filter((p) => (p.spec.policyTypes as string[]).includes(type))
+    .flatMap((p) => ((p.spec[type.toLowerCase()] ?? []) as Obj[]).map((rule) => ({ policy: p.metadata.name as string, rule })));
+  return { ingress: rules('Ingress'), egress: rules('Egress') };
+}
+
+/** The cluster DNS pods, or NodeLocal DNSCache's link-local address (base/networkpolicies.yaml). */
+function isClusterDns(peer: Obj): boolean {
+  return peer.podSelector?.matchLabels?.['k8s-app'] === 'kube-dns' || peer.ipBlock?.cidr === '169.254.20.10/32';
+}
+
 function bytes(quantity: string): number {
   const match = /^(\d+(?:\.\d+)?)(Ki|Mi|Gi|k|M|G)?$/.exec(String(quantity));
   assert.ok(match, `memory quantity ${quantity}`);
@@ -446,7 +475,6 @@ for (const [name, manifests] of rendered) {
     assert.equal(denyAll.length, 1, 'a default-deny policy selects every pod');
     assert.deepEqual([...denyAll[0]!.spec.policyTypes].sort(), ['Egress', 'Ingress'], 'it denies both directions');
 
-    const dnsPorts = new Set([53]);
     const allowedEgress: Record<string, Set<number>> = {
       scheduler: new Set([5432, 5671, 5672]),
       worker: new Set([5432, 5671, 5672, 443, 8081]),
@@ -455,31 +483,30 @@ for (const [name, manifests] of rendered) {
     for (const workload of workloads(manifests)) {
       const component = workload.metadata.labels['app.kubernetes.io/component'] as string;
       const where = `${name} ${workload.metadata.name}`;
-      const podLabels = workload.spec.template.metadata.labels as Obj;
-      const selecting = policies.filter((p) => p !== denyAll[0] && matches(p.spec.podSelector.matchLabels, podLabels));
-      assert.equal(selecting.length, 1, `${where}: one policy of its own opens its traffic`);
-      const policy = selecting[0]!.spec;
-      assert.deepEqual([...policy.policyTypes].sort(), ['Egress', 'Ingress'], `${where}: the policy covers both directions`);
+      const { ingress, egress } = openedFor(policies.filter((p) => p !== denyAll[0]), workload.spec.template.metadata.labels as Obj);
       const egressPorts = new Set<number>();
-      for (const rule of (policy.egress ?? []) as Obj[]) {
+      for (const { policy, rule } of egress) {
         const ports = ((rule.ports ?? []) as Obj[]).map((p) => p.port as number);
-        assert.ok(ports.length > 0, `${where}: every egress rule names its ports (no "any port")`);
-        const isDns = ports.every((port) => dnsPorts.has(port));
-        if (isDns) {
-          assert.ok(((rule.to ?? []) as Obj[]).every((peer) => peer.podSelector?.matchLabels?.['k8s-app'] === 'kube-dns'), `${where}: port 53 only to the cluster DNS`);
+        assert.ok(ports.length > 0, `${where} ${policy}: every egress rule names its ports (no "any port")`);
+        if (ports.every((port) => port === 53)) {
+          for (const peer of (rule.to ?? []) as Obj[]) assert.ok(isClusterDns(peer), `${where} ${policy}: port 53 only to the cluster DNS or NodeLocal DNSCache (${JSON.stringify(peer)})`);
+          assert.ok((rule.to ?? []).length > 0, `${where} ${policy}: port 53 to named resolvers only`);
+          continue;
         }
-        for (const port of ports) if (!isDns) egressPorts.add(port);
+        for (const port of ports) egressPorts.add(port);
+        // overlays/prod says where each server is: no egress rule of its leaves the destination open.
+        if (name === 'prod') assert.ok(((rule.to ?? []) as Obj[]).length > 0, `${where} ${policy}: prod names the destination of port(s) ${ports.join(', ')}`);
       }
+      assert.ok(egress.some(({ rule }) => ((rule.ports ?? []) as Obj[]).some((p) => p.port === 53 && p.protocol === 'UDP')), `${where}: resolves names (UDP 53)`);
       assert.deepEqual([...egressPorts].sort(), [...allowedEgress[component]!].filter((port) => egressPorts.has(port)).sort(), `${where}: egress only to PostgreSQL, RabbitMQ, DNS${component === 'worker' ? ' and the media API' : ''}`);
       assert.ok(egressPorts.has(5432), `${where}: reaches PostgreSQL`);
-      if (component !== 'migrate') assert.ok(egressPorts.has(5672), `${where}: reaches RabbitMQ`);
-      const ingress = (policy.ingress ?? []) as Obj[];
+      if (component !== 'migrate') assert.ok(egressPorts.has(5672) && egressPorts.has(5671), `${where}: reaches RabbitMQ on 5672 and 5671 (TLS)`);
       if (component === 'migrate') {
         assert.equal(ingress.length, 0, `${where}: nothing connects to the migrate Job`);
         continue;
       }
-      for (const rule of ingress) {
-        assert.deepEqual(((rule.ports ?? []) as Obj[]).map((p) => p.port), ['http'], `${where}: ingress only on the HTTP port`);
+      for (const { policy, rule } of ingress) {
+        assert.deepEqual(((rule.ports ?? []) as Obj[]).map((p) => p.port), ['http'], `${where} ${policy}: ingress only on the HTTP port`);
         for (const peer of (rule.from ?? []) as Obj[]) {
           const fromMonitoring = peer.namespaceSelector?.matchLabels?.['kubernetes.io/metadata.name'] === 'monitoring' && peer.podSelector === undefined;
           const webhookSender = component === 'scheduler' && peer.podSelector?.matchLabels?.['reaper.webhook/sender'] === 'true';
@@ -488,6 +515,12 @@ for (const [name, manifests] of rendered) {
       }
       assert.ok(ingress.length >= 1, `${where}: Prometheus may scrape it`);
     }
+    // Each destination is a policy of its own, so an overlay narrows it by name (issue 42 item 5).
+    for (const policy of ['reaper-egress-dns', 'reaper-egress-postgresql', 'reaper-egress-rabbitmq', 'reaper-egress-media-api']) {
+      assert.equal(find(manifests, 'NetworkPolicy', policy).spec.egress.length, 1, `${name} ${policy}: one egress rule, patched by the policy's name`);
+    }
+    const resolvers = (find(manifests, 'NetworkPolicy', 'reaper-egress-dns').spec.egress[0].to ?? []) as Obj[];
+    assert.ok(resolvers.some((peer) => peer.ipBlock?.cidr === '169.254.20.10/32'), `${name}: DNS also to NodeLocal DNSCache (169.254.20.10), which no pod selector matches`);
   });
 
   test(`k8s ${name}: standard labels; the migrate Job cleans up after itself`, () => {
@@ -582,8 +615,8 @@ for (const [name, manifests] of rendered) {
       const spread = (find(manifests, 'Deployment', deploymentName).spec.template.spec.topologySpreadConstraints ?? []) as Obj[];
       assert.deepEqual(spread.map((c) => c.topologyKey).sort(), ['kubernetes.io/hostname', 'topology.kubernetes.io/zone'], `${name} ${deploymentName}: spread over hosts and zones`);
       for (const constraint of spread) assert.equal(constraint.whenUnsatisfiable, 'ScheduleAnyway', `${name} ${deploymentName}: a single-zone cluster still schedules`);
-      const policy = find(manifests, 'NetworkPolicy', deploymentName);
-      const ports = (policy.spec.egress as Obj[]).flatMap((rule) => ((rule.ports ?? []) as Obj[]).map((port) => port.port));
+      const podLabels = find(manifests, 'Deployment', deploymentName).spec.template.metadata.labels as Obj;
+      const ports = openedFor(ofKind(manifests, 'NetworkPolicy'), podLabels).egress.flatMap(({ rule }) => ((rule.ports ?? []) as Obj[]).map((port) => port.port));
       assert.ok(ports.includes(5672) && ports.includes(5671), `${name} ${deploymentName}: egress to RabbitMQ on 5672 and 5671 (TLS)`);
     }
   });
@@ -614,4 +647,39 @@ test('k8s prod ships no policies (the demo ones are a dev-only component); dev r
   }
   const dev = find(rendered.get('dev')!, 'ConfigMap', /^reaper-policies-/);
   assert.match(dev.data['policies.yaml'], /name: seat-holds/, 'dev mounts the demo policies');
+});
+
+test('k8s object-store egress: the optional component opens 443 for workers only, in their namespace, and narrows by name', () => {
+  const narrowed = `  - patch: |-
+      apiVersion: networking.k8s.io/v1
+      kind: NetworkPolicy
+      metadata:
+        name: reaper-egress-object-store
+        namespace: reaper
+      spec:
+        egress:
+          - to:
+              - namespaceSelector:
+                  matchLabels:
+                    kubernetes.io/metadata.name: storage
+            ports:
+              - { protocol: TCP, port: 9000 }
+`;
+  const body = 'resources: [k8s/overlays/prod]\ncomponents: [k8s/components/object-store-egress]\n';
+  const shipped = kustomize(scratchOverlay('object-store', body));
+  const policy = find(shipped, 'NetworkPolicy', 'reaper-egress-object-store');
+  assert.equal(policy.metadata.namespace, 'reaper', 'in the namespace of the pods it opens traffic for');
+  assert.deepEqual(policy.spec.egress, [{ ports: [{ protocol: 'TCP', port: 443 }] }]);
+  for (const workload of workloads(shipped)) {
+    const opens = selects(policy.spec.podSelector, workload.spec.template.metadata.labels);
+    assert.equal(opens, workload.metadata.name === WORKER, `${workload.metadata.name}: ${opens ? 'selected' : 'not selected'}`);
+  }
+  assert.ok(!ofKind(rendered.get('prod')!, 'NetworkPolicy').some((p) => p.metadata.name === 'reaper-egress-object-store'), 'off unless included');
+
+  const mine = kustomize(scratchOverlay('object-store-narrowed', `${body}patches:\n${narrowed}`));
+  assert.deepEqual(find(mine, 'NetworkPolicy', 'reaper-egress-object-store').spec.egress, [
+    { to: [{ namespaceSelector: { matchLabels: { 'kubernetes.io/metadata.name': 'storage' } } }], ports: [{ protocol: 'TCP', port: 9000 }] },
+  ]);
+  // A patch by name fails loudly when the name is gone (an index patch would change another rule).
+  assert.throws(() => kustomize(scratchOverlay('object-store-missing', `resources: [k8s/overlays/prod]\npatches:\n${narrowed}`)), /reaper-egress-object-store/);
 });
