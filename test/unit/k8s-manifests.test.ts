@@ -14,7 +14,7 @@ import { copyFileSync, mkdirSync, mkdtempSync, readFileSync, rmSync, symlinkSync
 import { tmpdir } from 'node:os';
 import path from 'node:path';
 import { parse as parseYaml } from 'yaml';
-import { brokerNames, kedaTriggers } from '../../shared/amqp/topology';
+import { brokerNames, kedaTriggers, kedaTriggersPatch } from '../../shared/amqp/topology';
 import { loadEnv, type Env } from '../../shared/config/env';
 import { type PolicySet } from '../../shared/config/policies';
 import {
@@ -22,6 +22,7 @@ import {
   DEFINITIONS_PREFIX,
   ENV_NAMES,
   K8S,
+  ROOT,
   SECRET_NAMES,
   TEST_ONLY_NAMES,
   demoPolicies,
@@ -71,10 +72,28 @@ function scratchOverlay(name: string, body: string, withPolicies = false): strin
   return dir;
 }
 
+const CLI = path.join(ROOT, 'dist', 'services', 'cli', 'main.js');
+
+/** The reaper CLI as an operator runs it, with only the given environment (and PATH). */
+function reaperCli(args: string[], env: Record<string, string>): string {
+  return execFileSync(process.execPath, [CLI, ...args], { encoding: 'utf8', env: { PATH: process.env.PATH ?? '', ...env }, timeout: 60_000 });
+}
+
+/**
+ * An operator's overlay on prod, as overlays/prod/kustomization.yaml tells them to write it: their
+ * policies (the demo ones here) and the KEDA triggers `reaper topology --keda-triggers` generates
+ * from them (run here, the real command, on the same file).
+ */
+function operatorOverlay(name: string): string {
+  const dir = scratchOverlay(name, 'resources: [k8s/overlays/prod]\nconfigMapGenerator:\n  - name: reaper-policies\n    behavior: replace\n    files: [policies.yaml]\npatches:\n  - path: keda-triggers.yaml\n', true);
+  writeFileSync(path.join(dir, 'keda-triggers.yaml'), reaperCli(['topology', '--keda-triggers'], { REAPER_POLICIES: path.join(dir, 'policies.yaml'), REAPER_AMQP_PREFIX: DEFINITIONS_PREFIX }));
+  return dir;
+}
+
 const TARGETS: [string, string][] = [
   ['base', scratchOverlay('base', 'resources: [k8s/base]\ncomponents: [k8s/components/demo-policies]\n')],
   ['dev', path.join(K8S, 'overlays', 'dev')],
-  ['prod', scratchOverlay('prod', 'resources: [k8s/overlays/prod]\nconfigMapGenerator:\n  - name: reaper-policies\n    behavior: replace\n    files: [policies.yaml]\n', true)],
+  ['prod', operatorOverlay('prod')],
 ];
 const rendered = new Map(TARGETS.map(([name, dir]) => [name, kustomize(dir)]));
 const OVERLAYS = ['dev', 'prod'];
@@ -577,7 +596,6 @@ test('k8s overlays: images, replicas; prod pins its tag, matches the version lab
     policyNames.map((policy) => names.workQueue(policy)).sort(),
     'one rabbitmq trigger per work queue of the deployed policies',
   );
-  // What `reaper topology --keda-triggers` prints for these policies is what the overlay ships.
   assert.deepEqual(kedaTriggers(env, policyNames, { queueLengthPerWorker: 20, authenticationRef: 'reaper-rabbitmq' }), triggers);
   for (const trigger of triggers) {
     assert.equal(trigger.type, 'rabbitmq');
@@ -682,4 +700,30 @@ test('k8s object-store egress: the optional component opens 443 for workers only
   ]);
   // A patch by name fails loudly when the name is gone (an index patch would change another rule).
   assert.throws(() => kustomize(scratchOverlay('object-store-missing', `resources: [k8s/overlays/prod]\npatches:\n${narrowed}`)), /reaper-egress-object-store/);
+});
+
+test('k8s prod: the KEDA triggers it ships are generated from the policies.yaml it ships (none), never the demo queues', () => {
+  const prodDir = path.join(K8S, 'overlays', 'prod');
+  const shippedNames = ((parseYaml(readFileSync(path.join(prodDir, 'policies.yaml'), 'utf8')) as Obj).policies as Obj[]).map((p) => p.name as string);
+  const reaperEnv = find(kustomize(prodDir), 'ConfigMap', /^reaper-env-/).data as Record<string, string>;
+  assert.deepEqual(
+    parseYaml(readFileSync(path.join(prodDir, 'keda-triggers.yaml'), 'utf8')),
+    kedaTriggersPatch({ amqpPrefix: reaperEnv.REAPER_AMQP_PREFIX! }, shippedNames),
+    'overlays/prod/keda-triggers.yaml is the triggers patch of overlays/prod/policies.yaml: regenerate it with `reaper topology --keda-triggers`',
+  );
+  const scaled = find(kustomize(prodDir), 'ScaledObject', WORKER);
+  assert.deepEqual(scaled.spec.triggers, [], 'as shipped: no trigger, in particular none for a demo queue');
+});
+
+test('reaper topology --keda-triggers: a patch for any prefix and policy set; --json the triggers alone', () => {
+  const dir = mkdtempSync(path.join(tmp, 'keda-'));
+  const policies = path.join(dir, 'policies.yaml');
+  copyFileSync(path.join(K8S, 'components', 'demo-policies', 'policies.yaml'), policies);
+  // The demo policies read ${REAPER_MEDIA_API_URL} and ${file:/run/secrets/...}: neither exists here.
+  const patch = parseYaml(reaperCli(['topology', '--keda-triggers'], { REAPER_POLICIES: policies, REAPER_AMQP_PREFIX: 'acme-prod' })) as Obj;
+  assert.equal(patch.kind, 'ScaledObject');
+  assert.equal(patch.metadata.name, WORKER);
+  assert.deepEqual(patch.spec.triggers.map((t: Obj) => t.metadata.queueName), ['acme-prod.cleanup.seat-holds', 'acme-prod.cleanup.media-assets']);
+  const triggers = JSON.parse(reaperCli(['topology', '--keda-triggers', '--json'], { REAPER_POLICIES: policies, REAPER_AMQP_PREFIX: 'acme-prod' })) as Obj[];
+  assert.deepEqual(triggers, patch.spec.triggers);
 });
