@@ -565,6 +565,30 @@ for (const [name, manifests] of rendered) {
   });
 }
 
+for (const [name, manifests] of rendered) {
+  test(`k8s ${name}: the Deployments wait for the schema in an init container, as their own role, no longer than the migrate Job may run`, () => {
+    const job = find(manifests, 'Job', /^reaper-migrate/);
+    for (const deploymentName of [SCHEDULER, WORKER]) {
+      const deployment = find(manifests, 'Deployment', deploymentName);
+      const podSpec = deployment.spec.template.spec;
+      const where = `${name} ${deploymentName}`;
+      const inits = (podSpec.initContainers ?? []) as Obj[];
+      assert.deepEqual(inits.map((c) => c.name), ['wait-for-schema'], `${where}: one init container, wait-for-schema`);
+      const wait = inits[0]!;
+      const main = containersOf(deployment)[0]!;
+      assert.equal(wait.image, main.image, `${where}: the same image (the same migrations: the version it waits for is the one the service needs)`);
+      assert.deepEqual(wait.args.slice(0, 2), ['schema', 'wait'], `${where}: runs \`reaper schema wait\``);
+      const timeout = Number(wait.args[wait.args.indexOf('--timeout') + 1]);
+      assert.ok(timeout >= job.spec.activeDeadlineSeconds, `${where}: waits (--timeout ${timeout}) at least as long as the Job may run (${job.spec.activeDeadlineSeconds} s)`);
+      const { raw: waitEnv, secretKeys } = checkContainerEnv(`${where} init`, podSpec, wait, manifests);
+      const { raw: mainEnv } = checkContainerEnv(where, podSpec, main, manifests);
+      assert.equal(waitEnv.get('DATABASE_URL_FILE'), mainEnv.get('DATABASE_URL_FILE'), `${where}: with the service's own database credentials`);
+      assert.ok(!waitEnv.has('AMQP_URL_FILE'), `${where}: the wait needs no broker credentials`);
+      assert.ok(secretKeys.length > 0);
+    }
+  });
+}
+
 test('k8s overlays: images, replicas; prod pins its tag, matches the version label, and scales workers on queue depth with KEDA', () => {
   for (const name of OVERLAYS) {
     const manifests = rendered.get(name)!;
