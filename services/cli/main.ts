@@ -14,6 +14,7 @@ import { registerRestoreCommand } from './restore';
 import { addRolesCommand } from './roles';
 import { registerRunListCommands } from './run-list';
 import { registerRunCommands } from './runs';
+import { registerSchemaCommands } from './schema';
 import { registerServiceCommands } from './services';
 import { registerSqlCommands } from './sql';
 import { registerStatusCommand } from './status';
@@ -46,6 +47,7 @@ export function makeProgram(): Command {
 
   addRolesCommand(program);
   registerDoctorCommand(program);
+  registerSchemaCommands(program);
 
   // Operator commands stop on SIGINT/SIGTERM at once (the services drain instead: runService).
   // Explicit handlers matter when the command is PID 1 (a container, a Kubernetes Job): the kernel

@@ -20,7 +20,8 @@ export interface BrokerPermission {
   read: string;
 }
 
-export type BrokerRole = 'scheduler' | 'worker' | 'operator' | 'autoscaler';
+export const BROKER_ROLES = ['scheduler', 'worker', 'operator', 'autoscaler'] as const;
+export type BrokerRole = (typeof BROKER_ROLES)[number];
 
 export function brokerUserName(prefix: string, role: BrokerRole): string {
   return `${prefix}-${role}`;

@@ -1,5 +1,6 @@
 import type { Options } from 'amqplib';
 import type { Channel } from 'amqplib';
+import { BROKER_ROLES, brokerPermissions, brokerUserName } from './permissions';
 
 /**
  * Every exchange, queue and binding reaper uses, as data (docs/design.md, "Broker topology"). Both
@@ -145,10 +146,9 @@ export function topologyFor(settings: TopologySettings, policies: readonly strin
 }
 
 /**
- * KEDA's rabbitmq triggers for the workers' ScaledObject, one per work queue: what
- * `reaper topology --keda-triggers` prints for an overlay's own policies (infra/k8s/overlays/prod
- * ships them for the demo policies' names). `value` is ready batches per worker; the AMQP URL
- * comes from the TriggerAuthentication, never from the manifest.
+ * KEDA's rabbitmq triggers for the workers' ScaledObject, one per work queue of the given
+ * policies. `value` is ready batches per worker; the AMQP URL comes from the TriggerAuthentication,
+ * never from the manifest.
  */
 export function kedaTriggers(settings: Pick<TopologySettings, 'amqpPrefix'>, policies: readonly string[], options: { queueLengthPerWorker: number; authenticationRef: string }) {
   const names = brokerNames(settings.amqpPrefix);
@@ -157,6 +157,25 @@ export function kedaTriggers(settings: Pick<TopologySettings, 'amqpPrefix'>, pol
     metadata: { protocol: 'amqp', queueName: names.workQueue(policy), mode: 'QueueLength', value: String(options.queueLengthPerWorker) },
     authenticationRef: { name: options.authenticationRef },
   }));
+}
+
+/** The numbers and names infra/k8s/overlays/prod/worker-autoscaling.yaml explains and defines. */
+export const KEDA_TRIGGER_SETTINGS = { queueLengthPerWorker: 20, authenticationRef: 'reaper-rabbitmq', scaledObject: 'reaper-worker' } as const;
+
+/**
+ * What `reaper topology --keda-triggers` prints: a strategic-merge patch that sets the workers'
+ * ScaledObject triggers to one per policy. Kustomize cannot derive a list from a file's contents,
+ * so the triggers are generated: infra/k8s/overlays/prod/keda-triggers.yaml is this for the
+ * policies.yaml beside it (test/unit/k8s-manifests.test.ts fails when it is out of date), and an
+ * operator's overlay generates its own from its own policies file.
+ */
+export function kedaTriggersPatch(settings: Pick<TopologySettings, 'amqpPrefix'>, policies: readonly string[]) {
+  return {
+    apiVersion: 'keda.sh/v1alpha1',
+    kind: 'ScaledObject',
+    metadata: { name: KEDA_TRIGGER_SETTINGS.scaledObject },
+    spec: { triggers: kedaTriggers(settings, policies, KEDA_TRIGGER_SETTINGS) },
+  };
 }
 
 export async function assertTopology(channel: Channel, topology: Topology): Promise<void> {
@@ -179,12 +198,17 @@ export function pickDelayTier(delayMs: number): number {
 /**
  * The topology as a RabbitMQ definitions file (what `rabbitmqctl export_definitions` writes, with
  * amqplib's defaults filled in), for operators who pre-declare it: `reaper topology --definitions`.
+ * With each service user's permissions for the prefix (shared/amqp/permissions.ts), so a prefix
+ * other than `reaper` needs no regular expression written by hand; not the users themselves, whose
+ * passwords come from the deployment's own users file, imported first (docs/deploying.md).
  */
-export function topologyAsDefinitions(topology: Topology, vhost = '/') {
+export function topologyAsDefinitions(topology: Topology, prefix: string, vhost = '/') {
+  const permissions = brokerPermissions(prefix);
   return {
     rabbit_version: '3.10.0',
     rabbitmq_version: '3.10.0',
     vhosts: [{ name: vhost }],
+    permissions: BROKER_ROLES.map((role) => ({ user: brokerUserName(prefix, role), vhost, ...permissions[role] })),
     queues: topology.queues.map((q) => ({ name: q.name, vhost, durable: q.options.durable ?? true, auto_delete: q.options.autoDelete ?? false, arguments: q.options.arguments ?? {} })),
     exchanges: topology.exchanges.map((e) => ({
       name: e.name,

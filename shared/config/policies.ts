@@ -371,13 +371,27 @@ export function parsePolicies(text: string, origin: string, source: NodeJS.Proce
 }
 
 export function loadPolicies(filePath: string, source: NodeJS.ProcessEnv = process.env): PolicySet {
-  let text: string;
+  return parsePolicies(readPoliciesFile(filePath), filePath, source);
+}
+
+function readPoliciesFile(filePath: string): string {
   try {
-    text = readFileSync(filePath, 'utf8');
+    return readFileSync(filePath, 'utf8');
   } catch (error) {
     throw new ConfigError(`REAPER_POLICIES=${filePath}: cannot read the file (${(error as Error).message})`);
   }
-  return parsePolicies(text, filePath, source);
+}
+
+/**
+ * The policy names a policies file declares, validated as at start-up but with every `${NAME}` and
+ * `${file:...}` answered by a placeholder: what depends on the names alone (`reaper topology`, its
+ * KEDA triggers and definitions) runs where the deployment's variables and secret files are not,
+ * e.g. on the machine that renders its overlay.
+ */
+export function loadPolicyNames(filePath: string): string[] {
+  const placeholder = 'http://placeholder.invalid';
+  const anyVariable = new Proxy({}, { get: () => placeholder }) as NodeJS.ProcessEnv;
+  return [...parsePolicies(readPoliciesFile(filePath), filePath, anyVariable, () => placeholder).keys()];
 }
 
 /** Looks a policy up by name, with an error that lists the known ones. */

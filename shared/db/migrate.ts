@@ -88,19 +88,35 @@ export async function migrate(
   }
 }
 
-/**
- * Refuses to run against a database whose schema is behind this build: a clear message at start-up
- * instead of "relation does not exist" in the middle of a run.
- */
-export async function assertSchemaCurrent(db: { query: pg.Pool['query'] }): Promise<void> {
-  const wanted = Math.max(0, ...listMigrations().map((migration) => migration.version));
-  let current = 0;
+/** The schema version this build needs (its newest migration) and the one the database is at. */
+export interface SchemaVersions {
+  wanted: number;
+  /** 0 while reaper_schema_migrations does not exist (no `reaper migrate` has run yet). */
+  current: number;
+}
+
+export function wantedSchemaVersion(): number {
+  return Math.max(0, ...listMigrations().map((migration) => migration.version));
+}
+
+export async function schemaVersions(db: { query: pg.Pool['query'] }): Promise<SchemaVersions> {
+  const wanted = wantedSchemaVersion();
   try {
     const result = await db.query<{ version: number | null }>('SELECT max(version) AS version FROM reaper_schema_migrations');
-    current = result.rows[0]?.version ?? 0;
+    return { wanted, current: result.rows[0]?.version ?? 0 };
   } catch (error) {
     if ((error as { code?: string }).code !== '42P01') throw error; // 42P01: the table does not exist yet
+    return { wanted, current: 0 };
   }
+}
+
+/**
+ * Refuses to run against a database whose schema is behind this build: a clear message at start-up
+ * instead of "relation does not exist" in the middle of a run. (Deployments wait for it first with
+ * `reaper schema wait`, services/cli/schema.ts, so this fires only when nothing migrated.)
+ */
+export async function assertSchemaCurrent(db: { query: pg.Pool['query'] }): Promise<void> {
+  const { wanted, current } = await schemaVersions(db);
   if (current < wanted) {
     throw new Error(`database schema is at version ${current}, this reaper needs ${wanted}: run \`reaper migrate\` first`);
   }

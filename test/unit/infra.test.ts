@@ -544,3 +544,19 @@ test('compose: the scheduler and the workers run under the memory limit infra/k8
     assert.equal(bytes(composeLimit), bytes(k8sLimit), `docker-compose.yml ${role}: mem_limit ${composeLimit} is the Kubernetes limit ${k8sLimit}`);
   }
 });
+
+test('compose: every image not built here is pinned by digest like infra/Dockerfile, or names the command that reads its digest', () => {
+  const text = readFileSync(COMPOSE_FILE, 'utf8');
+  for (const [name, service] of Object.entries(services)) {
+    if (service.build !== undefined || service.image === undefined) continue;
+    const image = service.image as string;
+    if (/^[-./\w]+:[-.\w]+@sha256:[0-9a-f]{64}$/.test(image)) continue;
+    assert.ok(/^[-./\w]+:[-.\w]+$/.test(image), `docker-compose.yml ${name}: ${image} has a tag (never latest by default)`);
+    assert.ok(!image.endsWith(':latest'), `docker-compose.yml ${name}: not :latest`);
+    const pinCommand = `# Pin: docker buildx imagetools inspect ${image} --format '{{json .Manifest.Digest}}'\n    image: ${image}\n`;
+    assert.ok(text.includes(pinCommand), `docker-compose.yml ${name}: ${image} is pinned (<tag>@sha256:<digest>) or names how to pin it, above its image line`);
+  }
+  // The servers the suite is tested against (docs/deploying.md "Tested versions").
+  assert.match(services.postgres!.image as string, /^postgres:15(\.\d+)?(@sha256:[0-9a-f]{64})?$/);
+  assert.match(services.rabbitmq!.image as string, /^rabbitmq:3\.10(\.\d+)?-management(@sha256:[0-9a-f]{64})?$/);
+});

@@ -14,7 +14,7 @@ import { copyFileSync, mkdirSync, mkdtempSync, readFileSync, rmSync, symlinkSync
 import { tmpdir } from 'node:os';
 import path from 'node:path';
 import { parse as parseYaml } from 'yaml';
-import { brokerNames, kedaTriggers } from '../../shared/amqp/topology';
+import { brokerNames, kedaTriggers, kedaTriggersPatch } from '../../shared/amqp/topology';
 import { loadEnv, type Env } from '../../shared/config/env';
 import { type PolicySet } from '../../shared/config/policies';
 import {
@@ -22,6 +22,7 @@ import {
   DEFINITIONS_PREFIX,
   ENV_NAMES,
   K8S,
+  ROOT,
   SECRET_NAMES,
   TEST_ONLY_NAMES,
   demoPolicies,
@@ -71,10 +72,28 @@ function scratchOverlay(name: string, body: string, withPolicies = false): strin
   return dir;
 }
 
+const CLI = path.join(ROOT, 'dist', 'services', 'cli', 'main.js');
+
+/** The reaper CLI as an operator runs it, with only the given environment (and PATH). */
+function reaperCli(args: string[], env: Record<string, string>): string {
+  return execFileSync(process.execPath, [CLI, ...args], { encoding: 'utf8', env: { PATH: process.env.PATH ?? '', ...env }, timeout: 60_000 });
+}
+
+/**
+ * An operator's overlay on prod, as overlays/prod/kustomization.yaml tells them to write it: their
+ * policies (the demo ones here) and the KEDA triggers `reaper topology --keda-triggers` generates
+ * from them (run here, the real command, on the same file).
+ */
+function operatorOverlay(name: string): string {
+  const dir = scratchOverlay(name, 'resources: [k8s/overlays/prod]\nconfigMapGenerator:\n  - name: reaper-policies\n    behavior: replace\n    files: [policies.yaml]\npatches:\n  - path: keda-triggers.yaml\n', true);
+  writeFileSync(path.join(dir, 'keda-triggers.yaml'), reaperCli(['topology', '--keda-triggers'], { REAPER_POLICIES: path.join(dir, 'policies.yaml'), REAPER_AMQP_PREFIX: DEFINITIONS_PREFIX }));
+  return dir;
+}
+
 const TARGETS: [string, string][] = [
   ['base', scratchOverlay('base', 'resources: [k8s/base]\ncomponents: [k8s/components/demo-policies]\n')],
   ['dev', path.join(K8S, 'overlays', 'dev')],
-  ['prod', scratchOverlay('prod', 'resources: [k8s/overlays/prod]\nconfigMapGenerator:\n  - name: reaper-policies\n    behavior: replace\n    files: [policies.yaml]\n', true)],
+  ['prod', operatorOverlay('prod')],
 ];
 const rendered = new Map(TARGETS.map(([name, dir]) => [name, kustomize(dir)]));
 const OVERLAYS = ['dev', 'prod'];
@@ -104,6 +123,35 @@ function containersOf(workload: Obj): Obj[] {
 
 function matches(selector: Obj | undefined, labels: Obj | undefined): boolean {
   return Object.entries(selector ?? {}).every(([key, value]) => labels?.[key] === value);
+}
+
+/** A Kubernetes label selector (matchLabels and matchExpressions) against a pod's labels. */
+function selects(selector: Obj | undefined, labels: Obj): boolean {
+  const expressions = (selector?.matchExpressions ?? []) as Obj[];
+  return matches(selector?.matchLabels, labels) && expressions.every((e) => {
+    const has = Object.hasOwn(labels, e.key);
+    switch (e.operator) {
+      case 'In': return has && (e.values as string[]).includes(labels[e.key]);
+      case 'NotIn': return !has || !(e.values as string[]).includes(labels[e.key]);
+      case 'Exists': return has;
+      case 'DoesNotExist': return !has;
+      default: throw new Error(`unknown selector operator ${e.operator}`);
+    }
+  });
+}
+
+/** Every ingress and egress rule that some policy opens for pods with these labels (policies add up). */
+function openedFor(policies: Obj[], podLabels: Obj): { ingress: { policy: string; rule: Obj }[]; egress: { policy: string; rule: Obj }[] } {
+  const selecting = policies.filter((p) => selects(p.spec.podSelector, podLabels));
+  const rules = (type: 'Ingress' | 'Egress') => selecting
+    .filter((p) => (p.spec.policyTypes as string[]).includes(type))
+    .flatMap((p) => ((p.spec[type.toLowerCase()] ?? []) as Obj[]).map((rule) => ({ policy: p.metadata.name as string, rule })));
+  return { ingress: rules('Ingress'), egress: rules('Egress') };
+}
+
+/** The cluster DNS pods, or NodeLocal DNSCache's link-local address (base/networkpolicies.yaml). */
+function isClusterDns(peer: Obj): boolean {
+  return peer.podSelector?.matchLabels?.['k8s-app'] === 'kube-dns' || peer.ipBlock?.cidr === '169.254.20.10/32';
 }
 
 function bytes(quantity: string): number {
@@ -446,7 +494,6 @@ for (const [name, manifests] of rendered) {
     assert.equal(denyAll.length, 1, 'a default-deny policy selects every pod');
     assert.deepEqual([...denyAll[0]!.spec.policyTypes].sort(), ['Egress', 'Ingress'], 'it denies both directions');
 
-    const dnsPorts = new Set([53]);
     const allowedEgress: Record<string, Set<number>> = {
       scheduler: new Set([5432, 5671, 5672]),
       worker: new Set([5432, 5671, 5672, 443, 8081]),
@@ -455,31 +502,30 @@ for (const [name, manifests] of rendered) {
     for (const workload of workloads(manifests)) {
       const component = workload.metadata.labels['app.kubernetes.io/component'] as string;
       const where = `${name} ${workload.metadata.name}`;
-      const podLabels = workload.spec.template.metadata.labels as Obj;
-      const selecting = policies.filter((p) => p !== denyAll[0] && matches(p.spec.podSelector.matchLabels, podLabels));
-      assert.equal(selecting.length, 1, `${where}: one policy of its own opens its traffic`);
-      const policy = selecting[0]!.spec;
-      assert.deepEqual([...policy.policyTypes].sort(), ['Egress', 'Ingress'], `${where}: the policy covers both directions`);
+      const { ingress, egress } = openedFor(policies.filter((p) => p !== denyAll[0]), workload.spec.template.metadata.labels as Obj);
       const egressPorts = new Set<number>();
-      for (const rule of (policy.egress ?? []) as Obj[]) {
+      for (const { policy, rule } of egress) {
         const ports = ((rule.ports ?? []) as Obj[]).map((p) => p.port as number);
-        assert.ok(ports.length > 0, `${where}: every egress rule names its ports (no "any port")`);
-        const isDns = ports.every((port) => dnsPorts.has(port));
-        if (isDns) {
-          assert.ok(((rule.to ?? []) as Obj[]).every((peer) => peer.podSelector?.matchLabels?.['k8s-app'] === 'kube-dns'), `${where}: port 53 only to the cluster DNS`);
+        assert.ok(ports.length > 0, `${where} ${policy}: every egress rule names its ports (no "any port")`);
+        if (ports.every((port) => port === 53)) {
+          for (const peer of (rule.to ?? []) as Obj[]) assert.ok(isClusterDns(peer), `${where} ${policy}: port 53 only to the cluster DNS or NodeLocal DNSCache (${JSON.stringify(peer)})`);
+          assert.ok((rule.to ?? []).length > 0, `${where} ${policy}: port 53 to named resolvers only`);
+          continue;
         }
-        for (const port of ports) if (!isDns) egressPorts.add(port);
+        for (const port of ports) egressPorts.add(port);
+        // overlays/prod says where each server is: no egress rule of its leaves the destination open.
+        if (name === 'prod') assert.ok(((rule.to ?? []) as Obj[]).length > 0, `${where} ${policy}: prod names the destination of port(s) ${ports.join(', ')}`);
       }
+      assert.ok(egress.some(({ rule }) => ((rule.ports ?? []) as Obj[]).some((p) => p.port === 53 && p.protocol === 'UDP')), `${where}: resolves names (UDP 53)`);
       assert.deepEqual([...egressPorts].sort(), [...allowedEgress[component]!].filter((port) => egressPorts.has(port)).sort(), `${where}: egress only to PostgreSQL, RabbitMQ, DNS${component === 'worker' ? ' and the media API' : ''}`);
       assert.ok(egressPorts.has(5432), `${where}: reaches PostgreSQL`);
-      if (component !== 'migrate') assert.ok(egressPorts.has(5672), `${where}: reaches RabbitMQ`);
-      const ingress = (policy.ingress ?? []) as Obj[];
+      if (component !== 'migrate') assert.ok(egressPorts.has(5672) && egressPorts.has(5671), `${where}: reaches RabbitMQ on 5672 and 5671 (TLS)`);
       if (component === 'migrate') {
         assert.equal(ingress.length, 0, `${where}: nothing connects to the migrate Job`);
         continue;
       }
-      for (const rule of ingress) {
-        assert.deepEqual(((rule.ports ?? []) as Obj[]).map((p) => p.port), ['http'], `${where}: ingress only on the HTTP port`);
+      for (const { policy, rule } of ingress) {
+        assert.deepEqual(((rule.ports ?? []) as Obj[]).map((p) => p.port), ['http'], `${where} ${policy}: ingress only on the HTTP port`);
         for (const peer of (rule.from ?? []) as Obj[]) {
           const fromMonitoring = peer.namespaceSelector?.matchLabels?.['kubernetes.io/metadata.name'] === 'monitoring' && peer.podSelector === undefined;
           const webhookSender = component === 'scheduler' && peer.podSelector?.matchLabels?.['reaper.webhook/sender'] === 'true';
@@ -488,6 +534,12 @@ for (const [name, manifests] of rendered) {
       }
       assert.ok(ingress.length >= 1, `${where}: Prometheus may scrape it`);
     }
+    // Each destination is a policy of its own, so an overlay narrows it by name (issue 42 item 5).
+    for (const policy of ['reaper-egress-dns', 'reaper-egress-postgresql', 'reaper-egress-rabbitmq', 'reaper-egress-media-api']) {
+      assert.equal(find(manifests, 'NetworkPolicy', policy).spec.egress.length, 1, `${name} ${policy}: one egress rule, patched by the policy's name`);
+    }
+    const resolvers = (find(manifests, 'NetworkPolicy', 'reaper-egress-dns').spec.egress[0].to ?? []) as Obj[];
+    assert.ok(resolvers.some((peer) => peer.ipBlock?.cidr === '169.254.20.10/32'), `${name}: DNS also to NodeLocal DNSCache (169.254.20.10), which no pod selector matches`);
   });
 
   test(`k8s ${name}: standard labels; the migrate Job cleans up after itself`, () => {
@@ -509,6 +561,30 @@ for (const [name, manifests] of rendered) {
     assert.ok(Number.isInteger(job.spec.ttlSecondsAfterFinished) && job.spec.ttlSecondsAfterFinished > 0, 'the finished Job is removed (ttlSecondsAfterFinished)');
     if (name !== 'base') {
       assert.equal(job.metadata.name, `${MIGRATE}-${version}`, `${name}: the migrate Job is named per release, so a new release creates a new Job`);
+    }
+  });
+}
+
+for (const [name, manifests] of rendered) {
+  test(`k8s ${name}: the Deployments wait for the schema in an init container, as their own role, no longer than the migrate Job may run`, () => {
+    const job = find(manifests, 'Job', /^reaper-migrate/);
+    for (const deploymentName of [SCHEDULER, WORKER]) {
+      const deployment = find(manifests, 'Deployment', deploymentName);
+      const podSpec = deployment.spec.template.spec;
+      const where = `${name} ${deploymentName}`;
+      const inits = (podSpec.initContainers ?? []) as Obj[];
+      assert.deepEqual(inits.map((c) => c.name), ['wait-for-schema'], `${where}: one init container, wait-for-schema`);
+      const wait = inits[0]!;
+      const main = containersOf(deployment)[0]!;
+      assert.equal(wait.image, main.image, `${where}: the same image (the same migrations: the version it waits for is the one the service needs)`);
+      assert.deepEqual(wait.args.slice(0, 2), ['schema', 'wait'], `${where}: runs \`reaper schema wait\``);
+      const timeout = Number(wait.args[wait.args.indexOf('--timeout') + 1]);
+      assert.ok(timeout >= job.spec.activeDeadlineSeconds, `${where}: waits (--timeout ${timeout}) at least as long as the Job may run (${job.spec.activeDeadlineSeconds} s)`);
+      const { raw: waitEnv, secretKeys } = checkContainerEnv(`${where} init`, podSpec, wait, manifests);
+      const { raw: mainEnv } = checkContainerEnv(where, podSpec, main, manifests);
+      assert.equal(waitEnv.get('DATABASE_URL_FILE'), mainEnv.get('DATABASE_URL_FILE'), `${where}: with the service's own database credentials`);
+      assert.ok(!waitEnv.has('AMQP_URL_FILE'), `${where}: the wait needs no broker credentials`);
+      assert.ok(secretKeys.length > 0);
     }
   });
 }
@@ -544,7 +620,6 @@ test('k8s overlays: images, replicas; prod pins its tag, matches the version lab
     policyNames.map((policy) => names.workQueue(policy)).sort(),
     'one rabbitmq trigger per work queue of the deployed policies',
   );
-  // What `reaper topology --keda-triggers` prints for these policies is what the overlay ships.
   assert.deepEqual(kedaTriggers(env, policyNames, { queueLengthPerWorker: 20, authenticationRef: 'reaper-rabbitmq' }), triggers);
   for (const trigger of triggers) {
     assert.equal(trigger.type, 'rabbitmq');
@@ -582,8 +657,8 @@ for (const [name, manifests] of rendered) {
       const spread = (find(manifests, 'Deployment', deploymentName).spec.template.spec.topologySpreadConstraints ?? []) as Obj[];
       assert.deepEqual(spread.map((c) => c.topologyKey).sort(), ['kubernetes.io/hostname', 'topology.kubernetes.io/zone'], `${name} ${deploymentName}: spread over hosts and zones`);
       for (const constraint of spread) assert.equal(constraint.whenUnsatisfiable, 'ScheduleAnyway', `${name} ${deploymentName}: a single-zone cluster still schedules`);
-      const policy = find(manifests, 'NetworkPolicy', deploymentName);
-      const ports = (policy.spec.egress as Obj[]).flatMap((rule) => ((rule.ports ?? []) as Obj[]).map((port) => port.port));
+      const podLabels = find(manifests, 'Deployment', deploymentName).spec.template.metadata.labels as Obj;
+      const ports = openedFor(ofKind(manifests, 'NetworkPolicy'), podLabels).egress.flatMap(({ rule }) => ((rule.ports ?? []) as Obj[]).map((port) => port.port));
       assert.ok(ports.includes(5672) && ports.includes(5671), `${name} ${deploymentName}: egress to RabbitMQ on 5672 and 5671 (TLS)`);
     }
   });
@@ -614,4 +689,65 @@ test('k8s prod ships no policies (the demo ones are a dev-only component); dev r
   }
   const dev = find(rendered.get('dev')!, 'ConfigMap', /^reaper-policies-/);
   assert.match(dev.data['policies.yaml'], /name: seat-holds/, 'dev mounts the demo policies');
+});
+
+test('k8s object-store egress: the optional component opens 443 for workers only, in their namespace, and narrows by name', () => {
+  const narrowed = `  - patch: |-
+      apiVersion: networking.k8s.io/v1
+      kind: NetworkPolicy
+      metadata:
+        name: reaper-egress-object-store
+        namespace: reaper
+      spec:
+        egress:
+          - to:
+              - namespaceSelector:
+                  matchLabels:
+                    kubernetes.io/metadata.name: storage
+            ports:
+              - { protocol: TCP, port: 9000 }
+`;
+  const body = 'resources: [k8s/overlays/prod]\ncomponents: [k8s/components/object-store-egress]\n';
+  const shipped = kustomize(scratchOverlay('object-store', body));
+  const policy = find(shipped, 'NetworkPolicy', 'reaper-egress-object-store');
+  assert.equal(policy.metadata.namespace, 'reaper', 'in the namespace of the pods it opens traffic for');
+  assert.deepEqual(policy.spec.egress, [{ ports: [{ protocol: 'TCP', port: 443 }] }]);
+  for (const workload of workloads(shipped)) {
+    const opens = selects(policy.spec.podSelector, workload.spec.template.metadata.labels);
+    assert.equal(opens, workload.metadata.name === WORKER, `${workload.metadata.name}: ${opens ? 'selected' : 'not selected'}`);
+  }
+  assert.ok(!ofKind(rendered.get('prod')!, 'NetworkPolicy').some((p) => p.metadata.name === 'reaper-egress-object-store'), 'off unless included');
+
+  const mine = kustomize(scratchOverlay('object-store-narrowed', `${body}patches:\n${narrowed}`));
+  assert.deepEqual(find(mine, 'NetworkPolicy', 'reaper-egress-object-store').spec.egress, [
+    { to: [{ namespaceSelector: { matchLabels: { 'kubernetes.io/metadata.name': 'storage' } } }], ports: [{ protocol: 'TCP', port: 9000 }] },
+  ]);
+  // A patch by name fails loudly when the name is gone (an index patch would change another rule).
+  assert.throws(() => kustomize(scratchOverlay('object-store-missing', `resources: [k8s/overlays/prod]\npatches:\n${narrowed}`)), /reaper-egress-object-store/);
+});
+
+test('k8s prod: the KEDA triggers it ships are generated from the policies.yaml it ships (none), never the demo queues', () => {
+  const prodDir = path.join(K8S, 'overlays', 'prod');
+  const shippedNames = ((parseYaml(readFileSync(path.join(prodDir, 'policies.yaml'), 'utf8')) as Obj).policies as Obj[]).map((p) => p.name as string);
+  const reaperEnv = find(kustomize(prodDir), 'ConfigMap', /^reaper-env-/).data as Record<string, string>;
+  assert.deepEqual(
+    parseYaml(readFileSync(path.join(prodDir, 'keda-triggers.yaml'), 'utf8')),
+    kedaTriggersPatch({ amqpPrefix: reaperEnv.REAPER_AMQP_PREFIX! }, shippedNames),
+    'overlays/prod/keda-triggers.yaml is the triggers patch of overlays/prod/policies.yaml: regenerate it with `reaper topology --keda-triggers`',
+  );
+  const scaled = find(kustomize(prodDir), 'ScaledObject', WORKER);
+  assert.deepEqual(scaled.spec.triggers, [], 'as shipped: no trigger, in particular none for a demo queue');
+});
+
+test('reaper topology --keda-triggers: a patch for any prefix and policy set; --json the triggers alone', () => {
+  const dir = mkdtempSync(path.join(tmp, 'keda-'));
+  const policies = path.join(dir, 'policies.yaml');
+  copyFileSync(path.join(K8S, 'components', 'demo-policies', 'policies.yaml'), policies);
+  // The demo policies read ${REAPER_MEDIA_API_URL} and ${file:/run/secrets/...}: neither exists here.
+  const patch = parseYaml(reaperCli(['topology', '--keda-triggers'], { REAPER_POLICIES: policies, REAPER_AMQP_PREFIX: 'acme-prod' })) as Obj;
+  assert.equal(patch.kind, 'ScaledObject');
+  assert.equal(patch.metadata.name, WORKER);
+  assert.deepEqual(patch.spec.triggers.map((t: Obj) => t.metadata.queueName), ['acme-prod.cleanup.seat-holds', 'acme-prod.cleanup.media-assets']);
+  const triggers = JSON.parse(reaperCli(['topology', '--keda-triggers', '--json'], { REAPER_POLICIES: policies, REAPER_AMQP_PREFIX: 'acme-prod' })) as Obj[];
+  assert.deepEqual(triggers, patch.spec.triggers);
 });
