@@ -3,6 +3,7 @@ import { loadEnv, type Env } from '../../shared/config/env';
 import { loadPolicies, type PolicySet } from '../../shared/config/policies';
 import { makePool, type Pool } from '../../shared/db/pool';
 import { clockCheckCutoff } from '../../shared/db/queries/clock';
+import { explainDatabaseError } from './connections';
 
 /** What every command group of the CLI shares: usage errors, configuration, a short-lived pool. */
 
@@ -20,10 +21,16 @@ export function context(): { env: Env; policies: PolicySet } {
   return { env, policies: loadPolicies(env.policiesPath) };
 }
 
+/**
+ * A short-lived pool for one command. A failure to connect is said naming DATABASE_URL and where it
+ * points, a missing reaper table naming the database to migrate (connections.ts).
+ */
 export async function withPool<T>(env: Env, work: (pool: Pool) => Promise<T>): Promise<T> {
   const pool = makePool(env.databaseUrl, 2, 'reaper-cli', env.sessionTimeouts);
   try {
     return await work(pool);
+  } catch (error) {
+    throw explainDatabaseError(env.databaseUrl, error);
   } finally {
     await pool.end();
   }

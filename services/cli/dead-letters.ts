@@ -1,6 +1,6 @@
 import amqp from 'amqplib';
 import type { GetMessage } from 'amqplib';
-import { connectAny } from '../../shared/amqp/connection';
+import { connectBroker } from './connections';
 import { headersForRepublish } from '../../shared/amqp/headers';
 import { ConfirmingPublisher, fixedConnection } from '../../shared/amqp/publisher';
 import { brokerNames } from '../../shared/amqp/topology';
@@ -55,7 +55,7 @@ async function withDeadLetters<T>(
     connection: amqp.ChannelModel;
   }) => Promise<T>,
 ): Promise<T> {
-  const connection = await connectAny(amqpUrl, { noDelay: true });
+  const connection = await connectBroker({ amqpUrl }, { noDelay: true });
   try {
     const channel = await connection.createConfirmChannel();
     const queue = brokerNames(prefix).deadLetterQueue;

@@ -1,6 +1,4 @@
-import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
-import { tmpdir } from 'node:os';
-import path from 'node:path';
+import { appendFileSync } from 'node:fs';
 import { ListObjectsV2Command, PutObjectCommand, S3Client } from '@aws-sdk/client-s3';
 import type pg from 'pg';
 import type { RunSummary } from '../../shared/db/queries/runs';
@@ -21,8 +19,6 @@ const OBJECTS = { expired: 400, retained: 50, refused: 3 };
 const LIMITS = { requestsPerSecond: 4, keysPerSecond: 200, concurrency: 2, maxKeysPerRequest: 100 };
 
 export interface ObjectStorageDemo {
-  /** The demo's policies file with `media-objects` added (REAPER_POLICIES for the services). */
-  policiesPath: string;
   /** The SDK's default chain reads these: the stand-in's development credentials. */
   env: Record<string, string>;
   seed(pool: pg.Pool): Promise<void>;
@@ -32,8 +28,12 @@ export interface ObjectStorageDemo {
 
 const say = (text: string): void => void process.stdout.write(`${text}\n`);
 
-/** Starts the stand-in and writes the policies file; null (and says why) when s3rver is not installed. */
-export async function startObjectStorageDemo(demoPoliciesPath: string): Promise<ObjectStorageDemo | null> {
+/**
+ * Starts the stand-in and adds `media-objects` to the demo's policies file at `policiesPath` (which
+ * the demo keeps, so the environment it prints shows all three policies); null (and says why) when
+ * s3rver is not installed.
+ */
+export async function startObjectStorageDemo(policiesPath: string): Promise<ObjectStorageDemo | null> {
   let stand: S3StandIn;
   try {
     const { startS3StandIn } = require('../../tools/s3-stand-in/server') as typeof import('../../tools/s3-stand-in/server');
@@ -43,12 +43,9 @@ export async function startObjectStorageDemo(demoPoliciesPath: string): Promise<
     say('   (object storage part skipped: the S3 stand-in needs s3rver, a development dependency; run `npm run demo` from the source tree)');
     return null;
   }
-  const directory = mkdtempSync(path.join(tmpdir(), 'reaper-demo-'));
-  const policiesPath = path.join(directory, 'policies.yaml');
-  writeFileSync(
+  appendFileSync(
     policiesPath,
-    `${readFileSync(demoPoliciesPath, 'utf8').trimEnd()}
-  - name: ${OBJECTS_POLICY}
+    `  - name: ${OBJECTS_POLICY}
     kind: remote-delete
     schedule: "*/5 * * * *"
     table: media_assets
@@ -62,7 +59,7 @@ export async function startObjectStorageDemo(demoPoliciesPath: string): Promise<
       kind: s3
       bucket: ${BUCKET}
       key: "media/{id}"
-      endpoint: ${stand.endpoint}
+      endpoint: ${stand.endpoint}    # the demo's in-process S3 stand-in (gone when the demo ends)
       forcePathStyle: true
       region: us-east-1
       maxKeysPerRequest: ${LIMITS.maxKeysPerRequest}
@@ -79,7 +76,6 @@ export async function startObjectStorageDemo(demoPoliciesPath: string): Promise<
   const refused = Array.from({ length: OBJECTS.refused }, (_, i) => `object-${i * 101 + 7}`);
 
   return {
-    policiesPath,
     env,
     async seed(pool) {
       const ids = (
@@ -144,7 +140,6 @@ export async function startObjectStorageDemo(demoPoliciesPath: string): Promise<
     async close() {
       direct.destroy();
       await stand.close();
-      rmSync(directory, { recursive: true, force: true });
     },
   };
 }

@@ -1,8 +1,10 @@
 import { spawn, type ChildProcess } from 'node:child_process';
+import { existsSync, mkdirSync, readFileSync, rmdirSync, rmSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
 import path from 'node:path';
-import amqp from 'amqplib';
+import type { Channel } from 'amqplib';
 import pg from 'pg';
-import { DEMO_POLICIES_PATH, loadEnv } from '../../shared/config/env';
+import { DEMO_POLICIES_PATH, loadEnv, type Env } from '../../shared/config/env';
 import { loadPolicies, type RemoteDeletePolicy } from '../../shared/config/policies';
 import { demoTablesCreate } from '../../shared/db/queries/demo-tables';
 import { migrate } from '../../shared/db/migrate';
@@ -10,8 +12,10 @@ import { makeTopology } from '../../shared/amqp/topology';
 import { runsGetSummary, runsInsertIfAbsent, type Run, type RunSummary } from '../../shared/db/queries/runs';
 import type { MediaApi } from '../../tools/media-api/server';
 import { OBJECTS_POLICY, startObjectStorageDemo } from './demo-s3';
-import { rolesSql } from '../../shared/db/queries/roles';
+import { rolesSql, type DbRoleNames } from '../../shared/db/queries/roles';
 import { policiesForRoles } from './roles';
+import { connectBroker, explainDatabaseError } from './connections';
+import { outputWidth, wrap } from './output';
 
 /**
  * `npm run demo`: both demo policies end to end on the real servers, in a database of their own.
@@ -23,10 +27,27 @@ import { policiesForRoles } from './roles';
  *  - media-objects (remote-delete, remote.kind s3; demo-s3.ts): archived assets' objects deleted
  *    from an in-process S3 server in DeleteObjects batches; the store refuses a few (AccessDenied).
  * One scheduler and two workers run as separate processes. Exits 1 if any count is wrong.
+ * What it made stays for a look (the summary prints the environment that shows it) until
+ * `reaper demo --clean` removes it.
  */
 
-const DEMO_DATABASE = 'reaper_demo';
-const DEMO_PREFIX = 'reaper-demo';
+/** Everything the demo makes under a name of its own: `reaper demo --clean` removes exactly these. */
+export interface DemoNames {
+  database: string;
+  /** REAPER_AMQP_PREFIX of the demo's services: its queues and exchanges. */
+  prefix: string;
+  /** `reaper roles --print` names for the demo's policies (cluster-wide). */
+  roles: DbRoleNames;
+  /** The demo's policies file (REAPER_POLICIES of its services), kept for `reaper status` after the demo. */
+  policiesFile: string;
+}
+
+export const DEMO_NAMES: DemoNames = {
+  database: 'reaper_demo',
+  prefix: 'reaper-demo',
+  roles: { migrator: 'reaper_demo_migrator', scheduler: 'reaper_demo_scheduler', worker: 'reaper_demo_worker', operator: 'reaper_demo_operator' },
+  policiesFile: path.join(tmpdir(), 'reaper-demo', 'policies.yaml'),
+};
 const HOLDS = { expiredHeld: 12_000, futureHeld: 5_000, expiredConfirmed: 3_000, renewAfterScan: 500 };
 const MEDIA = { expiredActive: 600, futureActive: 100, rejected: 5, failingCalls: 5, throttleMs: 1_500 };
 const STAND_IN_PORT = 8081; // the demo policies file points media-assets here
@@ -49,32 +70,23 @@ function loadStandIn(): typeof import('../../tools/media-api/server') {
   }
 }
 
-export async function runDemo(): Promise<number> {
+export async function runDemo(names: DemoNames = DEMO_NAMES): Promise<number> {
   const started = Date.now();
   const { startMediaApi } = loadStandIn(); // before any side effect: fails at once in the runtime image
   const env = loadEnv();
-  const demoUrl = new URL(env.databaseUrl);
-  demoUrl.pathname = `/${DEMO_DATABASE}`;
+  const demoUrl = demoDatabaseUrl(env, names);
   const policies = loadPolicies(DEMO_POLICIES_PATH);
   const media = policies.get('media-assets') as RemoteDeletePolicy;
 
-  say(`1. creating database ${DEMO_DATABASE} and applying migrations`);
-  const admin = new pg.Client({ connectionString: env.databaseUrl });
-  await admin.connect();
-  await admin.query(`DROP DATABASE IF EXISTS ${DEMO_DATABASE} WITH (FORCE)`);
-  await admin.query(`CREATE DATABASE ${DEMO_DATABASE}`);
-  await admin.end();
-  await migrate(demoUrl.toString());
-  const pool = new pg.Pool({ connectionString: demoUrl.toString(), max: 2 });
-  await demoTablesCreate(pool);
-  await resetBroker(env.amqpUrl, [...policies.keys()]);
-
+  say(`1. creating database ${names.database} and applying migrations`);
+  const pool = await prepareDemoDatabase(env, names);
+  await resetBroker(env, names.prefix, [...policies.keys()]);
   say(`2. seeding ${HOLDS.expiredHeld} expired holds, ${HOLDS.futureHeld} held until tomorrow, ${HOLDS.expiredConfirmed} expired but confirmed;`);
   say(`   ${MEDIA.expiredActive} media assets past retention (${MEDIA.rejected} of which the API will refuse), ${MEDIA.futureActive} still retained`);
   await seed(pool);
-  const objects = await startObjectStorageDemo(DEMO_POLICIES_PATH);
+  const objects = await startObjectStorageDemo(names.policiesFile);
   await objects?.seed(pool);
-  if (objects) await resetBroker(env.amqpUrl, [OBJECTS_POLICY]);
+  if (objects) await resetBroker(env, names.prefix, [OBJECTS_POLICY]);
 
   let api: MediaApi;
   try {
@@ -89,14 +101,13 @@ export async function runDemo(): Promise<number> {
     rejectIds: new Set(Array.from({ length: MEDIA.rejected }, (_, i) => `asset-${i * 97 + 1}`)),
   });
 
-  const servicesPolicies = objects?.policiesPath ?? DEMO_POLICIES_PATH;
-  const roleUrl = await demoRoles(pool, demoUrl, servicesPolicies);
+  const roleUrl = await demoRoles(pool, demoUrl, names);
   const children: ChildProcess[] = [];
   const serviceEnv = {
     ...process.env,
     DATABASE_URL: demoUrl.toString(),
-    REAPER_AMQP_PREFIX: DEMO_PREFIX,
-    REAPER_POLICIES: objects?.policiesPath ?? DEMO_POLICIES_PATH,
+    REAPER_AMQP_PREFIX: names.prefix,
+    REAPER_POLICIES: names.policiesFile,
     ...objects?.env,
     LOG_LEVEL: process.env.LOG_LEVEL ?? 'warn',
   };
@@ -139,6 +150,8 @@ export async function runDemo(): Promise<number> {
     say(`\nseconds in all: ${((Date.now() - started) / 1000).toFixed(1)}`);
     const ok = holdsOk && mediaOk && objectsOk;
     say(ok ? 'OK: every expired, unrenewed, unconfirmed hold and every expired asset was deleted, once, and nothing else.' : 'FAILED: see the counts above.');
+    say('');
+    for (const line of wayInAndOut(names, roleUrl('operator'))) say(line);
     return ok ? 0 : 1;
   } finally {
     for (const child of children) child.kill('SIGTERM');
@@ -149,34 +162,108 @@ export async function runDemo(): Promise<number> {
   }
 }
 
-/** The demo's roles: `reaper roles --print` for its policies, cluster-wide names (re-applied by every demo). */
-const DEMO_ROLES = { migrator: 'reaper_demo_migrator', scheduler: 'reaper_demo_scheduler', worker: 'reaper_demo_worker', operator: 'reaper_demo_operator' };
-
 /**
  * As deployed (issue 40): the demo's scheduler and workers log in as the least-privilege roles
- * `reaper roles --print` makes for its policies. Where that cannot be (the demo's DATABASE_URL may
- * not create roles, or the roles cannot log in without a password), they run as that URL's user,
- * and the demo says so.
+ * `reaper roles --print` makes for its policies (cluster-wide names, re-applied by every demo), and
+ * the environment it prints for a look afterwards as the operator's. Where that cannot be (the
+ * demo's DATABASE_URL may not create roles, or the roles cannot log in without a password), they
+ * run as that URL's user, and the demo says so.
  */
-async function demoRoles(pool: pg.Pool, demoUrl: URL, policiesPath: string): Promise<(role: 'scheduler' | 'worker') => string> {
+export async function demoRoles(pool: pg.Pool, demoUrl: URL, names: DemoNames): Promise<(role: keyof DbRoleNames) => string> {
   const asGiven = () => demoUrl.toString();
   try {
-    await pool.query(rolesSql(policiesForRoles(policiesPath), DEMO_ROLES));
-    const urlOf = (role: 'scheduler' | 'worker') => {
+    await pool.query(rolesSql(policiesForRoles(names.policiesFile), names.roles));
+    const urlOf = (role: keyof DbRoleNames) => {
       const url = new URL(demoUrl.toString());
-      url.username = DEMO_ROLES[role];
+      url.username = names.roles[role];
       url.password = '';
       return url.toString();
     };
     const probe = new pg.Client({ connectionString: urlOf('worker') });
     await probe.connect();
     await probe.end();
-    say(`   the scheduler and the workers log in as ${DEMO_ROLES.scheduler} and ${DEMO_ROLES.worker} (reaper roles --print)`);
+    say(`   the scheduler and the workers log in as ${names.roles.scheduler} and ${names.roles.worker} (reaper roles --print)`);
     return urlOf;
   } catch (error) {
     say(`   note: the services run as the DATABASE_URL's user: the least-privilege roles could not be used here (${(error as Error).message})`);
     return asGiven;
   }
+}
+
+/** DATABASE_URL with the demo's database. */
+export function demoDatabaseUrl(env: Pick<Env, 'databaseUrl'>, names: DemoNames): URL {
+  const url = new URL(env.databaseUrl);
+  url.pathname = `/${encodeURIComponent(names.database)}`;
+  return url;
+}
+
+/**
+ * The demo's database made anew (an earlier demo's dropped), migrated, with the demo's tables, and
+ * its policies file written where the printed environment points; returns a pool on it.
+ */
+export async function prepareDemoDatabase(env: Pick<Env, 'databaseUrl'>, names: DemoNames): Promise<pg.Pool> {
+  await withAdmin(env, names, async (admin) => {
+    await admin.query(`DROP DATABASE IF EXISTS ${pg.escapeIdentifier(names.database)} WITH (FORCE)`);
+    await admin.query(`CREATE DATABASE ${pg.escapeIdentifier(names.database)}`);
+  });
+  const demoUrl = demoDatabaseUrl(env, names).toString();
+  await migrate(demoUrl).catch((error: unknown) => {
+    throw explainDatabaseError(demoUrl, error);
+  });
+  const pool = new pg.Pool({ connectionString: demoUrl, max: 2 });
+  await demoTablesCreate(pool);
+  writeDemoPolicies(names.policiesFile);
+  return pool;
+}
+
+/**
+ * A client on DATABASE_URL for creating and dropping the demo's database and roles. When that URL
+ * names the demo's database itself (the environment the demo printed), the server's maintenance
+ * database `postgres` instead: a database cannot be dropped from inside.
+ */
+async function withAdmin<T>(env: Pick<Env, 'databaseUrl'>, names: DemoNames, work: (admin: pg.Client) => Promise<T>): Promise<T> {
+  const url = new URL(env.databaseUrl);
+  if (decodeURIComponent(url.pathname.slice(1)) === names.database) url.pathname = '/postgres';
+  const admin = new pg.Client({ connectionString: url.toString() });
+  try {
+    await admin.connect();
+    return await work(admin);
+  } catch (error) {
+    throw explainDatabaseError(url.toString(), error);
+  } finally {
+    await admin.end().catch(() => undefined); // never connected, or already gone: nothing to close
+  }
+}
+
+/** The demo's policies (the shipped file; demo-s3.ts adds its third) where the printed environment points. */
+function writeDemoPolicies(file: string): void {
+  mkdirSync(path.dirname(file), { recursive: true });
+  writeFileSync(file, `${readFileSync(DEMO_POLICIES_PATH, 'utf8').trimEnd()}\n`);
+}
+
+/**
+ * The summary's last lines: the environment that shows what the demo made (as the printed operator
+ * role when the demo could make it; a password in DATABASE_URL is not repeated) and how to remove it.
+ */
+export function wayInAndOut(names: DemoNames, operatorUrl: string): string[] {
+  const url = new URL(operatorUrl);
+  const hidden = url.password !== '';
+  if (hidden) url.password = '***';
+  return [
+    wrap(`what the demo made is left in place: database ${names.database}, queues and exchanges ${names.prefix}.*, roles ${Object.values(names.roles).join(', ')}, policies file ${names.policiesFile}`, outputWidth(), 2),
+    `  look at it:  ${inspectEnvironment(names, url.toString())} npx reaper status${hidden ? '   (your password in place of ***)' : ''}`,
+    '  remove it:   npx reaper demo --clean',
+  ];
+}
+
+/** `DATABASE_URL=… REAPER_AMQP_PREFIX=… REAPER_POLICIES=…`: a shell prefix that points reaper at the demo. */
+export function inspectEnvironment(names: DemoNames, databaseUrl: string): string {
+  return `DATABASE_URL=${shellWord(databaseUrl)} REAPER_AMQP_PREFIX=${shellWord(names.prefix)} REAPER_POLICIES=${shellWord(names.policiesFile)}`;
+}
+
+/** A value as one shell word: as it is when it is plain, else in single quotes. */
+function shellWord(value: string): string {
+  return /^[\w@%+=:,./-]+$/.test(value) ? value : `'${value.replace(/'/g, `'\\''`)}'`;
 }
 
 const finished = (run: RunSummary): boolean => ['completed', 'failed', 'incomplete', 'rejected', 'awaiting-approval'].includes(run.state);
@@ -299,12 +386,92 @@ async function waitFor(
   }
 }
 
+/**
+ * The demo's queues and exchanges, as the services declare them for these policies: the demo's
+ * own and, when its kept policies file is there, every policy in it.
+ */
+function demoTopology(env: Pick<Env, 'deliveryLimit'>, names: DemoNames) {
+  const policies = new Set([...loadPolicies(DEMO_POLICIES_PATH).keys(), OBJECTS_POLICY]);
+  if (existsSync(names.policiesFile)) for (const name of loadPolicies(names.policiesFile).keys()) policies.add(name);
+  return makeTopology({ prefix: names.prefix, policies: [...policies], deliveryLimit: env.deliveryLimit });
+}
+
 /** Deletes the demo's queues so an earlier, interrupted demo leaves nothing to count twice. */
-async function resetBroker(amqpUrl: string, policies: string[]): Promise<void> {
-  const connection = await amqp.connect(amqpUrl);
+async function resetBroker(env: Env, prefix: string, policies: string[]): Promise<void> {
+  const connection = await connectBroker(env);
   const channel = await connection.createChannel();
-  const topology = makeTopology({ prefix: DEMO_PREFIX, policies, deliveryLimit: 20 });
+  const topology = makeTopology({ prefix, policies, deliveryLimit: 20 });
   for (const queue of topology.queues) await channel.deleteQueue(queue.name);
   await channel.close();
   await connection.close();
+}
+
+/**
+ * `reaper demo --clean`: removes what the demo made — its database, its queues and exchanges, its
+ * roles and its policies file — and says what it found. Safe to run again (nothing left: says so).
+ * Returns the lines it printed; throws when something could not be removed (named).
+ */
+export async function cleanDemo(env: Env, names: DemoNames = DEMO_NAMES): Promise<string[]> {
+  const said: string[] = [];
+  const tell = (line: string) => {
+    said.push(line);
+    say(line);
+  };
+  const topology = demoTopology(env, names);
+  const { database, roles } = await withAdmin(env, names, async (admin) => {
+    const found = await admin.query('SELECT 1 FROM pg_database WHERE datname = $1', [names.database]);
+    await admin.query(`DROP DATABASE IF EXISTS ${pg.escapeIdentifier(names.database)} WITH (FORCE)`);
+    const existing = (await admin.query<{ rolname: string }>('SELECT rolname FROM pg_roles WHERE rolname = ANY($1::text[])', [Object.values(names.roles)])).rows.map((row) => row.rolname);
+    // After the database: the roles' grants were there. A role still owning something elsewhere
+    // makes DROP ROLE fail with its reason, and the rest is still removed.
+    for (const role of existing) await admin.query(`DROP ROLE IF EXISTS ${pg.escapeIdentifier(role)}`);
+    return { database: found.rowCount === 1, roles: existing };
+  });
+  tell(database ? `removed database ${names.database}` : `no database ${names.database}`);
+  tell(roles.length > 0 ? `removed roles ${roles.join(', ')}` : `no roles ${Object.values(names.roles).join(', ')}`);
+  const broker = await deleteBrokerObjects(env, topology);
+  tell(`removed ${broker.queues} queue(s) and ${broker.exchanges} exchange(s) named ${names.prefix}.*`);
+  const directory = path.dirname(names.policiesFile);
+  if (existsSync(names.policiesFile)) {
+    rmSync(names.policiesFile);
+    tell(`removed ${names.policiesFile}`);
+  }
+  try {
+    rmdirSync(directory);
+  } catch {
+    // Not there, or something else was put in it: the folder is left alone (only our file was ours).
+  }
+  return said;
+}
+
+/** Deletes the topology's queues and exchanges that exist; returns how many of each there were. */
+async function deleteBrokerObjects(env: Env, topology: ReturnType<typeof makeTopology>): Promise<{ queues: number; exchanges: number }> {
+  const connection = await connectBroker(env);
+  try {
+    // A check of a missing object closes its channel (404): each check on a channel of its own.
+    const exists = async (check: (channel: Channel) => Promise<unknown>): Promise<boolean> => {
+      const channel = await connection.createChannel();
+      channel.on('error', () => undefined); // the 404 closing it is the answer, not a failure
+      const found = await check(channel).then(() => true, () => false);
+      if (found) await channel.close();
+      return found;
+    };
+    const channel = await connection.createChannel();
+    let queues = 0;
+    for (const queue of topology.queues) {
+      if (!(await exists((probe) => probe.checkQueue(queue.name)))) continue;
+      await channel.deleteQueue(queue.name);
+      queues += 1;
+    }
+    let exchanges = 0;
+    for (const exchange of topology.exchanges) {
+      if (!(await exists((probe) => probe.checkExchange(exchange.name)))) continue;
+      await channel.deleteExchange(exchange.name);
+      exchanges += 1;
+    }
+    await channel.close();
+    return { queues, exchanges };
+  } finally {
+    await connection.close().catch(() => undefined); // already closed by the broker: nothing to do
+  }
 }

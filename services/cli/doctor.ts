@@ -1,5 +1,5 @@
 import { Command, Option } from 'commander';
-import amqp from 'amqplib';
+import { connectBroker, explainDatabaseError } from './connections';
 import { assertSchemaCurrent } from '../../shared/db/migrate';
 import { DEFAULT_DB_ROLE_NAMES, neededPrivileges, privilegesMissing } from '../../shared/db/queries/roles';
 import { quoteIdentifier } from '../../shared/db/pool';
@@ -39,7 +39,7 @@ export function registerDoctorCommand(program: Command): void {
           await pool.query('SELECT 1');
           findings.push({ check: 'database', ok: true, detail: 'DATABASE_URL answers', fix: null });
         } catch (error) {
-          findings.push({ check: 'database', ok: false, detail: `DATABASE_URL does not answer: ${(error as Error).message}`, fix: 'set DATABASE_URL to the database the services use' });
+          findings.push({ check: 'database', ok: false, detail: (explainDatabaseError(env.databaseUrl, error) as Error).message, fix: 'set DATABASE_URL to the database the services use' });
           return;
         }
         try {
@@ -68,11 +68,11 @@ export function registerDoctorCommand(program: Command): void {
         if (absentRoles.length === 0) findings.push({ check: 'privileges', ok: missing.length === 0, detail: `${checked} of ${needed.length} privileges the policies need are granted`, fix: null });
       });
       try {
-        const connection = await amqp.connect(env.amqpUrl);
+        const connection = await connectBroker(env);
         await connection.close();
         findings.push({ check: 'broker', ok: true, detail: 'AMQP_URL answers', fix: null });
       } catch (error) {
-        findings.push({ check: 'broker', ok: false, detail: `AMQP_URL does not answer: ${(error as Error).message}`, fix: 'set AMQP_URL (and the broker user\'s permissions: `reaper topology --definitions`)' });
+        findings.push({ check: 'broker', ok: false, detail: (error as Error).message, fix: 'set AMQP_URL (and the broker user\'s permissions: `reaper topology --definitions`)' });
       }
       const failed = findings.filter((finding) => !finding.ok);
       printResult(!!options.json, { ok: failed.length === 0, findings }, () =>

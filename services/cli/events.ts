@@ -4,7 +4,7 @@ import { eventsEnabled } from '../../shared/config/policies';
 import { expiryEventRoutingKey } from '../../shared/contracts/expiry-event';
 import { outboxRelayConnections } from '../../shared/db/queries/outbox';
 import { context, withPool } from './common';
-import { printResult, table } from './output';
+import { formatDuration, printResult, table } from './output';
 import { eventsStatus, outboxFullLine } from './status';
 
 /**
@@ -33,7 +33,7 @@ export function registerEventsCommands(program: Command): void {
           withEvents.length === 0
             ? 'no policy has expiry events on (events: { enabled: true })'
             : table(
-                rows.map((row) => ({ ...row, outbox: `${row.outbox}${row.paused ? '+' : ''}`, oldest: `${row.oldestAgeSeconds}s`, paused: row.paused ? 'PAUSED (outbox full)' : 'no' })),
+                rows.map((row) => ({ ...row, outbox: `${row.outbox}${row.paused ? '+' : ''}`, oldest: formatDuration(row.oldestAgeSeconds), paused: row.paused ? 'PAUSED (outbox full)' : 'no' })),
                 ['policy', 'outbox', 'maxOutbox', 'oldest', 'paused', 'exchange', 'routingKey'],
               ),
           `reaper relay connections to the database: ${relayConnections}${relayConnections === 0 && withEvents.length > 0 ? ' (no relay is running: events only accumulate)' : ''}`,

@@ -80,11 +80,6 @@ export async function main(argv: string[]): Promise<number> {
       process.stderr.write(`reaper: ${error.message}\n`);
       return 1;
     }
-    if ((error as { code?: string }).code === '42P01') {
-      // undefined_table: the database has no reaper schema (or an older one).
-      process.stderr.write(`reaper: ${(error as Error).message}: the database has no reaper schema yet; run \`reaper migrate\` first\n`);
-      return 1;
-    }
     if (error instanceof ConfigError) {
       process.stderr.write(`reaper: ${error.message}\n`);
       return 1;

@@ -6,7 +6,7 @@ import { targetResolve } from '../../shared/db/queries/expiring-rows';
 import { planCount, planRecentRowsPerSecond, planSample } from '../../shared/db/queries/plan';
 import { runsLatestDecided } from '../../shared/db/queries/runs';
 import { context, pastCutoff, UsageError, withPool } from './common';
-import { printResult } from './output';
+import { formatDuration, printResult } from './output';
 
 /** What `reaper plan` answers (the JSON field names are the contract). */
 export interface Plan {
@@ -52,7 +52,9 @@ export function registerPlanCommand(program: Command): void {
         const cutoff = options.cutoff ? await pastCutoff(pool, options.cutoff) : await databaseNow(pool);
         const target = await targetResolve(pool, policy);
         return withReadOnlyTransaction(pool, async (client): Promise<Plan> => {
-          const counts = await planCount(client, target, cutoff, { unrecordedFor: policy.kind === 'remote-delete' ? policy.name : undefined });
+          // One predicate for the count and the sample: remote-delete leaves out what the ledger already decided.
+          const candidates = { unrecordedFor: policy.kind === 'remote-delete' ? policy.name : undefined };
+          const counts = await planCount(client, target, cutoff, candidates);
           let estimatedSeconds: number | null;
           let estimateBasis: string;
           if (policy.kind === 'remote-delete') {
@@ -71,7 +73,7 @@ export function registerPlanCommand(program: Command): void {
             held: counts.held,
             oldestExpiry: counts.oldestExpiry,
             newestExpiry: counts.newestExpiry,
-            sample: sample > 0 ? await planSample(client, target, cutoff, sample) : [],
+            sample: sample > 0 ? await planSample(client, target, cutoff, sample, candidates) : [],
             estimatedSeconds: estimatedSeconds === null ? null : Math.round(estimatedSeconds * 10) / 10,
             estimateBasis,
             guarded: counts.guarded,
@@ -88,7 +90,7 @@ export function registerPlanCommand(program: Command): void {
           `candidates  ${plan.candidates} in ${plan.batches} batch(es) of ${policy.batchSize}`,
           `held        ${plan.held} expired row(s) under a legal hold, left alone`,
           `expiries    ${plan.oldestExpiry ?? '-'} .. ${plan.newestExpiry ?? '-'}`,
-          `estimate    ${plan.estimatedSeconds === null ? 'unknown' : `${plan.estimatedSeconds} s`} (${plan.estimateBasis})`,
+          `estimate    ${plan.estimatedSeconds === null ? 'unknown' : formatDuration(plan.estimatedSeconds)} (${plan.estimateBasis})`,
           ...(plan.nonFinite > 0 ? [`note        ${plan.nonFinite} row(s) expire at '-infinity' and are never published`] : []),
           `sample      ${plan.sample.join(', ') || '(none)'}`,
           ...(plan.decision

@@ -1,3 +1,5 @@
+import { formatDuration } from './output';
+
 /**
  * The `--execute` progress line: candidates confirmed by the broker (checkpointed) of the candidates
  * counted before the scan, batches confirmed, rate and ETA. Drawn only on a terminal (stderr is a
@@ -27,14 +29,6 @@ export function renderProgress(snapshot: ProgressSnapshot): string {
   const left = counted === null ? null : Math.max(0, counted - confirmed);
   const eta = left === null ? '?' : left === 0 ? '0s' : rate > 0 ? formatDuration(left / rate) : '?';
   return `${bar} ${of} candidates, ${batches} batches confirmed, ${Math.round(rate)}/s, ETA ${eta}`;
-}
-
-export function formatDuration(seconds: number): string {
-  if (!Number.isFinite(seconds)) return '?';
-  const s = Math.ceil(seconds);
-  if (s < 60) return `${s}s`;
-  if (s < 3600) return `${Math.floor(s / 60)}m${String(s % 60).padStart(2, '0')}s`;
-  return `${Math.floor(s / 3600)}h${String(Math.floor((s % 3600) / 60)).padStart(2, '0')}m`;
 }
 
 /** Redraws one line on a terminal stream; `done()` ends it with a newline. */

@@ -2,7 +2,7 @@ import { Command, Option } from 'commander';
 import { loadEnv } from '../../shared/config/env';
 import { runsGetSummary, runsListSummaries, type RunSummary } from '../../shared/db/queries/runs';
 import { NotFoundError, UsageError, withPool } from './common';
-import { printResult, table } from './output';
+import { outputWidth, printResult, table, wrap } from './output';
 import { describeRun, runRow } from './runs';
 
 /** `reaper runs` and `reaper run <runId>`: what runs did, with their counts and reasons. */
@@ -14,14 +14,15 @@ export function registerRunListCommands(program: Command): void {
     .description('list recent runs')
     .option('--policy <policy>', 'only this policy')
     .option('--limit <n>', 'how many', '20')
+    .option('--wide', 'the reason as the last column, one line per run (default: wrapped under its run)')
     .addOption(json())
-    .action(async (options: { policy?: string; limit: string; json?: boolean }) => {
+    .action(async (options: { policy?: string; limit: string; json?: boolean; wide?: boolean }) => {
       const env = loadEnv();
       const limit = Number(options.limit);
       if (!Number.isInteger(limit) || limit < 1 || limit > 10_000) throw new UsageError(`--limit: must be an integer from 1 to 10000 (got "${options.limit}")`);
       await withPool(env, async (pool) => {
         const runs = await runsListSummaries(pool, { policy: options.policy, limit });
-        printResult(!!options.json, runs, () => table(runs.map((run) => ({ ...runRow(run), ...brakeCounts(run) })), ['run', 'policy', 'trigger', 'state', 'cutoff', 'candidates', 'counted', 'approved', 'skipped', 'batches', 'deleted', 'noop', 'reason']));
+        printResult(!!options.json, runs, () => runsTable(runs, !!options.wide));
       });
     });
 
@@ -38,6 +39,29 @@ export function registerRunListCommands(program: Command): void {
         printResult(!!options.json, run, () => [describeRun(run), ...describeBrake(run)].join('\n'));
       });
     });
+}
+
+const RUN_COLUMNS = ['run', 'policy', 'trigger', 'state', 'cutoff', 'candidates', 'counted', 'approved', 'skipped', 'batches', 'deleted', 'noop'];
+
+/**
+ * Runs as a table. A reason (why a run failed, is incomplete, awaits approval) is never cut: by
+ * default it follows its run's line, wrapped to the output's width; with `wide`, it is the last
+ * column, whole, so each run stays one line (for grep).
+ */
+function runsTable(runs: readonly RunSummary[], wide: boolean): string {
+  const rows = runs.map((run) => ({ ...runRow(run), ...brakeCounts(run) }));
+  if (wide) return table(rows, [...RUN_COLUMNS, 'reason']);
+  const [header, ...lines] = table(rows, RUN_COLUMNS).split('\n');
+  if (runs.length === 0) return header!;
+  const indent = '    ';
+  return [
+    header!,
+    ...lines.flatMap((line, index) => {
+      const reason = runs[index]!.error;
+      if (reason === null) return [line];
+      return [line, ...wrap(`reason: ${reason}`, outputWidth() - indent.length, 2).split('\n').map((part) => `${indent}${part}`)];
+    }),
+  ].join('\n');
 }
 
 /** The brake's two counts: what it counted last (published + still to publish) and what was approved. */

@@ -25,10 +25,11 @@ import { makeMetrics } from '../../shared/observability/metrics';
 import { makeBatchVersionGate } from '../scheduler/batch-version-gate';
 import { executeRun, type RunOutcome } from '../scheduler/run-executor';
 import { loadSchedulerTuning } from '../scheduler/tuning';
+import { ConnectionError, describeAmqpUrl } from './connections';
 import { context, ISO_INPUT, NotFoundError, pastCutoff, UsageError, withPool } from './common';
-import { printResult } from './output';
+import { formatDuration, humanLogDestination, printResult } from './output';
 import { outsideWindowMessage, windowStateAt } from '../../shared/schedule/window';
-import { formatDuration, makeProgressLine, renderProgress } from './progress';
+import { makeProgressLine, renderProgress } from './progress';
 
 /**
  * The run commands that start work: `trigger`, `replay` and `execute`, plus the run display helpers
@@ -59,8 +60,8 @@ export function runRow(run: RunSummary): Record<string, unknown> {
     batches: `${run.batchesDone}/${run.batchesConfirmed}`,
     deleted: run.deleted,
     noop: run.noop,
-    // Why a run failed or is incomplete; the whole text is in `reaper run <id>`.
-    reason: run.error === null ? null : run.error.length > 60 ? `${run.error.slice(0, 59)}…` : run.error,
+    // Why a run failed, is incomplete or awaits approval: whole (`reaper runs` wraps it under the row).
+    reason: run.error,
   };
 }
 
@@ -269,7 +270,8 @@ async function executeHere(env: Env, pool: Pool, run: Run, policy: Policy, optio
   const json = !!options.json;
   const tuning = loadSchedulerTuning();
   // Logs go to stderr (stdout is the result); warnings and errors only unless LOG_LEVEL says more.
-  const log = makeLogger({ level: process.env.LOG_LEVEL ?? 'warn', service: 'cli', workerId: cliOwner(env) }, process.stderr);
+  // For a person (no --json) each log line is a line of text: JSON lines only beside a JSON result.
+  const log = makeLogger({ level: process.env.LOG_LEVEL ?? 'warn', service: 'cli', workerId: cliOwner(env) }, json ? process.stderr : humanLogDestination(process.stderr));
   const names = brokerNames(env.amqpPrefix);
   const claim = runClaimOf(run, cliOwner(env));
   let stopping = false;
@@ -300,7 +302,7 @@ async function executeHere(env: Env, pool: Pool, run: Run, policy: Policy, optio
         connection.start().then(() => true),
         new Promise<false>((resolve) => (connectTimer = setTimeout(() => resolve(false), BROKER_CONNECT_TIMEOUT_MS))),
       ]).finally(() => clearTimeout(connectTimer));
-      if (!connected) throw new Error(`broker not reachable within ${BROKER_CONNECT_TIMEOUT_MS / 1000} s`);
+      if (!connected) throw new ConnectionError(`cannot connect to RabbitMQ at ${describeAmqpUrl(env.amqpUrl)} within ${BROKER_CONNECT_TIMEOUT_MS / 1000} s`);
       const target = await targetResolve(pool, policy);
       const publisher = new ConfirmingPublisher(connection);
       const gate = makeBatchVersionGate({ wanted: versions.publish, pool, connection, names, amqpPrefix: env.amqpPrefix, log });

@@ -15,6 +15,7 @@ import { startScheduler } from '../scheduler/scheduler';
 import { startWorker } from '../worker/worker';
 import { context, UsageError, withPool } from './common';
 import { roleList } from './sql';
+import { explainDatabaseError } from './connections';
 import { printResult } from './output';
 
 /** `reaper migrate`, `scheduler`, `worker`, `topology` and `demo`: running and setting up reaper itself. */
@@ -62,7 +63,9 @@ export function registerServiceCommands(program: Command): void {
       // a long migration is visibly running, and the last line names the file that failed.
       const announce = options.json ? undefined : (name: string) => process.stderr.write(`applying ${name} ...\n`);
       const grantTo = { scheduler: options.scheduler, worker: options.worker, operator: options.operator };
-      const migrated = await migrate(env.databaseUrl, { onApplying: announce, grantTo });
+      const migrated = await migrate(env.databaseUrl, { onApplying: announce, grantTo }).catch((error: unknown) => {
+        throw explainDatabaseError(env.databaseUrl, error);
+      });
       // Production databases never get them: they are the demo policies' targets, not reaper's.
       if (options.withDemoTables) await withPool(env, (pool) => demoTablesCreate(pool));
       const views = policies ? await withPool(env, (pool) => liveViewsCreate(pool, policies, options.grantTo)) : [];
@@ -116,10 +119,12 @@ export function registerServiceCommands(program: Command): void {
 
   program
     .command('demo')
-    .description('run the demo end to end in the reaper_demo database (npm run demo)')
-    .action(async () => {
+    .description('run the demo end to end in the reaper_demo database (npm run demo); what it made stays until --clean')
+    .option('--clean', "remove what the demo made: its database, its queues and exchanges (reaper-demo.*), its reaper_demo_* roles and its policies file")
+    .action(async (options: { clean?: boolean }) => {
       // Loaded on demand: the demo brings the stand-in media API, which the runtime image need not carry.
-      const { runDemo } = require('./demo') as typeof import('./demo');
-      process.exitCode = await runDemo();
+      const { cleanDemo, runDemo } = require('./demo') as typeof import('./demo');
+      if (options.clean) await cleanDemo(loadEnv());
+      else process.exitCode = await runDemo();
     });
 }

@@ -1,7 +1,6 @@
 import { Command, Option } from 'commander';
 import type { Env } from '../../shared/config/env';
 import { eventsEnabled, type Policy, type PolicySet } from '../../shared/config/policies';
-import { connectAny } from '../../shared/amqp/connection';
 import { brokerNames, DELAY_TIERS_MS } from '../../shared/amqp/topology';
 import { admissionList, replicationLagRead } from '../../shared/db/queries/admission';
 import { admissionViews } from '../../shared/admission/overrides';
@@ -15,7 +14,8 @@ import { runsListSummaries } from '../../shared/db/queries/runs';
 import { readBacklog } from '../scheduler/backlog-gauges';
 import { describe as describeAdmission } from './admission';
 import { context, withPool } from './common';
-import { printResult, table } from './output';
+import { connectBroker } from './connections';
+import { formatDuration, outputWidth, printResult, table, wrap } from './output';
 import { describeWindow, outsideWindowMessage, windowStateAt } from '../../shared/schedule/window';
 
 /** `reaper status`: per policy what the database and the broker say now. */
@@ -140,7 +140,7 @@ async function queueDepths(
   let delayed: number | null = null;
   let error: string | null = null;
   try {
-    const connection = await connectAny(env.amqpUrl, { timeout: 5000 });
+    const connection = await connectBroker(env, { timeout: 5000 });
     try {
       for (const policy of policyNames) {
         const channel = await connection.createChannel();
@@ -164,66 +164,117 @@ async function queueDepths(
       await connection.close().catch(() => undefined);
     }
   } catch (failure) {
-    // Broker unreachable: the status still shows what the database knows, and says why not more.
-    const { code, message } = failure as NodeJS.ErrnoException;
-    error = `${redactUrl(env.amqpUrl)}: ${message || code || String(failure)}`;
+    // Broker unreachable: the status still shows what the database knows, says why not more, and
+    // exits 1 (a script or a probe must not read "unknown" as fine).
+    error = (failure as Error).message;
   }
   return { work, deadLetters, delayed, error };
 }
 
-/** An AMQP/PostgreSQL URL without its password, for messages. */
-function redactUrl(url: string): string {
-  try {
-    const parsed = new URL(url);
-    if (parsed.password) parsed.password = '***';
-    return parsed.toString();
-  } catch {
-    return '(unparseable URL)';
-  }
-}
-
 /** Registers `reaper status`. */
 export function registerStatusCommand(program: Command): void {
-  const json = () => new Option('--json', 'print machine-readable JSON');
-
   program
     .command('status')
-    .description('per policy: backlog age and size, oldest lease, last completed run and its lag, queue depths, ledger states, admission')
-    .addOption(json())
-    .action(async (options: { json?: boolean }) => {
+    .description('per policy: backlog age and size, last runs, queue depths, ledger states, and what holds a policy back; exit 1 when the broker cannot be reached')
+    .addOption(new Option('--wide', 'every column (admission, adaptive rate, brake, outbox, each ledger state, ...) on one line per policy'))
+    .addOption(new Option('--json', 'print machine-readable JSON'))
+    .action(async (options: { json?: boolean; wide?: boolean }) => {
       const { env, policies } = context();
       const status = await collectStatus(env, policies);
-      printResult(!!options.json, status, () =>
-        [
-          table(
-            status.policies.map((row) => ({
-              ...row,
-              oldestEligible: row.oldestEligibleAgeSeconds === null ? null : `${row.oldestEligibleAgeSeconds}s`,
-              oldestLeased: row.oldestLeasedAgeSeconds === null ? null : `${row.oldestLeasedAgeSeconds}s`,
-              waiting: row.waitingRows === null ? null : `${row.waitingRows}${row.waitingRowsCapped ? '+' : ''}`,
-              lastCompleted: row.lastCompletedAt,
-              lag: row.lastCompletedLagSeconds === null ? null : `${row.lastCompletedLagSeconds}s`,
-              admission: `${describeAdmission(row.admission.inForce, row.admission.rateUnit)}${row.admission.override ? ` (override by ${row.admission.override.setBy})` : ''}`,
-              window: row.window?.summary ?? null,
-              events:
-                row.events === null
-                  ? null
-                  : `${row.events.paused ? 'PAUSED (outbox full) ' : ''}outbox ${row.events.outbox}${row.events.paused ? '+' : ''}/${row.events.maxOutbox}, oldest ${row.events.oldestAgeSeconds}s`,
-              adaptive:
-                row.adaptive === null
-                  ? null
-                  : row.adaptive.rowsPerSecond === null
-                    ? 'on (not started)'
-                    : `${Math.round(row.adaptive.rowsPerSecond)} rows/s${row.adaptive.pressure === null ? '' : ` (pressure ${row.adaptive.pressure.toFixed(2)})`}`,
-              brake: row.brake === null ? null : `${row.brake.engaged ? 'ENGAGED' : 'off'} (lag ${row.brake.lagSeconds}s, max ${row.brake.maxReplicationLagSeconds}s)`,
-            })),
-            ['policy', 'kind', 'window', 'paused', 'admission', 'adaptive', 'brake', 'events', 'oldestEligible', 'oldestLeased', 'waiting', 'lastCompleted', 'lag', 'lastRun', 'lastRunState', 'lastRunCounted', 'lastRunApproved', 'lastRunError', 'queued', 'pending', 'inFlight', 'confirmed', 'rejected', 'gaveUp'],
-          ),
-          `delay tiers (retries waiting): ${status.delayed ?? 'unknown'} message(s)`,
-          `dead-letter queue: ${status.deadLetters ?? 'unknown'} message(s)`,
-          ...status.policies.filter((row) => row.events?.paused).map((row) => outboxFullLine(row.policy, row.events!)),
-          ...(status.brokerError ? [`broker not reachable, queue counts unknown: ${status.brokerError}`] : []),
-        ].join('\n'),
-      );
+      printResult(!!options.json, status, () => (options.wide ? wideStatus(status) : narrowStatus(status, outputWidth())));
+      if (status.brokerError) process.exitCode = 1;
     });
+}
+
+type Status = Awaited<ReturnType<typeof collectStatus>>;
+type PolicyStatus = Status['policies'][number];
+
+const ageOf = (seconds: number | null): string | null => (seconds === null ? null : formatDuration(seconds));
+const waitingOf = (row: PolicyStatus): string | null => (row.waitingRows === null ? null : `${row.waitingRows}${row.waitingRowsCapped ? '+' : ''}`);
+const lastRunAgeSeconds = (row: PolicyStatus, now: number): number | null => (row.lastRun === null ? null : Math.max(0, (now - Date.parse(row.lastRun)) / 1000));
+
+/**
+ * The default view (fits 120 columns for policy names up to about 25 characters): one line per
+ * policy with the numbers an operator scans, then a line per policy for what holds it back or
+ * needs a decision (paused, window closed, brake engaged, outbox full, an override, the last run's
+ * reason), wrapped, never cut. `--wide` and `--json` carry everything.
+ */
+function narrowStatus(status: Status, width: number): string {
+  const now = Date.now();
+  const rows = status.policies.map((row) => ({
+    policy: row.policy,
+    kind: row.kind,
+    waiting: waitingOf(row),
+    oldest: ageOf(row.oldestEligibleAgeSeconds),
+    lag: ageOf(row.lastCompletedLagSeconds),
+    'last run': row.lastRunState === null ? null : `${row.lastRunState} ${formatDuration(lastRunAgeSeconds(row, now) ?? 0)} ago`,
+    queued: row.queued,
+    pending: row.pending,
+    leased: row.inFlight,
+    review: row.rejected + row.gaveUp,
+  }));
+  const notes = status.policies.flatMap((row) => {
+    const said = policyNotes(row);
+    return said.length === 0 ? [] : [wrap(`${row.policy}: ${said.join('; ')}`, width, 2)];
+  });
+  return [
+    table(rows, ['policy', 'kind', 'waiting', 'oldest', 'lag', 'last run', 'queued', 'pending', 'leased', 'review']),
+    ...notes,
+    ...brokerLines(status, width),
+    wrap("(waiting: expired rows; oldest: the oldest one's age; lag: the last completed run's; review: rejected + gave up)", width, 1),
+  ].join('\n');
+}
+
+/** What holds a policy back or asks for a decision; nothing when it runs as configured (a full outbox has its own line: brokerLines). */
+function policyNotes(row: PolicyStatus): string[] {
+  return [
+    ...(row.paused ? ['PAUSED (reaper resume)'] : []),
+    ...(row.window && !row.window.open ? [row.window.summary] : []),
+    ...(row.brake?.engaged ? [`replica-lag brake ENGAGED (lag ${formatDuration(row.brake.lagSeconds)}, max ${formatDuration(row.brake.maxReplicationLagSeconds)})`] : []),
+    ...(row.admission.override ? [`admission ${admissionText(row)}`] : []),
+    ...(row.lastRunState === 'awaiting-approval' ? [`last run awaits approval: counted ${row.lastRunCounted ?? '-'} (reaper runs --policy ${row.policy})`] : []),
+    ...(row.lastRunError !== null && row.lastRunState !== 'awaiting-approval' ? [`last run ${row.lastRunState}: ${row.lastRunError}`] : []),
+  ];
+}
+
+function admissionText(row: PolicyStatus): string {
+  return `${describeAdmission(row.admission.inForce, row.admission.rateUnit)}${row.admission.override ? ` (override by ${row.admission.override.setBy})` : ''}`;
+}
+
+/** The broker's part: messages in delay tiers and dead letters, or why the broker could not say. */
+function brokerLines(status: Status, width: number): string[] {
+  const outboxFull = status.policies.filter((row) => row.events?.paused).map((row) => wrap(outboxFullLine(row.policy, row.events!), width, 2));
+  if (status.brokerError) return [...outboxFull, wrap(`queue counts unknown: ${status.brokerError}`, width, 2)];
+  return [`delay tiers (retries waiting): ${status.delayed ?? 0} message(s); dead-letter queue: ${status.deadLetters ?? 0} message(s)`, ...outboxFull];
+}
+
+/** `--wide`: every column on one line per policy, as wide as it takes. */
+function wideStatus(status: Status): string {
+  return [
+    table(
+      status.policies.map((row) => ({
+        ...row,
+        oldestEligible: ageOf(row.oldestEligibleAgeSeconds),
+        oldestLeased: ageOf(row.oldestLeasedAgeSeconds),
+        waiting: waitingOf(row),
+        lastCompleted: row.lastCompletedAt,
+        lag: ageOf(row.lastCompletedLagSeconds),
+        admission: admissionText(row),
+        window: row.window?.summary ?? null,
+        events:
+          row.events === null
+            ? null
+            : `${row.events.paused ? 'PAUSED (outbox full) ' : ''}outbox ${row.events.outbox}${row.events.paused ? '+' : ''}/${row.events.maxOutbox}, oldest ${formatDuration(row.events.oldestAgeSeconds)}`,
+        adaptive:
+          row.adaptive === null
+            ? null
+            : row.adaptive.rowsPerSecond === null
+              ? 'on (not started)'
+              : `${Math.round(row.adaptive.rowsPerSecond)} rows/s${row.adaptive.pressure === null ? '' : ` (pressure ${row.adaptive.pressure.toFixed(2)})`}`,
+        brake: row.brake === null ? null : `${row.brake.engaged ? 'ENGAGED' : 'off'} (lag ${formatDuration(row.brake.lagSeconds)}, max ${formatDuration(row.brake.maxReplicationLagSeconds)})`,
+      })),
+      ['policy', 'kind', 'window', 'paused', 'admission', 'adaptive', 'brake', 'events', 'oldestEligible', 'oldestLeased', 'waiting', 'lastCompleted', 'lag', 'lastRun', 'lastRunState', 'lastRunCounted', 'lastRunApproved', 'lastRunError', 'queued', 'pending', 'inFlight', 'confirmed', 'rejected', 'gaveUp'],
+    ),
+    ...brokerLines(status, Number.MAX_SAFE_INTEGER),
+  ].join('\n');
 }

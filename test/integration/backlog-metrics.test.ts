@@ -128,7 +128,7 @@ describe('backlog gauges and outcome counters', () => {
     // The run just completed: its lag is a few seconds at most, never negative (a lag read off the
     // wrong clock or the wrong run would be minutes or hours off).
     assert.ok(typeof row.lastCompletedLagSeconds === 'number' && row.lastCompletedLagSeconds >= 0 && row.lastCompletedLagSeconds < 120, `the last completed run's lag: ${String(row.lastCompletedLagSeconds)}`);
-    const table = await runReaperCli(['status'], bed.processEnv());
+    const table = await runReaperCli(['status', '--wide'], bed.processEnv());
     assert.match(table.stdout, /oldestEligible\s+oldestLeased\s+waiting\s+lastCompleted\s+lag/);
 
     await stop(work);

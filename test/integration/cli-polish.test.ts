@@ -1,8 +1,8 @@
 /**
  * CLI details found while deploying (issue 11): `--version`; "not found" exits 1 (a lookup that
- * found nothing), not 2 (a usage error); `status` says why the broker could not be reached and
- * counts the messages waiting in delay tiers; a database without reaper's schema suggests
- * `reaper migrate`; `migrate` says what it applies as it goes.
+ * found nothing), not 2 (a usage error); `status` says why the broker could not be reached (and
+ * exits 1: issue 42) and counts the messages waiting in delay tiers; a database without reaper's
+ * schema suggests `reaper migrate`, naming the database; `migrate` says what it applies as it goes.
  */
 import { test, before, after } from 'node:test';
 import assert from 'node:assert/strict';
@@ -46,10 +46,10 @@ test('a run that does not exist exits 1 (not found), a malformed id 2 (usage)', 
   assert.equal(malformed.code, 2);
 });
 
-test('status names the reason the broker could not be reached, and still shows the database side', async () => {
+test('status names the reason the broker could not be reached, still shows the database side, and exits 1', async () => {
   const result = await runReaperCli(['status'], bed.processEnv({ AMQP_URL: 'amqp://guest:guest@127.0.0.1:1' }));
-  assert.equal(result.code, 0, result.stdout);
-  assert.match(result.stdout, /broker not reachable, queue counts unknown: amqp:\/\/guest:\*\*\*@127\.0\.0\.1:1.*ECONNREFUSED/);
+  assert.equal(result.code, 1, result.stdout);
+  assert.match(result.stdout, /queue counts unknown: cannot connect to RabbitMQ at 127\.0\.0\.1:1 \(vhost \/, from AMQP_URL\): [\s\S]*ECONNREFUSED/);
   assert.match(result.stdout, /seat-holds/, 'the policies are listed from the database');
   const json = JSON.parse((await runReaperCli(['status', '--json'], bed.processEnv({ AMQP_URL: 'amqp://guest:guest@127.0.0.1:1' }))).stdout) as { brokerError: string | null };
   assert.match(json.brokerError ?? '', /ECONNREFUSED/);
@@ -88,9 +88,12 @@ test('a database without the reaper schema: the command suggests `reaper migrate
     url.pathname = `/${database}`;
     // A database this test made, without the printed roles (nor reaper's schema, on purpose).
     const env = bed.processEnv({ DATABASE_URL: url.toString(), REAPER_TEST_SUPERUSER_BECAUSE: 'a database the test made, without the printed roles' });
-    const runs = await runReaperCli(['runs'], env);
-    assert.equal(runs.code, 1, runs.stdout);
-    assert.match(runs.stdout, /run `reaper migrate` first/);
+    // The advice names the database (issue 42: the defaults once pointed `reaper migrate` at `postgres`).
+    for (const command of ['runs', 'status']) {
+      const result = await runReaperCli([command], env);
+      assert.equal(result.code, 1, result.stdout);
+      assert.match(result.stdout, new RegExp(`the database at ${url.hostname}:${url.port || 5432} \\(database ${database}, from DATABASE_URL\\) has no reaper schema .*run \`reaper migrate\` with this DATABASE_URL first`));
+    }
     const migrated = await runReaperCli(['migrate'], env);
     assert.equal(migrated.code, 0, migrated.stdout);
     assert.match(migrated.stdout, /applying 0001_[^\n]+\.sql \.\.\.\n[\s\S]*applying 0002_/, 'each file is announced as it starts');

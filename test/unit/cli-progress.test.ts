@@ -1,6 +1,7 @@
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
-import { formatDuration, renderProgress } from '../../services/cli/progress';
+import { renderProgress } from '../../services/cli/progress';
+import { formatDuration } from '../../services/cli/output';
 
 test('the --execute progress line: candidates confirmed of counted, batches, rate and ETA', () => {
   assert.equal(

@@ -53,15 +53,19 @@ export async function planCount(db: Db, target: ResolvedTarget, cutoff: string, 
   };
 }
 
-/** The first `limit` candidate keys in scan order. */
-export async function planSample(db: Db, target: ResolvedTarget, cutoff: string, limit: number): Promise<string[]> {
-  const guard = guardSql(target, 4);
+/**
+ * The first `limit` candidate keys in scan order: planCount's candidates (guard, finite expiry <=
+ * cutoff, no active hold, and with `unrecordedFor` no decision the ledger already carries).
+ */
+export async function planSample(db: Db, target: ResolvedTarget, cutoff: string, limit: number, options: { unrecordedFor?: string } = {}): Promise<string[]> {
+  const guard = guardSql(target, 5);
+  const recorded = options.unrecordedFor ? ledgerCarriesDecisionSql('$4', target) : 'false AND $4::text IS NULL';
   const result = await db.query<{ id: string }>(
     `SELECT t.${target.key}::text AS id FROM ${target.table} t
      WHERE t.${target.expiresAt} <= $1::timestamptz AND t.${target.expiresAt} > '-infinity'::timestamptz${guard}
-       AND ${noActiveHold('$2', `t.${target.key}`)}
+       AND NOT (${recorded}) AND ${noActiveHold('$2', `t.${target.key}`)}
      ORDER BY t.${target.expiresAt}, t.${target.key} LIMIT $3`,
-    [cutoff, target.policy, limit, ...target.guardValues],
+    [cutoff, target.policy, limit, options.unrecordedFor ?? null, ...target.guardValues],
   );
   return result.rows.map((row) => row.id);
 }
