@@ -1,6 +1,6 @@
 import { Command, Option } from 'commander';
 import { requirePolicy } from '../../shared/config/policies';
-import { targetResolve } from '../../shared/db/queries/expiring-rows';
+import { targetResolve } from '../../shared/db/queries/target';
 import { holdsAdd, holdsList, holdsRemove } from '../../shared/db/queries/holds';
 import { ISO_INPUT, context, operatorName, UsageError, withPool } from './common';
 import { printResult, table } from './output';

@@ -2,7 +2,7 @@ import { Command, Option } from 'commander';
 import { requirePolicy } from '../../shared/config/policies';
 import { withReadOnlyTransaction } from '../../shared/db/pool';
 import { databaseNow } from '../../shared/db/queries/clock';
-import { targetResolve } from '../../shared/db/queries/expiring-rows';
+import { targetResolve } from '../../shared/db/queries/target';
 import { planCount, planRecentRowsPerSecond, planSample } from '../../shared/db/queries/plan';
 import { runsLatestDecided } from '../../shared/db/queries/runs';
 import { context, pastCutoff, UsageError, withPool } from './common';

@@ -11,7 +11,7 @@ import {
   type ArchiveSelection,
   type RestoredRow,
 } from '../../shared/db/queries/archive';
-import { targetResolve, type ResolvedTarget } from '../../shared/db/queries/expiring-rows';
+import { targetResolve, type ResolvedTarget } from '../../shared/db/queries/target';
 import { failpoint } from '../../shared/observability/failpoint-hook';
 import { context, NotFoundError, operatorName, UsageError, withPool } from './common';
 import { printResult } from './output';

@@ -6,7 +6,7 @@ import { ReconnectingConnection } from '../../shared/amqp/connection';
 import { ConfirmingPublisher } from '../../shared/amqp/publisher';
 import { brokerNames, topologyFor } from '../../shared/amqp/topology';
 import { withTransaction, type Pool } from '../../shared/db/pool';
-import { targetResolve } from '../../shared/db/queries/expiring-rows';
+import { targetResolve } from '../../shared/db/queries/target';
 import { heartbeatsLatestScheduler } from '../../shared/db/queries/heartbeats';
 import {
   runClaimOf,

@@ -9,7 +9,7 @@ import { ledgerCountsByPolicy } from '../../shared/db/queries/ledger';
 import { outboxCountUpTo, outboxOldestAges } from '../../shared/db/queries/outbox';
 import type { Db } from '../../shared/db/pool';
 import { ELIGIBLE_ROWS_CAP } from '../../shared/db/queries/backlog';
-import { targetResolve, type ResolvedTarget } from '../../shared/db/queries/expiring-rows';
+import { targetResolve, type ResolvedTarget } from '../../shared/db/queries/target';
 import { runsListSummaries } from '../../shared/db/queries/runs';
 import { readBacklog } from '../scheduler/backlog-gauges';
 import { describe as describeAdmission } from './admission';

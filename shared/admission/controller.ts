@@ -2,7 +2,7 @@ import { Histogram, type Registry } from 'prom-client';
 import type { RemoteDeletePolicy } from '../config/policies';
 import { withTransaction, type Pool } from '../db/pool';
 import { admissionBlockFor, admissionGrantAndClaim, admissionLock, admissionTakeOne } from '../db/queries/admission';
-import type { ResolvedTarget } from '../db/queries/expiring-rows';
+import type { ResolvedTarget } from '../db/queries/target';
 import type { ClaimedOperation } from '../db/queries/ledger';
 import { overrideFor, remoteAdmissionWith } from './overrides';
 

@@ -2,7 +2,7 @@ import { randomUUID } from 'node:crypto';
 import { s3RequestKeys, type S3DeletePolicy } from '../config/policies';
 import { withTransaction, type Pool } from '../db/pool';
 import { admissionLock } from '../db/queries/admission';
-import type { ResolvedTarget } from '../db/queries/expiring-rows';
+import type { ResolvedTarget } from '../db/queries/target';
 import { admissionChargeKeys, s3AdmissionGrantAndClaim } from '../db/queries/ledger-s3';
 import type { ClaimedOperation } from '../db/queries/ledger';
 import { MIN_ADMISSION_WAIT_MS, type AdmissionVerdict } from './controller';

@@ -9,7 +9,8 @@
 import assert from 'node:assert/strict';
 import { after, before, test } from 'node:test';
 import { loadPolicies } from '../../shared/config/policies';
-import { expiringRowsScanPage, targetResolve } from '../../shared/db/queries/expiring-rows';
+import { expiringRowsScanPage } from '../../shared/db/queries/expiring-rows';
+import { targetResolve } from '../../shared/db/queries/target';
 import { ledgerRecordCandidates } from '../../shared/db/queries/ledger';
 import { runsGetSummary } from '../../shared/db/queries/runs';
 import { combinedPoliciesYaml, rowDeletePolicyYaml } from '../support/fixtures';

@@ -6,9 +6,6 @@ import { outboxInsertForRemovedSql } from './outbox';
 import { prepared } from './prepared';
 import type { ResolvedTarget } from './target';
 
-// Callers in services/cli still import these from here; new code imports ./target.
-export { targetResolve, type ResolvedTarget, type TargetSpec } from './target';
-
 /**
  * SQL over a policy's own table ("the target"): the keyset scan the scheduler runs and the
  * conditional DELETE the row-delete worker runs. Table and column names come from a validated
