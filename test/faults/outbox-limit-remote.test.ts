@@ -85,7 +85,8 @@ describe('remote-delete: the expiry-event outbox limit pauses deletions until th
       assert.deepEqual(row?.events && { outbox: row.events.outbox, maxOutbox: row.events.maxOutbox, paused: row.events.paused }, { outbox: MAX_OUTBOX, maxOutbox: MAX_OUTBOX, paused: true });
       const text = await runReaperCli(['status'], world.bed.processEnv());
       assert.match(text.stdout, new RegExp(`${MEDIA_POLICY}: deletions paused: ${MAX_OUTBOX}\\+ expiry events unpublished \\(events.maxOutbox ${MAX_OUTBOX}\\)`));
-      assert.match(text.stdout, /PAUSED \(outbox full\)/);
+      const wide = await runReaperCli(['status', '--wide'], world.bed.processEnv());
+      assert.match(wide.stdout, /PAUSED \(outbox full\)/, 'the wide table has the events column');
       // The runbook's own view: the outbox per policy, and that no relay is connected.
       const eventsStatus = await runReaperCli(['events', 'status', '--json'], world.bed.processEnv());
       assert.equal(eventsStatus.code, 0, eventsStatus.stdout);

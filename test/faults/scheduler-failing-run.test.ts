@@ -98,7 +98,9 @@ describe('a failing run does not stop the others', () => {
 
     // Shown where an operator looks.
     const runs = await runReaperCli(['runs'], bed.processEnv());
-    assert.match(runs.stdout, new RegExp(`${doomedRun}.*failed.*42P01`), runs.stdout);
+    assert.match(runs.stdout, new RegExp(`${doomedRun}.*failed[^\\n]*\\n\\s+reason: scan: database error 42P01`), runs.stdout);
+    const wide = await runReaperCli(['runs', '--wide'], bed.processEnv());
+    assert.match(wide.stdout, new RegExp(`${doomedRun}.*failed.*42P01`), wide.stdout);
     const one = await runReaperCli(['run', doomedRun], bed.processEnv());
     assert.match(one.stdout, /state\s+failed: scan: database error 42P01: relation "doomed_holds" does not exist/, one.stdout);
     const status = await runReaperCli(['status', '--json'], bed.processEnv());
