@@ -421,7 +421,9 @@ export async function cleanDemo(env: Env, names: DemoNames = DEMO_NAMES): Promis
   const { database, roles } = await withAdmin(env, names, async (admin) => {
     const found = await admin.query('SELECT 1 FROM pg_database WHERE datname = $1', [names.database]);
     await admin.query(`DROP DATABASE IF EXISTS ${pg.escapeIdentifier(names.database)} WITH (FORCE)`);
-    const existing = (await admin.query<{ rolname: string }>('SELECT rolname FROM pg_roles WHERE rolname = ANY($1::text[])', [Object.values(names.roles)])).rows.map((row) => row.rolname);
+    // In the roles' own order (migrator, scheduler, worker, operator), whatever order pg_roles returns.
+    const present = new Set((await admin.query<{ rolname: string }>('SELECT rolname FROM pg_roles WHERE rolname = ANY($1::text[])', [Object.values(names.roles)])).rows.map((row) => row.rolname));
+    const existing = Object.values(names.roles).filter((role) => present.has(role));
     // After the database: the roles' grants were there. A role still owning something elsewhere
     // makes DROP ROLE fail with its reason, and the rest is still removed.
     for (const role of existing) await admin.query(`DROP ROLE IF EXISTS ${pg.escapeIdentifier(role)}`);
