@@ -30,15 +30,19 @@ describe('object storage: versioned bucket (SDK mock)', () => {
     await bed?.close();
   });
 
-  test('every version is deleted and audited with its version id; a version under Object Lock ends the key rejected, audited for what went, never retried', async () => {
-    const [free, locked] = await seedAssets(bed.pool, 'versioned', 2);
+  /** The S3 handler of a `versions: all` policy over the real ledger, its store the SDK mock. */
+  async function versionedHandler() {
     const policy = parsePolicies(
       s3PolicyYaml({ endpoint: 'http://127.0.0.1:1', requestsPerSecond: 100, keysPerSecond: 1000, concurrency: 2, versions: 'all' }),
       'test-policies.yaml',
       {},
     ).get(MEDIA_POLICY) as S3DeletePolicy;
-    const target = await targetResolve(bed.pool, policy);
-    const handle = makeS3DeleteHandler(policy, target, makeObjectStorageClient(policy.remote, client));
+    return makeS3DeleteHandler(policy, await targetResolve(bed.pool, policy), makeObjectStorageClient(policy.remote, client));
+  }
+
+  test('every version is deleted and audited with its version id; a version under Object Lock ends the key rejected, audited for what went, never retried', async () => {
+    const [free, locked] = await seedAssets(bed.pool, 'versioned', 2);
+    const handle = await versionedHandler();
     s3.on(ListObjectVersionsCommand, { Prefix: `media/${free}` }).resolves({
       Versions: [{ Key: `media/${free}`, VersionId: 'f-2' }, { Key: `media/${free}`, VersionId: 'f-1' }],
       DeleteMarkers: [{ Key: `media/${free}`, VersionId: 'f-marker' }],
@@ -76,12 +80,6 @@ describe('object storage: versioned bucket (SDK mock)', () => {
     // 2 x 600 versions: the first request carries 1,000 entries (one key whole, 400 of the other),
     // the second the other key's last 200, and it fails (an HTTP 500: the request may not have run).
     const [first, second] = await seedAssets(bed.pool, 'chunked', 2);
-    const policy = parsePolicies(
-      s3PolicyYaml({ endpoint: 'http://127.0.0.1:1', requestsPerSecond: 100, keysPerSecond: 1000, concurrency: 2, versions: 'all' }),
-      'test-policies.yaml',
-      {},
-    ).get(MEDIA_POLICY) as S3DeletePolicy;
-    const target = await targetResolve(bed.pool, policy);
     s3.reset();
     for (const asset of [first!, second!]) {
       s3.on(ListObjectVersionsCommand, { Prefix: `media/${asset}` }).resolves({
@@ -95,7 +93,7 @@ describe('object storage: versioned bucket (SDK mock)', () => {
       if (requests > 1) throw Object.assign(new Error('We encountered an internal error. Please try again.'), { name: 'InternalError', $metadata: { httpStatusCode: 500 } });
       return { Deleted: input.Delete.Objects.map((o) => ({ Key: o.Key, VersionId: o.VersionId })) };
     });
-    const handle = makeS3DeleteHandler(policy, target, makeObjectStorageClient(policy.remote, client));
+    const handle = await versionedHandler();
 
     const result = await handle(await batchFor(bed.pool, [first!, second!]), handlerContext(bed.pool));
     assert.notEqual(result.kind, 'dead-letter', JSON.stringify(result));
