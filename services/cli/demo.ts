@@ -113,7 +113,7 @@ export async function runDemo(names: DemoNames = DEMO_NAMES): Promise<number> {
   };
   const startService = (args: string[], workerId: string): void => {
     const role = args[0] === 'worker' ? 'worker' : 'scheduler';
-    children.push(spawn(process.execPath, [BIN, ...args], { env: { ...serviceEnv, DATABASE_URL: roleUrl(role), REAPER_WORKER_ID: workerId }, stdio: ['ignore', 'inherit', 'inherit'] }));
+    children.push(spawn(process.execPath, [BIN, ...args], { env: { ...serviceEnv, DATABASE_URL: roleUrl(role), REAPER_WORKER_ID: workerId }, stdio: ['ignore', 'inherit', 'inherit', 'ipc'] })); // ipc: a service stops when the demo is gone (runService)
   };
   try {
     say('3. starting one scheduler; triggering a run of each policy (cutoff = database clock now)');

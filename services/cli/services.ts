@@ -20,7 +20,12 @@ import { printResult } from './output';
 
 /** `reaper migrate`, `scheduler`, `worker`, `topology` and `demo`: running and setting up reaper itself. */
 
-/** Runs a service in the foreground until SIGTERM/SIGINT, then drains and exits 0. */
+/**
+ * Runs a service in the foreground until SIGTERM/SIGINT, then drains and exits 0. A service
+ * started with an IPC channel (`reaper demo` starts its services so) drains the same way when the
+ * channel closes: its parent is gone, even by SIGKILL, and nobody else would ever stop it (a
+ * demo killed abruptly left its scheduler claiming runs in the demo database until killed by hand).
+ */
 async function runService(kind: 'scheduler' | 'worker' | 'relay'): Promise<void> {
   refuseTestOnlyVariables();
   const { env, policies } = context();
@@ -35,6 +40,7 @@ async function runService(kind: 'scheduler' | 'worker' | 'relay'): Promise<void>
     };
     process.once('SIGTERM', () => shutdown('SIGTERM'));
     process.once('SIGINT', () => shutdown('SIGINT'));
+    if (process.channel) process.once('disconnect', () => shutdown('parent gone'));
   });
   await handle.stop();
   log.info(`${kind} stopped`);

@@ -58,7 +58,6 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
   const reclaimer = startLeaseReclaimer(pool, policies, log);
   const connection = connectToBroker(env, policies, metrics, log);
   const publisher = new ConfirmingPublisher(connection);
-  const sweeper = startSweeperForRemotePolicies({ pool, publisher, names, policies, targets, metrics, log });
   // Accepts every batch version it knows (REAPER_TEST_MAX_BATCH_VERSION caps it, tests only) and announces it.
   const { highestAccepted } = loadBatchVersionConfig();
   let heartbeat: HeartbeatHandle | undefined;
@@ -90,6 +89,10 @@ export async function startWorker(env: Env, policies: PolicySet, log: Logger): P
     throw error;
   }
   log.info({ policies: [...policies.keys()], prefetch: env.prefetch }, 'worker consuming');
+  // Only once started: a worker whose start fails stops everything it started, and a sweeper
+  // started before would go on passing over a closed pool (it publishes through the connection
+  // that has just started anyway).
+  const sweeper = startSweeperForRemotePolicies({ pool, publisher, names, policies, targets, metrics, log });
 
   const handle: WorkerHandle = {
     metrics,
