@@ -103,7 +103,8 @@ describe('batch version gate: identities, not counts', () => {
       assert.match(output, /publishing batch version 2/);
       assert.doesNotMatch(output, /holding batch version/);
       await eventually('the worker to delete the run', async () => (await countReservations(bed.pool, seeded.expiredHeld)) === 0, { timeoutMs: 30_000 });
-      assert.ok(worker.lines.some((line) => line.msg === 'batch settled'), 'the version-2 worker took the batches');
+      // The rows go at the commit; the worker logs the settle after its ack, a moment later.
+      await worker.waitForLine('the version-2 worker took the batches (batch settled)', (line) => line.msg === 'batch settled', 10_000);
       const instanceId = (await bed.pool.query<{ id: string }>(`SELECT instance_id::text AS id FROM service_heartbeats WHERE worker_id = 'live-v2-worker'`)).rows[0]!.id;
       await stopAllCleanly([worker]);
       assert.equal(await presenceConsumers(instanceId), null, 'a clean stop withdraws the proof');
