@@ -110,8 +110,12 @@ export function makeDeliveries(deps: DeliveriesDeps): Deliveries {
     // too. An outage must cost each in-flight batch exactly one delivery.
     if (databaseDown) await outage.pause();
     // Another batch already paused consumption: a batch that failed meanwhile (for any reason) is
-    // given back only once its consumer is cancelled, for the same reason.
-    else if (result.kind === 'unknown' && outage.pausing) await outage.pausing;
+    // given back only once its consumer is cancelled, for the same reason: its consumer may still
+    // be active (its basic.cancel not yet answered), and it would be handed the batch straight back.
+    else if (result.kind === 'unknown' && outage.pausing) {
+      batchLog.info({ reason: result.reason }, 'batch failed while consumption pauses; given back once the consumers are cancelled');
+      await outage.pausing;
+    }
     await settle(deps.settleDeps, { channel: from, message, policy: label, deliveryCount, log: batchLog }, result);
     if (databaseDown) outage.resumeWhenDatabaseAnswers().catch((error: Error) => log.error({ err: error.message }, 'database pause failed (a bug)'));
     try {

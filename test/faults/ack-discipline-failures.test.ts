@@ -3,7 +3,7 @@ import { after, before, describe, test } from 'node:test';
 import pg from 'pg';
 import { brokerNames } from '../../shared/amqp/topology';
 import type { BatchV1 } from '../../shared/contracts/batch';
-import { startAmqpWiretap, type AmqpWiretap, type WireEvent } from '../support/amqp-wiretap';
+import { startAmqpWiretap, type AmqpWiretap, type HeldFrame, type WireEvent } from '../support/amqp-wiretap';
 import { openTestBroker, type TestBroker } from '../support/broker';
 import { eventually } from '../support/eventually';
 import { makeRowBatch, publishBatch, readyAtRest, receiptsOf, rowDeletePolicyYaml, startServices, stopAllCleanly } from '../support/fixtures';
@@ -21,7 +21,10 @@ import { makeTestBed, type TestBed } from '../support/testbed';
  *    delivery, the count in its headers, and acked only after that publish;
  *  - a database outage (the worker's connections terminated, the database refusing new ones)
  *    pauses consumption: each batch in flight is rejected once, the waiting ones are not delivered
- *    at all meanwhile, and everything completes once the database is back.
+ *    at all meanwhile, and everything completes once the database is back;
+ *  - a batch that fails for another reason while that pause is under way (its consumer's cancel
+ *    not yet answered, held by the wiretap) is given back only once the consumers are cancelled,
+ *    never handed straight back to the consumer still active (issue 43).
  * (An unroutable delay or dead-letter publish leaving the message requeued is
  * test/integration/settle-safety.test.ts.)
  */
@@ -61,9 +64,11 @@ describe('ack discipline: the failure side', () => {
   /** The settle actions the worker sent for one batch, in order, as the broker received them. */
   const settlements = (batchId: string) =>
     tap.eventsOf(batchId).flatMap((event) => {
-      if (event.kind === 'deliver' || event.kind === 'publish') return [];
+      if (event.kind === 'deliver') return [];
       return [event.kind === 'ack' ? 'ack' : `${event.kind}${event.requeue ? '+requeue' : '-requeue'}`];
     });
+  /** One batch's wire events, short: `deliver`, `deliver(redelivered)`, `reject`, `ack`... */
+  const wireOf = (batchId: string) => tap.eventsOf(batchId).map((e) => (e.kind === 'deliver' ? `deliver${e.redelivered ? '(redelivered)' : ''}` : e.kind));
   const deliveries = (batchId: string) => tap.eventsOf(batchId).filter((event): event is WireEvent & { kind: 'deliver' } => event.kind === 'deliver');
   const settledLine = (worker: ReaperProcess, batchId: string) =>
     worker.waitForLine(`batch ${batchId} settled`, (line) => line.msg === 'batch settled' && line.batchId === batchId, 30_000);
@@ -162,6 +167,98 @@ describe('ack discipline: the failure side', () => {
     }
   });
 
+  test('a batch failing while consumption pauses waits for its consumer to be cancelled: not redelivered to it meanwhile', async () => {
+    // The interleaving: batch O finds the database unreachable and the worker cancels its
+    // consumers, one basic.cancel at a time (presence proof first, then the work queue's). While
+    // the first cancel is unanswered (the wiretap holds its cancel-ok) the work consumer is still
+    // active on the broker, and batch F fails for another reason (an application error). Given
+    // back at once, F would be handed straight back to that consumer (and again on every failure:
+    // a busy loop, each turn a delivery toward the limit). It must wait for the cancel.
+    const names = brokerNames(bed.prefix);
+    const workQueue = names.workQueue('seat-holds');
+    await bed.pool.query('DELETE FROM seat_reservations');
+    const seeded = await seedHolds(bed.pool, { expiredHeld: 2 });
+    const [outageId, failingId] = seeded.expiredHeld as [string, string];
+    await bed.pool.query(`UPDATE seat_reservations SET seat = CASE WHEN reservation_id = $1 THEN 'outage' ELSE 'fails' END WHERE reservation_id = ANY($2::uuid[])`, [
+      outageId,
+      seeded.expiredHeld,
+    ]);
+    const outageBatch = await makeRowBatch(bed.pool, [outageId]);
+    const failingBatch = await makeRowBatch(bed.pool, [failingId]);
+    // Each row's DELETE fails once: O's as an unreachable database (SQLSTATE 08006, which pauses
+    // consumption), F's as an application error (P0001, which does not). Sequences count across
+    // the rollbacks.
+    for (const sequence of ['reaper_test_outage_once', 'reaper_test_fails_once']) {
+      await bed.pool.query(`CREATE SEQUENCE IF NOT EXISTS ${sequence}`);
+      await bed.pool.query(`SELECT setval('${sequence}', 1, false)`);
+    }
+    await bed.pool.query(`CREATE OR REPLACE FUNCTION reaper_test_outage_then_failure() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER AS $$
+      BEGIN
+        IF OLD.seat = 'outage' THEN
+          IF nextval('reaper_test_outage_once') = 1 THEN RAISE EXCEPTION 'test: the database went away' USING ERRCODE = '08006'; END IF;
+        ELSIF OLD.seat = 'fails' THEN
+          IF nextval('reaper_test_fails_once') = 1 THEN RAISE EXCEPTION 'test: this batch fails once'; END IF;
+        END IF;
+        RETURN OLD;
+      END $$`);
+    const group = startServices(bed, [{ label: 'pausing-worker', kind: 'worker', env: { AMQP_URL: tap.url } }]);
+    const [worker] = group.services as [ReaperProcess];
+    let hold: HeldFrame | null = null;
+    try {
+      await withTrigger('CREATE TRIGGER reaper_test_fail BEFORE DELETE ON seat_reservations FOR EACH ROW EXECUTE FUNCTION reaper_test_outage_then_failure()', async () => {
+        await worker.waitForLine('worker consuming', (line) => line.msg === 'worker consuming', 30_000);
+        // From here on: this worker's cancels only (the tap is shared with the other tests).
+        const startedAt = tap.events.length;
+        const answer = tap.holdNextCancelOk();
+        hold = answer;
+        await publishBatch(broker, names, outageBatch);
+        let heldTag: string | null = null;
+        void answer.held.then((tag) => (heldTag = tag));
+        await group.eventuallyAlive('the pause to send its first basic.cancel, its answer held', () => heldTag !== null, { timeoutMs: 20_000, intervalMs: 20 });
+        assert.ok(worker.lines.some((line) => line.msg === 'database unavailable: consumption paused'), 'O paused consumption');
+        const cancels = () => tap.events.slice(startedAt).filter((event) => event.kind === 'cancel');
+        assert.equal(cancels().length, 1, 'one basic.cancel sent (the presence proof): the work consumer is not cancelled yet');
+        assert.equal(await broker.consumerCount(workQueue), 1, 'the work queue still has its consumer');
+
+        await publishBatch(broker, names, failingBatch);
+        // F is delivered to the still-active consumer and fails. The worker either says F waits for
+        // the pause (the promise) or gives it back on the wire (the fault): wait for whichever comes.
+        const waitLine = (line: { msg?: unknown; batchId?: unknown }) =>
+          line.msg === 'batch failed while consumption pauses; given back once the consumers are cancelled' && line.batchId === failingBatch.batchId;
+        const failWire = () => ({ failing: wireOf(failingBatch.batchId), outage: wireOf(outageBatch.batchId), cancels: cancels().length });
+        await group.eventuallyAlive('F to fail: waiting for the pause, or given back', () => worker.lines.some(waitLine) || settlements(failingBatch.batchId).length > 0, {
+          timeoutMs: 20_000,
+          intervalMs: 20,
+          describe: () => ({ wire: failWire(), worker: worker.output.slice(-10) }),
+        });
+        assert.deepEqual(settlements(failingBatch.batchId), [], `F was not given back while its consumer was active ${JSON.stringify(failWire())}`);
+        assert.deepEqual(deliveries(failingBatch.batchId).map((event) => event.redelivered), [false], 'F delivered once so far');
+        assert.equal(cancels().length, 1, 'the work consumer is still not cancelled');
+
+        const releasedAt = tap.events.length;
+        answer.release();
+        await settledLine(worker, outageBatch.batchId);
+        await settledLine(worker, failingBatch.batchId);
+        const workCancelOk = tap.events.findIndex((event, index) => index >= releasedAt && event.kind === 'cancel-ok' && event.consumerTag !== heldTag);
+        assert.ok(workCancelOk >= 0, `the work consumer's cancel answered after the release ${JSON.stringify(tap.events.slice(releasedAt).map((e) => e.kind))}`);
+        for (const batch of [outageBatch, failingBatch]) {
+          assert.deepEqual(settlements(batch.batchId), ['reject+requeue', 'ack'], `${batch.batchId}: given back once, then done ${JSON.stringify(failWire())}`);
+          assert.deepEqual(deliveries(batch.batchId).map((event) => event.redelivered), [false, true], `${batch.batchId}: the failure cost one delivery`);
+          const givenBack = tap.events.findIndex((event) => event.kind === 'reject' && event.batchId === batch.batchId);
+          assert.ok(givenBack > workCancelOk, `${batch.batchId}: given back (event ${givenBack}) after its consumer's cancel-ok (event ${workCancelOk})`);
+        }
+      });
+      for (const batch of [outageBatch, failingBatch]) assert.equal((await receiptsOf(bed.pool, batch.batchId)).length, 1, 'one receipt each');
+      assert.equal(await countReservations(bed.pool, seeded.expiredHeld), 0, 'both rows deleted');
+      assert.equal((await broker.drain(names.deadLetterQueue)).length, 0, 'nothing dead-lettered');
+      await stopAllCleanly(group.services);
+      assert.equal(await readyAtRest(broker, workQueue), 0);
+    } finally {
+      (hold as HeldFrame | null)?.release();
+      await group.stopLeftovers();
+    }
+  });
+
   test('a database outage pauses consumption, costs each in-flight batch one delivery, and resumes', async () => {
     const names = brokerNames(bed.prefix);
     const workQueue = names.workQueue('seat-holds');
@@ -213,7 +310,7 @@ describe('ack discipline: the failure side', () => {
       holding = false;
 
       await worker.waitForLine('consumption paused', (line) => line.msg === 'database unavailable: consumption paused');
-      const wire = () => batches.map((batch) => ({ batch: batch.batchId.slice(-12), wire: tap.eventsOf(batch.batchId).map((e) => (e.kind === 'deliver' ? `deliver${e.redelivered ? '(redelivered)' : ''}` : e.kind)) }));
+      const wire = () => batches.map((batch) => ({ batch: batch.batchId.slice(-12), wire: wireOf(batch.batchId) }));
       await group.eventuallyAlive('every in-flight batch to be given back', () => inFlight.every((batch) => settlements(batch.batchId).length >= 1), {
         timeoutMs: 20_000,
         describe: () => ({ wire: wire(), worker: worker.output.slice(-10) }),
