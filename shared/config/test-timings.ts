@@ -15,11 +15,15 @@ import { parseVariables } from './variables';
  *   before it asks again (production OUTBOX_FULL_RETRY_MS, 10 s).
  * - REAPER_TEST_BREAKER_RESET_MS: how long an HTTP remote's open circuit refuses calls before a
  *   trial call (production DEFAULT_BREAKER.resetTimeoutMs in shared/remote/client.ts, 10 s).
+ * - REAPER_TEST_RUN_RETRY_MAX_MS: the longest wait of a scheduler's backoff after a retryable run
+ *   error (production RETRY_MAX_MS in services/scheduler/run-executor.ts, 10 s; the backoff starts
+ *   at 0.5 s and doubles up to it).
  */
 const timingsSchema = z.object({
   REAPER_TEST_RELAY_CLAIM_MS: z.coerce.number().int().min(500).max(3_600_000).optional(),
   REAPER_TEST_OUTBOX_FULL_RETRY_MS: z.coerce.number().int().min(100).max(600_000).optional(),
   REAPER_TEST_BREAKER_RESET_MS: z.coerce.number().int().min(100).max(600_000).optional(),
+  REAPER_TEST_RUN_RETRY_MAX_MS: z.coerce.number().int().min(500).max(600_000).optional(),
 });
 
 /** The variables (each also in TEST_ONLY_VARIABLES, shared/observability/failpoint-hook.ts: the runtime image refuses them). */
@@ -30,6 +34,7 @@ export interface TestTimings {
   relayClaimMs: number | undefined;
   outboxFullRetryMs: number | undefined;
   breakerResetMs: number | undefined;
+  runRetryMaxMs: number | undefined;
 }
 
 export function loadTestTimings(source: NodeJS.ProcessEnv = process.env): TestTimings {
@@ -38,6 +43,7 @@ export function loadTestTimings(source: NodeJS.ProcessEnv = process.env): TestTi
     relayClaimMs: values.REAPER_TEST_RELAY_CLAIM_MS,
     outboxFullRetryMs: values.REAPER_TEST_OUTBOX_FULL_RETRY_MS,
     breakerResetMs: values.REAPER_TEST_BREAKER_RESET_MS,
+    runRetryMaxMs: values.REAPER_TEST_RUN_RETRY_MAX_MS,
   };
 }
 

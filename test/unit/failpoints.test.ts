@@ -10,6 +10,7 @@ import { loadTestTimings, TEST_TIMING_VARIABLES } from '../../shared/config/test
 import { RELAY_CLAIM_MS } from '../../services/relay/relay';
 import { OUTBOX_FULL_RETRY_MS } from '../../services/worker/outbox-limit';
 import { DEFAULT_BREAKER } from '../../shared/remote/client';
+import { RETRY_MAX_MS } from '../../services/scheduler/run-executor';
 
 /**
  * A failpoint name that is not a known point (a typo in a crash test) must fail EVERY check, not
@@ -63,11 +64,13 @@ test('the test timings (issue 43) are test-only too, validated once, and unset t
   assert.throws(() => refuseTestOnlyVariables({ REAPER_TEST_RELAY_CLAIM_MS: '3000' }, absent), /REAPER_TEST_RELAY_CLAIM_MS="3000": test-only/);
   assert.throws(() => refuseTestOnlyVariables({ REAPER_TEST_OUTBOX_FULL_RETRY_MS: '1000' }, absent), /REAPER_TEST_OUTBOX_FULL_RETRY_MS="1000": test-only/);
   assert.throws(() => refuseTestOnlyVariables({ REAPER_TEST_BREAKER_RESET_MS: '2000' }, absent), /REAPER_TEST_BREAKER_RESET_MS="2000": test-only/);
-  assert.deepEqual(loadTestTimings({}), { relayClaimMs: undefined, outboxFullRetryMs: undefined, breakerResetMs: undefined });
-  assert.deepEqual(loadTestTimings({ REAPER_TEST_RELAY_CLAIM_MS: '3000', REAPER_TEST_OUTBOX_FULL_RETRY_MS: '', REAPER_TEST_BREAKER_RESET_MS: '2000' }), {
+  assert.throws(() => refuseTestOnlyVariables({ REAPER_TEST_RUN_RETRY_MAX_MS: '2000' }, absent), /REAPER_TEST_RUN_RETRY_MAX_MS="2000": test-only/);
+  assert.deepEqual(loadTestTimings({}), { relayClaimMs: undefined, outboxFullRetryMs: undefined, breakerResetMs: undefined, runRetryMaxMs: undefined });
+  assert.deepEqual(loadTestTimings({ REAPER_TEST_RELAY_CLAIM_MS: '3000', REAPER_TEST_OUTBOX_FULL_RETRY_MS: '', REAPER_TEST_BREAKER_RESET_MS: '2000', REAPER_TEST_RUN_RETRY_MAX_MS: '2000' }), {
     relayClaimMs: 3000,
     outboxFullRetryMs: undefined,
     breakerResetMs: 2000,
+    runRetryMaxMs: 2000,
   });
   assert.throws(() => loadTestTimings({ REAPER_TEST_RELAY_CLAIM_MS: '3s' }), /REAPER_TEST_RELAY_CLAIM_MS="3s": /);
   assert.throws(() => loadTestTimings({ REAPER_TEST_OUTBOX_FULL_RETRY_MS: '10' }), /REAPER_TEST_OUTBOX_FULL_RETRY_MS="10": .*100/);
@@ -75,4 +78,5 @@ test('the test timings (issue 43) are test-only too, validated once, and unset t
   assert.equal(RELAY_CLAIM_MS, 15_000);
   assert.equal(OUTBOX_FULL_RETRY_MS, 10_000);
   assert.equal(DEFAULT_BREAKER.resetTimeoutMs, 10_000);
+  assert.equal(RETRY_MAX_MS, 10_000);
 });
