@@ -60,7 +60,8 @@ before(async () => {
   vhostCreated = true;
   const permissions = brokerPermissions(bed.prefix);
   // The users side by side: each rabbitmqctl call starts an Erlang node (~2 s on a loaded machine).
-  await Promise.all(
+  // All settled before a failure is thrown, so `after` sees every user that was made.
+  await allOrFirstFailure(
     ROLES.map(async (role) => {
       await rabbitmqctl('add_user', user(role), passwords.get(role)!);
       created.push(user(role));
@@ -75,6 +76,12 @@ before(async () => {
     ),
   );
 });
+
+/** Waits for every one of `work`, then throws the first failure if any. */
+async function allOrFirstFailure(work: Array<Promise<unknown>>): Promise<void> {
+  const failed = (await Promise.allSettled(work)).find((result): result is PromiseRejectedResult => result.status === 'rejected');
+  if (failed) throw failed.reason;
+}
 
 /**
  * Waits for the broker app to run, once per hook: a serial file (broker-restart) may have restarted
@@ -92,11 +99,7 @@ after(async () => {
     () => assertNoLeakedProcesses(),
     () => brokerUp(),
     ...(vhostCreated ? [() => rabbitmqctl('delete_vhost', vhost)] : []),
-    // Side by side, each failure reported: allSettled, then the first rejection thrown.
-    () => Promise.allSettled(created.map((name) => rabbitmqctl('delete_user', name))).then((results) => {
-      const failed = results.find((result): result is PromiseRejectedResult => result.status === 'rejected');
-      if (failed) throw failed.reason;
-    }),
+    () => allOrFirstFailure(created.map((name) => rabbitmqctl('delete_user', name))),
     () => api?.close(),
     () => bed?.close(),
   ]) {
