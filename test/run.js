@@ -55,8 +55,8 @@ async function main() {
     return 1;
   }
   // Files of the parallel group at once (REAPER_TEST_CONCURRENCY, default 3): each mostly waits on
-  // its services (a file's node processes use about a third of a core on average), so a machine
-  // with spare cores may run more. The serial group runs one file at a time whatever this says.
+  // its services (a file's node processes used a third to half a core on average, issue 43), so
+  // a machine with spare cores may run more. The serial group runs one file at a time whatever this says.
   const concurrency = Number(process.env.REAPER_TEST_CONCURRENCY || 3);
   if (!Number.isInteger(concurrency) || concurrency <= 0 || concurrency > 16) {
     console.error(`REAPER_TEST_CONCURRENCY must be a whole number of files from 1 to 16, got ${JSON.stringify(process.env.REAPER_TEST_CONCURRENCY)}`);
