@@ -1,7 +1,8 @@
 #!/usr/bin/env node
 // Runs the compiled test suite with Node's test runner, three files at a time (each file has its
-// own database and broker prefix). `npm test` builds first (pretest). Files are listed here rather
-// than by directory: Node 20 would also run every .js under a "test" folder (the support code).
+// own database and broker prefix; REAPER_TEST_CONCURRENCY sets how many). `npm test` builds first
+// (pretest). Files are listed here rather than by directory: Node 20 would also run every .js
+// under a "test" folder (the support code).
 // `npm test -- test/unit/policies.test.ts` runs one file; flags (--test-name-pattern=...) pass on.
 // Files named *.serial.test.ts measure rates against the clock: they run afterwards, alone, so the
 // other files' load on a 2-core machine does not decide their result.
@@ -53,6 +54,14 @@ async function main() {
     console.error(`REAPER_TEST_TIMEOUT_MS must be a positive whole number of milliseconds, got ${JSON.stringify(process.env.REAPER_TEST_TIMEOUT_MS)}`);
     return 1;
   }
+  // Files of the parallel group at once (REAPER_TEST_CONCURRENCY, default 3): each mostly waits on
+  // its services (a file's node processes used a third to half a core on average, issue 43), so
+  // a machine with spare cores may run more. The serial group runs one file at a time whatever this says.
+  const concurrency = Number(process.env.REAPER_TEST_CONCURRENCY || 3);
+  if (!Number.isInteger(concurrency) || concurrency <= 0 || concurrency > 16) {
+    console.error(`REAPER_TEST_CONCURRENCY must be a whole number of files from 1 to 16, got ${JSON.stringify(process.env.REAPER_TEST_CONCURRENCY)}`);
+    return 1;
+  }
   const perTestTimeout = Number(process.versions.node.split('.')[0]) >= 22 ? [`--test-timeout=${timeoutMs}`] : ['--require', path.join(dist, 'test', 'support', 'timeouts.js')];
   const preload = [...perTestTimeout, '--test-force-exit'];
   const serial = files.filter((file) => file.endsWith('.serial.test.js'));
@@ -63,10 +72,10 @@ async function main() {
   const reporters = [`--test-reporter=${process.stdout.isTTY ? 'spec' : 'tap'}`, '--test-reporter-destination=stdout', `--test-reporter=${path.join(root, 'test', 'slowest-reporter.mjs')}`, `--test-reporter-destination=${timings}`];
   const userReporter = flags.some((flag) => flag.startsWith('--test-reporter'));
   const byFile = new Map();
-  for (const [group, concurrency] of [[parallel, 3], [serial, 1]]) {
+  for (const [group, atOnce] of [[parallel, concurrency], [serial, 1]]) {
     if (group.length === 0) continue;
     rmSync(timings, { force: true });
-    const result = spawnSync(process.execPath, [...preload, '--test', `--test-concurrency=${concurrency}`, ...(userReporter ? [] : reporters), ...flags, ...group], { cwd: root, stdio: 'inherit', env });
+    const result = spawnSync(process.execPath, [...preload, '--test', `--test-concurrency=${atOnce}`, ...(userReporter ? [] : reporters), ...flags, ...group], { cwd: root, stdio: 'inherit', env });
     if (result.status !== 0) status = result.status ?? 1;
     let lines = [];
     try {
@@ -81,7 +90,7 @@ async function main() {
   }
   const slowest = [...byFile].sort((a, b) => b[1] - a[1]).slice(0, 10);
   if (slowest.length > 0) {
-    console.log('# slowest files (seconds, each file start to end; three run at once in the parallel group):');
+    console.log(`# slowest files (seconds, each file start to end; ${concurrency} run at once in the parallel group):`);
     for (const [file, ms] of slowest) console.log(`#   ${(ms / 1000).toFixed(1).padStart(6)}  ${path.relative(dist, file)}`);
   }
   let skips = [];

@@ -11,6 +11,7 @@ import { loadPolicies, loadPolicyNames } from '../../shared/config/policies';
 import { makeLogger } from '../../shared/observability/logger';
 import { startRelay } from '../relay/relay';
 import { refuseTestOnlyVariables } from '../../shared/observability/failpoint-hook';
+import { testTimings } from '../../shared/config/test-timings';
 import { startScheduler } from '../scheduler/scheduler';
 import { startWorker } from '../worker/worker';
 import { context, UsageError, withPool } from './common';
@@ -28,6 +29,7 @@ import { printResult } from './output';
  */
 async function runService(kind: 'scheduler' | 'worker' | 'relay'): Promise<void> {
   refuseTestOnlyVariables();
+  testTimings(); // validated at start, not at the first wait that reads them
   const { env, policies } = context();
   const log = makeLogger({ level: env.logLevel, service: kind, workerId: env.workerId });
   const start = { scheduler: startScheduler, worker: startWorker, relay: startRelay }[kind];

@@ -16,6 +16,7 @@ import {
 import { makePool, type Pool } from '../../shared/db/pool';
 import { outboxClaimOldest, outboxDeletePublished, outboxReleaseClaims, outboxReleaseClaimsOf } from '../../shared/db/queries/outbox';
 import { failpoint } from '../../shared/observability/failpoint-hook';
+import { testTimings } from '../../shared/config/test-timings';
 
 /**
  * `reaper relay`: publishes the expiry-event outbox (cleanup_outbox) to `<prefix>.events`.
@@ -53,7 +54,7 @@ export interface RelayPass {
 
 /** One pass over the oldest unclaimed outbox rows (see the module comment). */
 export async function relayOnce(deps: { pool: Pool; publisher: ConfirmingPublisher; exchange: string; batchSize: number; owner: string; claimMs?: number }): Promise<RelayPass> {
-  const entries = await outboxClaimOldest(deps.pool, { limit: deps.batchSize, owner: deps.owner, leaseMs: deps.claimMs ?? RELAY_CLAIM_MS });
+  const entries = await outboxClaimOldest(deps.pool, { limit: deps.batchSize, owner: deps.owner, leaseMs: deps.claimMs ?? testTimings().relayClaimMs ?? RELAY_CLAIM_MS });
   if (entries.length === 0) return { taken: 0, published: 0, failure: null };
   failpoint('relay-before-publish');
   const outcomes = await Promise.allSettled(

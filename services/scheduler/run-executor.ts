@@ -25,6 +25,7 @@ import {
 } from '../../shared/db/queries/runs';
 import type { Metrics } from '../../shared/observability/metrics';
 import { failpoint } from '../../shared/observability/failpoint-hook';
+import { testTimings } from '../../shared/config/test-timings';
 import { classifyRunError } from './run-errors';
 import { windowStateAt } from '../../shared/schedule/window';
 
@@ -59,9 +60,9 @@ const PACE_POLL_MS = 1_000;
 const PACE_FIRST_WAIT_MS = 500;
 const PACE_FIRST_WAIT_ROWS_PER_SECOND = 40_000;
 const PACE_FIRST_POLL_MS = 50;
-/** Backoff after a retryable error: 0.5 s doubling to 10 s. */
+/** Backoff after a retryable error: 0.5 s doubling to 10 s (a test may lower the cap: REAPER_TEST_RUN_RETRY_MAX_MS). */
 const RETRY_FIRST_MS = 500;
-const RETRY_MAX_MS = 10_000;
+export const RETRY_MAX_MS = 10_000;
 
 /** The steps of a run, in the order a window reaches them (what `beforeStep` is told). */
 export type RunStep = 'count' | 'scan' | 'publish' | 'checkpoint';
@@ -525,7 +526,7 @@ async function retrying<T>(context: RunContext, what: string, step: () => Promis
       unroutableSince = null;
     }
     if (classified.kind === 'permanent') return { ok: false, outcome: await failRun(context, what, classified.reason) };
-    const delay = Math.min(RETRY_MAX_MS, RETRY_FIRST_MS * 2 ** failures);
+    const delay = Math.min(testTimings().runRetryMaxMs ?? RETRY_MAX_MS, RETRY_FIRST_MS * 2 ** failures);
     log.warn({ err: classified.reason, retryInMs: delay }, `run ${what} failed; retrying`);
     const waited = await waitWhileLeased(context, delay);
     if (waited !== 'held') return { ok: false, outcome: waited };

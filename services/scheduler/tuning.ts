@@ -1,5 +1,5 @@
 import { z } from 'zod';
-import { ConfigError } from '../../shared/config/errors';
+import { parseVariables } from '../../shared/config/variables';
 
 /**
  * Scheduler timings that operators (and tests) may change, read from the environment once at
@@ -26,16 +26,10 @@ export interface SchedulerTuning {
 }
 
 export function loadSchedulerTuning(source: NodeJS.ProcessEnv = process.env): SchedulerTuning {
-  const raw: Record<string, string | undefined> = {};
-  for (const key of Object.keys(tuningSchema.shape)) raw[key] = source[key] === '' ? undefined : source[key];
-  const parsed = tuningSchema.safeParse(raw);
-  if (!parsed.success) {
-    const lines = parsed.error.issues.map((issue) => `${String(issue.path[0])}=${JSON.stringify(raw[String(issue.path[0])])}: ${issue.message}`);
-    throw new ConfigError(`invalid environment:\n  ${lines.join('\n  ')}`);
-  }
+  const values = parseVariables(tuningSchema, source);
   return {
-    runLeaseMs: parsed.data.REAPER_RUN_LEASE_MS,
-    incompleteAfterMs: parsed.data.REAPER_RUN_INCOMPLETE_AFTER_SECONDS * 1000,
-    unroutableFailAfterMs: parsed.data.REAPER_RUN_UNROUTABLE_FAIL_AFTER_SECONDS * 1000,
+    runLeaseMs: values.REAPER_RUN_LEASE_MS,
+    incompleteAfterMs: values.REAPER_RUN_INCOMPLETE_AFTER_SECONDS * 1000,
+    unroutableFailAfterMs: values.REAPER_RUN_UNROUTABLE_FAIL_AFTER_SECONDS * 1000,
   };
 }

@@ -1,11 +1,16 @@
 import { eventsEnabled, type Policy } from '../../shared/config/policies';
 import type { Db } from '../../shared/db/pool';
 import { outboxCountUpTo } from '../../shared/db/queries/outbox';
+import { testTimings } from '../../shared/config/test-timings';
 
 /** How long one reading of the outbox's size is trusted: the check is per group, the count is not. */
 export const OUTBOX_CHECK_TTL_MS = 2_000;
 /** The delay tier a batch of a paused policy waits in before it asks again. */
 export const OUTBOX_FULL_RETRY_MS = 10_000;
+/** OUTBOX_FULL_RETRY_MS, or a test's shorter REAPER_TEST_OUTBOX_FULL_RETRY_MS (shared/config/test-timings.ts). */
+export function outboxFullRetryMs(): number {
+  return testTimings().outboxFullRetryMs ?? OUTBOX_FULL_RETRY_MS;
+}
 /** The reason a paused policy's batches carry (logged, and shown by `reaper status` as the pause). */
 export const OUTBOX_FULL_REASON = 'outbox-full';
 

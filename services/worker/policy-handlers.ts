@@ -7,7 +7,8 @@ import { targetResolve, type ResolvedTarget } from '../../shared/db/queries/targ
 import { assertStatisticsReadable } from '../../shared/admission/rows';
 import type { Metrics } from '../../shared/observability/metrics';
 import { failpoint } from '../../shared/observability/failpoint-hook';
-import { makeHttpRemoteClient, withCircuitBreaker } from '../../shared/remote/client';
+import { DEFAULT_BREAKER, makeHttpRemoteClient, withCircuitBreaker } from '../../shared/remote/client';
+import { testTimings } from '../../shared/config/test-timings';
 import { makeObjectStorageClient } from '../../shared/remote/s3';
 import type { BatchV1 } from '../../shared/contracts/batch';
 import { makeCoalescer } from './coalescer';
@@ -104,7 +105,8 @@ async function wireS3Delete(policy: S3DeletePolicy, target: ResolvedTarget): Pro
 
 /** remote-delete over HTTP: the client behind a circuit breaker whose state is a gauge. */
 function wireHttpRemoteDelete(policy: RemoteDeletePolicy, target: ResolvedTarget, { log, metrics }: PolicyHandlersDeps): BatchHandler {
-  const remote = withCircuitBreaker(makeHttpRemoteClient(policy.remote, log.child({ policy: policy.name })));
+  const resetTimeoutMs = testTimings().breakerResetMs ?? DEFAULT_BREAKER.resetTimeoutMs;
+  const remote = withCircuitBreaker(makeHttpRemoteClient(policy.remote, log.child({ policy: policy.name })), { ...DEFAULT_BREAKER, resetTimeoutMs });
   // reaper_circuit_open: half-open still refuses all but one trial call, so it counts as open.
   remote.breaker.on('open', () => metrics.circuitOpen.set({ policy: policy.name }, 1));
   remote.breaker.on('close', () => metrics.circuitOpen.set({ policy: policy.name }, 0));

@@ -1,6 +1,6 @@
 import { z } from 'zod';
 import { FLEET_BATCH_VERSION, NEWEST_BATCH_VERSION, type BatchVersion } from '../contracts/batch';
-import { ConfigError } from './errors';
+import { parseVariables } from './variables';
 
 /**
  * Which batch versions a process publishes and accepts, read from the environment once at start-up
@@ -33,12 +33,6 @@ export interface BatchVersionConfig {
 }
 
 export function loadBatchVersionConfig(source: NodeJS.ProcessEnv = process.env): BatchVersionConfig {
-  const raw: Record<string, string | undefined> = {};
-  for (const key of Object.keys(batchVersionSchema.shape)) raw[key] = source[key] === '' ? undefined : source[key];
-  const parsed = batchVersionSchema.safeParse(raw);
-  if (!parsed.success) {
-    const lines = parsed.error.issues.map((issue) => `${String(issue.path[0])}=${JSON.stringify(raw[String(issue.path[0])])}: ${issue.message}`);
-    throw new ConfigError(`invalid environment:\n  ${lines.join('\n  ')}`);
-  }
-  return { publish: parsed.data.REAPER_BATCH_VERSION, highestAccepted: parsed.data.REAPER_TEST_MAX_BATCH_VERSION };
+  const values = parseVariables(batchVersionSchema, source);
+  return { publish: values.REAPER_BATCH_VERSION, highestAccepted: values.REAPER_TEST_MAX_BATCH_VERSION };
 }

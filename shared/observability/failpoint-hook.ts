@@ -30,8 +30,12 @@ export function failpoint(name: FailpointName): void {
   check(name);
 }
 
-/** The test-only variables a process may be given only where the test module exists. */
-const TEST_ONLY_VARIABLES = [VARIABLE, 'REAPER_TEST_MAX_BATCH_VERSION'] as const;
+/**
+ * The test-only variables a process may be given only where the test module exists: the failpoint,
+ * the batch-version cap and the test timings (shared/config/test-timings.ts; named here rather than
+ * imported, so this hook loads no dependency: its unit test checks the two lists agree).
+ */
+export const TEST_ONLY_VARIABLES = [VARIABLE, 'REAPER_TEST_MAX_BATCH_VERSION', 'REAPER_TEST_RELAY_CLAIM_MS', 'REAPER_TEST_OUTBOX_FULL_RETRY_MS', 'REAPER_TEST_BREAKER_RESET_MS', 'REAPER_TEST_RUN_RETRY_MAX_MS'] as const;
 
 /** Whether shared/testing is present (the source tree, test runs), not the runtime image. */
 function testModulePresent(): boolean {

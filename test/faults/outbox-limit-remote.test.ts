@@ -49,10 +49,14 @@ describe('remote-delete: the expiry-event outbox limit pauses deletions until th
 
   const outboxCount = async () => (await world.bed.pool.query<{ n: number }>('SELECT count(*)::int AS n FROM cleanup_outbox WHERE policy = $1', [MEDIA_POLICY])).rows[0]!.n;
 
+  // A paused batch asks again after 2 s, not the production 10 s (shared/config/test-timings.ts):
+  // the test waits for it twice (back still paused, back after the relay drained the outbox).
+  const SHORT_RETRY = { REAPER_TEST_OUTBOX_FULL_RETRY_MS: '2000' };
+
   test('past the limit no remote call, the status says why, nothing lost; the relay drains and deletion resumes', async () => {
     const ids = await seedAssets(world.bed.pool, 'outbox', ASSETS);
     // One batch at a time: what is deleted before the pause is this worker's own, so it is bounded exactly.
-    const { workers, all } = await startRemoteServices(world.bed, { scheduler: 'outbox-scheduler', workers: ['outbox-worker'], workerEnv: { REAPER_PREFETCH: '1' } });
+    const { workers, all } = await startRemoteServices(world.bed, { scheduler: 'outbox-scheduler', workers: ['outbox-worker'], workerEnv: { REAPER_PREFETCH: '1', ...SHORT_RETRY } });
     const worker = workers[0]!;
     let relay: ReaperProcess | null = null;
     try {
@@ -64,7 +68,7 @@ describe('remote-delete: the expiry-event outbox limit pauses deletions until th
       // The check counts its own deletions since its last reading: at most one batch past the limit.
       assert.ok(callsAtPause <= MAX_OUTBOX - 1 + BATCH_SIZE, `at most one batch past the limit before the pause, saw ${callsAtPause} calls`);
 
-      // The same batch comes back from its tier (10 s) and is still paused: no call meanwhile.
+      // The same batch comes back from its tier (SHORT_RETRY) and is still paused: no call meanwhile.
       const linesAtFirst = worker.lines.length;
       await worker.waitForLine(
         'the paused batch to come back paused',

@@ -36,7 +36,11 @@ describe('expiry events: outbox and relay crashes', () => {
 
   after(() => closeBedAndBroker(world, () => consumer.close()));
 
-  const env = (extra: Record<string, string> = {}) => world.bed.processEnv(extra);
+  // Test timings (shared/config/test-timings.ts): a killed relay's claims keep a fresh relay off its
+  // rows for 3 s, not the production 15 s, and a batch paused by a full outbox asks again after 1 s,
+  // not 10 s. The tests wait for both; a relay that never takes the rows back still fails them.
+  const SHORT_TIMINGS = { REAPER_TEST_RELAY_CLAIM_MS: '3000', REAPER_TEST_OUTBOX_FULL_RETRY_MS: '1000' };
+  const env = (extra: Record<string, string> = {}) => world.bed.processEnv({ ...SHORT_TIMINGS, ...extra });
 
   const drainEvents = () => drainQueue(channel, queue());
 

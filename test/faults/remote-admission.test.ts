@@ -22,7 +22,8 @@ describe('remote-delete: admission failure transitions against reaper workers', 
   test('an open circuit makes no call and counts no attempt', async () => {
     const ids = await seedAssets(w.bed.pool, 'breaker', 12);
     // Concurrency 4: the first ten calls fail within the breaker's window (volume 10, 50%): it opens.
-    const { worker, metrics } = await w.startWorker('w-breaker', { concurrency: 4 });
+    // The open circuit tries again after 2 s, not the production 10 s (shared/config/test-timings.ts).
+    const { worker, metrics } = await w.startWorker('w-breaker', { concurrency: 4 }, { REAPER_TEST_BREAKER_RESET_MS: '2000' });
     const callsBefore = w.api.calls.length;
     w.api.configure({ failNext: 10, failStatus: 503 });
     await w.trigger();

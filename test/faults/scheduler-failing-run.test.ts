@@ -120,7 +120,11 @@ describe('a failing run does not stop the others', () => {
     await bed.pool.query('DELETE FROM seat_reservations');
     const seeded = await seedHolds(bed.pool, { expiredHeld: 200 });
     bed.writePolicies(`policies:\n${policy('seat-holds', 'seat_reservations')}`);
-    const env = (id: string) => bed.processEnv({ REAPER_WORKER_ID: id, REAPER_RUN_LEASE_MS: String(LEASE_MS) });
+    // The backoff capped at 4 s (shared/config/test-timings.ts), not 10 s: the same waits until the
+    // fifth refusal (a 4 s gap is longer than a lease plus the other replica's 1 s claim poll: a
+    // lease left to run out is taken over; with a 2 s cap that went unseen), and the owner's retry
+    // once the binding is back comes within 4 s, not 8.
+    const env = (id: string) => bed.processEnv({ REAPER_WORKER_ID: id, REAPER_RUN_LEASE_MS: String(LEASE_MS), REAPER_TEST_RUN_RETRY_MAX_MS: '4000' });
     // Both replicas are up before the binding goes: a scheduler asserts the topology (and so the
     // binding) when it connects.
     const replicas = ['scheduler-a', 'scheduler-b'].map((id) => startReaper(id, ['scheduler'], env(id)));

@@ -55,15 +55,20 @@ async function brokerAnswer(role: BrokerRole, work: (channel: amqp.Channel) => P
 before(async () => {
   bed = await makeTestBed('least_privilege_broker');
   api = await startMediaApi({});
-  await rabbitmqctlWhenUp('add_vhost', vhost);
+  await brokerUp();
+  await rabbitmqctl('add_vhost', vhost);
   vhostCreated = true;
   const permissions = brokerPermissions(bed.prefix);
-  for (const role of ROLES) {
-    await rabbitmqctlWhenUp('add_user', user(role), passwords.get(role)!);
-    created.push(user(role));
-    const { configure, write, read } = permissions[role];
-    await rabbitmqctlWhenUp('set_permissions', '-p', vhost, user(role), configure, write, read);
-  }
+  // The users side by side: each rabbitmqctl call starts an Erlang node (~2 s on a loaded machine).
+  // All settled before a failure is thrown, so `after` sees every user that was made.
+  await allOrFirstFailure(
+    ROLES.map(async (role) => {
+      await rabbitmqctl('add_user', user(role), passwords.get(role)!);
+      created.push(user(role));
+      const { configure, write, read } = permissions[role];
+      await rabbitmqctl('set_permissions', '-p', vhost, user(role), configure, write, read);
+    }),
+  );
   bed.writePolicies(
     combinedPoliciesYaml(
       rowDeletePolicyYaml({ batchSize: 20 }),
@@ -72,10 +77,18 @@ before(async () => {
   );
 });
 
-/** rabbitmqctl once the broker app runs: another test file (broker-restart) may be restarting it. */
-async function rabbitmqctlWhenUp(...args: string[]): Promise<void> {
+/** Waits for every one of `work`, then throws the first failure if any. */
+async function allOrFirstFailure(work: Array<Promise<unknown>>): Promise<void> {
+  const failed = (await Promise.allSettled(work)).find((result): result is PromiseRejectedResult => result.status === 'rejected');
+  if (failed) throw failed.reason;
+}
+
+/**
+ * Waits for the broker app to run, once per hook: a serial file (broker-restart) may have restarted
+ * it just before. (Serial files run alone, after this group: the broker stays up within a hook.)
+ */
+async function brokerUp(): Promise<void> {
   await rabbitmqctl('await_startup', '--timeout', '120');
-  await rabbitmqctl(...args);
 }
 
 after(async () => {
@@ -84,8 +97,9 @@ after(async () => {
   for (const step of [
     () => stopStarted(),
     () => assertNoLeakedProcesses(),
-    ...(vhostCreated ? [() => rabbitmqctlWhenUp('delete_vhost', vhost)] : []),
-    ...created.map((name) => () => rabbitmqctlWhenUp('delete_user', name)),
+    () => brokerUp(),
+    ...(vhostCreated ? [() => rabbitmqctl('delete_vhost', vhost)] : []),
+    () => allOrFirstFailure(created.map((name) => rabbitmqctl('delete_user', name))),
     () => api?.close(),
     () => bed?.close(),
   ]) {

@@ -34,7 +34,8 @@ export interface Metrics {
 export interface TransitionsWorld {
   readonly bed: TestBed;
   readonly api: MediaApi;
-  startWorker(label: string, policy?: Partial<MediaPolicyOptions>): Promise<{ worker: ReaperProcess; metrics: () => Promise<Metrics> }>;
+  /** `env`: the worker's extra environment (e.g. a test timing, shared/config/test-timings.ts). */
+  startWorker(label: string, policy?: Partial<MediaPolicyOptions>, env?: Record<string, string>): Promise<{ worker: ReaperProcess; metrics: () => Promise<Metrics> }>;
   trigger(): Promise<void>;
   finished(ids: readonly string[], timeoutMs?: number): Promise<LedgerRow[]>;
   statusesOf(key: string): Array<number | 'reset'>;
@@ -69,9 +70,9 @@ export function transitionsWorld(label: string): TransitionsWorld {
   });
 
   /** A worker of this test, with the policy options given (the stand-in's switches are set by the test). */
-  async function startWorker(label: string, policy: Partial<MediaPolicyOptions> = {}): Promise<{ worker: ReaperProcess; metrics: () => Promise<Metrics> }> {
+  async function startWorker(label: string, policy: Partial<MediaPolicyOptions> = {}, env: Record<string, string> = {}): Promise<{ worker: ReaperProcess; metrics: () => Promise<Metrics> }> {
     bed.writePolicies(mediaPolicyYaml({ baseUrl: api.url, ...BASE_POLICY, ...policy }));
-    const worker = startWorkerProcess(bed, label, { HTTP_PORT: '0' });
+    const worker = startWorkerProcess(bed, label, { HTTP_PORT: '0', ...env });
     current = worker;
     await started(worker, 'worker');
     const port = Number(worker.lines.find((line) => line.msg === 'worker started')!.httpPort);

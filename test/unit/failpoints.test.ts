@@ -5,7 +5,12 @@ import { cpSync, mkdtempSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import path from 'node:path';
 import { failpoint, TEST_FAILPOINT_VARIABLE } from '../../shared/testing/failpoints';
-import { failpoint as productFailpoint, refuseTestOnlyVariables } from '../../shared/observability/failpoint-hook';
+import { failpoint as productFailpoint, refuseTestOnlyVariables, TEST_ONLY_VARIABLES } from '../../shared/observability/failpoint-hook';
+import { loadTestTimings, TEST_TIMING_VARIABLES } from '../../shared/config/test-timings';
+import { RELAY_CLAIM_MS } from '../../services/relay/relay';
+import { OUTBOX_FULL_RETRY_MS } from '../../services/worker/outbox-limit';
+import { DEFAULT_BREAKER } from '../../shared/remote/client';
+import { RETRY_MAX_MS } from '../../services/scheduler/run-executor';
 
 /**
  * A failpoint name that is not a known point (a typo in a crash test) must fail EVERY check, not
@@ -51,4 +56,27 @@ test('a test-only variable where the image has no test support stops the service
   assert.throws(() => refuseTestOnlyVariables({ REAPER_TEST_MAX_BATCH_VERSION: '1' }, absent), /REAPER_TEST_MAX_BATCH_VERSION="1": test-only/);
   assert.doesNotThrow(() => refuseTestOnlyVariables({}, absent), 'nothing set: nothing to refuse');
   assert.doesNotThrow(() => refuseTestOnlyVariables({ REAPER_TEST_FAILPOINT: 'after-commit' }, () => true), 'the source tree and test runs keep them');
+});
+
+test('the test timings (issue 43) are test-only too, validated once, and unset they are the production values', () => {
+  const absent = () => false;
+  for (const name of TEST_TIMING_VARIABLES) assert.ok((TEST_ONLY_VARIABLES as readonly string[]).includes(name), `${name} is refused in the runtime image`);
+  assert.throws(() => refuseTestOnlyVariables({ REAPER_TEST_RELAY_CLAIM_MS: '3000' }, absent), /REAPER_TEST_RELAY_CLAIM_MS="3000": test-only/);
+  assert.throws(() => refuseTestOnlyVariables({ REAPER_TEST_OUTBOX_FULL_RETRY_MS: '1000' }, absent), /REAPER_TEST_OUTBOX_FULL_RETRY_MS="1000": test-only/);
+  assert.throws(() => refuseTestOnlyVariables({ REAPER_TEST_BREAKER_RESET_MS: '2000' }, absent), /REAPER_TEST_BREAKER_RESET_MS="2000": test-only/);
+  assert.throws(() => refuseTestOnlyVariables({ REAPER_TEST_RUN_RETRY_MAX_MS: '2000' }, absent), /REAPER_TEST_RUN_RETRY_MAX_MS="2000": test-only/);
+  assert.deepEqual(loadTestTimings({}), { relayClaimMs: undefined, outboxFullRetryMs: undefined, breakerResetMs: undefined, runRetryMaxMs: undefined });
+  assert.deepEqual(loadTestTimings({ REAPER_TEST_RELAY_CLAIM_MS: '3000', REAPER_TEST_OUTBOX_FULL_RETRY_MS: '', REAPER_TEST_BREAKER_RESET_MS: '2000', REAPER_TEST_RUN_RETRY_MAX_MS: '2000' }), {
+    relayClaimMs: 3000,
+    outboxFullRetryMs: undefined,
+    breakerResetMs: 2000,
+    runRetryMaxMs: 2000,
+  });
+  assert.throws(() => loadTestTimings({ REAPER_TEST_RELAY_CLAIM_MS: '3s' }), /REAPER_TEST_RELAY_CLAIM_MS="3s": /);
+  assert.throws(() => loadTestTimings({ REAPER_TEST_OUTBOX_FULL_RETRY_MS: '10' }), /REAPER_TEST_OUTBOX_FULL_RETRY_MS="10": .*100/);
+  // The services use the production constants when nothing is set.
+  assert.equal(RELAY_CLAIM_MS, 15_000);
+  assert.equal(OUTBOX_FULL_RETRY_MS, 10_000);
+  assert.equal(DEFAULT_BREAKER.resetTimeoutMs, 10_000);
+  assert.equal(RETRY_MAX_MS, 10_000);
 });

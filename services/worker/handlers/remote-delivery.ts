@@ -6,7 +6,7 @@ import { batchesRecordReceipt } from '../../../shared/db/queries/batches';
 import type { ResolvedTarget } from '../../../shared/db/queries/target';
 import { ledgerPark, ledgerRecordCandidates, remoteBatchesForget, remoteBatchesKeep } from '../../../shared/db/queries/ledger';
 import type { OutboxLimitCheck } from '../outbox-limit';
-import { OUTBOX_FULL_REASON, OUTBOX_FULL_RETRY_MS } from '../outbox-limit';
+import { OUTBOX_FULL_REASON, outboxFullRetryMs } from '../outbox-limit';
 import type { BatchResult } from '../results';
 import type { HandlerContext } from './types';
 
@@ -29,7 +29,7 @@ export const WAIT_IN_BROKER_MAX_MS = 2_000;
 export async function outboxFullRetry(check: OutboxLimitCheck, policy: AnyRemoteDeletePolicy, context: HandlerContext): Promise<BatchResult | null> {
   if (!(await check.over(context.pool))) return null;
   context.log.warn({ policy: policy.name, maxOutbox: policy.events?.maxOutbox }, 'expiry-event outbox over its limit: deletions paused, batch goes to a delay tier');
-  return { kind: 'retry', delayMs: OUTBOX_FULL_RETRY_MS, reason: OUTBOX_FULL_REASON };
+  return { kind: 'retry', delayMs: outboxFullRetryMs(), reason: OUTBOX_FULL_REASON };
 }
 
 /**

@@ -7,7 +7,7 @@ import { ROW_DELETE_PLAN_CACHE_MODE, withTransaction } from '../../../shared/db/
 import { expiringRowsDeleteGroupIfStillExpired, type GroupBatchOutcome } from '../../../shared/db/queries/expiring-rows';
 import type { ResolvedTarget } from '../../../shared/db/queries/target';
 import { classifyHandlerError } from '../errors';
-import { makeOutboxLimitCheck, OUTBOX_FULL_REASON, OUTBOX_FULL_RETRY_MS } from '../outbox-limit';
+import { makeOutboxLimitCheck, OUTBOX_FULL_REASON, outboxFullRetryMs } from '../outbox-limit';
 import type { BatchResult } from '../results';
 import type { BatchHandler, HandlerContext } from './types';
 
@@ -106,7 +106,7 @@ export function makeRowDeleteGroupHandler(policy: RowDeletePolicy, target: Resol
     // Expiry events: past the outbox limit the policy deletes nothing until the relay catches up.
     if (await outboxLimit.over(context.pool)) {
       context.log.warn({ policy: policy.name, maxOutbox: policy.events?.maxOutbox }, 'expiry-event outbox over its limit: deletions paused, batches go to a delay tier');
-      for (const index of firstIndex.values()) results[index] = { kind: 'retry', delayMs: OUTBOX_FULL_RETRY_MS, reason: OUTBOX_FULL_REASON };
+      for (const index of firstIndex.values()) results[index] = { kind: 'retry', delayMs: outboxFullRetryMs(), reason: OUTBOX_FULL_REASON };
       return results.map((result) => result!);
     }
     // Throttled: a group takes at most one bucket (the burst) or one batch, so any second sees at
