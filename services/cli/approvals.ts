@@ -2,6 +2,7 @@ import { Command, Option } from 'commander';
 import { runsApprove, runsGetSummary, runsReject } from '../../shared/db/queries/runs';
 import { context, operatorName, UsageError, withPool } from './common';
 import { printResult } from './output';
+import { resolveRunId, runIdArgument } from './run-id';
 
 /**
  * `reaper approve <runId>` / `reaper reject <runId>`: the operator's answer to the blast-radius
@@ -22,14 +23,15 @@ export function registerApprovalCommands(program: Command): void {
           : 'end a run held by the brake (awaiting-approval); it deletes nothing',
       )
       .addOption(new Option('--json', 'print machine-readable JSON'))
-      .action(async (runId: string, options: { json?: boolean; expect?: string }) => {
-        if (!/^[0-9a-f-]{36}$/i.test(runId)) throw new UsageError(`runId: "${runId}" is not a run id (uuid)`);
+      .action(async (given: string, options: { json?: boolean; expect?: string }) => {
+        const id = runIdArgument('runId', given);
         const expectation = options.expect === undefined ? null : /^(\d+)(?:@(\d+))?$/.exec(options.expect);
         if (options.expect !== undefined && !expectation) throw new UsageError(`--expect: must be a count, or count@hold as \`reaper run\` shows it (got "${options.expect}")`);
         const expected = expectation ? Number(expectation[1]) : null;
         const expectedHold = expectation?.[2] !== undefined ? Number(expectation[2]) : null;
         const { env } = context();
         await withPool(env, async (pool) => {
+          const runId = await resolveRunId(pool, id);
           const decided = verb === 'approve' ? await runsApprove(pool, runId, operatorName(), expected, expectedHold) : await runsReject(pool, runId, operatorName());
           if (!decided) {
             const run = await runsGetSummary(pool, runId);

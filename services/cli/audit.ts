@@ -3,6 +3,7 @@ import { requirePolicy } from '../../shared/config/policies';
 import { auditFindByKey, auditFindByRun } from '../../shared/db/queries/audit';
 import { context, UsageError, withPool } from './common';
 import { printResult, table } from './output';
+import { resolveRunId, runIdArgument } from './run-id';
 
 const COLUMNS = ['policy', 'key', 'observedExpiry', 'deletedAt', 'runId', 'batchId', 'policyVersion', 'outcome'];
 
@@ -20,20 +21,21 @@ export function registerAuditCommand(program: Command): void {
       if (!Number.isInteger(limit) || limit < 1 || limit > 1_000_000) throw new UsageError(`--limit: must be an integer from 1 to 1000000 (got "${options.limit}")`);
       if (options.run !== undefined && (options.id !== undefined || policyName !== undefined)) throw new UsageError('give either <policy> --id <id>, or --run <runId>');
       if (options.run === undefined && (options.id === undefined || policyName === undefined)) throw new UsageError('give <policy> --id <id>, or --run <runId>');
-      if (options.run !== undefined && !/^[0-9a-f-]{36}$/i.test(options.run)) throw new UsageError(`--run: "${options.run}" is not a run id (uuid)`);
+      const runArgument = options.run === undefined ? null : runIdArgument('--run', options.run);
       const { env, policies } = context();
       if (policyName !== undefined) requirePolicy(policies, policyName);
-      const result = await withPool(env, async (pool) =>
-        options.run !== undefined
-          ? auditFindByRun(pool, options.run, limit)
-          : { entries: await auditFindByKey(pool, policyName!, options.id!, limit), total: null },
-      );
+      let runId: string | null = null;
+      const result = await withPool(env, async (pool) => {
+        if (runArgument === null) return { entries: await auditFindByKey(pool, policyName!, options.id!, limit), total: null };
+        runId = await resolveRunId(pool, runArgument);
+        return auditFindByRun(pool, runId, limit);
+      });
       const found = result.entries.length > 0;
       printResult(!!options.json, options.run !== undefined ? result : { deleted: found, entries: result.entries }, () =>
         found
           ? `${table(result.entries, COLUMNS)}${result.total !== null && result.total > result.entries.length ? `\n(${result.entries.length} of ${result.total})` : ''}`
           : options.run !== undefined
-            ? `run ${options.run} deleted nothing that was audited`
+            ? `run ${runId} deleted nothing that was audited`
             : `no audited deletion of ${policyName} ${options.id}`,
       );
       // "Not found" is an answer: exit 1 so a script can branch on it.

@@ -15,6 +15,7 @@ import { targetResolve, type ResolvedTarget } from '../../shared/db/queries/targ
 import { failpoint } from '../../shared/observability/failpoint-hook';
 import { context, NotFoundError, operatorName, UsageError, withPool } from './common';
 import { printResult } from './output';
+import { resolveRunId, runIdArgument } from './run-id';
 import { makeProgressLine } from './progress';
 
 /** Rows per restore statement: each is one short transaction (the rows' locks, the inserts, the marks, the log). */
@@ -54,32 +55,33 @@ export function registerRestoreCommand(program: Command): void {
     .option('--batch-size <n>', 'rows per transaction', String(DEFAULT_BATCH))
     .addOption(new Option('--json', 'print machine-readable JSON'))
     .action(async (options: { run: string; id?: string; dryRun?: boolean; batchSize: string; json?: boolean }) => {
-      if (!/^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/i.test(options.run)) throw new UsageError(`--run: "${options.run}" is not a run id (uuid)`);
+      const runArgument = runIdArgument('--run', options.run);
       const batchSize = Number(options.batchSize);
       if (!Number.isInteger(batchSize) || batchSize < 1 || batchSize > 10_000) throw new UsageError(`--batch-size: must be an integer from 1 to 10000 (got "${options.batchSize}")`);
       const json = !!options.json;
       const { env, policies } = context();
       const result = await withPool(env, async (pool) => {
-        const run = await archiveFindRun(pool, options.run);
-        if (!run) throw new NotFoundError(`no run ${options.run}`);
+        const runId = await resolveRunId(pool, runArgument);
+        const run = await archiveFindRun(pool, runId);
+        if (!run) throw new NotFoundError(`no run ${runId}`);
         const policy = requirePolicy(policies, run.policy);
-        if (policy.kind !== 'row-delete') throw new RestoreRefused(`run ${options.run} is of ${policy.kind} policy "${policy.name}": only row-delete runs are archived`);
+        if (policy.kind !== 'row-delete') throw new RestoreRefused(`run ${runId} is of ${policy.kind} policy "${policy.name}": only row-delete runs are archived`);
         const target = await targetResolve(pool, policy);
-        const selection: ArchiveSelection = { runId: options.run, key: options.id ?? null };
+        const selection: ArchiveSelection = { runId: runId, key: options.id ?? null };
         const counted = await archiveCount(pool, target, selection).catch(refusedKey);
         if (counted.archived === 0) {
           const retainDays = policy.archive?.retainDays;
           if (retainDays !== undefined && run.ageDays > retainDays) {
             throw new RestoreRefused(
-              `run ${options.run} is ${Math.floor(run.ageDays)} days old, past archive.retainDays (${retainDays}): its archived rows were pruned; restore is only possible within retention`,
+              `run ${runId} is ${Math.floor(run.ageDays)} days old, past archive.retainDays (${retainDays}): its archived rows were pruned; restore is only possible within retention`,
             );
           }
           throw new NotFoundError(
-            `nothing archived for run ${options.run}${options.id !== undefined ? ` and key ${options.id}` : ''} (it deleted ${run.deleted} row(s); archive ${policy.archive?.enabled ? 'is on' : 'is off'} for "${policy.name}")`,
+            `nothing archived for run ${runId}${options.id !== undefined ? ` and key ${options.id}` : ''} (it deleted ${run.deleted} row(s); archive ${policy.archive?.enabled ? 'is on' : 'is off'} for "${policy.name}")`,
           );
         }
         if (policy.archive?.retainDays !== undefined && run.ageDays > policy.archive.retainDays && counted.archived < run.deleted && options.id === undefined) {
-          process.stderr.write(`reaper: note: run ${options.run} is past archive.retainDays (${policy.archive.retainDays}): ${run.deleted - counted.archived} of its ${run.deleted} deleted rows were pruned and cannot be restored\n`);
+          process.stderr.write(`reaper: note: run ${runId} is past archive.retainDays (${policy.archive.retainDays}): ${run.deleted - counted.archived} of its ${run.deleted} deleted rows were pruned and cannot be restored\n`);
         }
         const { columns, mismatches, sameColumns } = await archiveCheckColumns(pool, target, selection);
         if (mismatches.length > 0) {
@@ -88,7 +90,7 @@ export function registerRestoreCommand(program: Command): void {
               ? `column "${m.column}" is archived but table "${policy.table}" no longer has it (dropped or renamed)`
               : `column "${m.column}" of table "${policy.table}" is NOT NULL without a default and the archived rows have no value for it`,
           );
-          throw new RestoreRefused(`refusing to restore run ${options.run}: ${why.join('; ')}`);
+          throw new RestoreRefused(`refusing to restore run ${runId}: ${why.join('; ')}`);
         }
         return restoreInBatches(pool, target, { ...selection, columns, sameColumns, batchSize, dryRun: !!options.dryRun, json, policy: policy.name, counted });
       });

@@ -30,6 +30,7 @@ import { context, ISO_INPUT, NotFoundError, pastCutoff, UsageError, withPool } f
 import { formatDuration, humanLogDestination, printResult } from './output';
 import { outsideWindowMessage, windowStateAt } from '../../shared/schedule/window';
 import { makeProgressLine, renderProgress } from './progress';
+import { resolveRunId, runIdArgument } from './run-id';
 
 /**
  * The run commands that start work: `trigger`, `replay` and `execute`, plus the run display helpers
@@ -157,13 +158,15 @@ export function registerRunCommands(program: Command): void {
       if (options.cutoff && !ISO_INPUT.test(options.cutoff)) {
         throw new UsageError(`--cutoff: "${options.cutoff}" is not an ISO 8601 timestamp with a time zone`);
       }
-      if (options.run && !/^[0-9a-f-]{36}$/i.test(options.run)) throw new UsageError(`--run: "${options.run}" is not a run id (uuid)`);
+      const runArgument = options.run ? runIdArgument('--run', options.run) : null;
       const timeoutMs = timeoutMsOf(options);
       await withPool(env, async (pool) => {
         let policy = options.policy;
         let cutoff = options.cutoff;
-        if (options.run) {
-          const original = await runsGetSummary(pool, options.run);
+        let replayOf: string | null = null;
+        if (runArgument) {
+          replayOf = await resolveRunId(pool, runArgument);
+          const original = await runsGetSummary(pool, replayOf);
           if (!original) throw new NotFoundError(`--run: no run ${options.run}`);
           policy = original.policy;
           cutoff = original.cutoff;
@@ -171,7 +174,7 @@ export function registerRunCommands(program: Command): void {
         requirePolicy(policies, policy!);
         // A cutoff can only narrow what is eligible (docs/design.md invariant 2): a future one is refused.
         if (options.cutoff) await pastCutoff(pool, options.cutoff);
-        await startRun(env, policies, pool, { policy: policy!, trigger: 'replay', cutoff: cutoff!, replayOf: options.run ?? null }, options, timeoutMs);
+        await startRun(env, policies, pool, { policy: policy!, trigger: 'replay', cutoff: cutoff!, replayOf }, options, timeoutMs);
       });
     });
 
@@ -181,11 +184,12 @@ export function registerRunCommands(program: Command): void {
     .addOption(wait())
     .addOption(timeout())
     .addOption(json())
-    .action(async (runId: string, options: StartOptions) => {
-      if (!/^[0-9a-f-]{36}$/i.test(runId)) throw new UsageError(`runId: "${runId}" is not a run id (uuid)`);
+    .action(async (given: string, options: StartOptions) => {
+      const id = runIdArgument('runId', given);
       const { env, policies } = context();
       const timeoutMs = timeoutMsOf(options);
       await withPool(env, async (pool) => {
+        const runId = await resolveRunId(pool, id);
         const found = await runsGetSummary(pool, runId);
         if (!found) throw new NotFoundError(`no run ${runId}`);
         const policy = requirePolicy(policies, found.policy);

@@ -1,10 +1,12 @@
 /**
  * Issue 42 items 3 and 4, the CLI's output for people, each through the real CLI as the printed
  * operator role: `status` fits 120 columns (`--wide` all columns, `--json` as it was), ages read
- * as `1h00m`; `runs` never cuts a reason; a broker that cannot be reached makes `status` exit 1;
- * a connection failure names DATABASE_URL / AMQP_URL and where they point (no password; a database
- * without the schema is named: cli-polish.test.ts); `trigger --execute` held by the brake prints no
- * JSON log line; `plan`'s sample comes from the count's predicate.
+ * as `1h00m`; `runs` never cuts a reason and fits 120 columns (ids of 8 hex digits, cutoffs to the
+ * second; `--wide` whole), and every command that takes a run id takes a unique prefix; a broker
+ * that cannot be reached makes `status` exit 1; a connection failure names DATABASE_URL / AMQP_URL
+ * and where they point (no password; a database without the schema is named: cli-polish.test.ts);
+ * `trigger --execute` held by the brake prints no JSON log line; `plan`'s sample comes from the
+ * count's predicate.
  */
 import assert from 'node:assert/strict';
 import { after, before, test } from 'node:test';
@@ -132,4 +134,69 @@ test("plan: the sample comes from the count's predicate (remote-delete leaves ou
   assert.equal(plan.code, 0, plan.stdout);
   const parsed = JSON.parse(plan.stdout) as { candidates: number; sample: string[] };
   assert.deepEqual({ candidates: parsed.candidates, sample: parsed.sample }, { candidates: 0, sample: [] });
+});
+
+test('runs: 120 columns with ids of 8 hex digits and cutoffs to the second (--wide, --json whole); every run-id argument takes a unique prefix', async () => {
+  const held = (await bed.pool.query<{ run_id: string }>(`SELECT run_id FROM cleanup_runs WHERE policy = 'seat-holds' AND state = 'awaiting-approval'`)).rows[0]!.run_id;
+  // Two runs whose ids share their first 8 hex digits (then differ), of a policy with a 16-character
+  // name, held by the brake with a count, an approval, skipped keys and a reason: the widest
+  // ordinary row. The bed's superuser inserts them because no command makes a run with a chosen id
+  // (ids are random: two sharing 8 digits is about 1 in 4 billion per pair) and the operator role
+  // the CLI logs in as may not insert runs.
+  const twins = ['5eed5eed-1000-4000-8000-000000000001', '5eed5eed-2000-4000-8000-000000000002'];
+  await bed.pool.query(
+    `INSERT INTO cleanup_runs (run_id, policy, trigger, scheduled_for, cutoff, state, candidates, skipped, counted_candidates,
+       approved_candidates, approved_policy_version, error)
+     SELECT id, 'sixteen-chars-ok', 'catch-up', now() - n * interval '1 minute', now() - interval '1 day', 'awaiting-approval', 1234567, 3, 1234567,
+       1000000, '0123456789abcdef', 'run over its allowance: 1234567 candidates is more than limits.maxPerRun (1000000); approve or reject it'
+     FROM unnest($1::uuid[]) WITH ORDINALITY AS t(id, n)`,
+    [twins],
+  );
+
+  const listed = await cli(['runs']);
+  assert.equal(listed.code, 0, listed.stdout);
+  assert.ok(longest(listed.stdout) <= 120, `every line within 120 columns (longest ${longest(listed.stdout)}):\n${listed.stdout}`);
+  assert.match(listed.stdout, new RegExp(`^${held.slice(0, 8)}\\s+seat-holds\\s+manual\\s+awaiting-approval\\s+\\d{4}-\\d\\d-\\d\\d \\d\\d:\\d\\d:\\d\\dZ\\s`, 'm'), listed.stdout);
+  assert.ok(!listed.stdout.includes(held), 'the whole id only with --wide');
+  // Sharing 8 digits, each twin is shown with as many as it takes to tell them apart (git's rule).
+  assert.match(listed.stdout, /^5eed5eed-1\s+sixteen-chars-ok\s+catch-up\s+awaiting-approval\s/m, listed.stdout);
+  assert.match(listed.stdout, /^5eed5eed-2\s/m, listed.stdout);
+  assert.match(listed.stdout, /^ {4}brake: counted 1234567, approved 1000000 \(0123456789abcdef\)$/m, 'the brake\'s counts under the run');
+  assert.match(listed.stdout, /^ {4}skipped: 3 /m, 'skipped keys under the run');
+  const wide = await cli(['runs', '--wide']);
+  assert.match(wide.stdout, new RegExp(`^${twins[0]}\\s.*\\s\\d{4}-\\d\\d-\\d\\dT\\d\\d:\\d\\d:\\d\\d\\.\\d{6}Z\\s`, 'm'), `--wide: whole id and cutoff:\n${wide.stdout}`);
+  const json = JSON.parse((await cli(['runs', '--json'])).stdout) as Array<{ runId: string; cutoff: string }>;
+  for (const id of [held, ...twins]) assert.ok(json.some((run) => run.runId === id), `--json: the whole id ${id}`);
+  assert.ok(json.every((run) => /\.\d{6}Z$/.test(run.cutoff)), '--json: cutoffs to the microsecond');
+
+  // A prefix as `runs` shows it, in `run`, `audit --run` and `approve` (which then names the whole id).
+  const one = await cli(['run', held.slice(0, 8)]);
+  assert.equal(one.code, 0, one.stdout);
+  assert.match(one.stdout, new RegExp(`^run {8}${held}$`, 'm'));
+  const audited = await cli(['audit', '--run', held.slice(0, 8).toUpperCase()]);
+  assert.equal(audited.code, 1, audited.stdout);
+  assert.match(audited.stdout, new RegExp(`run ${held} deleted nothing that was audited`));
+  // Ambiguous: a usage error (2) naming the argument and every match, in each command that takes a run id.
+  for (const args of [['run'], ['execute'], ['approve'], ['reject'], ['replay', '--run'], ['audit', '--run'], ['restore', '--run']]) {
+    const refused = await cli([...args, '5eed5eed']);
+    assert.equal(refused.code, 2, `${args.join(' ')}: ${refused.stdout}`);
+    const argument = args[1] ?? 'runId';
+    assert.match(refused.stdout, new RegExp(`reaper: ${argument}: "5eed5eed" is the start of more than one run id: ${twins[0]}, ${twins[1]}; give more of the id`), refused.stdout);
+  }
+  assert.equal((await cli(['run', '5eed5eed-2'])).code, 0, 'one more digit tells them apart');
+  const short = await cli(['run', '5eed5ee']);
+  assert.equal(short.code, 2, short.stdout);
+  assert.match(short.stdout, /reaper: runId: "5eed5ee" is not a run id: give the uuid, or at least its first 8 hex digits/);
+  const misplaced = await cli(['audit', '--run', '5eed-5eed']);
+  assert.equal(misplaced.code, 2, misplaced.stdout);
+  assert.match(misplaced.stdout, /reaper: --run: "5eed-5eed" is not a run id/);
+  const missing = await cli(['approve', '00000000']);
+  assert.equal(missing.code, 1, missing.stdout);
+  assert.match(missing.stdout, /reaper: no run 00000000$/m);
+
+  const counted = (await runsGetSummary(bed.pool, held))!;
+  const approved = await cli(['approve', held.slice(0, 8), '--expect', `${counted.countedCandidates}@${counted.holdCount}`]);
+  assert.equal(approved.code, 0, approved.stdout);
+  assert.match(approved.stdout, new RegExp(`^run ${held} approved for ${counted.countedCandidates} candidates`, 'm'));
+  assert.equal((await runsGetSummary(bed.pool, held))!.approvedCandidates, counted.countedCandidates);
 });

@@ -82,7 +82,9 @@ describe('scan limits and runs that cannot complete', () => {
     const shown = await runReaperCli(['run', runId], bed.processEnv());
     assert.match(shown.stdout, /skipped\s+330/);
     const listed = await runReaperCli(['runs'], bed.processEnv());
-    assert.match(listed.stdout, new RegExp(`${runId}.*completed.*\\b330\\b`));
+    // By default the run shows as its first 8 hex digits and the skipped keys on a line under it; --wide has the column.
+    assert.match(listed.stdout, new RegExp(`^${runId.slice(0, 8)}\\s.*completed[^\\n]*\\n {4}skipped: 330 `, 'm'), listed.stdout);
+    assert.match((await runReaperCli(['runs', '--wide'], bed.processEnv())).stdout, new RegExp(`${runId}.*completed.*\\b330\\b`));
     await stopAll(services);
   });
 

@@ -514,6 +514,38 @@ export async function runsGetSummary(db: Db, runId: string): Promise<RunSummary 
   return result.rows[0] ? toSummary(result.rows[0]) : null;
 }
 
+/**
+ * The ids of the runs whose id starts with `hex` (1 to 32 lowercase hex digits, the uuid's hyphens
+ * left out), in id order, at most `limit`: what lets the CLI take a unique prefix of a run id. A
+ * range over the primary key (uuids compare byte by byte, i.e. as their hex reads), so it is an
+ * index range scan however many runs there are.
+ */
+export async function runsFindByIdPrefix(db: Db, hex: string, limit: number): Promise<string[]> {
+  if (!/^[0-9a-f]{1,32}$/.test(hex)) throw new Error(`runsFindByIdPrefix: "${hex}" is not lowercase hex of 1 to 32 digits`);
+  const result = await db.query<{ run_id: string }>('SELECT run_id FROM cleanup_runs WHERE run_id BETWEEN $1::uuid AND $2::uuid ORDER BY run_id LIMIT $3', [
+    hex.padEnd(32, '0'),
+    hex.padEnd(32, 'f'),
+    limit,
+  ]);
+  return result.rows.map((row) => row.run_id);
+}
+
+/**
+ * For each of `runIds`, the run ids just before and just after it in id order (null at either
+ * end): the longest prefix it shares with any other run is the longer of the two it shares with
+ * them, so the CLI can show each id as short as is still unique. Two index probes per id.
+ */
+export async function runsIdNeighbours(db: Db, runIds: readonly string[]): Promise<Array<{ runId: string; before: string | null; after: string | null }>> {
+  const result = await db.query<{ run_id: string; before: string | null; after: string | null }>(
+    `SELECT r.id AS run_id,
+       (SELECT run_id FROM cleanup_runs WHERE run_id < r.id ORDER BY run_id DESC LIMIT 1) AS before,
+       (SELECT run_id FROM cleanup_runs WHERE run_id > r.id ORDER BY run_id LIMIT 1) AS after
+     FROM unnest($1::uuid[]) AS r(id)`,
+    [runIds],
+  );
+  return result.rows.map((row) => ({ runId: row.run_id, before: row.before, after: row.after }));
+}
+
 export async function runsListSummaries(db: Db, filter: { policy?: string | undefined; limit: number }): Promise<RunSummary[]> {
   const result = await db.query<SummaryRow>(
     `${SUMMARY_SELECT} WHERE ($1::text IS NULL OR r.policy = $1) ORDER BY r.created_at DESC LIMIT $2`,
