@@ -221,8 +221,14 @@ export function noteRowStatement(pool: Pool, policy: RowDeletePolicy, sample: { 
  */
 export function maxRowsPerStatement(pool: Pool, policy: RowDeletePolicy, inForce: RowAdmission): number {
   if (inForce.rowsPerSecond !== null) return inForce.burst;
-  const observer = adaptiveAdmission(policy) ? observers.get(pool)?.get(policy.name) : undefined;
-  return observer?.seen ? statementRows(observer.reading, observer.seen.state.rate, policy.batchSize) : Number.POSITIVE_INFINITY;
+  if (!adaptiveAdmission(policy)) return Number.POSITIVE_INFINITY;
+  // Before this worker's first take nothing is known of the others: one batch (statementRows with
+  // no reading). It was no limit: a worker's first group went as one statement of up to prefetch x
+  // batch rows, admitted by one take of a one-batch bucket that then stayed in debt for n / rate
+  // seconds (bench figure 7b, 2026-12-06: 2,500-9,000 rows in the first second with the rate read
+  // at the floor from the start, then nothing; a run of 15,000 rows went whole in the first groups).
+  const observer = observers.get(pool)?.get(policy.name);
+  return statementRows(observer?.reading ?? NO_READING, observer?.seen?.state.rate ?? adaptiveStartRate(null), policy.batchSize);
 }
 
 /**

@@ -39,6 +39,28 @@ describe('adaptive row-delete admission: one shared rate', () => {
   const storedRate = async (policy: string): Promise<number> =>
     (await bed.pool.query<{ rate: number }>('SELECT adaptive_rate AS rate FROM cleanup_admission WHERE policy = $1', [policy])).rows[0]!.rate;
 
+  /**
+   * The application: a statement of its own running all along (pg_sleep), seen as 'active' in
+   * every sample, while `body` runs. Returns the runner; each call takes a connection of its pool.
+   */
+  const applicationBusyWhile = (name: string) => {
+    const applicationPool = makePool(bed.databaseUrl, 1, name);
+    pools.push(applicationPool);
+    return async <T>(body: () => Promise<T>): Promise<T> => {
+      const application = await applicationPool.connect();
+      const pid = (await application.query<{ pid: number }>('SELECT pg_backend_pid() AS pid')).rows[0]!.pid;
+      const running = application.query('SELECT pg_sleep(30)').catch(() => undefined);
+      try {
+        await eventually('the application to be running', async () => (await bed.pool.query(`SELECT 1 FROM pg_stat_activity WHERE pid = $1 AND state = 'active'`, [pid])).rowCount === 1, { timeoutMs: 5_000, intervalMs: 10 });
+        return await body();
+      } finally {
+        await bed.pool.query('SELECT pg_cancel_backend($1)', [pid]);
+        await running;
+        application.release();
+      }
+    };
+  };
+
   before(async () => {
     bed = await makeTestBed('adaptive_admission');
   });
@@ -201,22 +223,7 @@ describe('adaptive row-delete admission: one shared rate', () => {
     const ageRate = (rate: number) =>
       bed.pool.query(`UPDATE cleanup_admission SET adaptive_rate = $2, adapted_at = adapted_at - make_interval(secs => $3) WHERE policy = $1`, [policy.name, rate, ADAPTIVE.restartAfterSeconds + 5]);
     const take = async (pool: pg.Pool, now?: () => number): Promise<void> => assert.ok((await admitRows(pool, policy, 10, { holdMs: 5_000, ...(now ? { now } : {}) })).admitted);
-    // The application: a statement of its own running all along, seen as 'active' in every sample.
-    const applicationPool = makePool(bed.databaseUrl, 1, 'application-start-look');
-    pools.push(applicationPool);
-    const busyWhile = async (body: () => Promise<void>): Promise<void> => {
-      const application = await applicationPool.connect();
-      const pid = (await application.query<{ pid: number }>('SELECT pg_backend_pid() AS pid')).rows[0]!.pid;
-      const running = application.query('SELECT pg_sleep(30)').catch(() => undefined);
-      try {
-        await eventually('the application to be running', async () => (await bed.pool.query(`SELECT 1 FROM pg_stat_activity WHERE pid = $1 AND state = 'active'`, [pid])).rowCount === 1, { timeoutMs: 5_000, intervalMs: 10 });
-        await body();
-      } finally {
-        await bed.pool.query('SELECT pg_cancel_backend($1)', [pid]);
-        await running;
-        application.release();
-      }
-    };
+    const busyWhile = applicationBusyWhile('application-start-look');
 
     // A new policy, a busy application: the first take (before any statement of reaper's) stores the floor.
     await busyWhile(() => take(workerPool('look-1')));
@@ -389,6 +396,40 @@ describe('adaptive row-delete admission: one shared rate', () => {
       );
     } finally {
       await releaseApplication();
+    }
+  });
+  test("no burst at the start (issue 41): a worker's first group, with an application busy, goes one batch per statement at the floor, not as one statement of the whole group", async () => {
+    const policy = policyNamed('first-group');
+    const pool = workerPool('first-group');
+    const group = makeRowDeleteGroupHandler(policy, await targetResolve(bed.pool, policy));
+    const context = { pool, workerId: 'adaptive-first-group', log: pino({ level: 'silent' }), metrics: makeMetrics(), deliveryCount: 1, failpoint: () => undefined };
+    // 16 batches of 50 (a worker's prefetch fills its first group before any take), 800 rows.
+    const seeded = await seedHolds(bed.pool, { expiredHeld: 800 });
+    const runId = randomUUID();
+    const batches = await Promise.all(
+      Array.from({ length: 16 }, (_, i) => makeRowBatch(bed.pool, seeded.expiredHeld.slice(i * 50, (i + 1) * 50), { runId, batchId: makeBatchId(runId, i + 1), policy: policy.name })),
+    );
+    // Each deleting statement's row count and time, from a statement trigger on the table (the
+    // test bed's superuser installs it on the test's own table; the worker pool only deletes).
+    await bed.pool.query(`CREATE TABLE first_group_statements (rows int NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp())`);
+    await bed.pool.query(`CREATE FUNCTION first_group_note() RETURNS trigger LANGUAGE plpgsql AS $$
+      BEGIN INSERT INTO first_group_statements (rows) SELECT count(*) FROM gone; RETURN NULL; END $$`);
+    await bed.pool.query(`CREATE TRIGGER first_group_note AFTER DELETE ON seat_reservations REFERENCING OLD TABLE AS gone FOR EACH STATEMENT EXECUTE FUNCTION first_group_note()`);
+    try {
+      const results = await applicationBusyWhile('application-first-group')(() => group(batches, context));
+      const statements = (await bed.pool.query<{ rows: number; seconds: number }>(`SELECT rows, extract(epoch FROM at - min(at) OVER ())::float8 AS seconds FROM first_group_statements WHERE rows > 0 ORDER BY at`)).rows;
+      assert.equal(await storedRate(policy.name), ADAPTIVE.floorRowsPerSecond, 'the look read the application: the floor');
+      assert.ok(statements.length > 0, 'the group deleted something');
+      assert.ok(Math.max(...statements.map((s) => s.rows)) <= policy.batchSize, `one batch per statement from the first: ${statements.map((s) => s.rows).join(', ')}`);
+      // At the floor the bucket gives 500 rows/s after its first batch: what the group deleted took
+      // at least that long (a slower machine only takes longer).
+      const deleted = statements.reduce((sum, s) => sum + s.rows, 0);
+      const lastAt = statements[statements.length - 1]!.seconds;
+      assert.ok(lastAt >= ((deleted - policy.batchSize) / ADAPTIVE.floorRowsPerSecond) * 0.9, `${deleted} rows over ${lastAt.toFixed(2)} s: at most the floor's rate`);
+      // What the hold budget did not cover goes to a delay tier, deleted later: nothing lost.
+      assert.ok(results.every((r) => r.kind === 'done' || r.kind === 'retry'), JSON.stringify(results.map((r) => r.kind)));
+    } finally {
+      await bed.pool.query(`DROP TRIGGER first_group_note ON seat_reservations; DROP FUNCTION first_group_note(); DROP TABLE first_group_statements`);
     }
   });
 });
