@@ -103,6 +103,8 @@ export interface ShapeContender {
   finishedInWindow: boolean;
   /** Rows the bench deleted itself after the long window. */
   finishedOffRows: number;
+  /** [ms since the trigger, rows deleted so far (receipts)], sampled every 100 ms until the long window's end. */
+  deletedSeries: Array<[number, number]>;
   /** Adaptive: the shared rate (cleanup_admission.adaptive_rate) sampled every 100 ms in each window. */
   adaptiveRate: { shortMedian: number | null; longMedian: number | null; series: Array<[number, number]> } | null;
 }
@@ -153,6 +155,7 @@ function runRows(options: ShapesOptions, kind: ContenderKind, rate: number | nul
   return Math.min(options.maxRunRows, Math.max(options.shortRows, needed));
 }
 
+/** The adaptive contender runs last: its run is not waited for once its windows are measured (runContender). */
 function contenders(options: ShapesOptions): Array<{ kind: ContenderKind; rate: number | null }> {
   return [...options.rates.map((rate) => ({ kind: 'fixed' as const, rate })), { kind: 'unthrottled', rate: null }, { kind: 'adaptive', rate: null }];
 }
@@ -220,6 +223,11 @@ async function readProgress(pool: pg.Pool, runId: string, policy: string): Promi
   return { at: Date.now(), deleted: row.deleted, state: row.state, adaptiveRate: row.rate };
 }
 
+/** Whether a candidate at or before `cutoff` is left (one a worker's batch held when the bench deleted the rest). */
+async function candidatesLeft(pool: pg.Pool, cutoff: string): Promise<boolean> {
+  return (await pool.query(`SELECT 1 FROM seat_reservations WHERE expires_at <= $1::timestamptz AND status = 'held' LIMIT 1`, [cutoff])).rows.length > 0;
+}
+
 /** Rows deleted by `ms` (the last sample at or before it). */
 function deletedAt(series: readonly Progress[], ms: number): number {
   let deleted = 0;
@@ -233,6 +241,7 @@ async function runContender(
   options: ShapesOptions,
   policy: string,
   rows: number,
+  waitForRun: boolean,
 ): Promise<{
   aloneFromMs: number;
   aloneToMs: number;
@@ -243,8 +252,7 @@ async function runContender(
   series: Progress[];
   finishedInWindow: boolean;
   finishedOffRows: number;
-  /** Rows the run deleted in all (receipts once it completed). */
-  runDeleted: number;
+  runId: string;
 }> {
   const aloneFromMs = Date.now();
   await sleep(options.aloneSeconds * 1000);
@@ -278,8 +286,12 @@ async function runContender(
     // Rows a worker's batch holds are skipped (SKIP LOCKED): that batch deletes them; one
     // statement over all of them deadlocked with the workers' batches.
     await admissionOverrideSet(pool, { policy, rate: 10_000_000, setBy: 'bench' });
+    // The adaptive run is not waited for (waitForRun false; it runs last): an adaptive rate stays
+    // low after its rows are gone, and each batch already published still takes its tokens (at
+    // the floor, a batch of 500 a second). Its rows are gone; its receipts are read once the
+    // services have stopped.
     const deadline = Date.now() + context.boundMs;
-    while (p.state !== 'completed') {
+    for (;;) {
       if (Date.now() > deadline) throw new Error(`shapes: run of ${policy} not completed ${context.boundMs / 1000} s after its rows were deleted`);
       const gone = await pool.query(
         `DELETE FROM seat_reservations WHERE reservation_id IN (
@@ -287,11 +299,12 @@ async function runContender(
         [cutoff],
       );
       finishedOffRows += gone.rowCount ?? 0;
-      if (!gone.rowCount) await sleep(100);
       p = await readProgress(pool, run.runId, policy);
+      if (waitForRun ? p.state === 'completed' : !gone.rowCount && !(await candidatesLeft(pool, cutoff))) break;
+      if (!gone.rowCount) await sleep(100);
     }
   }
-  return { aloneFromMs, aloneToMs, startMs, shortEndMs, longFromMs, longEndMs, series, finishedInWindow, finishedOffRows, runDeleted: p.deleted };
+  return { aloneFromMs, aloneToMs, startMs, shortEndMs, longFromMs, longEndMs, series, finishedInWindow, finishedOffRows, runId: run.runId };
 }
 
 /** The control's windows: the foreground alone, then as long as a contender's windows with nothing triggered. */
@@ -306,7 +319,8 @@ async function runControl(options: ShapesOptions): Promise<{ aloneFromMs: number
   return { aloneFromMs, aloneToMs, startMs, shortEndMs: startMs + options.shortSeconds * 1000, longFromMs, longEndMs };
 }
 
-function summarise(contenders: readonly ShapeContender[], which: 'short' | 'long', kneeRatio: number): ShapeSummary {
+/** The knee of one window (short or long) and the adaptive contender against it. */
+export function summarise(contenders: readonly ShapeContender[], which: 'short' | 'long', kneeRatio: number): ShapeSummary {
   const fixed = contenders.filter((c) => c.kind === 'fixed').sort((a, b) => a.rowsPerSecond! - b.rowsPerSecond!);
   const unthrottled = contenders.find((c) => c.kind === 'unthrottled')!;
   const adaptive = contenders.find((c) => c.kind === 'adaptive')!;
@@ -351,7 +365,7 @@ async function runShape(context: BenchContext, seed: Seed, options: ShapesOption
     context.progress(`    ${shape.label}: control (no cleanup) measured`);
     const measured: Array<(typeof plan)[number] & Awaited<ReturnType<typeof runContender>>> = [];
     for (const c of plan) {
-      const m = await runContender(context, pool, options, c.policy, c.rows);
+      const m = await runContender(context, pool, options, c.policy, c.rows, c.kind !== 'adaptive');
       measured.push({ ...c, ...m });
       for (const service of services) service.assertRunning();
       pgbench.assertRunning();
@@ -400,6 +414,7 @@ async function runShape(context: BenchContext, seed: Seed, options: ShapesOption
         firstRowSeconds: first ? (first.at - m.startMs) / 1000 : null,
         finishedInWindow: m.finishedInWindow,
         finishedOffRows: m.finishedOffRows,
+        deletedSeries: m.series.map((s) => [s.at - m.startMs, s.deleted] as [number, number]),
         adaptiveRate:
           m.kind === 'adaptive'
             ? {
@@ -417,7 +432,11 @@ async function runShape(context: BenchContext, seed: Seed, options: ShapesOption
     for (let from = adaptive.startMs; from + 1000 <= adaptive.longEndMs; from += 1000) adaptiveP99BySecond.push(Number(latencyOf(p.transactions(from, from + 1000)).p99Ms.toFixed(2)));
     await stopServices(services);
     const consumed = plan.reduce((sum, c) => sum + c.rows, 0);
-    const deleted = measured.reduce((sum, m) => sum + m.runDeleted + m.finishedOffRows, 0);
+    // Receipts once every worker has stopped: the adaptive run's last batches included.
+    const receipts = (
+      await pool.query<{ deleted: number }>('SELECT coalesce(sum(deleted), 0)::int AS deleted FROM cleanup_batches WHERE run_id = ANY($1::uuid[])', [measured.map((m) => m.runId)])
+    ).rows[0]!.deleted;
+    const deleted = receipts + measured.reduce((sum, m) => sum + m.finishedOffRows, 0);
     await checkCounts(context, `shapes: ${shape.label}`, seed, pool, consumed, deleted);
     return {
       shape,
