@@ -2,7 +2,7 @@
  * reaper's benchmark (issue 4): throughput, memory, latency and rate-limit accuracy, each as a
  * ratio to a contender measured in the same run.
  *
- *   npm run bench -- --quick      the whole picture in under three minutes
+ *   npm run bench -- --quick      the whole picture: under three minutes, plus about ten for figure 7b (--only shapes)
  *   npm run bench -- --full       the sizes the README reports (500k and 2M candidates)
  *   npm run bench -- --smoke      CI: small sizes; exits 1 if any count is wrong (never on speed)
  *   add --profile                 one extra end-to-end run under --cpu-prof (scheduler, worker 1), summarised

@@ -1,5 +1,5 @@
 /**
- * How big each mode measures. quick: the whole picture in under three minutes. full: the sizes the
+ * How big each mode measures. quick: the whole picture in under three minutes, plus about ten for figure 7b's shapes. full: the sizes the
  * README reports. smoke: CI, small enough for a minute; it checks counts, and its speeds mean nothing.
  */
 import type { ForegroundOptions } from '../figures/foreground';
