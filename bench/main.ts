@@ -2,7 +2,7 @@
  * reaper's benchmark (issue 4): throughput, memory, latency and rate-limit accuracy, each as a
  * ratio to a contender measured in the same run.
  *
- *   npm run bench -- --quick      the whole picture in under three minutes
+ *   npm run bench -- --quick      the whole picture: under three minutes, plus about ten for figure 7b (--only shapes)
  *   npm run bench -- --full       the sizes the README reports (500k and 2M candidates)
  *   npm run bench -- --smoke      CI: small sizes; exits 1 if any count is wrong (never on speed)
  *   add --profile                 one extra end-to-end run under --cpu-prof (scheduler, worker 1), summarised
@@ -13,6 +13,9 @@
  *                                 (BENCH_FOREGROUND_BATCH_SIZE=<n> runs figure 7's reaper contenders at batch n,
  *                                 BENCH_FOREGROUND_THROTTLE=<rows/s> its fixed-rate contender at that rate,
  *                                 BENCH_FOREGROUND_ROWS=<n> every cleanup on n rows instead of the mode's)
+ *   add --only shapes             figure 7b alone (issue 41): four foreground shapes, each with a sweep of fixed rates,
+ *                                 unthrottled and adaptive reaper; written as <date>-shapes-<mode>.json and .md
+ *                                 (BENCH_SHAPES=mixed-300,quiet-30 measures only those shapes)
  *   add --only s3                 figure 9 alone (object storage), written as <date>-s3-<mode>.json and .md
  *   add --only cost               PostgreSQL CPU per deleted row and scheduler memory alone (bench/figures/cost.ts;
  *                                 BENCH_COST_BEFORE_BIN=<other build>/bin/reaper measures it A/B in the same rounds,
@@ -40,13 +43,14 @@ import { runLatency } from './figures/latency';
 import { EVENTS_ARCHIVE_CANDIDATES, runEventsArchive } from './figures/events-archive';
 import { runRemoteBacklog, runRemoteDelete } from './figures/remote-delete';
 import { runS3Delete } from './figures/s3-delete';
+import { runShapes, shapeRowsNeeded } from './figures/shapes';
 import { runReaperEndToEnd, runStageSplit, type ReaperRun } from './figures/row-delete';
 import { BenchBroker } from './lib/broker';
 import type { BenchContext, Measured, Throughput } from './lib/context';
 import { BenchDatabases, type Seed } from './lib/database';
 import { MODES, type Mode, type ModeConfig } from './lib/modes';
 import { summariseProfile } from './lib/profile';
-import { renderMarkdown, renderText, type BenchReport, type SizeResult } from './lib/report';
+import { renderMarkdown, renderShapesTable, renderText, type BenchReport, type SizeResult } from './lib/report';
 import { killLeftoverServices } from './lib/services';
 import { assertCanPin, pinDatabaseApart, type Pinning } from './lib/pin';
 import { PREFETCH_DEFAULTS } from '../shared/config/env';
@@ -58,7 +62,7 @@ const PGBOSS_BATCH: Omit<PgBossOptions, 'batchSize'> = { mode: 'batch', workers:
 const PGBOSS_ROW: Omit<PgBossOptions, 'batchSize'> = { mode: 'row', workers: 2, loopsPerWorker: 4, fetchSize: 100 };
 
 /** Figures that can be measured alone (--only). */
-const ONLY = ['remote-backlog', 'events-archive', 'foreground', 's3', 'cost'] as const;
+const ONLY = ['remote-backlog', 'events-archive', 'foreground', 's3', 'cost', 'shapes'] as const;
 type Only = (typeof ONLY)[number];
 
 function parseMode(): { config: ModeConfig; profile: boolean; only: Only | null; pin: boolean } {
@@ -260,6 +264,17 @@ async function measureS3(context: BenchContext, config: ModeConfig, report: Benc
   report.s3 = await runS3Delete(context, { ...S3_FIGURE, backlogSeconds });
 }
 
+/** Figure 7b (issue 41): on a seed of its own, large enough for one shape's sweep (each shape takes a fresh copy). */
+async function measureShapes(context: BenchContext, config: ModeConfig, report: BenchReport): Promise<void> {
+  if (!config.shapes) throw new Error(`figure 7b (foreground shapes) is not measured in ${config.mode} mode: use --quick or --full`);
+  const only = process.env.BENCH_SHAPES?.split(',').map((key) => key.trim()).filter(Boolean);
+  const options = only && only.length > 0 ? { ...config.shapes, onlyShapes: only } : config.shapes;
+  const candidates = Math.max(options.candidates, shapeRowsNeeded(options) + (shapeRowsNeeded(options) % 2));
+  context.progress(`foreground shapes: ${candidates.toLocaleString('en-US')} candidates; fixed rates ${options.rates.join(', ')} rows/s, unthrottled, adaptive`);
+  const seed = await context.databases.seed(candidates);
+  report.shapes = await runShapes(context, seed, options, loadavg);
+}
+
 async function measureAll(context: BenchContext, config: ModeConfig, report: BenchReport, profile: boolean): Promise<void> {
   for (const [index, candidates] of config.sizes.entries()) {
     // Every figure copies the bench database from this size's seed afresh: the seed never changes.
@@ -279,6 +294,7 @@ async function measureAll(context: BenchContext, config: ModeConfig, report: Ben
   if (config.remoteBacklog) await measureRemoteBacklog(context, config, report);
   await measureEventsArchive(context, config, report);
   await measureS3(context, config, report);
+  if (config.shapes) await measureShapes(context, config, report);
 }
 
 async function main(): Promise<number> {
@@ -335,6 +351,7 @@ async function main(): Promise<number> {
     remoteBacklog: null,
     s3: null,
     foreground: null,
+    shapes: null,
     profiles: [],
     checks: context.checks,
     countsOk: false,
@@ -371,6 +388,7 @@ async function main(): Promise<number> {
       await context.databases.seed(2);
       await measureRemoteBacklog(context, config, report);
     } else if (only === 'events-archive') await measureEventsArchive(context, config, report);
+    else if (only === 'shapes') await measureShapes(context, config, report);
     else if (only === 's3') {
       await context.databases.seed(2);
       await measureS3(context, config, report);
@@ -382,10 +400,11 @@ async function main(): Promise<number> {
   report.seconds = (Date.now() - started) / 1000;
   report.countsOk = context.checks.every((entry) => entry.ok);
   mkdirSync(RESULTS_DIR, { recursive: true });
-  const base = path.join(RESULTS_DIR, only === 's3' ? `${report.date}-s3-${config.mode}` : `${report.date}-${config.mode}${only ? `-${only}` : ''}${only === 'foreground' ? foregroundSuffix() : ''}${pin ? '-pinned' : ''}`);
+  const base = path.join(RESULTS_DIR, only === 's3' ? `${report.date}-s3-${config.mode}` : only === 'shapes' ? `${report.date}-shapes-${config.mode}${pin ? '-pinned' : ''}` : `${report.date}-${config.mode}${only ? `-${only}` : ''}${only === 'foreground' ? foregroundSuffix() : ''}${pin ? '-pinned' : ''}`);
   writeFileSync(`${base}.json`, `${JSON.stringify(report, null, 2)}\n`);
   writeFileSync(`${base}.md`, renderMarkdown(report));
-  process.stdout.write(`\n${renderText(report)}\n\nwrote ${path.relative(process.cwd(), base)}.json and .md (${report.seconds.toFixed(0)} s)\n`);
+  const shapes = report.shapes ? `\n\n${renderShapesTable(report.shapes).join('\n')}` : '';
+  process.stdout.write(`\n${renderText(report)}${shapes}\n\nwrote ${path.relative(process.cwd(), base)}.json and .md (${report.seconds.toFixed(0)} s)\n`);
   return report.countsOk ? 0 : 1;
 }
 

@@ -36,7 +36,8 @@ import { pollUntil, sleep } from '../lib/wait';
  */
 
 export const FOREGROUND_POLICY = 'bench-foreground-holds';
-const APPLICATION_NAME = 'bench-foreground';
+export const FOREGROUND_APPLICATION = 'bench-foreground';
+const APPLICATION_NAME = FOREGROUND_APPLICATION;
 /** Weights of the three scripts: 40% renewals, 10% confirmations, 50% point reads. */
 const SCRIPTS = { renew: 4, confirm: 1, read: 5 } as const;
 /** pgbench numbers the -f scripts in the order given: renew is script 0. */
@@ -152,7 +153,8 @@ function pgbenchConnection(url: string): { args: string[]; env: Record<string, s
   return { args, env };
 }
 
-function writeScripts(directory: string, seed: Seed): string[] {
+/** pgbench's -f arguments for the three scripts with `weights` (figure 7's by default; a weight of 0 leaves a script out). */
+export function writeScripts(directory: string, seed: Seed, weights: Readonly<Record<keyof typeof SCRIPTS, number>> = SCRIPTS): string[] {
   const total = seed.totalRows;
   // Row i of the seed: i % 4 = 2 is held until 2999 (see database.ts); ids are md5('bench-hold-' || i)::uuid.
   const files = {
@@ -168,15 +170,17 @@ UPDATE seat_reservations SET status = 'confirmed', updated_at = now()
 SELECT status, expires_at, seat, holder FROM seat_reservations WHERE reservation_id = md5('bench-hold-' || :i)::uuid;
 `,
   };
-  return (Object.keys(SCRIPTS) as Array<keyof typeof SCRIPTS>).map((name) => {
-    const file = path.join(directory, `foreground-${name}.sql`);
-    writeFileSync(file, files[name]);
-    return `${file}@${SCRIPTS[name]}`;
-  });
+  return (Object.keys(SCRIPTS) as Array<keyof typeof SCRIPTS>)
+    .filter((name) => weights[name] > 0)
+    .map((name) => {
+      const file = path.join(directory, `foreground-${name}.sql`);
+      writeFileSync(file, files[name]);
+      return `${file}@${weights[name]}`;
+    });
 }
 
 /** A pgbench run at a fixed rate, logging every transaction; stopped with SIGINT once the phase is over. */
-class Pgbench {
+export class Pgbench {
   private readonly child: ChildProcess;
   private readonly exited: Promise<number | null>;
   private stderr = '';
@@ -186,7 +190,7 @@ class Pgbench {
     private readonly logPrefix: string,
     url: string,
     scripts: readonly string[],
-    options: ForegroundOptions,
+    options: Pick<ForegroundOptions, 'ratePerSecond' | 'clients'>,
     maxSeconds: number,
   ) {
     const connection = pgbenchConnection(url);
@@ -251,7 +255,7 @@ class Pgbench {
   }
 }
 
-function latencyOf(transactions: ReadonlyArray<{ ms: number; script: number }>): ForegroundLatency {
+export function latencyOf(transactions: ReadonlyArray<{ ms: number; script: number }>): ForegroundLatency {
   const sorted = transactions.map((t) => t.ms).sort((a, b) => a - b);
   const renewals = transactions.filter((t) => t.script === RENEW_SCRIPT).map((t) => t.ms);
   return {
@@ -452,7 +456,7 @@ class WalMeter {
 type Cleanup = (pool: pg.Pool, cutoff: string, sampler: WaitSampler) => Promise<{ rows: number; finished: boolean; publishedAfterSeconds?: number | null }>;
 
 /** The first `expected` candidates gone once, nothing else: the rest of the candidates and every non-candidate kept (some confirmed by the foreground). */
-async function checkCounts(context: BenchContext, figure: string, seed: Seed, pool: pg.Pool, expected: number, deleted: number): Promise<void> {
+export async function checkCounts(context: BenchContext, figure: string, seed: Seed, pool: pg.Pool, expected: number, deleted: number): Promise<void> {
   const row = (
     await pool.query<{ expired_held: number; others: number }>(
       `SELECT count(*) FILTER (WHERE status = 'held' AND expires_at < timestamptz '2100-01-01')::int AS expired_held,
@@ -547,14 +551,14 @@ function pgbenchMaxSeconds(context: BenchContext, aloneSeconds: number): number 
  * control phase (no cleanup at all) once saw its p99 at 65x the window before it, from one stall of
  * about 200 ms (bench/results/2026-12-02-quick-foreground-control-pinned.md).
  */
-async function settleWrites(context: BenchContext): Promise<void> {
+export async function settleWrites(context: BenchContext): Promise<void> {
   await withAdmin(context.databases.adminUrl, (admin) => admin.query('CHECKPOINT'));
   execFileSync('sync');
 }
 
 /** Warm-up before a measured window, and a tail after it (longer than pgbench's unflushed log buffer). */
-const WARM_UP_MS = 1000;
-const TAIL_MS = 1500;
+export const WARM_UP_MS = 1000;
+export const TAIL_MS = 1500;
 
 async function runPhase(
   context: BenchContext,

@@ -1,8 +1,9 @@
 /**
- * How big each mode measures. quick: the whole picture in under three minutes. full: the sizes the
+ * How big each mode measures. quick: the whole picture in under three minutes, plus about ten for figure 7b's shapes. full: the sizes the
  * README reports. smoke: CI, small enough for a minute; it checks counts, and its speeds mean nothing.
  */
 import type { ForegroundOptions } from '../figures/foreground';
+import type { ShapesOptions } from '../figures/shapes';
 
 export type Mode = 'smoke' | 'quick' | 'full';
 
@@ -29,6 +30,12 @@ export interface ModeConfig {
    * runs the cleanups without pgbench and checks their counts only.
    */
   foreground: ForegroundOptions;
+  /**
+   * Figure 7b (issue 41): four foreground shapes, each with a sweep of fixed rates, unthrottled and
+   * adaptive reaper (bench/figures/shapes.ts). Null in smoke: CI checks counts, and this figure is
+   * about latency only (its counts are checked in quick and full).
+   */
+  shapes: ShapesOptions | null;
   /** Longest any one contender may run before its figure is reported as bounded. */
   boundMs: number;
 }
@@ -46,6 +53,12 @@ const FOREGROUND: ForegroundOptions = {
   loopBatchSize: 1000,
   rows: 50_000,
 };
+/**
+ * Figure 7b's sweep. quick: the long window is 5 s from at most 3 s after the trigger (steady
+ * enough for a fixed rate; the adaptive law's first steps are 250 ms apart), on runs sized for it:
+ * 570k candidates a shape. full: 20 s from 5 s.
+ */
+const SHAPES_SWEEP = { batchSize: 500, rates: [500, 1_000, 2_000, 4_000, 8_000, 16_000], shortRows: 15_000, kneeRatio: 1.25 };
 const REMOTE = { ratePerSecond: 200, burst: 20, concurrency: 16, slowMs: 20, workers: 3 };
 
 export const MODES: Record<Mode, ModeConfig> = {
@@ -62,6 +75,7 @@ export const MODES: Record<Mode, ModeConfig> = {
     remote: { ...REMOTE, backlogSeconds: 2 },
     remoteBacklog: null,
     foreground: { ...FOREGROUND, foreground: false, rows: 10_000, throttle: { rowsPerSecond: 20_000, concurrency: 1 } },
+    shapes: null,
     boundMs: 45_000,
   },
   quick: {
@@ -77,6 +91,7 @@ export const MODES: Record<Mode, ModeConfig> = {
     remote: { ...REMOTE, backlogSeconds: 10 },
     remoteBacklog: null,
     foreground: FOREGROUND,
+    shapes: { ...SHAPES_SWEEP, candidates: 570_000, aloneSeconds: 2, shortSeconds: 4, longFromSeconds: 3, longSeconds: 5, maxRunRows: 150_000, adaptiveRows: 100_000 },
     boundMs: 60_000,
   },
   full: {
@@ -92,6 +107,7 @@ export const MODES: Record<Mode, ModeConfig> = {
     remote: { ...REMOTE, backlogSeconds: 10 },
     remoteBacklog: { assets: 20_000, ratePerSecond: 100, burst: 20, concurrency: 16, workers: 3, runEverySeconds: 10, slowMs: 20 },
     foreground: { ...FOREGROUND, baselineSeconds: 8, rows: 100_000 },
+    shapes: { ...SHAPES_SWEEP, candidates: 2_000_000, aloneSeconds: 5, shortSeconds: 10, longFromSeconds: 5, longSeconds: 20, maxRunRows: 500_000, adaptiveRows: 300_000 },
     boundMs: 300_000,
   },
 };

@@ -5,6 +5,7 @@ import type { LatencyFigure } from '../figures/latency';
 import type { RemoteBacklogFigure, RemoteFigure } from '../figures/remote-delete';
 import type { ReaperRun, StageSplit } from '../figures/row-delete';
 import type { S3Figure } from '../figures/s3-delete';
+import type { ShapeResult, ShapeSummary, ShapesFigure } from '../figures/shapes';
 import type { CountCheck, Measured, Throughput } from './context';
 import type { CpuSplit } from './cpu';
 import type { Mode } from './modes';
@@ -28,6 +29,8 @@ export interface BenchReport {
   s3?: S3Figure | null;
   /** Figure 7 (issue 12): foreground impact of each cleanup. */
   foreground?: ForegroundFigure | null;
+  /** Figure 7b (issue 41): foreground shapes, a sweep of fixed rates, unthrottled and adaptive reaper. */
+  shapes?: ShapesFigure | null;
   /** Figure 8 (issue 19): expiry events and archive on ÷ off, relay throughput, outbox age. */
   eventsArchive?: EventsArchiveFigure | null;
   profiles: ProfileSummary[];
@@ -156,6 +159,7 @@ function rows(report: BenchReport): Row[] {
     add('5b', 'backlog: admission lock wait p50 / p99 (bucket bounds)', `${number(b.lockWait.p50Ms, 1)} ms / ${number(b.lockWait.p99Ms, 1)} ms over ${count(b.lockWait.grants)} grants`);
   }
   if (report.foreground) foregroundRows(report.foreground, add);
+  if (report.shapes) shapesRows(report.shapes, add);
   if (report.eventsArchive) for (const row of eventsArchiveRows(report.eventsArchive)) add(...row);
   if (report.s3) s3Rows(report.s3, add);
   // The ratio compares claimed-to-completed: the claim poll's random wait (up to 1 s) is noise here.
@@ -172,6 +176,61 @@ function rows(report: BenchReport): Row[] {
   const failed = report.checks.filter((entry) => !entry.ok);
   add('counts', `${report.checks.length} count checks`, failed.length === 0 ? 'all correct' : `${failed.length} WRONG`, '', 'all correct', verdict(failed.length === 0));
   return out;
+}
+
+/** Issue 41's targets: adaptive rate ≥ 0.7 × the knee (≥ 0.8 × unthrottled where the knee is unthrottled). */
+function shapeRateTarget(summary: ShapeSummary): { ratio: number | null; least: number } {
+  return summary.kneeIsUnthrottled ? { ratio: summary.adaptiveOverUnthrottled, least: 0.8 } : { ratio: summary.adaptiveOverKnee, least: 0.7 };
+}
+
+const kneeText = (summary: ShapeSummary): string =>
+  summary.knee === null ? 'none' : `${summary.kneeIsUnthrottled ? 'unthrottled ' : ''}${number(summary.knee)}${summary.nonMonotone ? '*' : ''}`;
+
+/** Figure 7b: per shape, the knee and the adaptive contender against its targets (the per-rate table is renderShapesTable). */
+function shapesRows(f: ShapesFigure, add: (figure: string, measure: string, value: string, r?: string, target?: string, met?: string) => void): void {
+  for (const result of f.shapes) {
+    const head = `${result.shape.label}, alone p99 ${number(result.alone.p99Ms, 2)} ms (control ${ratio(result.control.short.p99Ratio)} / ${ratio(result.control.long.p99Ratio)})`;
+    for (const which of ['short', 'long'] as const) {
+      const summary = result[which];
+      const target = shapeRateTarget(summary);
+      add('7b', `${head}, ${which}: knee (rows/s, p99 ÷ alone ≤ ${f.options.kneeRatio})`, kneeText(summary));
+      add('7b', `  adaptive ${number(summary.adaptiveRowsPerSecond)} rows/s ÷ ${summary.kneeIsUnthrottled ? 'unthrottled' : 'knee'}`, '', target.ratio === null ? '-' : ratio(target.ratio), `>= ${target.least}`, target.ratio === null ? 'no knee' : verdict(target.ratio >= target.least));
+      add('7b', '  adaptive p99 ÷ alone', `${number(result.contenders.find((c) => c.kind === 'adaptive')![which].foreground.p99Ms, 2)} ms`, ratio(summary.adaptiveP99Ratio), `<= ${f.options.kneeRatio}`, verdict(summary.adaptiveP99Ratio <= f.options.kneeRatio));
+    }
+  }
+}
+
+/**
+ * Figure 7b as one table: per shape and window, the foreground's p99 ÷ alone at each fixed rate,
+ * unthrottled (and its rows/s), the knee, and the adaptive contender's rate and p99.
+ */
+export function renderShapesTable(f: ShapesFigure): string[] {
+  const rates = f.options.rates;
+  const head = ['shape (alone p99)', 'window', ...rates.map((r) => count(r)), 'unthrottled', 'control (no cleanup)', 'knee rows/s', 'adaptive rows/s', 'adaptive ÷ knee', 'adaptive p99 ÷ alone'];
+  const lines = [`| ${head.join(' | ')} |`, `|${head.map(() => '---').join('|')}|`];
+  const cell = (result: ShapeResult, which: 'short' | 'long', rate: number): string => {
+    const c = result.contenders.find((x) => x.kind === 'fixed' && x.rowsPerSecond === rate);
+    if (!c) return '-';
+    const w = c[which];
+    // A fixed rate the run did not reach in the window (a short window's start, or the machine) says so.
+    return `${ratio(w.p99Ratio)}${w.rowsPerSecond < 0.8 * rate ? ` (${count(Math.round(w.rowsPerSecond / 100) * 100)})` : ''}`;
+  };
+  for (const result of f.shapes) {
+    const unthrottled = result.contenders.find((c) => c.kind === 'unthrottled')!;
+    for (const which of ['short', 'long'] as const) {
+      const summary = result[which];
+      const target = shapeRateTarget(summary);
+      const w = result.contenders[0]![which];
+      lines.push(
+        `| ${which === 'short' ? `${result.shape.label} (${number(result.alone.p99Ms, 2)} ms)` : ''} | ${which} ${number(w.fromSeconds, 1)}–${number(w.toSeconds, 1)} s | ${rates.map((rate) => cell(result, which, rate)).join(' | ')} | ${ratio(unthrottled[which].p99Ratio)} (${count(Math.round(unthrottled[which].rowsPerSecond / 1000) * 1000)}) | ${ratio(result.control[which].p99Ratio)} | ${kneeText(summary)} | ${number(summary.adaptiveRowsPerSecond)} | ${target.ratio === null ? '-' : `${ratio(target.ratio)}${summary.kneeIsUnthrottled ? ' (÷ unthrottled)' : ''}`} | ${ratio(summary.adaptiveP99Ratio)} |`,
+      );
+    }
+  }
+  lines.push(
+    '',
+    `Cells: the foreground's p99 in the window ÷ its p99 over all the shape's alone windows (${f.options.aloneSeconds} s before each run); in brackets, rows/s the run reached when under 0.8 × its rate (unthrottled: always). Control: the same windows with no cleanup (the ratio's noise). The short window runs from the trigger until ${count(f.options.shortRows)} rows are deleted, at most ${f.options.shortSeconds} s (at least 1 s); the long one from min(${f.options.longFromSeconds} s, the short window's end) for ${f.options.longSeconds} s or to the run's end; the window column shows the first contender's. Knee: the highest rate whose ratio ≤ ${f.options.kneeRatio} (* a lower rate read over it). Load average ${f.loadAverage.before.map((l) => l.toFixed(2)).join(' ')} before, ${f.loadAverage.after.map((l) => l.toFixed(2)).join(' ')} after.`,
+  );
+  return lines;
 }
 
 /** Figure 7: the share of samples that saw each wait event, alone → during the cleanup. */
@@ -329,6 +388,7 @@ export function renderMarkdown(report: BenchReport): string {
     '- Latency: rows expiring over the next seconds while the policy runs on the seconds cron shown; an AFTER DELETE statement trigger in the bench database stamps each deletion with clock_timestamp().',
     '- Audit cost (issue 9): in every round, right after reaper end to end, the same run again on the same data with `audit: { enabled: true, retainDays: 30 }` on the policy (one cleanup_audit row per deleted row, written by the deleting statement; the count is checked); the ratio compares the fastest round of each.',
     '- Foreground impact (figure 7, issue 12): pgbench (custom scripts, `-R` fixed rate, per-transaction `--log`; with -R each latency runs from the scheduled start, so a stall counts for every transaction it delays) runs 40% renewals of unexpired holds (UPDATE by key), 10% confirmations (UPDATE by key, only of an unexpired hold) and 50% point reads (SELECT by key) of random rows of the same seed, alone for the seconds just before each cleanup (baseline: whatever that cleanup needs, reaper\'s idle processes included, already started, so each ratio compares one moment of the shared machine with the next) and then during each cleanup of the same first n candidates (a cutoff at the n-th expiry, each on a fresh copy): reaper (scheduler + 2 workers, batch 500) unthrottled and at a fixed admission rate (both `adaptive: false`) and with its default adaptive admission and no rate set (issue 18; it and unthrottled reaper run once more with the foreground at the quiet rate, 30 statements/s), one `DELETE ... WHERE expires_at <= cutoff AND status = \'held\'` (what a pg_cron job runs; pg_cron itself is not installed: it needs shared_preload_libraries and a restart of a shared server), and a loop of `DELETE ... WHERE key IN (SELECT ... LIMIT 1000)` on one connection. Percentiles are over the transactions that ended while the cleanup ran. The contenders with a target at the busy rate (fixed and adaptive reaper) and the control are compared with the foreground alone for as long as they ran, just before (the alone window is as long as the cleanup can take: its rows at the fixed rate, or at the adaptive floor within the time bound; its last that-many seconds count), since 2026-12-03 evening: a p99 over 60 s against one over the 4 s before compared about 180 slowest transactions with about 12; the ratio against the last 4 s stays beside it. Beside each: every client\'s share of the database\'s CPU (backend CPU seconds per second, by application_name, alone → during) and the foreground\'s wait events, share of 50 ms samples alone → during. Lock wait: pg_locks.waitstart of the foreground\'s backends sampled every 50 ms (heavyweight locks), next to the longest renewal (an UPDATE by key: any row-lock wait is inside it). The sampler (its pg_locks and adaptive-state reads and the run-state poll, one round every 50 ms) runs from the foreground\'s warm-up to the end of each phase and counts only inside the cleanup\'s window, so the window just before has the bench\'s own statements on the database as the cleanup\'s has them (before 2026-12-03 they ran only during the cleanup). The benchmark\'s own watching connections (this sampler, CPU meters) are named `reaper bench ...`, so reaper\'s adaptive admission leaves them out of the application\'s load as it leaves out its own sessions (before, the 20 Hz sampler\'s statements read as load). WAL: a CHECKPOINT before each cleanup, then pg_walinspect over the cleanup\'s LSN range, counting the bench database\'s records on every relation but seat_reservations, and only heap DELETE records there (the foreground writes only UPDATEs); full-page images included (also shown without). Rows/s: rows deleted ÷ the cleanup\'s wall time (reaper: trigger to completed).',
+    ...(report.shapes ? ['- Foreground shapes (figure 7b, issue 41): see bench/figures/shapes.ts and docs/performance.md "Foreground shapes".', '', '## Figure 7b: foreground shapes', '', ...renderShapesTable(report.shapes), ''] : []),
     ...(report.eventsArchive
       ? ['- Events and archive (figure 8, issue 19): on a seed of its own size, each round runs reaper end to end three times on fresh copies: the policy as is, with `events: { enabled: true }` and one `reaper relay` running beside it (publishing to a queue bound to `<prefix>.events`; its CPU competes with the deletion), and with `archive: { enabled: true, retainDays: 30 }`; each reports its fastest round. Relay throughput: the events run once more without a relay, then one relay started on the full outbox, events ÷ seconds until the outbox is empty. Outbox oldest age: the gauge\'s query sampled every 250 ms from the trigger until the relay drained the outbox.']
       : []),

@@ -1,0 +1,476 @@
+import { writeFileSync } from 'node:fs';
+import path from 'node:path';
+import pg from 'pg';
+import { admissionOverrideSet } from '../../shared/db/queries/admission';
+import { runsInsertIfAbsent } from '../../shared/db/queries/runs';
+import { reaperEnvironment, type BenchContext } from '../lib/context';
+import { cutoffAfterCandidates, OBSERVER_APPLICATION, type Seed } from '../lib/database';
+import { seatHoldsPolicy, writePolicies, type RowDeletePolicyInput } from '../lib/policies';
+import { startServices, stopServices, type ReaperService } from '../lib/services';
+import { median } from '../lib/stats';
+import { sleep } from '../lib/wait';
+import { checkCounts, latencyOf, Pgbench, settleWrites, TAIL_MS, WARM_UP_MS, writeScripts, type ForegroundLatency } from './foreground';
+
+/**
+ * Figure 7b (issue 41): figure 7 grown into a table. Four foreground shapes, each driven by pgbench
+ * at a fixed rate (-R, per-transaction log, no coordinated omission) as figure 7 drives its own:
+ *  (a) figure 7's mix (40% renewals, 10% confirmations, 50% point reads) at 300 statements/s;
+ *  (b) read-heavy: point reads only, 2,000/s;
+ *  (c) write-heavy: 100 transactions/s, each a 20-row INSERT of ~260-byte rows into another table,
+ *      a renewal of a seat hold and a counter UPDATE (about 8 KB of WAL per commit);
+ *  (d) quiet: figure 7's mix at 30 statements/s.
+ * For each shape, one fresh copy of the seed, one scheduler and two workers (as figure 7: the
+ * bench's admin URL, batch 500) and one pgbench for the whole sweep; then, per contender, in turn:
+ * the foreground alone for a few seconds, then one reaper run of that contender's policy: a fixed
+ * admission rate (500 ... 16,000 rows/s, `adaptive: false`, no concurrency cap), unthrottled, and
+ * the default adaptive admission (no rate set; a policy new to the database, so its start is the
+ * start of a new policy). Each run is measured in two windows from its trigger:
+ *  - short: until its first `shortRows` rows are deleted, at most `shortSeconds` (a short cleanup:
+ *    the start of a run; at rates where 15k rows take longer, its first seconds);
+ *  - long: from min(`longFromSeconds`, the short window's end) for `longSeconds` (or to the run's
+ *    end): the rate and the harm once past the start.
+ * After the long window the run is finished off (an override lifts a fixed rate, the bench deletes
+ * the run's remaining rows itself), the table vacuumed and the writes flushed, so the next
+ * contender starts as this one did. The foreground's p99 in each window is compared with its p99
+ * over every alone window of the shape (pooled: ~8x the transactions of one window), and with the
+ * alone window just before (in the JSON).
+ */
+
+export type ShapeScripts = 'mixed' | 'read' | 'write';
+
+export interface ShapeSpec {
+  key: string;
+  label: string;
+  ratePerSecond: number;
+  clients: number;
+  scripts: ShapeScripts;
+}
+
+export const SHAPES: readonly ShapeSpec[] = [
+  { key: 'mixed-300', label: 'pgbench mix 300/s', ratePerSecond: 300, clients: 4, scripts: 'mixed' },
+  { key: 'read-2000', label: 'point reads 2,000/s', ratePerSecond: 2000, clients: 4, scripts: 'read' },
+  { key: 'write-100', label: 'writes 100 tx/s (20-row inserts + updates)', ratePerSecond: 100, clients: 4, scripts: 'write' },
+  { key: 'quiet-30', label: 'pgbench mix 30/s (quiet)', ratePerSecond: 30, clients: 4, scripts: 'mixed' },
+];
+
+export interface ShapesOptions {
+  /** Candidates of the seed the figure takes (each shape a fresh copy). */
+  candidates: number;
+  batchSize: number;
+  /** Fixed admission rates of the sweep (rows/s); unthrottled and adaptive run beside them. */
+  rates: readonly number[];
+  aloneSeconds: number;
+  shortRows: number;
+  shortSeconds: number;
+  longFromSeconds: number;
+  longSeconds: number;
+  /** Rows of an unthrottled run, and the most any fixed-rate run takes. */
+  maxRunRows: number;
+  /** Rows of the adaptive run. */
+  adaptiveRows: number;
+  /** The knee: the highest rate whose p99 ÷ alone is at most this. */
+  kneeRatio: number;
+  /** Only these shapes (by key; BENCH_SHAPES), all when absent. */
+  onlyShapes?: readonly string[];
+}
+
+export type ContenderKind = 'fixed' | 'unthrottled' | 'adaptive';
+
+export interface ShapeWindow {
+  fromSeconds: number;
+  toSeconds: number;
+  rows: number;
+  rowsPerSecond: number;
+  foreground: ForegroundLatency;
+  /** p99 ÷ the shape's pooled alone p99. */
+  p99Ratio: number;
+  /** p99 ÷ the p99 of the alone window just before this contender. */
+  p99RatioJustBefore: number;
+}
+
+export interface ShapeContender {
+  kind: ContenderKind;
+  /** The fixed rate (rows/s); null for unthrottled and adaptive. */
+  rowsPerSecond: number | null;
+  policy: string;
+  runRows: number;
+  aloneJustBefore: ForegroundLatency;
+  short: ShapeWindow;
+  long: ShapeWindow;
+  /** Seconds from the trigger to the first deleted row. */
+  firstRowSeconds: number | null;
+  /** The run finished by itself within the long window (no finishing off needed). */
+  finishedInWindow: boolean;
+  /** Rows the bench deleted itself after the long window. */
+  finishedOffRows: number;
+  /** [ms since the trigger, rows deleted so far (receipts)], sampled every 100 ms until the long window's end. */
+  deletedSeries: Array<[number, number]>;
+  /** Adaptive: the shared rate (cleanup_admission.adaptive_rate) sampled every 100 ms in each window. */
+  adaptiveRate: { shortMedian: number | null; longMedian: number | null; series: Array<[number, number]> } | null;
+}
+
+export interface ShapeSummary {
+  /** Highest rate (fixed, or unthrottled's achieved rate) whose window p99 ÷ alone ≤ kneeRatio; null when none. */
+  knee: number | null;
+  kneeIsUnthrottled: boolean;
+  /** A lower fixed rate read over the line although a higher one did not (noise in the ratio). */
+  nonMonotone: boolean;
+  adaptiveRowsPerSecond: number;
+  adaptiveOverKnee: number | null;
+  adaptiveOverUnthrottled: number;
+  adaptiveP99Ratio: number;
+}
+
+export interface ShapeResult {
+  shape: ShapeSpec;
+  alone: ForegroundLatency;
+  /**
+   * The control: no cleanup at all, the same alone window and the same short and long windows
+   * after it. Its ratios are the noise of this measurement at this moment of the machine: a
+   * contender's ratio means something only where it stands clear of these.
+   */
+  control: { short: ShapeWindow; long: ShapeWindow };
+  /** The adaptive contender: the foreground's p99 (ms) in each whole second from its trigger to the long window's end. */
+  adaptiveP99BySecond: number[];
+  /** The p99 of each alone window, in order (their spread is the ratio's noise). */
+  aloneWindowP99Ms: number[];
+  contenders: ShapeContender[];
+  short: ShapeSummary;
+  long: ShapeSummary;
+  seconds: number;
+}
+
+export interface ShapesFigure {
+  options: ShapesOptions;
+  candidates: number;
+  shapes: ShapeResult[];
+  loadAverage: { before: number[]; after: number[] };
+}
+
+/** Rows a run of this contender takes: enough for both windows at its rate (a quarter more), within the limits. */
+function runRows(options: ShapesOptions, kind: ContenderKind, rate: number | null): number {
+  if (kind === 'unthrottled') return options.maxRunRows;
+  if (kind === 'adaptive') return options.adaptiveRows;
+  const needed = Math.ceil((rate! * (options.longFromSeconds + options.longSeconds) * 1.25) / options.batchSize) * options.batchSize;
+  return Math.min(options.maxRunRows, Math.max(options.shortRows, needed));
+}
+
+/** The adaptive contender runs last: its run is not waited for once its windows are measured (runContender). */
+function contenders(options: ShapesOptions): Array<{ kind: ContenderKind; rate: number | null }> {
+  return [...options.rates.map((rate) => ({ kind: 'fixed' as const, rate })), { kind: 'unthrottled', rate: null }, { kind: 'adaptive', rate: null }];
+}
+
+/** Candidates one shape consumes (each shape starts from a fresh copy of the seed). */
+export function shapeRowsNeeded(options: ShapesOptions): number {
+  return contenders(options).reduce((sum, c) => sum + runRows(options, c.kind, c.rate), 0);
+}
+
+function policyName(shape: ShapeSpec, kind: ContenderKind, rate: number | null): string {
+  return `bench-shape-${shape.key}-${kind === 'fixed' ? `fixed-${rate}` : kind}`;
+}
+
+function policyFor(options: ShapesOptions, name: string, kind: ContenderKind, rate: number | null): RowDeletePolicyInput {
+  const admission = kind === 'fixed' ? { rowsPerSecond: rate!, adaptive: false } : kind === 'unthrottled' ? { adaptive: false } : undefined;
+  return seatHoldsPolicy(name, options.batchSize, undefined, admission ? { admission } : {});
+}
+
+/** The write-heavy shape's tables, in the bench database (a fresh copy per shape). */
+async function createWriteTables(pool: pg.Pool): Promise<void> {
+  await pool.query(`CREATE TABLE IF NOT EXISTS bench_orders (
+    order_id bigserial PRIMARY KEY, order_ref bigint NOT NULL, seat text NOT NULL, payload text NOT NULL, created_at timestamptz NOT NULL DEFAULT now())`);
+  await pool.query('CREATE INDEX IF NOT EXISTS bench_orders_by_ref ON bench_orders (order_ref)');
+  await pool.query('CREATE TABLE IF NOT EXISTS bench_counters (id int PRIMARY KEY, n bigint NOT NULL, updated_at timestamptz NOT NULL)');
+  await pool.query('INSERT INTO bench_counters SELECT g, 0, now() FROM generate_series(0, 99) g ON CONFLICT DO NOTHING');
+}
+
+function shapeScripts(context: BenchContext, seed: Seed, shape: ShapeSpec): string[] {
+  if (shape.scripts === 'mixed') return writeScripts(context.workDir, seed);
+  if (shape.scripts === 'read') return writeScripts(context.workDir, seed, { renew: 0, confirm: 0, read: 1 });
+  // One transaction: 20 rows of ~260 bytes into bench_orders (two indexes), a renewal of an
+  // unexpired hold (never a candidate: see foreground.ts) and a counter.
+  const file = path.join(context.workDir, 'foreground-write.sql');
+  writeFileSync(
+    file,
+    `\\set i 4 * random(0, ${seed.totalRows / 4 - 1}) + 2
+\\set o random(1, 1000000000)
+BEGIN;
+INSERT INTO bench_orders (order_ref, seat, payload) SELECT :o, 'seat-' || :i, repeat(md5((:o + g)::text), 8) FROM generate_series(1, 20) g;
+UPDATE seat_reservations SET expires_at = expires_at + interval '1 second', updated_at = now() WHERE reservation_id = md5('bench-hold-' || :i)::uuid AND status = 'held';
+UPDATE bench_counters SET n = n + 20, updated_at = now() WHERE id = :o % 100;
+COMMIT;
+`,
+  );
+  return [`${file}@1`];
+}
+
+/** One reaper run's progress, read every 100 ms: rows deleted (receipts), its state, the adaptive rate. */
+interface Progress {
+  at: number;
+  deleted: number;
+  state: string | null;
+  adaptiveRate: number | null;
+}
+
+async function readProgress(pool: pg.Pool, runId: string, policy: string): Promise<Progress> {
+  const row = (
+    await pool.query<{ deleted: number; state: string | null; rate: number | null }>(
+      `SELECT (SELECT coalesce(sum(deleted), 0)::int FROM cleanup_batches WHERE run_id = $1) AS deleted,
+              (SELECT state FROM cleanup_runs WHERE run_id = $1) AS state,
+              (SELECT adaptive_rate FROM cleanup_admission WHERE policy = $2) AS rate`,
+      [runId, policy],
+    )
+  ).rows[0]!;
+  return { at: Date.now(), deleted: row.deleted, state: row.state, adaptiveRate: row.rate };
+}
+
+/** Whether a candidate at or before `cutoff` is left (one a worker's batch held when the bench deleted the rest). */
+async function candidatesLeft(pool: pg.Pool, cutoff: string): Promise<boolean> {
+  return (await pool.query(`SELECT 1 FROM seat_reservations WHERE expires_at <= $1::timestamptz AND status = 'held' LIMIT 1`, [cutoff])).rows.length > 0;
+}
+
+/** Rows deleted by `ms` (the last sample at or before it). */
+function deletedAt(series: readonly Progress[], ms: number): number {
+  let deleted = 0;
+  for (const p of series) if (p.at <= ms) deleted = p.deleted;
+  return deleted;
+}
+
+async function runContender(
+  context: BenchContext,
+  pool: pg.Pool,
+  options: ShapesOptions,
+  policy: string,
+  rows: number,
+  waitForRun: boolean,
+): Promise<{
+  aloneFromMs: number;
+  aloneToMs: number;
+  startMs: number;
+  shortEndMs: number;
+  longFromMs: number;
+  longEndMs: number;
+  series: Progress[];
+  finishedInWindow: boolean;
+  finishedOffRows: number;
+  runId: string;
+}> {
+  const aloneFromMs = Date.now();
+  await sleep(options.aloneSeconds * 1000);
+  const aloneToMs = Date.now();
+  const cutoff = await cutoffAfterCandidates(pool, rows);
+  const startMs = Date.now();
+  const run = (await runsInsertIfAbsent(pool, { policy, trigger: 'manual', scheduledFor: null, cutoff }))!;
+  const series: Progress[] = [];
+  const sample = async (): Promise<Progress> => {
+    const p = await readProgress(pool, run.runId, policy);
+    if (p.state === 'failed') throw new Error(`shapes: run ${run.runId} of ${policy} failed`);
+    series.push(p);
+    return p;
+  };
+  let p = await sample();
+  while (p.deleted < options.shortRows && p.state !== 'completed' && p.at - startMs < options.shortSeconds * 1000) {
+    await sleep(100);
+    p = await sample();
+  }
+  const shortEndMs = Math.max(p.at, startMs + 1000);
+  const longFromMs = Math.min(startMs + options.longFromSeconds * 1000, shortEndMs);
+  while (p.state !== 'completed' && p.at < longFromMs + options.longSeconds * 1000) {
+    await sleep(100);
+    p = await sample();
+  }
+  const longEndMs = Math.max(p.at, longFromMs + 1000);
+  const finishedInWindow = p.state === 'completed';
+  let finishedOffRows = 0;
+  if (!finishedInWindow) {
+    // Finish the run off: no fixed rate any more (an adaptive rate stays), and its rows gone.
+    // Rows a worker's batch holds are skipped (SKIP LOCKED): that batch deletes them; one
+    // statement over all of them deadlocked with the workers' batches.
+    await admissionOverrideSet(pool, { policy, rate: 10_000_000, setBy: 'bench' });
+    // The adaptive run is not waited for (waitForRun false; it runs last): an adaptive rate stays
+    // low after its rows are gone, and each batch already published still takes its tokens (at
+    // the floor, a batch of 500 a second). Its rows are gone; its receipts are read once the
+    // services have stopped.
+    const deadline = Date.now() + context.boundMs;
+    for (;;) {
+      if (Date.now() > deadline) throw new Error(`shapes: run of ${policy} not completed ${context.boundMs / 1000} s after its rows were deleted`);
+      const gone = await pool.query(
+        `DELETE FROM seat_reservations WHERE reservation_id IN (
+           SELECT reservation_id FROM seat_reservations WHERE expires_at <= $1::timestamptz AND status = 'held' LIMIT 5000 FOR UPDATE SKIP LOCKED)`,
+        [cutoff],
+      );
+      finishedOffRows += gone.rowCount ?? 0;
+      p = await readProgress(pool, run.runId, policy);
+      if (waitForRun ? p.state === 'completed' : !gone.rowCount && !(await candidatesLeft(pool, cutoff))) break;
+      if (!gone.rowCount) await sleep(100);
+    }
+  }
+  return { aloneFromMs, aloneToMs, startMs, shortEndMs, longFromMs, longEndMs, series, finishedInWindow, finishedOffRows, runId: run.runId };
+}
+
+/** The control's windows: the foreground alone, then as long as a contender's windows with nothing triggered. */
+async function runControl(options: ShapesOptions): Promise<{ aloneFromMs: number; aloneToMs: number; startMs: number; shortEndMs: number; longFromMs: number; longEndMs: number }> {
+  const aloneFromMs = Date.now();
+  await sleep(options.aloneSeconds * 1000);
+  const aloneToMs = Date.now();
+  const startMs = Date.now();
+  const longFromMs = startMs + options.longFromSeconds * 1000;
+  const longEndMs = longFromMs + options.longSeconds * 1000;
+  await sleep(longEndMs - startMs);
+  return { aloneFromMs, aloneToMs, startMs, shortEndMs: startMs + options.shortSeconds * 1000, longFromMs, longEndMs };
+}
+
+/** The knee of one window (short or long) and the adaptive contender against it. */
+export function summarise(contenders: readonly ShapeContender[], which: 'short' | 'long', kneeRatio: number): ShapeSummary {
+  const fixed = contenders.filter((c) => c.kind === 'fixed').sort((a, b) => a.rowsPerSecond! - b.rowsPerSecond!);
+  const unthrottled = contenders.find((c) => c.kind === 'unthrottled')!;
+  const adaptive = contenders.find((c) => c.kind === 'adaptive')!;
+  const ladder = [...fixed.map((c) => ({ rate: c.rowsPerSecond!, ratio: c[which].p99Ratio, unthrottled: false })), { rate: unthrottled[which].rowsPerSecond, ratio: unthrottled[which].p99Ratio, unthrottled: true }];
+  const passing = ladder.filter((step) => step.ratio <= kneeRatio);
+  const top = passing.at(-1) ?? null;
+  const firstFail = ladder.findIndex((step) => step.ratio > kneeRatio);
+  const adaptiveRowsPerSecond = adaptive[which].rowsPerSecond;
+  return {
+    knee: top?.rate ?? null,
+    kneeIsUnthrottled: top?.unthrottled ?? false,
+    nonMonotone: firstFail >= 0 && top !== null && ladder.indexOf(top) > firstFail,
+    adaptiveRowsPerSecond,
+    adaptiveOverKnee: top ? adaptiveRowsPerSecond / top.rate : null,
+    adaptiveOverUnthrottled: unthrottled[which].rowsPerSecond > 0 ? adaptiveRowsPerSecond / unthrottled[which].rowsPerSecond : 0,
+    adaptiveP99Ratio: adaptive[which].p99Ratio,
+  };
+}
+
+async function runShape(context: BenchContext, seed: Seed, options: ShapesOptions, shape: ShapeSpec): Promise<ShapeResult> {
+  const started = Date.now();
+  await context.databases.fresh();
+  const pool = context.databases.pool(2, OBSERVER_APPLICATION);
+  let services: ReaperService[] = [];
+  let pgbench: Pgbench | null = null;
+  try {
+    await createWriteTables(pool);
+    await settleWrites(context);
+    const plan = contenders(options).map((c) => ({ ...c, policy: policyName(shape, c.kind, c.rate), rows: runRows(options, c.kind, c.rate) }));
+    await context.broker.preparePhase(plan.map((c) => c.policy));
+    const policiesPath = writePolicies(context.workDir, `shapes-${shape.key}`, plan.map((c) => policyFor(options, c.policy, c.kind, c.rate)));
+    services = await startServices(reaperEnvironment(context, policiesPath), [
+      { kind: 'scheduler', id: 'bench-scheduler' },
+      { kind: 'worker', id: 'bench-worker-1' },
+      { kind: 'worker', id: 'bench-worker-2' },
+    ]);
+    const perContenderSeconds = options.aloneSeconds + options.longFromSeconds + options.longSeconds + context.boundMs / 1000 + 10;
+    pgbench = new Pgbench(path.join(context.workDir, `pgbench-shape-${shape.key}`), context.databases.url, shapeScripts(context, seed, shape), shape, plan.length * perContenderSeconds + 60);
+    await sleep(WARM_UP_MS);
+    pgbench.assertRunning();
+    const control = await runControl(options);
+    context.progress(`    ${shape.label}: control (no cleanup) measured`);
+    const measured: Array<(typeof plan)[number] & Awaited<ReturnType<typeof runContender>>> = [];
+    for (const c of plan) {
+      const m = await runContender(context, pool, options, c.policy, c.rows, c.kind !== 'adaptive');
+      measured.push({ ...c, ...m });
+      for (const service of services) service.assertRunning();
+      pgbench.assertRunning();
+      // The next contender starts as this one did: dead rows vacuumed, writes flushed, the checkpoint's page images written.
+      await pool.query('VACUUM seat_reservations');
+      await settleWrites(context);
+      await sleep(WARM_UP_MS);
+      const rate = (w: { rows: number; seconds: number }): string => `${Math.round(w.rows / w.seconds)} rows/s`;
+      const short = { rows: deletedAt(m.series, m.shortEndMs), seconds: (m.shortEndMs - m.startMs) / 1000 };
+      const long = { rows: deletedAt(m.series, m.longEndMs) - deletedAt(m.series, m.longFromMs), seconds: (m.longEndMs - m.longFromMs) / 1000 };
+      context.progress(`    ${shape.label}: ${c.policy}: short ${rate(short)} over ${short.seconds.toFixed(1)} s, long ${rate(long)} over ${long.seconds.toFixed(1)} s${m.finishedOffRows ? ` (${m.finishedOffRows} rows finished off)` : ''}`);
+    }
+    await sleep(TAIL_MS);
+    await pgbench.stop();
+    const p = pgbench;
+    const aloneAll = [control, ...measured].flatMap((m) => p.transactions(m.aloneFromMs, m.aloneToMs));
+    const alone = latencyOf(aloneAll);
+    const window = (m: { series: readonly Progress[]; startMs: number }, fromMs: number, toMs: number, justBefore: ForegroundLatency): ShapeWindow => {
+      const rows = deletedAt(m.series, toMs) - deletedAt(m.series, fromMs);
+      const foreground = latencyOf(p.transactions(fromMs, toMs));
+      return {
+        fromSeconds: (fromMs - m.startMs) / 1000,
+        toSeconds: (toMs - m.startMs) / 1000,
+        rows,
+        rowsPerSecond: rows / ((toMs - fromMs) / 1000),
+        foreground,
+        p99Ratio: foreground.p99Ms / alone.p99Ms,
+        p99RatioJustBefore: foreground.p99Ms / justBefore.p99Ms,
+      };
+    };
+    const results: ShapeContender[] = measured.map((m) => {
+      const aloneJustBefore = latencyOf(p.transactions(m.aloneFromMs, m.aloneToMs));
+      const first = m.series.find((s) => s.deleted > 0);
+      const rates = (fromMs: number, toMs: number): number | null => {
+        const values = m.series.filter((s) => s.at >= fromMs && s.at <= toMs && s.adaptiveRate !== null).map((s) => s.adaptiveRate!);
+        return values.length > 0 ? median(values) : null;
+      };
+      return {
+        kind: m.kind,
+        rowsPerSecond: m.rate,
+        policy: m.policy,
+        runRows: m.rows,
+        aloneJustBefore,
+        short: window(m, m.startMs, m.shortEndMs, aloneJustBefore),
+        long: window(m, m.longFromMs, m.longEndMs, aloneJustBefore),
+        firstRowSeconds: first ? (first.at - m.startMs) / 1000 : null,
+        finishedInWindow: m.finishedInWindow,
+        finishedOffRows: m.finishedOffRows,
+        deletedSeries: m.series.map((s) => [s.at - m.startMs, s.deleted] as [number, number]),
+        adaptiveRate:
+          m.kind === 'adaptive'
+            ? {
+                shortMedian: rates(m.startMs, m.shortEndMs),
+                longMedian: rates(m.longFromMs, m.longEndMs),
+                series: m.series.filter((s) => s.adaptiveRate !== null).map((s) => [s.at - m.startMs, Math.round(s.adaptiveRate!)] as [number, number]),
+              }
+            : null,
+      };
+    });
+    const controlAlone = latencyOf(p.transactions(control.aloneFromMs, control.aloneToMs));
+    const controlRun = { series: [] as Progress[], startMs: control.startMs };
+    const adaptive = measured.find((m) => m.kind === 'adaptive')!;
+    const adaptiveP99BySecond: number[] = [];
+    for (let from = adaptive.startMs; from + 1000 <= adaptive.longEndMs; from += 1000) adaptiveP99BySecond.push(Number(latencyOf(p.transactions(from, from + 1000)).p99Ms.toFixed(2)));
+    await stopServices(services);
+    const consumed = plan.reduce((sum, c) => sum + c.rows, 0);
+    // Receipts once every worker has stopped: the adaptive run's last batches included.
+    const receipts = (
+      await pool.query<{ deleted: number }>('SELECT coalesce(sum(deleted), 0)::int AS deleted FROM cleanup_batches WHERE run_id = ANY($1::uuid[])', [measured.map((m) => m.runId)])
+    ).rows[0]!.deleted;
+    const deleted = receipts + measured.reduce((sum, m) => sum + m.finishedOffRows, 0);
+    await checkCounts(context, `shapes: ${shape.label}`, seed, pool, consumed, deleted);
+    return {
+      shape,
+      alone,
+      aloneWindowP99Ms: [controlAlone, ...results.map((c) => c.aloneJustBefore)].map((l) => l.p99Ms),
+      control: { short: window(controlRun, control.startMs, control.shortEndMs, controlAlone), long: window(controlRun, control.longFromMs, control.longEndMs, controlAlone) },
+      adaptiveP99BySecond,
+      contenders: results,
+      short: summarise(results, 'short', options.kneeRatio),
+      long: summarise(results, 'long', options.kneeRatio),
+      seconds: (Date.now() - started) / 1000,
+    };
+  } finally {
+    await pgbench?.stop();
+    await stopServices(services);
+    await pool.end();
+  }
+}
+
+export async function runShapes(context: BenchContext, seed: Seed, options: ShapesOptions, loadAverage: () => number[]): Promise<ShapesFigure> {
+  const needed = shapeRowsNeeded(options);
+  if (needed > seed.candidates) throw new Error(`shapes: one shape takes ${needed} candidates, the seed has ${seed.candidates}`);
+  const unknown = options.onlyShapes?.filter((key) => !SHAPES.some((shape) => shape.key === key)) ?? [];
+  if (unknown.length > 0) throw new Error(`BENCH_SHAPES: no shape ${unknown.map((key) => JSON.stringify(key)).join(', ')}; the shapes are ${SHAPES.map((shape) => shape.key).join(', ')}`);
+  const before = loadAverage();
+  const shapes: ShapeResult[] = [];
+  for (const shape of SHAPES) {
+    if (options.onlyShapes && !options.onlyShapes.includes(shape.key)) continue;
+    context.progress(`  shape ${shape.label}`);
+    const result = await runShape(context, seed, options, shape);
+    shapes.push(result);
+    const s = (summary: ShapeSummary): string =>
+      `knee ${summary.knee === null ? 'none' : Math.round(summary.knee)}, adaptive ${Math.round(summary.adaptiveRowsPerSecond)} rows/s p99 ÷ alone ${summary.adaptiveP99Ratio.toFixed(2)}`;
+    context.progress(`    ${shape.label}: alone p99 ${result.alone.p99Ms.toFixed(1)} ms; short: ${s(result.short)}; long: ${s(result.long)} (${result.seconds.toFixed(0)} s)`);
+  }
+  return { options, candidates: seed.candidates, shapes, loadAverage: { before, after: loadAverage() } };
+}
