@@ -11,6 +11,7 @@ import {
   type ArchiveSelection,
   type RestoredRow,
 } from '../../shared/db/queries/archive';
+import { partitionRestore } from '../../shared/db/queries/partitions';
 import { targetResolve, type ResolvedTarget } from '../../shared/db/queries/target';
 import { failpoint } from '../../shared/observability/failpoint-hook';
 import { context, NotFoundError, operatorName, UsageError, withPool } from './common';
@@ -48,38 +49,42 @@ export function registerRestoreCommand(program: Command): void {
   program
     .command('restore')
     .description('re-insert the rows a run deleted (archive.enabled policies, within archive.retainDays); never overwrites a key that exists again')
-    .requiredOption('--run <runId>', 'the run whose deletions to undo')
+    .option('--run <runId>', 'the run whose deletions to undo')
+    .option('--partition <reaper_retired.name>', 'attach this retired partition back (partitions.retire policies, within quarantineDays)')
     .option('--id <key>', 'only this key')
     .option('--dry-run', 'say what would be restored and what conflicts; change nothing')
     .option('--batch-size <n>', 'rows per transaction', String(DEFAULT_BATCH))
     .addOption(new Option('--json', 'print machine-readable JSON'))
-    .action(async (options: { run: string; id?: string; dryRun?: boolean; batchSize: string; json?: boolean }) => {
-      if (!/^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/i.test(options.run)) throw new UsageError(`--run: "${options.run}" is not a run id (uuid)`);
+    .action(async (options: { run?: string; partition?: string; id?: string; dryRun?: boolean; batchSize: string; json?: boolean }) => {
+      if ((options.run === undefined) === (options.partition === undefined)) throw new UsageError('give exactly one of --run <runId> or --partition <reaper_retired.name>');
+      if (options.partition !== undefined) return restorePartition(options.partition, !!options.json);
+      const runId = options.run!; // given: exactly one of the two is, checked above
+      if (!/^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/i.test(runId)) throw new UsageError(`--run: "${runId}" is not a run id (uuid)`);
       const batchSize = Number(options.batchSize);
       if (!Number.isInteger(batchSize) || batchSize < 1 || batchSize > 10_000) throw new UsageError(`--batch-size: must be an integer from 1 to 10000 (got "${options.batchSize}")`);
       const json = !!options.json;
       const { env, policies } = context();
       const result = await withPool(env, async (pool) => {
-        const run = await archiveFindRun(pool, options.run);
-        if (!run) throw new NotFoundError(`no run ${options.run}`);
+        const run = await archiveFindRun(pool, runId);
+        if (!run) throw new NotFoundError(`no run ${runId}`);
         const policy = requirePolicy(policies, run.policy);
-        if (policy.kind !== 'row-delete') throw new RestoreRefused(`run ${options.run} is of ${policy.kind} policy "${policy.name}": only row-delete runs are archived`);
+        if (policy.kind !== 'row-delete') throw new RestoreRefused(`run ${runId} is of ${policy.kind} policy "${policy.name}": only row-delete runs are archived`);
         const target = await targetResolve(pool, policy);
-        const selection: ArchiveSelection = { runId: options.run, key: options.id ?? null };
+        const selection: ArchiveSelection = { runId: runId, key: options.id ?? null };
         const counted = await archiveCount(pool, target, selection).catch(refusedKey);
         if (counted.archived === 0) {
           const retainDays = policy.archive?.retainDays;
           if (retainDays !== undefined && run.ageDays > retainDays) {
             throw new RestoreRefused(
-              `run ${options.run} is ${Math.floor(run.ageDays)} days old, past archive.retainDays (${retainDays}): its archived rows were pruned; restore is only possible within retention`,
+              `run ${runId} is ${Math.floor(run.ageDays)} days old, past archive.retainDays (${retainDays}): its archived rows were pruned; restore is only possible within retention`,
             );
           }
           throw new NotFoundError(
-            `nothing archived for run ${options.run}${options.id !== undefined ? ` and key ${options.id}` : ''} (it deleted ${run.deleted} row(s); archive ${policy.archive?.enabled ? 'is on' : 'is off'} for "${policy.name}")`,
+            `nothing archived for run ${runId}${options.id !== undefined ? ` and key ${options.id}` : ''} (it deleted ${run.deleted} row(s); archive ${policy.archive?.enabled ? 'is on' : 'is off'} for "${policy.name}")`,
           );
         }
         if (policy.archive?.retainDays !== undefined && run.ageDays > policy.archive.retainDays && counted.archived < run.deleted && options.id === undefined) {
-          process.stderr.write(`reaper: note: run ${options.run} is past archive.retainDays (${policy.archive.retainDays}): ${run.deleted - counted.archived} of its ${run.deleted} deleted rows were pruned and cannot be restored\n`);
+          process.stderr.write(`reaper: note: run ${runId} is past archive.retainDays (${policy.archive.retainDays}): ${run.deleted - counted.archived} of its ${run.deleted} deleted rows were pruned and cannot be restored\n`);
         }
         const { columns, mismatches, sameColumns } = await archiveCheckColumns(pool, target, selection);
         if (mismatches.length > 0) {
@@ -88,7 +93,7 @@ export function registerRestoreCommand(program: Command): void {
               ? `column "${m.column}" is archived but table "${policy.table}" no longer has it (dropped or renamed)`
               : `column "${m.column}" of table "${policy.table}" is NOT NULL without a default and the archived rows have no value for it`,
           );
-          throw new RestoreRefused(`refusing to restore run ${options.run}: ${why.join('; ')}`);
+          throw new RestoreRefused(`refusing to restore run ${runId}: ${why.join('; ')}`);
         }
         return restoreInBatches(pool, target, { ...selection, columns, sameColumns, batchSize, dryRun: !!options.dryRun, json, policy: policy.name, counted });
       });
@@ -96,6 +101,47 @@ export function registerRestoreCommand(program: Command): void {
       // Not everything is back (keys that exist again): exit 1 so a script notices; they are listed.
       if (result.conflicts > 0) process.exitCode = 1;
     });
+}
+
+/**
+ * `reaper restore --partition reaper_retired.<name>`: one transaction (shared/db/queries/partitions.ts
+ * partitionRestore): the retirement locked, refused when its quarantine ended or an attached
+ * partition's range now meets its bound, else moved back into its schema, attached with its bound
+ * and marked restored. Its rows are the table itself: nothing to copy.
+ */
+async function restorePartition(given: string, json: boolean): Promise<void> {
+  const match = /^reaper_retired\.([A-Za-z_][A-Za-z0-9_$]*)$/.exec(given);
+  if (!match) throw new UsageError(`--partition: "${given}" is not reaper_retired.<table name>`);
+  const { env } = context();
+  const outcome = await withPool(env, async (pool) => {
+    const client = await pool.connect();
+    try {
+      await client.query('BEGIN');
+      const result = await partitionRestore(client, match[1]!);
+      await client.query(result.kind === 'restored' ? 'COMMIT' : 'ROLLBACK');
+      return result;
+    } catch (error) {
+      await client.query('ROLLBACK').catch(() => undefined);
+      throw error;
+    } finally {
+      client.release();
+    }
+  });
+  switch (outcome.kind) {
+    case 'not-found':
+      throw new NotFoundError(`no retired partition ${given} (reaper partitions <policy> lists what was retired)`);
+    case 'not-quarantined':
+      throw new RestoreRefused(`${given} is ${outcome.state}, not quarantined: nothing to restore`);
+    case 'quarantine-ended':
+      throw new RestoreRefused(`the quarantine of ${given} ended at ${outcome.quarantineUntil}: it is dropped by the next run (and is no longer restorable)`);
+    case 'overlaps':
+      throw new RestoreRefused(`refusing to restore ${given}: its range overlaps the attached partition(s) ${outcome.partitions.join(', ')} (detach or drop them first)`);
+    case 'restored': {
+      const { retirement } = outcome;
+      const shown = { partition: `${retirement.sourceSchema}.${retirement.sourceName}`, from: given, policy: retirement.policy, rows: retirement.rowCount, bound: retirement.bound };
+      printResult(json, shown, () => `restored ${given} as ${shown.partition} (${shown.rows ?? '?'} row(s), ${shown.bound}) into ${retirement.parentTable}`);
+    }
+  }
 }
 
 /** A key the key's type refuses (say, not a uuid): the operator's mistake, exit 2 naming --id. */

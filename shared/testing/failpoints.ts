@@ -30,6 +30,12 @@ export const SCHEDULER_FAILPOINTS = [
   'scheduler-after-confirm',
   /** The window's checkpoint is committed; the next window is not scanned yet. */
   'scheduler-after-checkpoint',
+  /** Partition retirement (services/scheduler/partition-retirement.ts): the 'detaching' row is committed; nothing is detached yet. */
+  'partition-after-begin',
+  /** DETACH ... CONCURRENTLY returned; the table is not re-checked, moved nor recorded yet. */
+  'partition-after-detach',
+  /** A retirement transaction (plain detach + move, re-check + move, or a drop) ran; COMMIT is not sent yet. */
+  'partition-before-commit',
 ] as const;
 
 /** `reaper relay`'s points, in the order a batch of outbox rows reaches them (services/relay/relay.ts). */

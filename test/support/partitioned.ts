@@ -72,8 +72,8 @@ export async function createPartitionedTable(bed: TestBed): Promise<void> {
   await q(`CREATE TABLE p_default PARTITION OF ${PARTITIONED_TABLE} DEFAULT`);
   await q(`INSERT INTO ${PARTITIONED_TABLE} VALUES (9001, 'open', ${day(-10)}, 'in the default partition')`);
   await q(`UPDATE ${PARTITIONED_TABLE} SET status = 'closed' WHERE id = ${OUT_OF_GUARD_ID}`);
-  // A table that references p_fk's rows: detaching p_fk would break it.
-  await q(`CREATE TABLE event_notes (id bigint, expires_at timestamptz, FOREIGN KEY (id, expires_at) REFERENCES p_fk (id, expires_at))`);
+  // A table that references p_fk's rows: detaching p_fk would break it (the row path may delete them: CASCADE).
+  await q(`CREATE TABLE event_notes (id bigint, expires_at timestamptz, FOREIGN KEY (id, expires_at) REFERENCES p_fk (id, expires_at) ON DELETE CASCADE)`);
   await q(`INSERT INTO event_notes VALUES (1001, (SELECT expires_at FROM p_fk WHERE id = 1001))`);
   for (const table of [PARTITIONED_TABLE, ...parts.map(([name]) => name), 'p_default', 'event_notes']) await q(`ALTER TABLE ${table} OWNER TO ${pg.escapeIdentifier(owner)}`);
   // ALTER TABLE ... SET SCHEMA back out of reaper_retired (restore) needs CREATE where it goes.

@@ -73,7 +73,7 @@ export const REAPER_TABLE_GRANTS: ReaperTableGrants = {
   cleanup_holds: { scheduler: ['SELECT'], worker: ['SELECT'], operator: ['SELECT', 'INSERT', 'UPDATE', 'DELETE'] },
   // audit rows: written by the deleting statements, kept to retainDays by the scheduler
   // (remote-delete: a confirmation is audited once per operation, a NOT EXISTS over the audit: SELECT)
-  cleanup_audit: { scheduler: ['SELECT', 'DELETE'], worker: ['SELECT', 'INSERT'], operator: ['SELECT'] },
+  cleanup_audit: { scheduler: ['SELECT', 'INSERT', 'DELETE'], worker: ['SELECT', 'INSERT'], operator: ['SELECT'] }, // scheduler INSERT: a retired partition's row
   // archived rows (archive.enabled): written by the deleting statement, kept to retainDays by the
   // scheduler; `reaper restore` runs as reaper_operator: it locks and marks the rows it puts back
   // (FOR UPDATE, UPDATE) and INSERTs into the policy's table (targetGrants: archived policies only)
