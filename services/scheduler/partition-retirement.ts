@@ -89,7 +89,7 @@ export async function retirePartitions(
     }
     for (;;) {
       if (!deps.stillClaimed()) break;
-      const dropped = await inTransaction(client, () => partitionDropOneDue(client, policy.name));
+      const dropped = await inTransaction(client, () => partitionDropOneDue(client, policy.name), 'partition-drop-before-commit');
       if (!dropped) break;
       deps.log.info({ partition: `reaper_retired.${dropped.retiredName}`, rows: dropped.rowCount }, 'retired partition dropped: its quarantine is over');
     }
@@ -230,12 +230,12 @@ async function quarantine(step: StepContext, retirement: PartitionRetirement, ch
   return check.rows;
 }
 
-/** BEGIN ... COMMIT on the retirement's own connection; ROLLBACK on any error (rethrown). */
-async function inTransaction<T>(client: PoolClient, work: () => Promise<T>): Promise<T> {
+/** BEGIN ... COMMIT on the retirement's own connection; ROLLBACK on any error (rethrown). `point`: the crash test's failpoint before COMMIT. */
+async function inTransaction<T>(client: PoolClient, work: () => Promise<T>, point: 'partition-before-commit' | 'partition-drop-before-commit' = 'partition-before-commit'): Promise<T> {
   await client.query('BEGIN');
   try {
     const result = await work();
-    failpoint('partition-before-commit');
+    if (result !== null) failpoint(point);
     await client.query('COMMIT');
     return result;
   } catch (error) {

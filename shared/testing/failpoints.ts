@@ -34,8 +34,10 @@ export const SCHEDULER_FAILPOINTS = [
   'partition-after-begin',
   /** DETACH ... CONCURRENTLY returned; the table is not re-checked, moved nor recorded yet. */
   'partition-after-detach',
-  /** A retirement transaction (plain detach + move, re-check + move, or a drop) ran; COMMIT is not sent yet. */
+  /** A retirement's transaction (plain detach or re-check, the move, the audit) ran and retires the partition; COMMIT is not sent yet. */
   'partition-before-commit',
+  /** The drop of a retired partition whose quarantine is over ran (state dropped, DROP TABLE); COMMIT is not sent yet. */
+  'partition-drop-before-commit',
 ] as const;
 
 /** `reaper relay`'s points, in the order a batch of outbox rows reaches them (services/relay/relay.ts). */
