@@ -55,6 +55,8 @@ export interface RetireDeps {
   log: Logger;
   /** False once the run's claim is known lost: no further step starts. */
   stillClaimed: () => boolean;
+  /** Awaited after a retirement's intent is recorded, before its detach: tests place a hold there. */
+  beforeDetach?: (partition: string) => Promise<void>;
 }
 
 export interface RetireRun {
@@ -120,6 +122,7 @@ export async function retirePartitions(
         continue;
       }
       failpoint('partition-after-begin');
+      await deps.beforeDetach?.(candidate.partition);
       const quarantined = concurrent ? await detachConcurrently(step, begun) : await detachPlainAndQuarantine(step, begun);
       if (quarantined !== null) room -= quarantined;
     }

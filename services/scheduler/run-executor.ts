@@ -65,7 +65,7 @@ const RETRY_FIRST_MS = 500;
 const RETRY_MAX_MS = 10_000;
 
 /** The steps of a run, in the order a window reaches them (what `beforeStep` is told). */
-export type RunStep = 'count' | 'scan' | 'publish' | 'checkpoint';
+export type RunStep = 'count' | 'partition-detach' | 'scan' | 'publish' | 'checkpoint';
 
 export interface RunExecutorDeps {
   pool: Pool;
@@ -253,7 +253,7 @@ async function executeClaimed(context: RunContext, run: Run, policy: Policy, tar
   let retiredRows = 0;
   if (retiresPartitions(policy) && target.partitioned) {
     const retired = await attempt('retire partitions', () =>
-      retirePartitions({ pool: deps.pool, log, stillClaimed: () => !lease.lost && !deps.stopping() }, run, policy, target, {
+      retirePartitions({ pool: deps.pool, log, stillClaimed: () => !lease.lost && !deps.stopping(), beforeDetach: async () => deps.beforeStep?.('partition-detach') }, run, policy, target, {
         room: allowance.limit - progress.candidates - run.unconfirmedCandidates,
         policyVersion: version,
       }),
