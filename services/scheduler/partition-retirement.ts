@@ -1,5 +1,5 @@
 import type { Logger } from 'pino';
-import type { RowDeletePolicy } from '../../shared/config/policies';
+import { eventsEnabled, type RowDeletePolicy } from '../../shared/config/policies';
 import type { Client as PoolClient, Pool } from '../../shared/db/pool';
 import {
   partitionAttachBack,
@@ -227,6 +227,7 @@ async function quarantine(step: StepContext, retirement: PartitionRetirement, ch
     checksum: check.checksum,
     quarantineDays: step.policy.partitions.quarantineDays,
     audit: step.policy.audit?.enabled ? { policyVersion: step.policyVersion } : null,
+    events: eventsEnabled(step.policy) ? { policyVersion: step.policyVersion } : null,
   });
   if (!done) throw new Error(`retirement ${retirement.retirementId} is no longer 'detaching' (another scheduler finished it): rolled back`);
   step.deps.log.info({ partition: `${retirement.sourceSchema}.${retirement.sourceName}`, rows: check.rows, bound: retirement.bound, checksum: check.checksum }, 'partition retired into reaper_retired');

@@ -1,6 +1,8 @@
 import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
 import { loadPolicies } from '../../shared/config/policies';
+import { partitionRetiredRoutingKey, type PartitionRetiredEventV1 } from '../../shared/contracts/expiry-event';
+import { outboxClaimOldest } from '../../shared/db/queries/outbox';
 import { runsGetSummary, runsInsertIfAbsent } from '../../shared/db/queries/runs';
 import { startScheduler } from '../../services/scheduler/scheduler';
 import { startWorker } from '../../services/worker/worker';
@@ -56,7 +58,7 @@ describe('partitions: retiring', () => {
   const remaining = async (partition: string) => (await bed.pool.query<{ id: string }>(`SELECT id::text FROM ONLY ${partition} WHERE expires_at <= now() ORDER BY id`)).rows.map((row) => row.id);
 
   test('a run retires exactly the retirable partitions; the row path handles the rest; holds, guard, FK and default stay with reasons', async () => {
-    bed.writePolicies(partitionedPolicyYaml({ quarantineDays: 0 }));
+    bed.writePolicies(partitionedPolicyYaml({ quarantineDays: 0, extra: '    events: { enabled: true }' }));
     const hold = await runReaperCli(['hold', 'add', 'day-events', HELD_ID, '--reason', 'litigation 44'], bed.processEnv());
     assert.equal(hold.code, 0, hold.stdout);
     const runId = await runToCompletion();
@@ -92,6 +94,16 @@ describe('partitions: retiring', () => {
       `SELECT to_hex((coalesce(sum(('x' || left(md5(id::text || ':' || reaper_iso(expires_at)), 15))::bit(60)::bigint::numeric), 0) % 9223372036854775807)::bigint) AS c FROM reaper_retired.p_old_a`,
     );
     assert.equal(audit.rows[0]!.key_checksum, sum.rows[0]!.c);
+    // events on: one partition-retired event per retired partition, as the relay reads it (count, bound, checksum).
+    const entries = await outboxClaimOldest(bed.pool, { limit: 1000, owner: 'test', leaseMs: 1000 });
+    const retiredEvents = entries.filter((entry) => entry.kind === 'partition-retired').map((entry) => entry.event as PartitionRetiredEventV1);
+    assert.deepEqual(retiredEvents.map((event) => [event.partition, event.rowCount, event.keyChecksum === audit.rows.find((row) => row.key === `partition:${event.partition}`)!.key_checksum]), [
+      ['reaper_retired.p_old_a', 6, true],
+      ['reaper_retired.p_old_b', 6, true],
+    ]);
+    assert.equal(partitionRetiredRoutingKey('day-events'), 'day-events.partition-retired');
+    assert.ok(entries.some((entry) => entry.kind === 'expired'), 'the row path\'s deletions have their own expiry events');
+    assert.ok(!entries.some((entry) => entry.kind === 'expired' && /^200[1-6]$|^300[1-6]$/.test(entry.event.key)), 'no row event for a retired partition\'s rows');
   });
 
   test('restore --partition attaches a quarantined partition back; refused clearly on overlap and after the quarantine', async () => {

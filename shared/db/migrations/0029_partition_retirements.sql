@@ -40,3 +40,10 @@ CREATE INDEX IF NOT EXISTS cleanup_partitions_by_policy ON cleanup_partitions (p
 ALTER TABLE cleanup_audit ADD COLUMN IF NOT EXISTS row_count bigint;
 ALTER TABLE cleanup_audit ADD COLUMN IF NOT EXISTS partition_bound text;
 ALTER TABLE cleanup_audit ADD COLUMN IF NOT EXISTS key_checksum text;
+
+-- With events on: one outbox row per retired partition (kind 'partition-retired', published with
+-- routing key <policy>.partition-retired), its count, bound and checksum; row events keep kind 'expired'.
+ALTER TABLE cleanup_outbox ADD COLUMN IF NOT EXISTS kind text NOT NULL DEFAULT 'expired' CHECK (kind IN ('expired', 'partition-retired'));
+ALTER TABLE cleanup_outbox ADD COLUMN IF NOT EXISTS row_count bigint;
+ALTER TABLE cleanup_outbox ADD COLUMN IF NOT EXISTS partition_bound text;
+ALTER TABLE cleanup_outbox ADD COLUMN IF NOT EXISTS key_checksum text;

@@ -1,6 +1,7 @@
 import type { Db } from '../pool';
 import { quoteIdentifier } from '../pool';
 import { expiringRowsExpiredSql } from './expiring-rows';
+import { outboxInsertPartitionRetired } from './outbox';
 import type { ResolvedTarget } from './target';
 
 /**
@@ -301,12 +302,13 @@ export function partitionRecheckDetached(db: Db, target: ResolvedTarget, retirem
  * The step that makes a retirement final, in the caller's transaction (after the detach and the
  * re-check): the table moves into reaper_retired, the state goes detaching -> quarantined (only
  * from detaching: false when another scheduler got there first, and the caller rolls back), and
- * the audit row is written (audit on). One transaction: moved, recorded and audited together.
+ * the audit row (audit on) and the event's outbox row (events on) are written. One transaction:
+ * moved, recorded, audited and announced together.
  */
 export async function partitionQuarantine(
   db: Db,
   retirement: PartitionRetirement,
-  outcome: { rows: number; checksum: string; quarantineDays: number; audit: { policyVersion: string } | null },
+  outcome: { rows: number; checksum: string; quarantineDays: number; audit: { policyVersion: string } | null; events: { policyVersion: string } | null },
 ): Promise<boolean> {
   const updated = await db.query(
     `UPDATE cleanup_partitions SET state = 'quarantined', row_count = $2, key_checksum = $3,
@@ -322,6 +324,18 @@ export async function partitionQuarantine(
        VALUES ($1, $2, $3, $4, $5, 'partition-retired', $6, $7, $8)`,
       [retirement.policy, `partition:${RETIRED_SCHEMA}.${retirement.retiredName}`, retirement.upperBound, retirement.runId, outcome.audit.policyVersion, outcome.rows, retirement.bound, outcome.checksum],
     );
+  }
+  if (outcome.events) {
+    await outboxInsertPartitionRetired(db, {
+      policy: retirement.policy,
+      partition: `${RETIRED_SCHEMA}.${retirement.retiredName}`,
+      upperBound: retirement.upperBound,
+      runId: retirement.runId,
+      policyVersion: outcome.events.policyVersion,
+      rowCount: outcome.rows,
+      bound: retirement.bound,
+      keyChecksum: outcome.checksum,
+    });
   }
   return true;
 }

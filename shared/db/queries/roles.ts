@@ -82,7 +82,7 @@ export const REAPER_TABLE_GRANTS: ReaperTableGrants = {
   cleanup_restores: { scheduler: [], worker: [], operator: ['SELECT', 'INSERT'] },
   // expiry events: written by the deleting statements (the worker reads its size for the limit);
   // `reaper relay` (scheduler role) claims (UPDATE), publishes and deletes them, the scheduler's gauge reads their age
-  cleanup_outbox: { scheduler: ['SELECT', 'UPDATE', 'DELETE'], worker: ['SELECT', 'INSERT'], operator: ['SELECT'] },
+  cleanup_outbox: { scheduler: ['SELECT', 'INSERT', 'UPDATE', 'DELETE'], worker: ['SELECT', 'INSERT'], operator: ['SELECT'] }, // scheduler INSERT: a retired partition's event
   // partition retirements (issue 44): the scheduler records and steps them (detach, quarantine, drop);
   // `reaper restore --partition` (the operator) marks one restored; `reaper partitions`/status read them
   cleanup_partitions: { scheduler: ['SELECT', 'INSERT', 'UPDATE'], worker: [], operator: ['SELECT', 'UPDATE'] },
