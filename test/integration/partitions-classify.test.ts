@@ -1,6 +1,9 @@
 import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
-import { parsePolicies } from '../../shared/config/policies';
+import pg from 'pg';
+import { loadPolicies, parsePolicies } from '../../shared/config/policies';
+import { startScheduler } from '../../services/scheduler/scheduler';
+import { testLog } from '../support/fixtures';
 import { targetResolve } from '../../shared/db/queries/target';
 import { findServers } from '../support/servers';
 import { assertNoLeakedProcesses, runReaperCli } from '../support/processes';
@@ -85,5 +88,18 @@ describe('partitions: validation and classification', () => {
     assert.equal(refused.code, 2, refused.stdout);
     assert.match(refused.stdout, /table "seat_reservations" is not a partitioned table/);
     bed.writePolicies(partitionedPolicyYaml());
+  });
+
+  test('a scheduler whose role is not a member of the table owner refuses to start, naming the grant', async () => {
+    await bed.pool.query(`REVOKE ${pg.escapeIdentifier(owner)} FROM ${pg.escapeIdentifier(bed.roles!.scheduler)}`);
+    try {
+      const env = bed.env();
+      await assert.rejects(
+        startScheduler(bed.as(env, 'scheduler'), loadPolicies(env.policiesPath), testLog),
+        /policy day-events: partitions\.retire needs GRANT "?app_owner_[a-z0-9_]+"? TO current role \(the owner of "events_by_day"/,
+      );
+    } finally {
+      await bed.pool.query(`GRANT ${pg.escapeIdentifier(owner)} TO ${pg.escapeIdentifier(bed.roles!.scheduler)}`);
+    }
   });
 });

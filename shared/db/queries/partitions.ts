@@ -421,3 +421,25 @@ export async function partitionRestore(db: Db, retiredName: string): Promise<Par
   await db.query(`UPDATE cleanup_partitions SET state = 'restored', updated_at = clock_timestamp() WHERE retirement_id = $1 AND state = 'quarantined'`, [retirement.retirementId]);
   return { kind: 'restored', retirement };
 }
+
+/**
+ * What the current role lacks to retire the target's partitions (docs/design.md invariant 21: a
+ * service that lacks what its policies need refuses to start and names the grant): membership in
+ * the table's owner role (DETACH, SET SCHEMA, DROP need the owner) and CREATE on reaper_retired.
+ * Empty when it has both.
+ */
+export async function partitionRetirePrivilegesMissing(db: Db, target: Pick<ResolvedTarget, 'table'>): Promise<string[]> {
+  const result = await db.query<{ owner: string; member: boolean; can_create: boolean | null }>(
+    `SELECT pg_get_userbyid(c.relowner) AS owner, pg_has_role(current_user, c.relowner, 'USAGE') AS member,
+            (SELECT has_schema_privilege(current_user, n.oid, 'CREATE') FROM pg_namespace n WHERE n.nspname = $2) AS can_create
+     FROM pg_class c WHERE c.oid = to_regclass($1)`,
+    [target.table, RETIRED_SCHEMA],
+  );
+  const row = result.rows[0];
+  if (!row) return [];
+  const missing: string[] = [];
+  if (!row.member) missing.push(`GRANT ${quoteIdentifier(row.owner)} TO current role (the owner of ${target.table}: DETACH, SET SCHEMA and DROP need it; \`reaper roles --print\` grants it)`);
+  if (row.can_create === null) missing.push(`schema ${RETIRED_SCHEMA} (run \`reaper migrate\`)`);
+  else if (!row.can_create) missing.push(`GRANT USAGE, CREATE ON SCHEMA ${RETIRED_SCHEMA} TO current role`);
+  return missing;
+}
