@@ -36,6 +36,8 @@ export interface ResolvedTarget {
    * names a row by key AND observed expiry, so that pair is the row's identity.
    */
   readonly partitioned: boolean;
+  /** The unique index that names one row: the key alone, or (key, expiresAt) on a partitioned table (quoted columns). */
+  readonly identity: readonly string[];
 }
 
 /** Key types whose `::text` is one text per value, whatever the session: what a key may be. */
@@ -77,7 +79,7 @@ export async function targetResolve(db: Db, spec: TargetSpec): Promise<ResolvedT
     throw new Error(`column "${spec.expiresAt}" must be timestamptz, it is ${expiryType}`);
   }
   const partitioned = await requirePartitioning(db, spec);
-  await requireUniqueKey(db, spec, partitioned);
+  const identity = await requireUniqueKey(db, spec, partitioned);
   await requireCastableValues(db, spec, types);
   return {
     policy: spec.name ?? spec.table,
@@ -88,6 +90,7 @@ export async function targetResolve(db: Db, spec: TargetSpec): Promise<ResolvedT
     guardColumns: guardNames.map(quoteIdentifier),
     guardValues: guardNames.map((name) => String(spec.guard[name])),
     partitioned,
+    identity: identity.map(quoteIdentifier),
   };
 }
 
@@ -133,20 +136,23 @@ async function requirePartitioning(db: Db, spec: TargetSpec): Promise<boolean> {
  * PostgreSQL makes every unique index include the partition key, one on exactly (key, expiresAt)
  * in either order is enough (that pair is what every statement names a row by).
  */
-async function requireUniqueKey(db: Db, spec: TargetSpec, partitioned: boolean): Promise<void> {
+async function requireUniqueKey(db: Db, spec: TargetSpec, partitioned: boolean): Promise<string[]> {
   const wanted = partitioned ? [[spec.key], [spec.key, spec.expiresAt]] : [[spec.key]];
-  const result = await db.query<{ unique: boolean }>(
-    `SELECT EXISTS (
-       SELECT 1 FROM pg_index i
-       WHERE i.indrelid = to_regclass($1) AND i.indisunique AND i.indisvalid AND i.indpred IS NULL AND i.indexprs IS NULL
-         AND (SELECT string_agg(a.attname::text, ',' ORDER BY a.attname) FROM pg_attribute a
-              WHERE a.attrelid = i.indrelid AND a.attnum = ANY ((i.indkey::int2[])[0:i.indnkeyatts - 1])) = ANY ($2::text[])) AS unique`,
+  const result = await db.query<{ unique: boolean; columns: string | null }>(
+    `SELECT (array_agg(i.columns ORDER BY length(i.columns)))[1] IS NOT NULL AS unique, (array_agg(i.columns ORDER BY length(i.columns)))[1] AS columns FROM (
+       SELECT (SELECT string_agg(a.attname::text, ',' ORDER BY a.attname) FROM pg_attribute a
+               WHERE a.attrelid = i.indrelid AND a.attnum = ANY ((i.indkey::int2[])[0:i.indnkeyatts - 1])) AS columns
+       FROM pg_index i
+       WHERE i.indrelid = to_regclass($1) AND i.indisunique AND i.indisvalid AND i.indpred IS NULL AND i.indexprs IS NULL) i
+     WHERE i.columns = ANY ($2::text[])`,
     [quoteIdentifier(spec.table), wanted.map((columns) => [...columns].sort().join(','))],
   );
   if (!result.rows[0]?.unique) {
     const accepted = partitioned ? `exactly "${spec.key}", or exactly ("${spec.key}", "${spec.expiresAt}") on this partitioned table` : `exactly "${spec.key}"`;
     throw new Error(`key column "${spec.key}" of table "${spec.table}" is not unique: reaper needs a primary key or a non-partial unique index on ${accepted}`);
   }
+  // The key alone when it is unique by itself (the shorter column list comes first), else the pair.
+  return result.rows[0]!.columns === spec.key ? [spec.key] : [spec.key, spec.expiresAt];
 }
 
 /**
