@@ -1,5 +1,8 @@
+import { after, before } from 'node:test';
 import pg from 'pg';
-import type { TestBed } from './testbed';
+import { assertNoLeakedProcesses } from './processes';
+import { findServers } from './servers';
+import { makeTestBed, type TestBed } from './testbed';
 
 /**
  * A range-partitioned table by day (`events_by_day`, primary key (id, expires_at)), owned by a role
@@ -89,4 +92,26 @@ export async function dropPartitionOwner(adminUrl: string, owner: string): Promi
   } finally {
     await admin.end();
   }
+}
+
+/**
+ * A suite's world around the partitioned table: registers before (a test bed, the table, then
+ * `setup`, e.g. writing the policies) and after (no leaked process, the bed closed, the owner role
+ * dropped). The returned object is filled in by the time the suite's tests run.
+ */
+export function partitionedSuite(label: string, setup: (bed: TestBed) => Promise<void> | void = () => undefined): { bed: TestBed } {
+  const world: Partial<{ bed: TestBed }> = {};
+  let owner: string | undefined;
+  before(async () => {
+    world.bed = await makeTestBed(label);
+    owner = partitionOwnerRole(world.bed);
+    await createPartitionedTable(world.bed);
+    await setup(world.bed);
+  });
+  after(async () => {
+    await assertNoLeakedProcesses();
+    await world.bed?.close();
+    if (owner) await dropPartitionOwner((await findServers()).databaseUrl, owner);
+  });
+  return world as { bed: TestBed };
 }
