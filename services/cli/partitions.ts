@@ -2,6 +2,7 @@ import { Command, Option } from 'commander';
 import { requirePolicy, type Policy } from '../../shared/config/policies';
 import { withReadOnlyTransaction } from '../../shared/db/pool';
 import { databaseNow } from '../../shared/db/queries/clock';
+import { partitionRetirementsList, RETIRED_SCHEMA, type PartitionRetirement } from '../../shared/db/queries/partitions';
 import { targetResolve } from '../../shared/db/queries/target';
 import { partitionsClassify, type ClassifiedPartition } from '../../shared/partitions/classify';
 import { context, pastCutoff, UsageError, withPool } from './common';
@@ -16,6 +17,8 @@ export interface PartitionsReport {
   partitions: ClassifiedPartition[];
   /** Rows of the retirable partitions (they count toward the brake like rows do). */
   retirableRows: number;
+  /** Retired partitions still in quarantine (restorable with `reaper restore --partition`), newest first. */
+  quarantined: Array<{ partition: string; from: string; rows: number | null; bound: string; quarantineUntil: string | null; runId: string | null }>;
 }
 
 /** A row-delete policy's table must be partitioned for `partitions` to mean anything: a usage error otherwise. */
@@ -23,8 +26,16 @@ export function requirePartitionable(policy: Policy): void {
   if (policy.kind !== 'row-delete') throw new UsageError(`policy "${policy.name}" is ${policy.kind}: partitions are retired for row-delete policies only`);
 }
 
-export function partitionsReport(policy: Policy, cutoff: string, partitions: ClassifiedPartition[]): PartitionsReport {
+export function partitionsReport(policy: Policy, cutoff: string, partitions: ClassifiedPartition[], quarantined: readonly PartitionRetirement[]): PartitionsReport {
   return {
+    quarantined: quarantined.map((entry) => ({
+      partition: `${RETIRED_SCHEMA}.${entry.retiredName}`,
+      from: `${entry.sourceSchema}.${entry.sourceName}`,
+      rows: entry.rowCount,
+      bound: entry.bound,
+      quarantineUntil: entry.quarantineUntil,
+      runId: entry.runId,
+    })),
     policy: policy.name,
     cutoff,
     retire: policy.kind === 'row-delete' && policy.partitions?.retire === true,
@@ -59,13 +70,17 @@ export function registerPartitionsCommand(program: Command): void {
         const cutoff = options.cutoff ? await pastCutoff(pool, options.cutoff) : await databaseNow(pool);
         const target = await targetResolve(pool, policy);
         if (!target.partitioned) throw new UsageError(`policy "${policy.name}": table "${policy.table}" is not a partitioned table`);
-        return withReadOnlyTransaction(pool, async (client) => partitionsReport(policy, cutoff, await partitionsClassify(client, target, cutoff)));
+        return withReadOnlyTransaction(pool, async (client) =>
+          partitionsReport(policy, cutoff, await partitionsClassify(client, target, cutoff), await partitionRetirementsList(client, { policy: policy.name, states: ['quarantined'] })),
+        );
       });
       printResult(!!options.json, report, () =>
         [
           `policy      ${report.policy} (cutoff ${report.cutoff}; partitions.retire ${report.retire ? 'on' : 'off: nothing is retired'})`,
           `retirable   ${report.partitions.filter((entry) => entry.class === 'retirable').length} partition(s), ${report.retirableRows} row(s)`,
           partitionsTable(report.partitions),
+          `quarantined ${report.quarantined.length} retired partition(s) (reaper restore --partition <name> attaches one back before its date)`,
+          ...(report.quarantined.length > 0 ? [table(report.quarantined.map((entry) => ({ partition: entry.partition, from: entry.from, rows: entry.rows, until: entry.quarantineUntil })), ['partition', 'from', 'rows', 'until'])] : []),
         ].join('\n'),
       );
     });

@@ -5,6 +5,7 @@ import { databaseNow } from '../../shared/db/queries/clock';
 import { targetResolve } from '../../shared/db/queries/target';
 import { planCount, planRecentRowsPerSecond, planSample } from '../../shared/db/queries/plan';
 import { runsLatestDecided } from '../../shared/db/queries/runs';
+import { partitionRetirementsList } from '../../shared/db/queries/partitions';
 import { partitionsClassify } from '../../shared/partitions/classify';
 import { context, pastCutoff, UsageError, withPool } from './common';
 import { partitionsReport, partitionsTable, type PartitionsReport } from './partitions';
@@ -86,7 +87,9 @@ export function registerPlanCommand(program: Command): void {
             estimateBasis,
             guarded: counts.guarded,
             nonFinite: counts.nonFinite,
-            partitions: target.partitioned ? partitionsReport(policy, cutoff, await partitionsClassify(client, target, cutoff)) : null,
+            partitions: target.partitioned
+              ? partitionsReport(policy, cutoff, await partitionsClassify(client, target, cutoff), await partitionRetirementsList(client, { policy: policy.name, states: ['quarantined'] }))
+              : null,
             decision: await runsLatestDecided(client, policy.name).then((run) =>
               run ? { runId: run.runId, state: run.state, approved: run.approvedCandidates, counted: run.countedCandidates, published: run.candidates, reason: run.error } : null,
             ),

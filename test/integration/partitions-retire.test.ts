@@ -92,6 +92,11 @@ describe('partitions: retiring', () => {
   });
 
   test('restore --partition attaches a quarantined partition back; refused clearly on overlap and after the quarantine', async () => {
+    const listed = await runReaperCli(['partitions', 'day-events', '--json'], world.bed.processEnv());
+    assert.deepEqual((JSON.parse(listed.stdout) as { quarantined: Array<{ partition: string; from: string; rows: number }> }).quarantined.map((entry) => [entry.partition, entry.from, entry.rows]), [
+      ['reaper_retired.p_old_b', 'public.p_old_b', 6],
+      ['reaper_retired.p_old_a', 'public.p_old_a', 6],
+    ], 'reaper partitions lists what is in quarantine');
     // quarantineDays 0: p_old_a's quarantine is over already.
     const ended = await runReaperCli(['restore', '--partition', 'reaper_retired.p_old_a'], world.bed.processEnv());
     assert.equal(ended.code, 1, ended.stdout);
