@@ -39,7 +39,13 @@ describe('partitions: a hold placed after the classification wins', () => {
     if (owner) await dropPartitionOwner((await findServers()).databaseUrl, owner);
   });
 
-  async function retireWithLateHold(): Promise<Array<{ source_name: string; state: string; reason: string | null }>> {
+  /** A late hold on the first row of the first partition about to be detached (an operator, now). */
+  const lateHold = async (partition: string) => {
+    const key = (await bed.pool.query<{ id: string }>(`SELECT id::text FROM ONLY ${partition} ORDER BY id LIMIT 1`)).rows[0]!.id;
+    await bed.pool.query(`INSERT INTO cleanup_holds (policy, key, reason, created_by) VALUES ('day-events', $1, 'late hold', 'test')`, [key]);
+  };
+
+  async function retireWithLateHold(beforeFirstDetach: (partition: string) => Promise<void> = lateHold): Promise<Array<{ source_name: string; state: string; reason: string | null }>> {
     const policy = loadPolicies(bed.env().policiesPath).get('day-events')!;
     assert.ok(retiresPartitions(policy));
     const target = await targetResolve(scheduler, policy);
@@ -52,9 +58,7 @@ describe('partitions: a hold placed after the classification wins', () => {
         stillClaimed: () => true,
         beforeDetach: async (partition) => {
           if (placed.length > 0) return;
-          // The first partition about to be detached gets a hold on one of its rows (an operator, now).
-          const key = (await bed.pool.query<{ id: string }>(`SELECT id::text FROM ONLY ${partition} ORDER BY id LIMIT 1`)).rows[0]!.id;
-          await bed.pool.query(`INSERT INTO cleanup_holds (policy, key, reason, created_by) VALUES ('day-events', $1, 'late hold', 'test')`, [key]);
+          await beforeFirstDetach(partition);
           placed.push(partition);
         },
       },
@@ -78,6 +82,25 @@ describe('partitions: a hold placed after the classification wins', () => {
     assert.match(states[0]!.reason!, /1 of 6 row\(s\) no longer pass .* at the re-check: not detached/);
     assert.ok((await attachedNames()).includes('p_old_a'));
     assert.deepEqual(states.slice(1).map((row) => row.state), ['quarantined', 'quarantined']);
+  });
+
+  test('plain DETACH behind a reader: at most lock_timeout 1 s, 3 attempts, then the partition is kept for the row path', async () => {
+    const reader = await bed.pool.connect();
+    try {
+      const started = Date.now();
+      const states = await retireWithLateHold(async () => {
+        await reader.query('BEGIN');
+        await reader.query('SELECT count(*) FROM events_by_day'); // ACCESS SHARE until COMMIT: DETACH needs ACCESS EXCLUSIVE
+      });
+      const tookMs = Date.now() - started;
+      assert.deepEqual(states.map((row) => [row.source_name, row.state]), [['p_old_a', 'kept']]);
+      assert.match(states[0]!.reason!, /DETACH did not get its lock within 1000 ms, 3 time\(s\): left to the row path/);
+      assert.ok(tookMs >= 3_000 && tookMs < 10_000, `bounded: 3 waits of 1 s and two backoffs (${tookMs} ms)`);
+      assert.ok((await attachedNames()).includes('p_old_a'));
+    } finally {
+      await reader.query('ROLLBACK').catch(() => undefined);
+      reader.release();
+    }
   });
 
   test('DETACH ... CONCURRENTLY (no default partition): the hold attaches it again', async () => {
