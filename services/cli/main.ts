@@ -8,6 +8,7 @@ import { registerDeadLetterCommands } from './dlq';
 import { registerDoctorCommand } from './doctor';
 import { registerEventsCommands } from './events';
 import { registerHoldCommands } from './holds';
+import { registerPartitionsCommand } from './partitions';
 import { registerPauseCommands } from './pause';
 import { registerPlanCommand } from './plan';
 import { registerRestoreCommand } from './restore';
@@ -37,6 +38,7 @@ export function makeProgram(): Command {
   registerStatusCommand(program);
   registerDeadLetterCommands(program);
   registerPlanCommand(program);
+  registerPartitionsCommand(program);
   registerApprovalCommands(program);
   registerHoldCommands(program);
   registerAuditCommand(program);

@@ -5,7 +5,10 @@ import { databaseNow } from '../../shared/db/queries/clock';
 import { targetResolve } from '../../shared/db/queries/target';
 import { planCount, planRecentRowsPerSecond, planSample } from '../../shared/db/queries/plan';
 import { runsLatestDecided } from '../../shared/db/queries/runs';
+import { partitionRetirementsList } from '../../shared/db/queries/partitions';
+import { partitionsClassify } from '../../shared/partitions/classify';
 import { context, pastCutoff, UsageError, withPool } from './common';
+import { partitionsReport, partitionsTable, type PartitionsReport } from './partitions';
 import { formatDuration, printResult } from './output';
 
 /** What `reaper plan` answers (the JSON field names are the contract). */
@@ -30,6 +33,12 @@ export interface Plan {
    * Null when there is none.
    */
   decision: { runId: string; state: string; approved: number | null; counted: number | null; published: number; reason: string | null } | null;
+  /**
+   * A row-delete policy on a partitioned table: its partitions classified under the same cutoff
+   * (`reaper partitions`). `candidates` counts every eligible row, the retirable partitions' too:
+   * the brake counts them alike. Null for a table that is not partitioned.
+   */
+  partitions: PartitionsReport | null;
 }
 
 /**
@@ -78,6 +87,9 @@ export function registerPlanCommand(program: Command): void {
             estimateBasis,
             guarded: counts.guarded,
             nonFinite: counts.nonFinite,
+            partitions: target.partitioned
+              ? partitionsReport(policy, cutoff, await partitionsClassify(client, target, cutoff), await partitionRetirementsList(client, { policy: policy.name, states: ['quarantined'] }))
+              : null,
             decision: await runsLatestDecided(client, policy.name).then((run) =>
               run ? { runId: run.runId, state: run.state, approved: run.approvedCandidates, counted: run.countedCandidates, published: run.candidates, reason: run.error } : null,
             ),
@@ -96,6 +108,12 @@ export function registerPlanCommand(program: Command): void {
           ...(plan.decision
             ? [
                 `run         ${plan.decision.runId} ${plan.decision.state}: approved ${plan.decision.approved ?? '-'}, counted ${plan.decision.counted ?? '-'}, published ${plan.decision.published}`,
+              ]
+            : []),
+          ...(plan.partitions
+            ? [
+                `partitions  ${plan.partitions.partitions.filter((entry) => entry.class === 'retirable').length} retirable (${plan.partitions.retirableRows} of the candidates)${plan.partitions.retire ? '' : '; partitions.retire is off: the row path deletes them'}`,
+                partitionsTable(plan.partitions.partitions),
               ]
             : []),
         ].join('\n'),

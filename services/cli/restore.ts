@@ -11,6 +11,7 @@ import {
   type ArchiveSelection,
   type RestoredRow,
 } from '../../shared/db/queries/archive';
+import { partitionRestore } from '../../shared/db/queries/partitions';
 import { targetResolve, type ResolvedTarget } from '../../shared/db/queries/target';
 import { failpoint } from '../../shared/observability/failpoint-hook';
 import { context, NotFoundError, operatorName, UsageError, withPool } from './common';
@@ -49,13 +50,16 @@ export function registerRestoreCommand(program: Command): void {
   program
     .command('restore')
     .description('re-insert the rows a run deleted (archive.enabled policies, within archive.retainDays); never overwrites a key that exists again')
-    .requiredOption('--run <runId>', 'the run whose deletions to undo')
+    .option('--run <runId>', 'the run whose deletions to undo')
+    .option('--partition <reaper_retired.name>', 'attach this retired partition back (partitions.retire policies, within quarantineDays)')
     .option('--id <key>', 'only this key')
     .option('--dry-run', 'say what would be restored and what conflicts; change nothing')
     .option('--batch-size <n>', 'rows per transaction', String(DEFAULT_BATCH))
     .addOption(new Option('--json', 'print machine-readable JSON'))
-    .action(async (options: { run: string; id?: string; dryRun?: boolean; batchSize: string; json?: boolean }) => {
-      const runArgument = runIdArgument('--run', options.run);
+    .action(async (options: { run?: string; partition?: string; id?: string; dryRun?: boolean; batchSize: string; json?: boolean }) => {
+      if ((options.run === undefined) === (options.partition === undefined)) throw new UsageError('give exactly one of --run <runId> or --partition <reaper_retired.name>');
+      if (options.partition !== undefined) return restorePartition(options.partition, !!options.json);
+      const runArgument = runIdArgument('--run', options.run!); // given: exactly one of the two is, checked above
       const batchSize = Number(options.batchSize);
       if (!Number.isInteger(batchSize) || batchSize < 1 || batchSize > 10_000) throw new UsageError(`--batch-size: must be an integer from 1 to 10000 (got "${options.batchSize}")`);
       const json = !!options.json;
@@ -98,6 +102,47 @@ export function registerRestoreCommand(program: Command): void {
       // Not everything is back (keys that exist again): exit 1 so a script notices; they are listed.
       if (result.conflicts > 0) process.exitCode = 1;
     });
+}
+
+/**
+ * `reaper restore --partition reaper_retired.<name>`: one transaction (shared/db/queries/partitions.ts
+ * partitionRestore): the retirement locked, refused when its quarantine ended or an attached
+ * partition's range now meets its bound, else moved back into its schema, attached with its bound
+ * and marked restored. Its rows are the table itself: nothing to copy.
+ */
+async function restorePartition(given: string, json: boolean): Promise<void> {
+  const match = /^reaper_retired\.([A-Za-z_][A-Za-z0-9_$]*)$/.exec(given);
+  if (!match) throw new UsageError(`--partition: "${given}" is not reaper_retired.<table name>`);
+  const { env } = context();
+  const outcome = await withPool(env, async (pool) => {
+    const client = await pool.connect();
+    try {
+      await client.query('BEGIN');
+      const result = await partitionRestore(client, match[1]!);
+      await client.query(result.kind === 'restored' ? 'COMMIT' : 'ROLLBACK');
+      return result;
+    } catch (error) {
+      await client.query('ROLLBACK').catch(() => undefined);
+      throw error;
+    } finally {
+      client.release();
+    }
+  });
+  switch (outcome.kind) {
+    case 'not-found':
+      throw new NotFoundError(`no retired partition ${given} (reaper partitions <policy> lists what was retired)`);
+    case 'not-quarantined':
+      throw new RestoreRefused(`${given} is ${outcome.state}, not quarantined: nothing to restore`);
+    case 'quarantine-ended':
+      throw new RestoreRefused(`the quarantine of ${given} ended at ${outcome.quarantineUntil}: it is dropped by the next run (and is no longer restorable)`);
+    case 'overlaps':
+      throw new RestoreRefused(`refusing to restore ${given}: its range overlaps the attached partition(s) ${outcome.partitions.join(', ')} (detach or drop them first)`);
+    case 'restored': {
+      const { retirement } = outcome;
+      const shown = { partition: `${retirement.sourceSchema}.${retirement.sourceName}`, from: given, policy: retirement.policy, rows: retirement.rowCount, bound: retirement.bound };
+      printResult(json, shown, () => `restored ${given} as ${shown.partition} (${shown.rows ?? '?'} row(s), ${shown.bound}) into ${retirement.parentTable}`);
+    }
+  }
 }
 
 /** A key the key's type refuses (say, not a uuid): the operator's mistake, exit 2 naming --id. */

@@ -12,6 +12,8 @@ import {
   EXPIRY_EVENT_VERSION,
   expiryEventMessageId,
   expiryEventRoutingKey,
+  PARTITION_RETIRED_EVENT_VERSION,
+  partitionRetiredRoutingKey,
 } from '../../shared/contracts/expiry-event';
 import { makePool, type Pool } from '../../shared/db/pool';
 import { outboxClaimOldest, outboxDeletePublished, outboxReleaseClaims, outboxReleaseClaimsOf } from '../../shared/db/queries/outbox';
@@ -58,13 +60,20 @@ export async function relayOnce(deps: { pool: Pool; publisher: ConfirmingPublish
   if (entries.length === 0) return { taken: 0, published: 0, failure: null };
   failpoint('relay-before-publish');
   const outcomes = await Promise.allSettled(
-    entries.map(({ event }) =>
-      deps.publisher.publish(deps.exchange, expiryEventRoutingKey(event.policy), encodeExpiryEvent(event), {
-        messageId: expiryEventMessageId(event),
-        contentType: 'application/json',
-        type: 'reaper.expiry',
-        headers: { [EVENT_CAUSE_HEADER]: EVENT_CAUSE_EXPIRY, 'x-reaper-event-version': EXPIRY_EVENT_VERSION },
-      }),
+    entries.map((entry) =>
+      entry.kind === 'partition-retired'
+        ? deps.publisher.publish(deps.exchange, partitionRetiredRoutingKey(entry.event.policy), Buffer.from(JSON.stringify(entry.event)), {
+            messageId: entry.event.eventId,
+            contentType: 'application/json',
+            type: 'reaper.partition-retired',
+            headers: { [EVENT_CAUSE_HEADER]: EVENT_CAUSE_EXPIRY, 'x-reaper-event-version': PARTITION_RETIRED_EVENT_VERSION },
+          })
+        : deps.publisher.publish(deps.exchange, expiryEventRoutingKey(entry.event.policy), encodeExpiryEvent(entry.event), {
+            messageId: expiryEventMessageId(entry.event),
+            contentType: 'application/json',
+            type: 'reaper.expiry',
+            headers: { [EVENT_CAUSE_HEADER]: EVENT_CAUSE_EXPIRY, 'x-reaper-event-version': EXPIRY_EVENT_VERSION },
+          }),
     ),
   );
   const confirmed = entries.filter((_, index) => outcomes[index]!.status === 'fulfilled');

@@ -1,5 +1,6 @@
 import type { Logger } from 'pino';
-import { DEFAULT_APPROVAL_TOLERANCE, policyVersion, type Policy } from '../../shared/config/policies';
+import { DEFAULT_APPROVAL_TOLERANCE, policyVersion, retiresPartitions, type Policy } from '../../shared/config/policies';
+import { retirePartitions } from './partition-retirement';
 import { planBrakeCount } from '../../shared/db/queries/plan';
 import { batchBytesAtMost, encodeBatch, makeBatchId, MAX_ID_LENGTH, MAX_MESSAGE_BYTES, type Batch, type BatchItem, type BatchV1, type BatchV2, type BatchVersion } from '../../shared/contracts/batch';
 import type { ConfirmingPublisher } from '../../shared/amqp/publisher';
@@ -65,7 +66,7 @@ const RETRY_FIRST_MS = 500;
 export const RETRY_MAX_MS = 10_000;
 
 /** The steps of a run, in the order a window reaches them (what `beforeStep` is told). */
-export type RunStep = 'count' | 'scan' | 'publish' | 'checkpoint';
+export type RunStep = 'count' | 'partition-detach' | 'scan' | 'publish' | 'checkpoint';
 
 export interface RunExecutorDeps {
   pool: Pool;
@@ -248,6 +249,20 @@ async function executeClaimed(context: RunContext, run: Run, policy: Policy, tar
   if (lease.lost) return lostLease(log);
   if ('hold' in start.value) return hold(context, policy, version, start.value.hold);
   const allowance = start.value.allowance;
+  // Whole partitions first (issue 44): their rows count toward the allowance like published rows,
+  // and what the scan then finds of them is nothing (they are no longer in the table).
+  let retiredRows = 0;
+  if (retiresPartitions(policy) && target.partitioned) {
+    const retired = await attempt('retire partitions', () =>
+      retirePartitions({ pool: deps.pool, log, stillClaimed: () => !lease.lost && !deps.stopping(), beforeDetach: async () => deps.beforeStep?.('partition-detach') }, run, policy, target, {
+        room: allowance.limit - progress.candidates - run.unconfirmedCandidates,
+        policyVersion: version,
+      }),
+    );
+    if (!retired.ok) return retired.outcome;
+    if (lease.lost) return lostLease(log);
+    retiredRows = retired.value.retiredRows;
+  }
   const pace: Pace = { rate: deps.paceBy?.(policy) ?? null, dueAt: 0, unpacedRows: 0, unpacedSince: null, firstWait: null, told: false };
   for (;;) {
     if (deps.stopping()) return 'stopped';
@@ -266,7 +281,7 @@ async function executeClaimed(context: RunContext, run: Run, policy: Policy, tar
     if (!scanned.ok) return scanned.outcome;
     if (lease.lost) return lostLease(log);
     // What earlier claims may have published past their checkpoints counts too (runsClaimNext).
-    const window = fitWindow(scanned.value, allowance.limit - progress.candidates - run.unconfirmedCandidates);
+    const window = fitWindow(scanned.value, allowance.limit - progress.candidates - run.unconfirmedCandidates - retiredRows);
     if (window.batches.length > 0) {
       const confirmed = await attempt('publish', async () => {
         await deps.beforeStep?.('publish');

@@ -2,7 +2,7 @@ import { schedule as scheduleCron, type ScheduledTask } from 'node-cron';
 import pg from 'pg';
 import type { Logger } from 'pino';
 import type { Env } from '../../shared/config/env';
-import type { Policy, PolicySet } from '../../shared/config/policies';
+import { retiresPartitions, type Policy, type PolicySet } from '../../shared/config/policies';
 import { ReconnectingConnection } from '../../shared/amqp/connection';
 import { ConfirmingPublisher } from '../../shared/amqp/publisher';
 import { brokerNames, topologyFor } from '../../shared/amqp/topology';
@@ -10,6 +10,7 @@ import { adaptiveAdmission } from '../../shared/admission/rows';
 import { assertSchemaCurrent } from '../../shared/db/migrate';
 import { admissionAdaptiveRateInForce } from '../../shared/db/queries/admission';
 import { makePool, warmPool } from '../../shared/db/pool';
+import { partitionRetirePrivilegesMissing } from '../../shared/db/queries/partitions';
 import { targetResolve, type ResolvedTarget } from '../../shared/db/queries/target';
 import {
   runClaimOf,
@@ -185,7 +186,12 @@ export async function startScheduler(env: Env, policies: PolicySet, log: Logger)
   }
   for (const policy of policies.values()) {
     try {
-      targets.set(policy.name, await targetResolve(pool, policy));
+      const target = await targetResolve(pool, policy);
+      if (retiresPartitions(policy)) {
+        const missing = await partitionRetirePrivilegesMissing(pool, target);
+        if (missing.length > 0) throw new Error(`partitions.retire needs ${missing.join('; ')}`);
+      }
+      targets.set(policy.name, target);
     } catch (error) {
       return abandonStart(new Error(`policy ${policy.name}: ${(error as Error).message}`));
     }

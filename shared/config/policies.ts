@@ -101,6 +101,20 @@ const rowDeletePolicy = z.strictObject({
     })
     .optional(),
   /**
+   * Partition retirement (issue 44; docs/guardrails.md "Retiring partitions"): on a table range-
+   * partitioned by `expiresAt` alone, a partition whose every row may be deleted under the run's
+   * cutoff (expired, guard, no hold) is detached and kept in schema `reaper_retired` for
+   * `quarantineDays`, then dropped by the scheduler; every other partition is left to the row path.
+   * Whether the table is partitioned that way is checked against the catalog at start-up
+   * (shared/db/queries/target.ts). Optional, not defaulted: an absent key keeps the policy version.
+   */
+  partitions: z
+    .strictObject({
+      retire: z.boolean(),
+      quarantineDays: z.number().int('must be a whole number of days').min(0, 'must be 0 or more (days a retired partition is kept before it is dropped)').max(3650).default(7),
+    })
+    .optional(),
+  /**
    * The global throttle: rows deleted per second across every worker together, and row-delete
    * statements running at once, held by the PostgreSQL admission controller (a batch takes tokens
    * for its item count), so adding workers never adds load. `burst`: rows the bucket holds
@@ -250,6 +264,11 @@ function isRecord(value: unknown): value is Record<string, unknown> {
 
 /** limits.approvalTolerance when the file does not set it: an approved run publishes at most 10 % more than was counted. */
 export const DEFAULT_APPROVAL_TOLERANCE = 0.1;
+
+/** Whether a policy retires whole partitions (partitions.retire; off when the key is absent). */
+export function retiresPartitions(policy: Policy): policy is RowDeletePolicy & { partitions: { retire: true; quarantineDays: number } } {
+  return policy.kind === 'row-delete' && policy.partitions?.retire === true;
+}
 
 /** Whether a policy writes expiry events (events.enabled; off when the key is absent). */
 export function eventsEnabled(policy: Policy): boolean {

@@ -58,3 +58,36 @@ export function expiryEventRoutingKey(policy: string): string {
 export function encodeExpiryEvent(event: ExpiryEventV2): Buffer {
   return Buffer.from(JSON.stringify(event));
 }
+
+/**
+ * The partition-retired event, version 1 (issue 44; docs/guardrails.md "Retiring partitions"): one
+ * per partition retired by a policy with `events: { enabled: true }`, written in the transaction
+ * that moved it into reaper_retired, published by `reaper relay` with routing key
+ * `<policy>.partition-retired` (consumers bind it, or `#.partition-retired`). Its rows have no
+ * event of their own: the count, the bound and the checksum of (key, expiry) stand for them.
+ */
+export const PARTITION_RETIRED_EVENT_VERSION = 1;
+
+export interface PartitionRetiredEventV1 {
+  version: 1;
+  /** `<policy>:partition:<retired table>:<deletion>` (the outbox row's id): the message id. */
+  eventId: string;
+  policy: string;
+  /** Where the retired table is kept during the quarantine: reaper_retired.<name>. */
+  partition: string;
+  /** The partition's bound as PostgreSQL printed it (FOR VALUES FROM (...) TO (...)). */
+  bound: string;
+  /** Its upper bound: every row expired before it. UTC ISO 8601, six fractional digits. */
+  upperBound: string;
+  rowCount: number;
+  /** Sum of the first 60 bits of md5(key || ':' || expiry) over its rows, hex (order-independent). */
+  keyChecksum: string;
+  runId: string | null;
+  /** When the retiring transaction ran (database clock). */
+  retiredAt: string;
+  policyVersion: string;
+}
+
+export function partitionRetiredRoutingKey(policy: string): string {
+  return `${policy}.partition-retired`;
+}

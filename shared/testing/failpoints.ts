@@ -30,6 +30,14 @@ export const SCHEDULER_FAILPOINTS = [
   'scheduler-after-confirm',
   /** The window's checkpoint is committed; the next window is not scanned yet. */
   'scheduler-after-checkpoint',
+  /** Partition retirement (services/scheduler/partition-retirement.ts): the 'detaching' row is committed; nothing is detached yet. */
+  'partition-after-begin',
+  /** DETACH ... CONCURRENTLY returned; the table is not re-checked, moved nor recorded yet. */
+  'partition-after-detach',
+  /** A retirement's transaction (plain detach or re-check, the move, the audit) ran and retires the partition; COMMIT is not sent yet. */
+  'partition-before-commit',
+  /** The drop of a retired partition whose quarantine is over ran (state dropped, DROP TABLE); COMMIT is not sent yet. */
+  'partition-drop-before-commit',
 ] as const;
 
 /** `reaper relay`'s points, in the order a batch of outbox rows reaches them (services/relay/relay.ts). */

@@ -104,7 +104,7 @@ function start(label: string, command: 'scheduler' | 'worker' | 'relay', role: s
 
 test('the printed roles grant what the relay and adaptive admission read', async () => {
   const printed = await runReaperCli(['roles', '--print', '--policies', policiesPath, '--worker', roles.worker, '--scheduler', roles.scheduler], { PATH: process.env.PATH });
-  assert.match(printed.stdout, /GRANT SELECT, UPDATE, DELETE ON "cleanup_outbox" TO "reaper_scheduler_/, 'the relay claims (UPDATE) and deletes');
+  assert.match(printed.stdout, /GRANT SELECT, INSERT, UPDATE, DELETE ON "cleanup_outbox" TO "reaper_scheduler_/, "the relay claims (UPDATE) and deletes; the scheduler inserts a retired partition's event");
   assert.match(printed.stdout, /GRANT SELECT, INSERT, UPDATE, DELETE ON "cleanup_webhook_signatures" TO "reaper_scheduler_/, 'the prune locks (UPDATE) and deletes');
   assert.match(printed.stdout, /adaptive admission \(other sessions' state\)[^\n]*\nGRANT pg_read_all_stats TO "reaper_worker_/, 'an adaptive row-delete policy (the default) gets pg_read_all_stats');
   // Not through bed.writePolicies: that would make this file the services' policies.

@@ -174,7 +174,10 @@ export async function archiveRestoreStep(
          SELECT CASE WHEN $7::boolean AND p.row_text IS NOT NULL AND ${TEXT_STYLE_IS_PORTABLE} THEN p.row_text::${target.table}
                      ELSE jsonb_populate_record(NULL::${target.table}, p.row_data) END AS r
        ) x
-       ON CONFLICT (${target.key}) DO NOTHING
+       -- A partitioned table names a row by (key, expiry) (target.identity): a key that exists
+       -- again with another expiry is a conflict too, as archiveRestorePreview says.
+       ${target.identity.length > 1 ? `WHERE NOT EXISTS (SELECT 1 FROM ${target.table} t WHERE t.${target.key} = (x.r).${target.key})` : ''}
+       ON CONFLICT (${target.identity.join(', ')}) DO NOTHING
        RETURNING ${target.key}::text AS key
      ), outcome AS (
        SELECT p.archive_id, p.key, p.policy,

@@ -1,4 +1,4 @@
-import { expiryEventId, type ExpiryEventV2 } from '../../contracts/expiry-event';
+import { expiryEventId, type ExpiryEventV2, type PartitionRetiredEventV1 } from '../../contracts/expiry-event';
 import type { Db } from '../pool';
 
 /**
@@ -35,9 +35,23 @@ export function outboxInsertForSettledSql(parameters: { policy: string; policyVe
      )`;
 }
 
-export interface OutboxEntry {
-  outboxId: string;
-  event: ExpiryEventV2;
+/** An outbox row as the relay publishes it: a row's expiry event, or a retired partition's (kind). */
+export type OutboxEntry = { outboxId: string; kind: 'expired'; event: ExpiryEventV2 } | { outboxId: string; kind: 'partition-retired'; event: PartitionRetiredEventV1 };
+
+/**
+ * The outbox row of a retired partition (issue 44), in the retiring transaction: key
+ * `partition:reaper_retired.<name>`, observed_expiry its upper bound, kind 'partition-retired' with
+ * its row count, bound and checksum.
+ */
+export async function outboxInsertPartitionRetired(
+  db: Db,
+  event: { policy: string; partition: string; upperBound: string; runId: string | null; policyVersion: string; rowCount: number; bound: string; keyChecksum: string },
+): Promise<void> {
+  await db.query(
+    `INSERT INTO cleanup_outbox (policy, key, observed_expiry, cutoff, run_id, batch_id, policy_version, kind, row_count, partition_bound, key_checksum)
+     VALUES ($1, 'partition:' || $2, $3, NULL, $4, NULL, $5, 'partition-retired', $6, $7, $8)`,
+    [event.policy, event.partition, event.upperBound, event.runId, event.policyVersion, event.rowCount, event.bound, event.keyChecksum],
+  );
 }
 
 /**
@@ -61,32 +75,58 @@ export async function outboxClaimOldest(db: Db, claim: { limit: number; owner: s
     batch_id: string | null;
     deleted_at: string;
     policy_version: string;
+    kind: string;
+    row_count: string | null;
+    partition_bound: string | null;
+    key_checksum: string | null;
   }>(
     `UPDATE cleanup_outbox o SET claimed_by = $2, claimed_until = clock_timestamp() + $3 * interval '1 millisecond'
      FROM (SELECT outbox_id FROM cleanup_outbox WHERE claimed_until IS NULL OR claimed_until < clock_timestamp() OR claimed_by = $2
            ORDER BY outbox_id LIMIT $1 FOR UPDATE SKIP LOCKED) picked
      WHERE o.outbox_id = picked.outbox_id
      RETURNING o.outbox_id::text, o.policy, o.key, reaper_iso(o.observed_expiry) AS observed_expiry, reaper_iso(o.cutoff) AS cutoff,
-       o.run_id::text, o.batch_id, reaper_iso(o.deleted_at) AS deleted_at, o.policy_version`,
+       o.run_id::text, o.batch_id, reaper_iso(o.deleted_at) AS deleted_at, o.policy_version, o.kind, o.row_count::text, o.partition_bound, o.key_checksum`,
     [claim.limit, claim.owner, claim.leaseMs],
   );
   return result.rows
     .sort((a, b) => (BigInt(a.outbox_id) < BigInt(b.outbox_id) ? -1 : 1))
-    .map((row) => ({
-      outboxId: row.outbox_id,
-      event: {
-        version: 2,
-        eventId: expiryEventId({ policy: row.policy, key: row.key, observedExpiry: row.observed_expiry }, row.outbox_id),
-        policy: row.policy,
-        key: row.key,
-        observedExpiry: row.observed_expiry,
-        cutoff: row.cutoff,
-        runId: row.run_id,
-        batchId: row.batch_id,
-        deletedAt: row.deleted_at,
-        policyVersion: row.policy_version,
-      },
-    }));
+    .map((row): OutboxEntry => {
+      if (row.kind === 'partition-retired') {
+        return {
+          outboxId: row.outbox_id,
+          kind: 'partition-retired',
+          event: {
+            version: 1,
+            eventId: `${row.policy}:${row.key}:${row.outbox_id}`,
+            policy: row.policy,
+            partition: row.key.replace(/^partition:/, ''),
+            bound: row.partition_bound ?? '',
+            upperBound: row.observed_expiry,
+            rowCount: Number(row.row_count ?? 0),
+            keyChecksum: row.key_checksum ?? '',
+            runId: row.run_id,
+            retiredAt: row.deleted_at,
+            policyVersion: row.policy_version,
+          },
+        };
+      }
+      return {
+        outboxId: row.outbox_id,
+        kind: 'expired',
+        event: {
+          version: 2,
+          eventId: expiryEventId({ policy: row.policy, key: row.key, observedExpiry: row.observed_expiry }, row.outbox_id),
+          policy: row.policy,
+          key: row.key,
+          observedExpiry: row.observed_expiry,
+          cutoff: row.cutoff,
+          runId: row.run_id,
+          batchId: row.batch_id,
+          deletedAt: row.deleted_at,
+          policyVersion: row.policy_version,
+        },
+      };
+    });
 }
 
 /**

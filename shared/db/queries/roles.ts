@@ -73,7 +73,7 @@ export const REAPER_TABLE_GRANTS: ReaperTableGrants = {
   cleanup_holds: { scheduler: ['SELECT'], worker: ['SELECT'], operator: ['SELECT', 'INSERT', 'UPDATE', 'DELETE'] },
   // audit rows: written by the deleting statements, kept to retainDays by the scheduler
   // (remote-delete: a confirmation is audited once per operation, a NOT EXISTS over the audit: SELECT)
-  cleanup_audit: { scheduler: ['SELECT', 'DELETE'], worker: ['SELECT', 'INSERT'], operator: ['SELECT'] },
+  cleanup_audit: { scheduler: ['SELECT', 'INSERT', 'DELETE'], worker: ['SELECT', 'INSERT'], operator: ['SELECT'] }, // scheduler INSERT: a retired partition's row
   // archived rows (archive.enabled): written by the deleting statement, kept to retainDays by the
   // scheduler; `reaper restore` runs as reaper_operator: it locks and marks the rows it puts back
   // (FOR UPDATE, UPDATE) and INSERTs into the policy's table (targetGrants: archived policies only)
@@ -82,7 +82,10 @@ export const REAPER_TABLE_GRANTS: ReaperTableGrants = {
   cleanup_restores: { scheduler: [], worker: [], operator: ['SELECT', 'INSERT'] },
   // expiry events: written by the deleting statements (the worker reads its size for the limit);
   // `reaper relay` (scheduler role) claims (UPDATE), publishes and deletes them, the scheduler's gauge reads their age
-  cleanup_outbox: { scheduler: ['SELECT', 'UPDATE', 'DELETE'], worker: ['SELECT', 'INSERT'], operator: ['SELECT'] },
+  cleanup_outbox: { scheduler: ['SELECT', 'INSERT', 'UPDATE', 'DELETE'], worker: ['SELECT', 'INSERT'], operator: ['SELECT'] }, // scheduler INSERT: a retired partition's event
+  // partition retirements (issue 44): the scheduler records and steps them (detach, quarantine, drop);
+  // `reaper restore --partition` (the operator) marks one restored; `reaper partitions`/status read them
+  cleanup_partitions: { scheduler: ['SELECT', 'INSERT', 'UPDATE'], worker: [], operator: ['SELECT', 'UPDATE'] },
   // `reaper admission set`: live overrides every worker reads (set by operators)
   cleanup_admission_overrides: { scheduler: ['SELECT'], worker: ['SELECT'], operator: ['SELECT', 'INSERT', 'UPDATE', 'DELETE'] },
   // each process records a heartbeat (and forgets old ones); the scheduler reads the workers' versions
@@ -164,6 +167,22 @@ function reaperTableGrantSql(table: string, grants: ReaperTableGrants[string], g
   return lines;
 }
 
+/** The schema retired partitions are kept in (shared/db/queries/partitions.ts RETIRED_SCHEMA; migration 0029). */
+const RETIRED_SCHEMA_NAME = 'reaper_retired';
+
+/**
+ * Schema reaper_retired (owned by the migrator): the scheduler moves retired partitions into it
+ * (ALTER TABLE ... SET SCHEMA needs CREATE there) and drops them; the operator reads and restores
+ * them (USAGE: `reaper restore --partition` moves one back out).
+ */
+function retiredSchemaGrantSql(grantees: Partial<Record<GranteeRole, string>>): string[] {
+  const q = (name: string) => quoteIdentifier(name);
+  const lines = [`REVOKE ALL ON SCHEMA ${q(RETIRED_SCHEMA_NAME)} FROM PUBLIC;`];
+  if (grantees.scheduler) lines.push(`GRANT USAGE, CREATE ON SCHEMA ${q(RETIRED_SCHEMA_NAME)} TO ${q(grantees.scheduler)};`);
+  if (grantees.operator) lines.push(`GRANT USAGE ON SCHEMA ${q(RETIRED_SCHEMA_NAME)} TO ${q(grantees.operator)};`);
+  return lines;
+}
+
 /**
  * `reaper migrate` ends every run with this: REAPER_TABLE_GRANTS applied to each of reaper's tables
  * that exists and that the migrating role owns (or may act as the owner of), for each grantee role
@@ -189,6 +208,11 @@ export async function reaperTablesGrant(
   );
   const tables = owned.rows.map((row) => row.name);
   if (tables.length > 0) await db.query(tables.flatMap((table) => reaperTableGrantSql(table, grants[table]!, grantees)).join('\n'));
+  const retired = await db.query<{ owned: boolean }>(
+    `SELECT pg_has_role(current_user, nspowner, 'USAGE') AS owned FROM pg_namespace WHERE nspname = $1`,
+    [RETIRED_SCHEMA_NAME],
+  );
+  if (retired.rows[0]?.owned) await db.query(retiredSchemaGrantSql(grantees).join('\n'));
   return { tables, roles: Object.values(grantees) };
 }
 
@@ -263,6 +287,7 @@ export function rolesSql(policies: PolicySet, names: DbRoleNames = DEFAULT_DB_RO
     lines.push(...whereExists(`to_regclass(${literal(q(table))})`, [`ALTER TABLE ${q(table)} OWNER TO ${migrator};`, ...reaperTableGrantSql(table, grants, names)]));
   }
   for (const fn of REAPER_FUNCTIONS) lines.push(...whereExists(`to_regprocedure(${literal(fn)})`, [`ALTER FUNCTION ${fn} OWNER TO ${migrator};`]));
+  lines.push(...whereExists(`to_regnamespace(${literal(RETIRED_SCHEMA_NAME)})`, [`ALTER SCHEMA ${q(RETIRED_SCHEMA_NAME)} OWNER TO ${migrator};`, ...retiredSchemaGrantSql(names)]));
   lines.push(
     '',
     '-- The policies\' tables (they belong to their application): per policy kind, see docs/deploying.md "Deploying".',
@@ -277,6 +302,27 @@ export function rolesSql(policies: PolicySet, names: DbRoleNames = DEFAULT_DB_RO
       `GRANT SELECT ON ${q(table)} TO ${migrator};`,
       `GRANT ${[...grants.operator].join(', ')} ON ${q(table)} TO ${operator};`,
     );
+  }
+  const retiring = [...policies.values()].filter((policy) => policy.kind === 'row-delete' && policy.partitions?.retire === true);
+  if (retiring.length > 0) {
+    lines.push(
+      '',
+      '-- partitions.retire (issue 44): DETACH PARTITION, ALTER TABLE ... SET SCHEMA, DROP TABLE and ATTACH',
+      '-- PARTITION need the OWNER of the partitioned table (PostgreSQL has no grant for them). The',
+      '-- scheduler (retires, drops after the quarantine) and the operator (`reaper restore --partition`)',
+      '-- become members of the table\'s owner role: give each such table an owner role of its own, never',
+      '-- a superuser (refused below: membership would let the service become the superuser).',
+    );
+    for (const table of new Set(retiring.map((policy) => policy.table))) {
+      lines.push(
+        `DO $$ DECLARE owner_name name; owner_super boolean; BEGIN`,
+        `  SELECT r.rolname, r.rolsuper INTO owner_name, owner_super FROM pg_class c JOIN pg_roles r ON r.oid = c.relowner WHERE c.oid = to_regclass(${literal(q(table))});`,
+        `  IF owner_name IS NULL THEN RETURN; END IF;`,
+        `  IF owner_super THEN RAISE EXCEPTION 'partitions.retire: table ${table.replace(/'/g, "''")} is owned by superuser %: give it an owner role of its own (ALTER TABLE ... OWNER TO <app role>), then run this again', owner_name; END IF;`,
+        `  EXECUTE format('GRANT %I TO %I, %I', owner_name, ${literal(names.scheduler)}, ${literal(names.operator)});`,
+        'END $$;',
+      );
+    }
   }
   lines.push('', 'COMMIT;', '');
   return lines.join('\n');

@@ -17,6 +17,8 @@ export interface TargetSpec {
   guard: Readonly<Record<string, string | number | boolean>>;
   /** remote-delete: columns set on the row once the remote confirmed (checked at start-up too). */
   markConfirmed?: Readonly<Record<string, string | number | boolean>> | undefined;
+  /** row-delete: retire whole partitions (checked here: the table must be range-partitioned by expiresAt alone). */
+  partitions?: { retire: boolean } | undefined;
 }
 
 /** A target whose names were checked against the catalog. */
@@ -28,6 +30,14 @@ export interface ResolvedTarget {
   readonly keyType: string; // from format_type(), e.g. "uuid", "text", "bigint"
   readonly guardColumns: readonly string[]; // quoted, in the order of guardValues
   readonly guardValues: readonly string[];
+  /**
+   * A declaratively partitioned table (relkind 'p'): its key may be unique only together with
+   * expiresAt (PostgreSQL puts the partition key into every unique index). Every statement already
+   * names a row by key AND observed expiry, so that pair is the row's identity.
+   */
+  readonly partitioned: boolean;
+  /** The unique index that names one row: the key alone, or (key, expiresAt) on a partitioned table (quoted columns). */
+  readonly identity: readonly string[];
 }
 
 /** Key types whose `::text` is one text per value, whatever the session: what a key may be. */
@@ -68,7 +78,8 @@ export async function targetResolve(db: Db, spec: TargetSpec): Promise<ResolvedT
   if (expiryType !== 'timestamp with time zone') {
     throw new Error(`column "${spec.expiresAt}" must be timestamptz, it is ${expiryType}`);
   }
-  await requireUniqueKey(db, spec);
+  const partitioned = await requirePartitioning(db, spec);
+  const identity = await requireUniqueKey(db, spec, partitioned);
   await requireCastableValues(db, spec, types);
   return {
     policy: spec.name ?? spec.table,
@@ -78,29 +89,70 @@ export async function targetResolve(db: Db, spec: TargetSpec): Promise<ResolvedT
     keyType,
     guardColumns: guardNames.map(quoteIdentifier),
     guardValues: guardNames.map((name) => String(spec.guard[name])),
+    partitioned,
+    identity: identity.map(quoteIdentifier),
   };
 }
 
 /**
- * One item must name one row: the DELETE deletes `key = id`, the receipt counts items, and the
- * keyset scan orders by (expiry, key). A key that is not unique would delete several rows per item
- * and skip rows sharing (expiry, key), so a primary key or a non-partial unique index on exactly
- * this column is required.
+ * Whether the table is declaratively partitioned, and with `partitions.retire` that reaper can
+ * prove a partition's rows all expired from its bound: only a RANGE partition key that is the
+ * single column `expiresAt` bounds every row's expiry (a list or hash key, an expression, or more
+ * columns bound nothing reaper could compare with a cutoff). Errors name the field and the value.
  */
-async function requireUniqueKey(db: Db, spec: TargetSpec): Promise<void> {
-  const result = await db.query<{ unique: boolean }>(
-    `SELECT EXISTS (
-       SELECT 1 FROM pg_index i
-       JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0]
-       WHERE i.indrelid = to_regclass($1) AND i.indisunique AND i.indisvalid AND i.indpred IS NULL
-         AND i.indexprs IS NULL AND i.indnkeyatts = 1 AND a.attname = $2) AS unique`,
-    [quoteIdentifier(spec.table), spec.key],
+async function requirePartitioning(db: Db, spec: TargetSpec): Promise<boolean> {
+  const result = await db.query<{ relkind: string; strategy: string | null; key_columns: string[] | null; key_has_expression: boolean }>(
+    `SELECT c.relkind::text AS relkind, p.partstrat::text AS strategy,
+            (SELECT array_agg(coalesce(a.attname::text, '(expression)') ORDER BY k.ord)
+             FROM unnest(p.partattrs::int2[]) WITH ORDINALITY AS k(attnum, ord)
+             LEFT JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum = k.attnum AND k.attnum > 0) AS key_columns,
+            coalesce(p.partexprs IS NOT NULL, false) AS key_has_expression
+     FROM pg_class c LEFT JOIN pg_partitioned_table p ON p.partrelid = c.oid
+     WHERE c.oid = to_regclass($1)`,
+    [quoteIdentifier(spec.table)],
   );
-  if (!result.rows[0]?.unique) {
+  const row = result.rows[0];
+  const partitioned = row?.relkind === 'p';
+  if (!spec.partitions?.retire) return partitioned;
+  const provable = `reaper proves a partition expired only from a RANGE partition key that is the single column expiresAt ("${spec.expiresAt}")`;
+  if (!partitioned) {
+    throw new Error(`partitions.retire: true, but table "${spec.table}" is not a partitioned table (PARTITION BY RANGE ("${spec.expiresAt}")): ${provable}`);
+  }
+  const strategy = { r: 'RANGE', l: 'LIST', h: 'HASH' }[row.strategy ?? ''] ?? String(row.strategy);
+  const columns = row.key_columns ?? [];
+  if (strategy !== 'RANGE' || row.key_has_expression || columns.length !== 1 || columns[0] !== spec.expiresAt) {
     throw new Error(
-      `key column "${spec.key}" of table "${spec.table}" is not unique: reaper needs a primary key or a non-partial unique index on exactly "${spec.key}"`,
+      `partitions.retire: true, but table "${spec.table}" is partitioned by ${strategy} (${columns.map((name) => `"${name}"`).join(', ')}), which does not bound expiresAt: ${provable}`,
     );
   }
+  return true;
+}
+
+/**
+ * One item must name one row: the DELETE deletes `key = id AND expiresAt = observed expiry`, the
+ * receipt counts items, and the keyset scan orders by (expiry, key). A key that is not unique
+ * would delete several rows per item and skip rows sharing (expiry, key), so a primary key or a
+ * non-partial unique index on exactly this column is required; on a partitioned table, where
+ * PostgreSQL makes every unique index include the partition key, one on exactly (key, expiresAt)
+ * in either order is enough (that pair is what every statement names a row by).
+ */
+async function requireUniqueKey(db: Db, spec: TargetSpec, partitioned: boolean): Promise<string[]> {
+  const wanted = partitioned ? [[spec.key], [spec.key, spec.expiresAt]] : [[spec.key]];
+  const result = await db.query<{ unique: boolean; columns: string | null }>(
+    `SELECT (array_agg(i.columns ORDER BY length(i.columns)))[1] IS NOT NULL AS unique, (array_agg(i.columns ORDER BY length(i.columns)))[1] AS columns FROM (
+       SELECT (SELECT string_agg(a.attname::text, ',' ORDER BY a.attname) FROM pg_attribute a
+               WHERE a.attrelid = i.indrelid AND a.attnum = ANY ((i.indkey::int2[])[0:i.indnkeyatts - 1])) AS columns
+       FROM pg_index i
+       WHERE i.indrelid = to_regclass($1) AND i.indisunique AND i.indisvalid AND i.indpred IS NULL AND i.indexprs IS NULL) i
+     WHERE i.columns = ANY ($2::text[])`,
+    [quoteIdentifier(spec.table), wanted.map((columns) => [...columns].sort().join(','))],
+  );
+  if (!result.rows[0]?.unique) {
+    const accepted = partitioned ? `exactly "${spec.key}", or exactly ("${spec.key}", "${spec.expiresAt}") on this partitioned table` : `exactly "${spec.key}"`;
+    throw new Error(`key column "${spec.key}" of table "${spec.table}" is not unique: reaper needs a primary key or a non-partial unique index on ${accepted}`);
+  }
+  // The key alone when it is unique by itself (the shorter column list comes first), else the pair.
+  return result.rows[0]!.columns === spec.key ? [spec.key] : [spec.key, spec.expiresAt];
 }
 
 /**

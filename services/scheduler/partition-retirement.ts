@@ -1,0 +1,249 @@
+import type { Logger } from 'pino';
+import { eventsEnabled, type RowDeletePolicy } from '../../shared/config/policies';
+import type { Client as PoolClient, Pool } from '../../shared/db/pool';
+import {
+  partitionAttachBack,
+  partitionDetachConcurrently,
+  partitionDetachFinalize,
+  partitionDetachInTransaction,
+  partitionDropOneDue,
+  partitionKeep,
+  partitionLockDetached,
+  partitionQuarantine,
+  partitionRecheckDetached,
+  partitionRetiredRowsOfRun,
+  partitionRetirementBegin,
+  partitionRetirementsOpen,
+  partitionsList,
+  partitionWhereabouts,
+  type PartitionRetirement,
+} from '../../shared/db/queries/partitions';
+import type { ResolvedTarget } from '../../shared/db/queries/target';
+import { failpoint } from '../../shared/observability/failpoint-hook';
+import { partitionsClassify } from '../../shared/partitions/classify';
+
+/**
+ * Retiring whole partitions (issue 44; docs/design.md "Retiring a partition", invariant 23), one
+ * step at a time, each recorded in cleanup_partitions and conditional on the state it expects:
+ *
+ *   begin      INSERT ... state 'detaching' (the intent, committed first: a crash is found later)
+ *   detach     DETACH PARTITION ... CONCURRENTLY (no default partition), else a plain DETACH in the
+ *              transaction of the next step, under lock_timeout, retried a bounded number of times
+ *   quarantine one transaction: lock the detached table, re-check every row with the scan's own
+ *              predicate (a hold placed or a guard changed since the classification wins: the
+ *              partition is attached again and left to the row path), move it into reaper_retired,
+ *              detaching -> quarantined, the audit row
+ *   drop       a later run, once quarantine_until passed: quarantined -> dropped and DROP TABLE in
+ *              one transaction (never in the run that detached it: drops come first)
+ *
+ * Crash recovery (the next run): an open 'detaching' retirement whose partition is still attached
+ * never started its detach (kept); one whose detach is pending is FINALIZEd; one detached is
+ * re-checked and quarantined (or attached again). Two schedulers: a session advisory lock per
+ * policy lets one of them do this at a time (the other's run leaves it to the next run), and every
+ * state change is conditional anyway, so neither drops a partition twice nor loses one.
+ */
+
+/** Plain DETACH: how long it may wait for its locks, and how many times it tries. */
+const PLAIN_DETACH_LOCK_TIMEOUT_MS = 1_000;
+const PLAIN_DETACH_ATTEMPTS = 3;
+const PLAIN_DETACH_BACKOFF_MS = 500;
+/** 55P03 lock_not_available: lock_timeout expired. */
+const LOCK_NOT_AVAILABLE = '55P03';
+
+export interface RetireDeps {
+  pool: Pool;
+  log: Logger;
+  /** False once the run's claim is known lost: no further step starts. */
+  stillClaimed: () => boolean;
+  /** Awaited after a retirement's intent is recorded, before its detach: tests place a hold there. */
+  beforeDetach?: (partition: string) => Promise<void>;
+}
+
+export interface RetireRun {
+  runId: string;
+  cutoff: string;
+}
+
+/** What this run retired in all (earlier claims of it included): rows count toward its allowance. */
+export interface RetireResult {
+  retiredRows: number;
+}
+
+export async function retirePartitions(
+  deps: RetireDeps,
+  run: RetireRun,
+  policy: RowDeletePolicy & { partitions: { retire: true; quarantineDays: number } },
+  target: ResolvedTarget,
+  options: { room: number; policyVersion: string },
+): Promise<RetireResult> {
+  const client = await deps.pool.connect();
+  let locked = false;
+  try {
+    locked = (await client.query<{ locked: boolean }>(`SELECT pg_try_advisory_lock(hashtext('reaper-partitions'), hashtext($1)) AS locked`, [policy.name])).rows[0]!.locked;
+    if (!locked) {
+      deps.log.info('another scheduler is retiring partitions of this policy: this run leaves them to it');
+      return { retiredRows: await partitionRetiredRowsOfRun(client, run.runId) };
+    }
+    const step = { deps, client, run, policy, target, policyVersion: options.policyVersion };
+    for (const open of await partitionRetirementsOpen(client, policy.name)) {
+      if (!deps.stillClaimed()) break;
+      await resume(step, open);
+    }
+    for (;;) {
+      if (!deps.stillClaimed()) break;
+      const dropped = await inTransaction(client, () => partitionDropOneDue(client, policy.name), 'partition-drop-before-commit');
+      if (!dropped) break;
+      deps.log.info({ partition: `reaper_retired.${dropped.retiredName}`, rows: dropped.rowCount }, 'retired partition dropped: its quarantine is over');
+    }
+    const before = await partitionRetiredRowsOfRun(client, run.runId);
+    let room = options.room - before;
+    const partitions = await partitionsList(client, target);
+    const concurrent = !partitions.some((partition) => partition.isDefault);
+    for (const candidate of await partitionsClassify(client, target, run.cutoff)) {
+      if (candidate.class !== 'retirable' || !deps.stillClaimed()) continue;
+      const info = partitions.find((partition) => partition.qualified === candidate.partition)!;
+      if ((candidate.rows ?? 0) > room) {
+        deps.log.warn({ partition: candidate.partition, rows: candidate.rows, room }, "partition not retired: its rows pass the run's allowance (the row path and the brake take them)");
+        continue;
+      }
+      const begun = await partitionRetirementBegin(client, {
+        policy: policy.name,
+        runId: run.runId,
+        parentTable: target.table,
+        schema: info.schema,
+        name: info.name,
+        bound: info.bound,
+        lower: info.lower,
+        upper: info.upper!,
+        concurrent,
+      });
+      if (!begun) {
+        deps.log.warn({ partition: candidate.partition }, 'partition not retired: a retirement of it is open, or reaper_retired has a table of its name');
+        continue;
+      }
+      failpoint('partition-after-begin');
+      await deps.beforeDetach?.(candidate.partition);
+      const quarantined = concurrent ? await detachConcurrently(step, begun) : await detachPlainAndQuarantine(step, begun);
+      if (quarantined !== null) room -= quarantined;
+    }
+    return { retiredRows: await partitionRetiredRowsOfRun(client, run.runId) };
+  } finally {
+    if (locked) await client.query(`SELECT pg_advisory_unlock(hashtext('reaper-partitions'), hashtext($1))`, [policy.name]).catch(() => undefined);
+    client.release();
+  }
+}
+
+interface StepContext {
+  deps: RetireDeps;
+  client: PoolClient;
+  run: RetireRun;
+  policy: RowDeletePolicy & { partitions: { retire: true; quarantineDays: number } };
+  target: ResolvedTarget;
+  policyVersion: string;
+}
+
+/** An open retirement found at the start of a run (a crash, or a run that stopped): finish it from where the catalog says it is. */
+async function resume(step: StepContext, open: PartitionRetirement): Promise<void> {
+  const where = await partitionWhereabouts(step.client, open);
+  step.deps.log.warn({ partition: `${open.sourceSchema}.${open.sourceName}`, where, runId: open.runId }, 'finishing an interrupted partition retirement');
+  if (where === 'attached') {
+    await partitionKeep(step.client, open, 'interrupted before its detach: the partition stayed attached');
+  } else if (where === 'detach-pending') {
+    await partitionDetachFinalize(step.client, open);
+    await quarantineDetached(step, open);
+  } else if (where === 'detached') {
+    await quarantineDetached(step, open);
+  } else {
+    // 'retired' with state detaching cannot happen (moved and recorded in one transaction); 'missing': dropped by someone else.
+    await partitionKeep(step.client, open, `not where reaper left it (${where}): nothing done`);
+  }
+}
+
+async function detachConcurrently(step: StepContext, retirement: PartitionRetirement): Promise<number | null> {
+  await partitionDetachConcurrently(step.client, retirement);
+  failpoint('partition-after-detach');
+  return quarantineDetached(step, retirement);
+}
+
+/**
+ * The re-check and the move, in one transaction, on a table already detached: a row that no
+ * longer passes (held, guard, expiry) attaches the table again and keeps it. Returns the rows
+ * quarantined, or null when kept.
+ */
+async function quarantineDetached(step: StepContext, retirement: PartitionRetirement): Promise<number | null> {
+  const { client } = step;
+  return inTransaction(client, async () => {
+    await partitionLockDetached(client, retirement);
+    const check = await partitionRecheckDetached(client, step.target, retirement, step.run.cutoff);
+    if (check.failing > 0) {
+      await partitionAttachBack(client, retirement);
+      await partitionKeep(client, retirement, `${check.failing} of ${check.rows} row(s) no longer pass (a hold, the guard, the expiry) at the re-check: attached again`);
+      step.deps.log.warn({ partition: `${retirement.sourceSchema}.${retirement.sourceName}`, failing: check.failing }, 'partition not retired: the re-check found rows that may not be deleted; attached again');
+      return null;
+    }
+    return quarantine(step, retirement, check);
+  });
+}
+
+/**
+ * Plain DETACH (a default partition exists, so not CONCURRENTLY) with the re-check and the move in
+ * the same transaction: a failed re-check rolls the detach back. The lock is waited for at most
+ * PLAIN_DETACH_LOCK_TIMEOUT_MS per attempt, PLAIN_DETACH_ATTEMPTS times; then the partition is kept.
+ */
+async function detachPlainAndQuarantine(step: StepContext, retirement: PartitionRetirement): Promise<number | null> {
+  const { client } = step;
+  for (let attempt = 1; ; attempt++) {
+    try {
+      const outcome = await inTransaction(client, async () => {
+        await partitionDetachInTransaction(client, retirement, PLAIN_DETACH_LOCK_TIMEOUT_MS);
+        const check = await partitionRecheckDetached(client, step.target, retirement, step.run.cutoff);
+        if (check.failing > 0) throw new RecheckFailed(`${check.failing} of ${check.rows} row(s) no longer pass (a hold, the guard, the expiry) at the re-check: not detached`);
+        return quarantine(step, retirement, check);
+      });
+      return outcome;
+    } catch (error) {
+      if (error instanceof RecheckFailed) {
+        await partitionKeep(client, retirement, error.message);
+        step.deps.log.warn({ partition: `${retirement.sourceSchema}.${retirement.sourceName}` }, error.message);
+        return null;
+      }
+      if ((error as { code?: string }).code !== LOCK_NOT_AVAILABLE) throw error;
+      if (attempt >= PLAIN_DETACH_ATTEMPTS || !step.deps.stillClaimed()) {
+        const reason = `DETACH did not get its lock within ${PLAIN_DETACH_LOCK_TIMEOUT_MS} ms, ${attempt} time(s): left to the row path`;
+        await partitionKeep(client, retirement, reason);
+        step.deps.log.warn({ partition: `${retirement.sourceSchema}.${retirement.sourceName}` }, reason);
+        return null;
+      }
+      await new Promise((resolve) => setTimeout(resolve, PLAIN_DETACH_BACKOFF_MS * attempt));
+    }
+  }
+}
+
+class RecheckFailed extends Error {}
+
+async function quarantine(step: StepContext, retirement: PartitionRetirement, check: { rows: number; checksum: string }): Promise<number | null> {
+  const done = await partitionQuarantine(step.client, retirement, {
+    rows: check.rows,
+    checksum: check.checksum,
+    quarantineDays: step.policy.partitions.quarantineDays,
+    audit: step.policy.audit?.enabled ? { policyVersion: step.policyVersion } : null,
+    events: eventsEnabled(step.policy) ? { policyVersion: step.policyVersion } : null,
+  });
+  if (!done) throw new Error(`retirement ${retirement.retirementId} is no longer 'detaching' (another scheduler finished it): rolled back`);
+  step.deps.log.info({ partition: `${retirement.sourceSchema}.${retirement.sourceName}`, rows: check.rows, bound: retirement.bound, checksum: check.checksum }, 'partition retired into reaper_retired');
+  return check.rows;
+}
+
+/** BEGIN ... COMMIT on the retirement's own connection; ROLLBACK on any error (rethrown). `point`: the crash test's failpoint before COMMIT. */
+async function inTransaction<T>(client: PoolClient, work: () => Promise<T>, point: 'partition-before-commit' | 'partition-drop-before-commit' = 'partition-before-commit'): Promise<T> {
+  await client.query('BEGIN');
+  try {
+    const result = await work();
+    if (result !== null) failpoint(point);
+    await client.query('COMMIT');
+    return result;
+  } catch (error) {
+    await client.query('ROLLBACK').catch(() => undefined);
+    throw error;
+  }
+}

@@ -1,0 +1,445 @@
+import type { Db } from '../pool';
+import { quoteIdentifier } from '../pool';
+import { expiringRowsExpiredSql } from './expiring-rows';
+import { outboxInsertPartitionRetired } from './outbox';
+import type { ResolvedTarget } from './target';
+
+/**
+ * Partition retirement (issue 44, docs/design.md "Retiring a partition"): the catalog reads, the
+ * classification under a run's frozen cutoff, and the state machine's conditional steps
+ * (cleanup_partitions, migration 0029). Partition and schema names come from the catalog and are
+ * quoted with quote_ident/format('%I') in SQL or quoteIdentifier; every value is a parameter.
+ */
+
+/** Where retired partitions are kept for `quarantineDays` (created by migration 0029). */
+export const RETIRED_SCHEMA = 'reaper_retired';
+
+/** One partition of a policy's table as the catalog describes it. */
+export interface PartitionInfo {
+  /** schema.name, each part quoted where needed (usable in SQL as is). */
+  qualified: string;
+  schema: string;
+  name: string;
+  /** The bound as PostgreSQL prints it (`FOR VALUES FROM (...) TO (...)`, `DEFAULT`). */
+  bound: string;
+  isDefault: boolean;
+  /** Range bounds as ISO timestamps; null for MINVALUE / MAXVALUE (and for the default partition). */
+  lower: string | null;
+  upper: string | null;
+  /** pg_inherits.inhdetachpending: a DETACH ... CONCURRENTLY that did not finish. */
+  detachPending: boolean;
+  /** The partition is itself partitioned, or a foreign table: reaper does not retire those. */
+  kind: 'table' | 'partitioned' | 'foreign';
+  /** Foreign keys that reference this partition (or its parent): "constraint on table". */
+  referencedBy: string[];
+}
+
+export async function partitionsList(db: Db, target: Pick<ResolvedTarget, 'table'>): Promise<PartitionInfo[]> {
+  const result = await db.query<{
+    schema: string;
+    name: string;
+    qualified: string;
+    bound: string;
+    detach_pending: boolean;
+    relkind: string;
+    lower: string | null;
+    upper: string | null;
+    lower_text: string | null;
+    upper_text: string | null;
+    referenced_by: string[] | null;
+  }>(
+    `SELECT n.nspname::text AS schema, c.relname::text AS name, format('%I.%I', n.nspname, c.relname) AS qualified,
+            pg_get_expr(c.relpartbound, c.oid) AS bound, i.inhdetachpending AS detach_pending, c.relkind::text AS relkind,
+            b.range[1] AS lower_text, b.range[2] AS upper_text,
+            CASE WHEN b.range[1] = 'MINVALUE' THEN NULL ELSE reaper_iso(btrim(b.range[1], '''')::timestamptz) END AS lower,
+            CASE WHEN b.range[2] = 'MAXVALUE' THEN NULL ELSE reaper_iso(btrim(b.range[2], '''')::timestamptz) END AS upper,
+            (SELECT array_agg(format('%s on %s', f.conname, f.conrelid::regclass) ORDER BY f.conname)
+             FROM pg_constraint f WHERE f.contype = 'f' AND f.confrelid IN (c.oid, i.inhparent)) AS referenced_by
+     FROM pg_inherits i
+     JOIN pg_class c ON c.oid = i.inhrelid
+     JOIN pg_namespace n ON n.oid = c.relnamespace
+     LEFT JOIN LATERAL (SELECT regexp_match(pg_get_expr(c.relpartbound, c.oid), '^FOR VALUES FROM \\((.*)\\) TO \\((.*)\\)$') AS range) b ON true
+     WHERE i.inhparent = to_regclass($1)
+     ORDER BY b.range[1] = 'MINVALUE' DESC, (CASE WHEN b.range[1] = 'MINVALUE' THEN NULL ELSE btrim(b.range[1], '''')::timestamptz END) NULLS LAST, c.relname`,
+    [target.table],
+  );
+  return result.rows.map((row) => ({
+    qualified: row.qualified,
+    schema: row.schema,
+    name: row.name,
+    bound: row.bound,
+    isDefault: row.bound === 'DEFAULT',
+    lower: row.lower,
+    upper: row.upper,
+    detachPending: row.detach_pending,
+    kind: row.relkind === 'p' ? 'partitioned' : row.relkind === 'f' ? 'foreign' : 'table',
+    referencedBy: row.referenced_by ?? [],
+  }));
+}
+
+/**
+ * THE condition "every row of this partition may be deleted under the cutoff": no row of it (ONLY
+ * the partition, alias `t`) fails the scan's own predicate (expiringRowsExpiredSql: expired at or
+ * before the cutoff, finite, the guard, no active hold). `IS NOT TRUE`: a NULL guard column fails.
+ * Parameters: $1 the cutoff (never later than now), $2 the policy, $3.. the guard values.
+ */
+function failingRowSql(target: ResolvedTarget): string {
+  const predicate = expiringRowsExpiredSql(target, {
+    cutoff: 'least($1::timestamptz, statement_timestamp())',
+    policy: '$2',
+    guard: target.guardValues.map((_, index) => `$${3 + index}`),
+  });
+  return `(${predicate}) IS NOT TRUE`;
+}
+
+/** Rows of one partition, and how many of them fail the retire predicate (one scan). */
+export interface PartitionRowCheck {
+  rows: number;
+  failing: number;
+}
+
+/**
+ * The bounded query that proves a candidate retirable: one scan of the partition alone (its size,
+ * never the table's), counting its rows and those that fail failingRowSql. Read through the
+ * parent with the partition's own range (`lower <= expiry < upper`; partitions never overlap and
+ * the default partition holds no row of a defined range), so partition pruning leaves exactly this
+ * partition and the roles need no grant on each partition. Run only for a partition whose upper
+ * bound is at or before the cutoff (every other one is decided by its bound).
+ */
+export async function partitionRowsCheck(db: Db, target: ResolvedTarget, range: { lower: string | null; upper: string }, cutoff: string): Promise<PartitionRowCheck> {
+  const parameters = [cutoff, target.policy, ...target.guardValues];
+  const upper = `$${parameters.push(range.upper)}`;
+  const lower = range.lower === null ? '' : ` AND t.${target.expiresAt} >= $${parameters.push(range.lower)}::timestamptz`;
+  const result = await db.query<{ rows: string; failing: string }>(
+    `SELECT count(*) AS rows, count(*) FILTER (WHERE ${failingRowSql(target)}) AS failing
+     FROM ${target.table} t WHERE t.${target.expiresAt} < ${upper}::timestamptz${lower}`,
+    parameters,
+  );
+  return { rows: Number(result.rows[0]!.rows), failing: Number(result.rows[0]!.failing) };
+}
+
+/**
+ * What the transaction that retires a partition reads after it took the partition's lock: its
+ * rows, those failing the predicate (a hold placed or a guard changed since the classification),
+ * and a checksum of the row identities (key and exact expiry; order-independent: the sum of the
+ * first 60 bits of each identity's md5, as hex), for the audit row and the event.
+ * `partition` is where the table is now (it may already be detached).
+ */
+export async function partitionRowsCheckWithChecksum(db: Db, target: ResolvedTarget, partition: string, cutoff: string): Promise<PartitionRowCheck & { checksum: string }> {
+  const result = await db.query<{ rows: string; failing: string; checksum: string }>(
+    `SELECT count(*) AS rows, count(*) FILTER (WHERE ${failingRowSql(target)}) AS failing,
+            to_hex((coalesce(sum(('x' || left(md5(t.${target.key}::text || ':' || reaper_iso(t.${target.expiresAt})), 15))::bit(60)::bigint::numeric), 0)
+                    % 9223372036854775807)::bigint) AS checksum
+     FROM ONLY ${partition} t`,
+    [cutoff, target.policy, ...target.guardValues],
+  );
+  const row = result.rows[0]!;
+  return { rows: Number(row.rows), failing: Number(row.failing), checksum: row.checksum };
+}
+
+/** A row of cleanup_partitions: one retirement of one partition, at one state. */
+export interface PartitionRetirement {
+  retirementId: string;
+  policy: string;
+  runId: string | null;
+  parentTable: string;
+  sourceSchema: string;
+  sourceName: string;
+  retiredName: string;
+  bound: string;
+  lowerBound: string | null;
+  upperBound: string;
+  concurrent: boolean;
+  state: 'detaching' | 'quarantined' | 'kept' | 'dropped' | 'restored';
+  rowCount: number | null;
+  keyChecksum: string | null;
+  reason: string | null;
+  quarantineUntil: string | null;
+}
+
+const RETIREMENT_COLUMNS = `retirement_id::text, policy, run_id::text, parent_table, source_schema, source_name, retired_name, bound,
+  reaper_iso(lower_bound) AS lower_bound, reaper_iso(upper_bound) AS upper_bound, concurrent, state, row_count::text, key_checksum, reason,
+  reaper_iso(quarantine_until) AS quarantine_until`;
+
+interface RetirementRow {
+  retirement_id: string;
+  policy: string;
+  run_id: string | null;
+  parent_table: string;
+  source_schema: string;
+  source_name: string;
+  retired_name: string;
+  bound: string;
+  lower_bound: string | null;
+  upper_bound: string;
+  concurrent: boolean;
+  state: PartitionRetirement['state'];
+  row_count: string | null;
+  key_checksum: string | null;
+  reason: string | null;
+  quarantine_until: string | null;
+}
+
+function toRetirement(row: RetirementRow): PartitionRetirement {
+  return {
+    retirementId: row.retirement_id,
+    policy: row.policy,
+    runId: row.run_id,
+    parentTable: row.parent_table,
+    sourceSchema: row.source_schema,
+    sourceName: row.source_name,
+    retiredName: row.retired_name,
+    bound: row.bound,
+    lowerBound: row.lower_bound,
+    upperBound: row.upper_bound,
+    concurrent: row.concurrent,
+    state: row.state,
+    rowCount: row.row_count === null ? null : Number(row.row_count),
+    keyChecksum: row.key_checksum,
+    reason: row.reason,
+    quarantineUntil: row.quarantine_until,
+  };
+}
+
+/**
+ * Step 1 of a retirement: the intent, committed before anything changes, so a crash at any later
+ * point is found by the next run (partitionRetirementsOpen). Null when the partition already has
+ * an open retirement (another scheduler's), or its name is taken in reaper_retired.
+ */
+export async function partitionRetirementBegin(
+  db: Db,
+  retirement: { policy: string; runId: string; parentTable: string; schema: string; name: string; bound: string; lower: string | null; upper: string; concurrent: boolean },
+): Promise<PartitionRetirement | null> {
+  const result = await db.query<RetirementRow>(
+    `INSERT INTO cleanup_partitions (policy, run_id, parent_table, source_schema, source_name, retired_name, bound, lower_bound, upper_bound, concurrent, state)
+     SELECT $1, $2, $3, $4, $5, $5, $6, $7, $8, $9, 'detaching'
+     WHERE to_regclass(format('%I.%I', $10::text, $5::text)) IS NULL
+     ON CONFLICT DO NOTHING
+     RETURNING ${RETIREMENT_COLUMNS}`,
+    [retirement.policy, retirement.runId, retirement.parentTable, retirement.schema, retirement.name, retirement.bound, retirement.lower, retirement.upper, retirement.concurrent, RETIRED_SCHEMA],
+  );
+  return result.rows[0] ? toRetirement(result.rows[0]) : null;
+}
+
+/** The policy's retirements still 'detaching' (interrupted, or in progress elsewhere), oldest first. */
+export async function partitionRetirementsOpen(db: Db, policy: string): Promise<PartitionRetirement[]> {
+  const result = await db.query<RetirementRow>(`SELECT ${RETIREMENT_COLUMNS} FROM cleanup_partitions WHERE policy = $1 AND state = 'detaching' ORDER BY retirement_id`, [policy]);
+  return result.rows.map(toRetirement);
+}
+
+/** Retirements of a policy (all states), newest first; or the one whose retired name is `retiredName`. */
+export async function partitionRetirementsList(db: Db, filter: { policy?: string; retiredName?: string; states?: readonly string[] }): Promise<PartitionRetirement[]> {
+  const result = await db.query<RetirementRow>(
+    `SELECT ${RETIREMENT_COLUMNS} FROM cleanup_partitions
+     WHERE ($1::text IS NULL OR policy = $1) AND ($2::text IS NULL OR retired_name = $2) AND ($3::text[] IS NULL OR state = ANY ($3))
+     ORDER BY retirement_id DESC`,
+    [filter.policy ?? null, filter.retiredName ?? null, filter.states ?? null],
+  );
+  return result.rows.map(toRetirement);
+}
+
+/** Rows this run retired (they count toward its allowance like published rows). */
+export async function partitionRetiredRowsOfRun(db: Db, runId: string): Promise<number> {
+  const result = await db.query<{ n: string }>(
+    `SELECT coalesce(sum(row_count), 0) AS n FROM cleanup_partitions WHERE run_id = $1 AND state IN ('quarantined', 'dropped', 'restored')`,
+    [runId],
+  );
+  return Number(result.rows[0]!.n);
+}
+
+/** Where a retirement's partition is now, read from the catalog. */
+export type PartitionWhereabouts = 'attached' | 'detach-pending' | 'detached' | 'retired' | 'missing';
+
+export async function partitionWhereabouts(db: Db, retirement: Pick<PartitionRetirement, 'parentTable' | 'sourceSchema' | 'sourceName' | 'retiredName'>): Promise<PartitionWhereabouts> {
+  const result = await db.query<{ source: string | null; retired: string | null; pending: boolean | null }>(
+    `SELECT to_regclass(format('%I.%I', $1::text, $2::text))::text AS source, to_regclass(format('%I.%I', $3::text, $4::text))::text AS retired,
+            (SELECT i.inhdetachpending FROM pg_inherits i WHERE i.inhrelid = to_regclass(format('%I.%I', $1::text, $2::text)) AND i.inhparent = to_regclass($5)) AS pending`,
+    [retirement.sourceSchema, retirement.sourceName, RETIRED_SCHEMA, retirement.retiredName, retirement.parentTable],
+  );
+  const row = result.rows[0]!;
+  if (row.source !== null) return row.pending === null ? 'detached' : row.pending ? 'detach-pending' : 'attached';
+  return row.retired !== null ? 'retired' : 'missing';
+}
+
+const sourceOf = (retirement: Pick<PartitionRetirement, 'sourceSchema' | 'sourceName'>) => `${quoteIdentifier(retirement.sourceSchema)}.${quoteIdentifier(retirement.sourceName)}`;
+const retiredOf = (retirement: Pick<PartitionRetirement, 'retiredName'>) => `${quoteIdentifier(RETIRED_SCHEMA)}.${quoteIdentifier(retirement.retiredName)}`;
+
+/**
+ * DETACH PARTITION ... CONCURRENTLY: never inside a transaction block (PostgreSQL runs it as two
+ * transactions of its own) and refused while the table has a default partition. Interrupted
+ * between its two transactions, the partition stays attached with inhdetachpending: FINALIZE.
+ */
+export async function partitionDetachConcurrently(db: Db, retirement: PartitionRetirement): Promise<void> {
+  await db.query(`ALTER TABLE ${retirement.parentTable} DETACH PARTITION ${sourceOf(retirement)} CONCURRENTLY`);
+}
+
+/** Finishes a DETACH ... CONCURRENTLY that was interrupted half-way. */
+export async function partitionDetachFinalize(db: Db, retirement: PartitionRetirement): Promise<void> {
+  await db.query(`ALTER TABLE ${retirement.parentTable} DETACH PARTITION ${sourceOf(retirement)} FINALIZE`);
+}
+
+/**
+ * Plain DETACH (ACCESS EXCLUSIVE on the parent) inside the caller's transaction, waiting at most
+ * `lockTimeoutMs` for its locks: a reader holding the table makes it fail fast (55P03), never
+ * queue every later query of the table behind it for long.
+ */
+export async function partitionDetachInTransaction(db: Db, retirement: PartitionRetirement, lockTimeoutMs: number): Promise<void> {
+  await db.query(`SELECT set_config('lock_timeout', $1, true)`, [`${Math.max(1, Math.round(lockTimeoutMs))}ms`]);
+  await db.query(`ALTER TABLE ${retirement.parentTable} DETACH PARTITION ${sourceOf(retirement)}`);
+}
+
+/** Takes the detached table's lock for the re-check (inside the transaction that moves it). */
+export async function partitionLockDetached(db: Db, retirement: PartitionRetirement): Promise<void> {
+  await db.query(`LOCK TABLE ${sourceOf(retirement)} IN ACCESS EXCLUSIVE MODE`);
+}
+
+/** The re-check of the detached table (ONLY it, by its own name), with the checksum of its identities. */
+export function partitionRecheckDetached(db: Db, target: ResolvedTarget, retirement: PartitionRetirement, cutoff: string): Promise<PartitionRowCheck & { checksum: string }> {
+  return partitionRowsCheckWithChecksum(db, target, sourceOf(retirement), cutoff);
+}
+
+/**
+ * The step that makes a retirement final, in the caller's transaction (after the detach and the
+ * re-check): the table moves into reaper_retired, the state goes detaching -> quarantined (only
+ * from detaching: false when another scheduler got there first, and the caller rolls back), and
+ * the audit row (audit on) and the event's outbox row (events on) are written. One transaction:
+ * moved, recorded, audited and announced together.
+ */
+export async function partitionQuarantine(
+  db: Db,
+  retirement: PartitionRetirement,
+  outcome: { rows: number; checksum: string; quarantineDays: number; audit: { policyVersion: string } | null; events: { policyVersion: string } | null },
+): Promise<boolean> {
+  const updated = await db.query(
+    `UPDATE cleanup_partitions SET state = 'quarantined', row_count = $2, key_checksum = $3,
+       quarantine_until = clock_timestamp() + $4 * interval '1 day', updated_at = clock_timestamp()
+     WHERE retirement_id = $1 AND state = 'detaching'`,
+    [retirement.retirementId, outcome.rows, outcome.checksum, outcome.quarantineDays],
+  );
+  if (updated.rowCount !== 1) return false;
+  await db.query(`ALTER TABLE ${sourceOf(retirement)} SET SCHEMA ${quoteIdentifier(RETIRED_SCHEMA)}`);
+  if (outcome.audit) {
+    await db.query(
+      `INSERT INTO cleanup_audit (policy, key, observed_expiry, run_id, policy_version, outcome, row_count, partition_bound, key_checksum)
+       VALUES ($1, $2, $3, $4, $5, 'partition-retired', $6, $7, $8)`,
+      [retirement.policy, `partition:${RETIRED_SCHEMA}.${retirement.retiredName}`, retirement.upperBound, retirement.runId, outcome.audit.policyVersion, outcome.rows, retirement.bound, outcome.checksum],
+    );
+  }
+  if (outcome.events) {
+    await outboxInsertPartitionRetired(db, {
+      policy: retirement.policy,
+      partition: `${RETIRED_SCHEMA}.${retirement.retiredName}`,
+      upperBound: retirement.upperBound,
+      runId: retirement.runId,
+      policyVersion: outcome.events.policyVersion,
+      rowCount: outcome.rows,
+      bound: retirement.bound,
+      keyChecksum: outcome.checksum,
+    });
+  }
+  return true;
+}
+
+/**
+ * A retirement that will not happen (a row failed the re-check, the lock was not granted, the
+ * detach never started): detaching -> kept, with the reason. The partition stays (or is attached
+ * again by the caller first) and its rows are the row path's.
+ */
+export async function partitionKeep(db: Db, retirement: PartitionRetirement, reason: string): Promise<boolean> {
+  const result = await db.query(`UPDATE cleanup_partitions SET state = 'kept', reason = $2, updated_at = clock_timestamp() WHERE retirement_id = $1 AND state = 'detaching'`, [
+    retirement.retirementId,
+    reason,
+  ]);
+  return result.rowCount === 1;
+}
+
+/** Attaches a detached (not yet moved) partition back where it was, with its bound (the re-check failed). */
+export async function partitionAttachBack(db: Db, retirement: PartitionRetirement): Promise<void> {
+  await db.query(`ALTER TABLE ${retirement.parentTable} ATTACH PARTITION ${sourceOf(retirement)} ${retirement.bound}`);
+}
+
+/**
+ * The scheduler's drop, one retirement per transaction: quarantined -> dropped for the oldest one
+ * whose quarantine is over (FOR UPDATE SKIP LOCKED: two schedulers never take the same one), and
+ * its table dropped in the same transaction. A crash before COMMIT drops nothing and changes no
+ * state; after it, the state says dropped. Null when none is due.
+ */
+export async function partitionDropOneDue(db: Db, policy: string): Promise<PartitionRetirement | null> {
+  const due = await db.query<RetirementRow>(
+    `UPDATE cleanup_partitions SET state = 'dropped', updated_at = clock_timestamp()
+     WHERE retirement_id = (SELECT retirement_id FROM cleanup_partitions WHERE policy = $1 AND state = 'quarantined' AND quarantine_until <= clock_timestamp()
+                            ORDER BY retirement_id LIMIT 1 FOR UPDATE SKIP LOCKED)
+       AND state = 'quarantined'
+     RETURNING ${RETIREMENT_COLUMNS}`,
+    [policy],
+  );
+  const row = due.rows[0];
+  if (!row) return null;
+  const retirement = toRetirement(row);
+  await db.query(`DROP TABLE IF EXISTS ${retiredOf(retirement)}`);
+  return retirement;
+}
+
+/**
+ * `reaper restore --partition`, in the caller's transaction: the quarantined retirement locked
+ * (FOR UPDATE), checked, moved back into its schema and attached with its bound, marked restored.
+ * Refusals are returned, not thrown: 'not-found', 'not-quarantined' (with its state),
+ * 'quarantine-ended', 'overlaps' (the attached partitions whose range meets its bound).
+ */
+export type PartitionRestoreOutcome =
+  | { kind: 'restored'; retirement: PartitionRetirement }
+  | { kind: 'not-found' }
+  | { kind: 'not-quarantined'; state: string }
+  | { kind: 'quarantine-ended'; quarantineUntil: string }
+  | { kind: 'overlaps'; partitions: string[] };
+
+export async function partitionRestore(db: Db, retiredName: string): Promise<PartitionRestoreOutcome> {
+  const locked = await db.query<RetirementRow & { ended: boolean }>(
+    `SELECT ${RETIREMENT_COLUMNS}, quarantine_until <= clock_timestamp() AS ended FROM cleanup_partitions
+     WHERE retired_name = $1 ORDER BY (state = 'quarantined') DESC, retirement_id DESC LIMIT 1 FOR UPDATE`,
+    [retiredName],
+  );
+  const row = locked.rows[0];
+  if (!row) return { kind: 'not-found' };
+  const retirement = toRetirement(row);
+  if (retirement.state !== 'quarantined') return { kind: 'not-quarantined', state: retirement.state };
+  if (row.ended) return { kind: 'quarantine-ended', quarantineUntil: retirement.quarantineUntil! };
+  const overlapping = await db.query<{ name: string }>(
+    `SELECT p.qualified AS name FROM (
+       SELECT format('%I.%I', n.nspname, c.relname) AS qualified, regexp_match(pg_get_expr(c.relpartbound, c.oid), '^FOR VALUES FROM \\((.*)\\) TO \\((.*)\\)$') AS range
+       FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid JOIN pg_namespace n ON n.oid = c.relnamespace
+       WHERE i.inhparent = to_regclass($1)) p
+     WHERE p.range IS NOT NULL
+       AND (p.range[2] = 'MAXVALUE' OR $2::timestamptz IS NULL OR btrim(p.range[2], '''')::timestamptz > $2::timestamptz)
+       AND (p.range[1] = 'MINVALUE' OR btrim(p.range[1], '''')::timestamptz < $3::timestamptz)
+     ORDER BY 1`,
+    [retirement.parentTable, retirement.lowerBound, retirement.upperBound],
+  );
+  if (overlapping.rows.length > 0) return { kind: 'overlaps', partitions: overlapping.rows.map((entry) => entry.name) };
+  await db.query(`ALTER TABLE ${retiredOf(retirement)} SET SCHEMA ${quoteIdentifier(retirement.sourceSchema)}`);
+  await partitionAttachBack(db, retirement);
+  await db.query(`UPDATE cleanup_partitions SET state = 'restored', updated_at = clock_timestamp() WHERE retirement_id = $1 AND state = 'quarantined'`, [retirement.retirementId]);
+  return { kind: 'restored', retirement };
+}
+
+/**
+ * What the current role lacks to retire the target's partitions (docs/design.md invariant 21: a
+ * service that lacks what its policies need refuses to start and names the grant): membership in
+ * the table's owner role (DETACH, SET SCHEMA, DROP need the owner) and CREATE on reaper_retired.
+ * Empty when it has both.
+ */
+export async function partitionRetirePrivilegesMissing(db: Db, target: Pick<ResolvedTarget, 'table'>): Promise<string[]> {
+  const result = await db.query<{ owner: string; member: boolean; can_create: boolean | null }>(
+    `SELECT pg_get_userbyid(c.relowner) AS owner, pg_has_role(current_user, c.relowner, 'USAGE') AS member,
+            (SELECT has_schema_privilege(current_user, n.oid, 'CREATE') FROM pg_namespace n WHERE n.nspname = $2) AS can_create
+     FROM pg_class c WHERE c.oid = to_regclass($1)`,
+    [target.table, RETIRED_SCHEMA],
+  );
+  const row = result.rows[0];
+  if (!row) return [];
+  const missing: string[] = [];
+  if (!row.member) missing.push(`GRANT ${quoteIdentifier(row.owner)} TO current role (the owner of ${target.table}: DETACH, SET SCHEMA and DROP need it; \`reaper roles --print\` grants it)`);
+  if (row.can_create === null) missing.push(`schema ${RETIRED_SCHEMA} (run \`reaper migrate\`)`);
+  else if (!row.can_create) missing.push(`GRANT USAGE, CREATE ON SCHEMA ${RETIRED_SCHEMA} TO current role`);
+  return missing;
+}
