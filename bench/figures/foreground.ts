@@ -138,7 +138,7 @@ export interface ForegroundFigure {
   phases: ForegroundPhase[];
 }
 
-function percentile(sorted: readonly number[], q: number): number {
+export function percentile(sorted: readonly number[], q: number): number {
   if (sorted.length === 0) return 0;
   return sorted[Math.min(sorted.length - 1, Math.max(0, Math.ceil(q * sorted.length) - 1))]!;
 }
@@ -176,7 +176,7 @@ SELECT status, expires_at, seat, holder FROM seat_reservations WHERE reservation
 }
 
 /** A pgbench run at a fixed rate, logging every transaction; stopped with SIGINT once the phase is over. */
-class Pgbench {
+export class Pgbench {
   private readonly child: ChildProcess;
   private readonly exited: Promise<number | null>;
   private stderr = '';
@@ -186,7 +186,7 @@ class Pgbench {
     private readonly logPrefix: string,
     url: string,
     scripts: readonly string[],
-    options: ForegroundOptions,
+    options: Pick<ForegroundOptions, 'ratePerSecond' | 'clients'>,
     maxSeconds: number,
   ) {
     const connection = pgbenchConnection(url);
@@ -251,7 +251,7 @@ class Pgbench {
   }
 }
 
-function latencyOf(transactions: ReadonlyArray<{ ms: number; script: number }>): ForegroundLatency {
+export function latencyOf(transactions: ReadonlyArray<{ ms: number; script: number }>): ForegroundLatency {
   const sorted = transactions.map((t) => t.ms).sort((a, b) => a - b);
   const renewals = transactions.filter((t) => t.script === RENEW_SCRIPT).map((t) => t.ms);
   return {
@@ -286,7 +286,7 @@ const NO_RUN = '00000000-0000-0000-0000-000000000000';
  * on the pinned database's one core beside a foreground of 300), so every contender's ratio, the
  * control's too, carried them.
  */
-class WaitSampler {
+export class WaitSampler {
   lockWaitMaxMs = 0;
   samples = 0;
   readonly waitSamples: Record<string, number> = {};
@@ -402,13 +402,13 @@ export interface WalRead {
   cleanupFpiBytes: number | null;
 }
 
-class WalMeter {
-  private from = '';
-  private inspect = false;
+export class WalMeter {
+  protected from = '';
+  protected inspect = false;
 
   /** `slotHolder`: a connection of its own for the phase, holding a temporary slot (gone with the session). */
   constructor(
-    private readonly pool: pg.Pool,
+    protected readonly pool: pg.Pool,
     private readonly slotHolder: pg.Client,
   ) {}
 
@@ -547,14 +547,14 @@ function pgbenchMaxSeconds(context: BenchContext, aloneSeconds: number): number 
  * control phase (no cleanup at all) once saw its p99 at 65x the window before it, from one stall of
  * about 200 ms (bench/results/2026-12-02-quick-foreground-control-pinned.md).
  */
-async function settleWrites(context: BenchContext): Promise<void> {
+export async function settleWrites(context: BenchContext): Promise<void> {
   await withAdmin(context.databases.adminUrl, (admin) => admin.query('CHECKPOINT'));
   execFileSync('sync');
 }
 
 /** Warm-up before a measured window, and a tail after it (longer than pgbench's unflushed log buffer). */
-const WARM_UP_MS = 1000;
-const TAIL_MS = 1500;
+export const WARM_UP_MS = 1000;
+export const TAIL_MS = 1500;
 
 async function runPhase(
   context: BenchContext,
