@@ -51,6 +51,8 @@ export async function createPartitionedDemoTable(pool: pg.Pool, owner: string): 
   const day = (offset: number) => `date_trunc('day', now()) + interval '${offset} days'`;
   await pool.query(`CREATE TABLE ${PARTITION_TABLE} (id bigint NOT NULL, status text NOT NULL, expires_at timestamptz NOT NULL, payload text,
                     PRIMARY KEY (id, expires_at)) PARTITION BY RANGE (expires_at)`);
+  // The (expiresAt, key) index every policy's table needs (docs/configuration.md), on each partition.
+  await pool.query(`CREATE INDEX ${PARTITION_TABLE}_by_expiry ON ${PARTITION_TABLE} (expires_at, id)`);
   const parts: Array<[string, number, number]> = [
     [RETIRABLE[0]!, -5, -4],
     [RETIRABLE[1]!, -4, -3],
