@@ -17,6 +17,7 @@
  *                                 unthrottled and adaptive reaper; written as <date>-shapes-<mode>.json and .md
  *                                 (BENCH_SHAPES=mixed-300,quiet-30 measures only those shapes)
  *   add --only s3                 figure 9 alone (object storage), written as <date>-s3-<mode>.json and .md
+ *   add --only partitions         figure 10 alone (retiring day partitions vs the row path), written as <date>-partitions-<mode>.json and .md
  *   add --only cost               PostgreSQL CPU per deleted row and scheduler memory alone (bench/figures/cost.ts;
  *                                 BENCH_COST_BEFORE_BIN=<other build>/bin/reaper measures it A/B in the same rounds,
  *                                 BENCH_COST_MEMORY_AT=200000,2000000 sets the scheduler-memory sizes, =none skips them)
@@ -44,6 +45,7 @@ import { EVENTS_ARCHIVE_CANDIDATES, runEventsArchive } from './figures/events-ar
 import { runRemoteBacklog, runRemoteDelete } from './figures/remote-delete';
 import { runS3Delete } from './figures/s3-delete';
 import { runShapes, shapeRowsNeeded } from './figures/shapes';
+import { PARTITIONS_FIGURE, runPartitions } from './figures/partitions';
 import { runReaperEndToEnd, runStageSplit, type ReaperRun } from './figures/row-delete';
 import { BenchBroker } from './lib/broker';
 import type { BenchContext, Measured, Throughput } from './lib/context';
@@ -62,7 +64,7 @@ const PGBOSS_BATCH: Omit<PgBossOptions, 'batchSize'> = { mode: 'batch', workers:
 const PGBOSS_ROW: Omit<PgBossOptions, 'batchSize'> = { mode: 'row', workers: 2, loopsPerWorker: 4, fetchSize: 100 };
 
 /** Figures that can be measured alone (--only). */
-const ONLY = ['remote-backlog', 'events-archive', 'foreground', 's3', 'cost', 'shapes'] as const;
+const ONLY = ['remote-backlog', 'events-archive', 'foreground', 's3', 'cost', 'shapes', 'partitions'] as const;
 type Only = (typeof ONLY)[number];
 
 function parseMode(): { config: ModeConfig; profile: boolean; only: Only | null; pin: boolean } {
@@ -275,6 +277,13 @@ async function measureShapes(context: BenchContext, config: ModeConfig, report: 
   report.shapes = await runShapes(context, seed, options, loadavg);
 }
 
+/** Figure 10 (issue 44): on a seed of its own (a table partitioned by day). */
+async function measurePartitions(context: BenchContext, config: ModeConfig, report: BenchReport): Promise<void> {
+  const p = PARTITIONS_FIGURE[config.mode];
+  context.progress(`partitions: ${p.partitions} day partitions x ${p.rowsPerPartition.toLocaleString('en-US')} expired rows, retired vs the row path${p.foreground ? `, then retired beside pgbench at ${p.ratePerSecond}/s` : ''}`);
+  report.partitions = await runPartitions(context, p);
+}
+
 async function measureAll(context: BenchContext, config: ModeConfig, report: BenchReport, profile: boolean): Promise<void> {
   for (const [index, candidates] of config.sizes.entries()) {
     // Every figure copies the bench database from this size's seed afresh: the seed never changes.
@@ -295,6 +304,7 @@ async function measureAll(context: BenchContext, config: ModeConfig, report: Ben
   await measureEventsArchive(context, config, report);
   await measureS3(context, config, report);
   if (config.shapes) await measureShapes(context, config, report);
+  await measurePartitions(context, config, report);
 }
 
 async function main(): Promise<number> {
@@ -352,6 +362,7 @@ async function main(): Promise<number> {
     s3: null,
     foreground: null,
     shapes: null,
+    partitions: null,
     profiles: [],
     checks: context.checks,
     countsOk: false,
@@ -389,6 +400,7 @@ async function main(): Promise<number> {
       await measureRemoteBacklog(context, config, report);
     } else if (only === 'events-archive') await measureEventsArchive(context, config, report);
     else if (only === 'shapes') await measureShapes(context, config, report);
+    else if (only === 'partitions') await measurePartitions(context, config, report);
     else if (only === 's3') {
       await context.databases.seed(2);
       await measureS3(context, config, report);
@@ -400,7 +412,7 @@ async function main(): Promise<number> {
   report.seconds = (Date.now() - started) / 1000;
   report.countsOk = context.checks.every((entry) => entry.ok);
   mkdirSync(RESULTS_DIR, { recursive: true });
-  const base = path.join(RESULTS_DIR, only === 's3' ? `${report.date}-s3-${config.mode}` : only === 'shapes' ? `${report.date}-shapes-${config.mode}${pin ? '-pinned' : ''}` : `${report.date}-${config.mode}${only ? `-${only}` : ''}${only === 'foreground' ? foregroundSuffix() : ''}${pin ? '-pinned' : ''}`);
+  const base = path.join(RESULTS_DIR, only === 's3' || only === 'partitions' ? `${report.date}-${only}-${config.mode}` : only === 'shapes' ? `${report.date}-shapes-${config.mode}${pin ? '-pinned' : ''}` : `${report.date}-${config.mode}${only ? `-${only}` : ''}${only === 'foreground' ? foregroundSuffix() : ''}${pin ? '-pinned' : ''}`);
   writeFileSync(`${base}.json`, `${JSON.stringify(report, null, 2)}\n`);
   writeFileSync(`${base}.md`, renderMarkdown(report));
   const shapes = report.shapes ? `\n\n${renderShapesTable(report.shapes).join('\n')}` : '';

@@ -139,7 +139,7 @@ export interface ForegroundFigure {
   phases: ForegroundPhase[];
 }
 
-function percentile(sorted: readonly number[], q: number): number {
+export function percentile(sorted: readonly number[], q: number): number {
   if (sorted.length === 0) return 0;
   return sorted[Math.min(sorted.length - 1, Math.max(0, Math.ceil(q * sorted.length) - 1))]!;
 }
@@ -290,7 +290,7 @@ const NO_RUN = '00000000-0000-0000-0000-000000000000';
  * on the pinned database's one core beside a foreground of 300), so every contender's ratio, the
  * control's too, carried them.
  */
-class WaitSampler {
+export class WaitSampler {
   lockWaitMaxMs = 0;
   samples = 0;
   readonly waitSamples: Record<string, number> = {};
@@ -406,13 +406,13 @@ export interface WalRead {
   cleanupFpiBytes: number | null;
 }
 
-class WalMeter {
-  private from = '';
-  private inspect = false;
+export class WalMeter {
+  protected from = '';
+  protected inspect = false;
 
   /** `slotHolder`: a connection of its own for the phase, holding a temporary slot (gone with the session). */
   constructor(
-    private readonly pool: pg.Pool,
+    protected readonly pool: pg.Pool,
     private readonly slotHolder: pg.Client,
   ) {}
 

@@ -59,7 +59,8 @@ export const SAMPLER_APPLICATION = 'reaper bench sampler';
 
 export class BenchDatabases {
   readonly url: string;
-  private readonly seedUrl: string;
+  /** The seed database: a figure with a table of its own adds it here after seed() (then fresh() copies it). */
+  readonly seedUrl: string;
   /** This run's bench database (every contender's copy of the seed). */
   readonly name: string;
   private readonly seedName: string;

@@ -28,6 +28,8 @@ export interface RowDeletePolicyInput {
   admission?: { rowsPerSecond?: number; concurrency?: number; adaptive?: boolean };
   /** The audit trail (absent: off). */
   audit?: { enabled: boolean; retainDays: number };
+  /** Retire whole partitions (issue 44; absent: the row path only). */
+  partitions?: { retire: boolean; quarantineDays: number };
 }
 
 export interface RemoteDeletePolicyInput extends Omit<RowDeletePolicyInput, 'kind' | 'admission' | 'audit'> {

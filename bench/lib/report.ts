@@ -2,6 +2,7 @@ import type { PgBossResult } from '../contenders/pgboss';
 import { eventsArchiveRows, type EventsArchiveFigure } from '../figures/events-archive';
 import type { ForegroundFigure, ForegroundPhase } from '../figures/foreground';
 import type { LatencyFigure } from '../figures/latency';
+import { partitionsRows, type PartitionsFigure } from '../figures/partitions';
 import type { RemoteBacklogFigure, RemoteFigure } from '../figures/remote-delete';
 import type { ReaperRun, StageSplit } from '../figures/row-delete';
 import type { S3Figure } from '../figures/s3-delete';
@@ -33,6 +34,8 @@ export interface BenchReport {
   shapes?: ShapesFigure | null;
   /** Figure 8 (issue 19): expiry events and archive on ÷ off, relay throughput, outbox age. */
   eventsArchive?: EventsArchiveFigure | null;
+  /** Figure 10 (issue 44): retiring partitions vs the row path on the same expired rows. */
+  partitions?: PartitionsFigure | null;
   profiles: ProfileSummary[];
   checks: CountCheck[];
   countsOk: boolean;
@@ -162,6 +165,7 @@ function rows(report: BenchReport): Row[] {
   if (report.shapes) shapesRows(report.shapes, add);
   if (report.eventsArchive) for (const row of eventsArchiveRows(report.eventsArchive)) add(...row);
   if (report.s3) s3Rows(report.s3, add);
+  if (report.partitions) for (const row of partitionsRows(report.partitions)) add(...row);
   // The ratio compares claimed-to-completed: the claim poll's random wait (up to 1 s) is noise here.
   const base = report.sweep.find((entry) => entry.batchSize === 100);
   for (const entry of report.sweep) {
@@ -393,6 +397,11 @@ export function renderMarkdown(report: BenchReport): string {
       ? ['- Events and archive (figure 8, issue 19): on a seed of its own size, each round runs reaper end to end three times on fresh copies: the policy as is, with `events: { enabled: true }` and one `reaper relay` running beside it (publishing to a queue bound to `<prefix>.events`; its CPU competes with the deletion), and with `archive: { enabled: true, retainDays: 30 }`; each reports its fastest round. Relay throughput: the events run once more without a relay, then one relay started on the full outbox, events ÷ seconds until the outbox is empty. Outbox oldest age: the gauge\'s query sampled every 250 ms from the trigger until the relay drained the outbox.']
       : []),
     '- Object storage (figure 9, issue 21): the S3 stand-in (tools/s3-stand-in: s3rver behind a recording proxy) in the bench process; a scheduler and 2 workers delete a backlog of keys (objects not created first: deleting an absent key succeeds in S3) under the policy\'s admission. At the proxy: keys/s = keys of every request but the last ÷ first to last arrival (a request\'s head); most keys in any second = sliding 1 s window over arrivals; requests per 1,000 keys; keys sent in more than one request.',
+    ...(report.partitions
+      ? [
+          `- Partitions (figure 10, issue 44): a table range-partitioned by day (${report.partitions.partitions} expired day partitions of ${report.partitions.rowsPerPartition.toLocaleString('en-US')} rows, all retirable, and a live partition of ${report.partitions.liveRows.toLocaleString('en-US')} rows expiring in 2999; no default partition, so DETACH ... CONCURRENTLY), seeded once and file-copied for each run. reaper's real scheduler and 2 workers run one triggered run of the same policy (guard status = open, batch ${report.partitions.batchSize}, unthrottled) on a fresh copy: without \`partitions\` (the row path) and with \`partitions: { retire: true }\`; times are the run row's created_at to finished_at. WAL: a CHECKPOINT, then pg_current_wal_flush_lsn before and after the run (the whole cluster: other users of the shared server write too) and, with pg_walinspect, the records on the bench database's relations only (catalogs included, commit records not), per row removed. The retirement then runs once more beside figure 7's pgbench foreground (its Pgbench and wait sampler; ${report.partitions.ratePerSecond}/s on ${report.partitions.clients} connections: 40% UPDATEs and 50% reads of live rows by key and expires_at through the parent, 10% reads by id alone, which probe every partition): p99 and longest transaction over the transactions that ended while the retirement ran, against the ${report.partitions.aloneSeconds} s alone just before; lock wait from pg_locks.waitstart every 50 ms; standby replay lag from pg_stat_replication every 100 ms when the server has a standby.`,
+        ]
+      : []),
     '- Remote: the stand-in media API (tools/media-api/server.ts) in the bench process, limiting to R with the same burst; 3 workers share the admission budget through PostgreSQL. Achieved rate = executed deletions per second from the first to the last one.',
     '',
   ];

@@ -12,6 +12,7 @@ import { makeTopology } from '../../shared/amqp/topology';
 import { runsGetSummary, runsInsertIfAbsent, type Run, type RunSummary } from '../../shared/db/queries/runs';
 import type { MediaApi } from '../../tools/media-api/server';
 import { OBJECTS_POLICY, startObjectStorageDemo } from './demo-s3';
+import { appendPartitionPolicy, createPartitionedDemoTable, PARTITION_POLICY, retiredCount, summarisePartitions } from './demo-partitions';
 import { rolesSql, type DbRoleNames } from '../../shared/db/queries/roles';
 import { policiesForRoles } from './roles';
 import { connectBroker, explainDatabaseError } from './connections';
@@ -26,6 +27,9 @@ import { outputWidth, wrap } from './output';
  *    fails a few calls (503) and permanently rejects a few assets (403).
  *  - media-objects (remote-delete, remote.kind s3; demo-s3.ts): archived assets' objects deleted
  *    from an in-process S3 server in DeleteObjects batches; the store refuses a few (AccessDenied).
+ *  - day-events (row-delete, partitions.retire; demo-partitions.ts): a table partitioned by day;
+ *    its wholly expired partitions are retired (moved to reaper_retired), a partition with a held
+ *    row and one half expired go through the row path, a future one is left alone.
  * One scheduler and two workers run as separate processes. Exits 1 if any count is wrong.
  * What it made stays for a look (the summary prints the environment that shows it) until
  * `reaper demo --clean` removes it.
@@ -40,6 +44,8 @@ export interface DemoNames {
   roles: DbRoleNames;
   /** The demo's policies file (REAPER_POLICIES of its services), kept for `reaper status` after the demo. */
   policiesFile: string;
+  /** Owner role of the demo's partitioned table (cluster-wide; the DETACH needs the table's owner). */
+  tableOwner: string;
 }
 
 export const DEMO_NAMES: DemoNames = {
@@ -47,6 +53,7 @@ export const DEMO_NAMES: DemoNames = {
   prefix: 'reaper-demo',
   roles: { migrator: 'reaper_demo_migrator', scheduler: 'reaper_demo_scheduler', worker: 'reaper_demo_worker', operator: 'reaper_demo_operator' },
   policiesFile: path.join(tmpdir(), 'reaper-demo', 'policies.yaml'),
+  tableOwner: 'reaper_demo_app_owner',
 };
 const HOLDS = { expiredHeld: 12_000, futureHeld: 5_000, expiredConfirmed: 3_000, renewAfterScan: 500 };
 const MEDIA = { expiredActive: 600, futureActive: 100, rejected: 5, failingCalls: 5, throttleMs: 1_500 };
@@ -80,9 +87,10 @@ export async function runDemo(names: DemoNames = DEMO_NAMES): Promise<number> {
 
   say(`1. creating database ${names.database} and applying migrations`);
   const pool = await prepareDemoDatabase(env, names);
-  await resetBroker(env, names.prefix, [...policies.keys()]);
+  await resetBroker(env, names.prefix, [...policies.keys(), PARTITION_POLICY]);
   say(`2. seeding ${HOLDS.expiredHeld} expired holds, ${HOLDS.futureHeld} held until tomorrow, ${HOLDS.expiredConfirmed} expired but confirmed;`);
-  say(`   ${MEDIA.expiredActive} media assets past retention (${MEDIA.rejected} of which the API will refuse), ${MEDIA.futureActive} still retained`);
+  say(`   ${MEDIA.expiredActive} media assets past retention (${MEDIA.rejected} of which the API will refuse), ${MEDIA.futureActive} still retained;`);
+  say('   a table partitioned by day: 3 days wholly expired, one with a row under a legal hold, one half expired, one in the future');
   await seed(pool);
   const objects = await startObjectStorageDemo(names.policiesFile);
   await objects?.seed(pool);
@@ -121,9 +129,11 @@ export async function runDemo(names: DemoNames = DEMO_NAMES): Promise<number> {
     const holdsRun = (await runsInsertIfAbsent(pool, { policy: 'seat-holds', trigger: 'manual', scheduledFor: null, cutoff: null }))!;
     const mediaRun = (await runsInsertIfAbsent(pool, { policy: 'media-assets', trigger: 'manual', scheduledFor: null, cutoff: null }))!;
     const objectsRun = objects ? (await runsInsertIfAbsent(pool, { policy: OBJECTS_POLICY, trigger: 'manual', scheduledFor: null, cutoff: null }))! : null;
-    for (const run of [holdsRun, mediaRun, ...(objectsRun ? [objectsRun] : [])]) {
+    const partitionsRun = (await runsInsertIfAbsent(pool, { policy: PARTITION_POLICY, trigger: 'manual', scheduledFor: null, cutoff: null }))!;
+    for (const run of [holdsRun, mediaRun, ...(objectsRun ? [objectsRun] : []), partitionsRun]) {
       const published = await waitFor(pool, run.runId, (r) => r.state !== 'pending' && r.state !== 'scanning', 120_000);
-      say(`   ${run.policy}: ${published.candidates} candidates in ${published.batchesConfirmed} batches, confirmed by the broker`);
+      const retired = run === partitionsRun ? `${await retiredCount(pool, run.runId)} partitions retired first, then ` : '';
+      say(`   ${run.policy}: ${retired}${published.candidates} candidates in ${published.batchesConfirmed} batches, confirmed by the broker`);
     }
 
     say(`4. renewing ${HOLDS.renewAfterScan} expired holds AFTER the scan (their batches are already queued)`);
@@ -143,13 +153,19 @@ export async function runDemo(names: DemoNames = DEMO_NAMES): Promise<number> {
     });
     const remoteSeconds = (Date.now() - remoteStarted) / 1000;
     const objectsDone = objectsRun ? await waitFor(pool, objectsRun.runId, finished, 120_000) : null;
+    const partitionsDone = await waitFor(pool, partitionsRun.runId, finished, 120_000);
 
     const holdsOk = await summariseHolds(pool, holdsRun, holdsDone, renewedIds);
     const mediaOk = await summariseMedia(pool, api, media, mediaDone, remoteSeconds);
     const objectsOk = objects && objectsDone ? await objects.summarise(pool, objectsDone) : true;
+    const partitionsOk = await summarisePartitions(pool, partitionsRun.runId, partitionsDone);
     say(`\nseconds in all: ${((Date.now() - started) / 1000).toFixed(1)}`);
-    const ok = holdsOk && mediaOk && objectsOk;
-    say(ok ? 'OK: every expired, unrenewed, unconfirmed hold and every expired asset was deleted, once, and nothing else.' : 'FAILED: see the counts above.');
+    const ok = holdsOk && mediaOk && objectsOk && partitionsOk;
+    say(
+      ok
+        ? 'OK: every expired, unrenewed, unconfirmed hold and every expired asset was deleted, once, and nothing else; the wholly expired partitions were retired, the others kept.'
+        : 'FAILED: see the counts above.',
+    );
     say('');
     for (const line of wayInAndOut(names, roleUrl('operator'))) say(line);
     return ok ? 0 : 1;
@@ -212,7 +228,9 @@ export async function prepareDemoDatabase(env: Pick<Env, 'databaseUrl'>, names: 
   });
   const pool = new pg.Pool({ connectionString: demoUrl, max: 2 });
   await demoTablesCreate(pool);
+  await createPartitionedDemoTable(pool, names.tableOwner);
   writeDemoPolicies(names.policiesFile);
+  appendPartitionPolicy(names.policiesFile);
   return pool;
 }
 
@@ -250,7 +268,7 @@ export function wayInAndOut(names: DemoNames, operatorUrl: string): string[] {
   const hidden = url.password !== '';
   if (hidden) url.password = '***';
   return [
-    wrap(`what the demo made is left in place: database ${names.database}, queues and exchanges ${names.prefix}.*, roles ${Object.values(names.roles).join(', ')}, policies file ${names.policiesFile}`, outputWidth(), 2),
+    wrap(`what the demo made is left in place: database ${names.database}, queues and exchanges ${names.prefix}.*, roles ${[...Object.values(names.roles), names.tableOwner].join(', ')}, policies file ${names.policiesFile}`, outputWidth(), 2),
     `  look at it:  ${inspectEnvironment(names, url.toString())} npx reaper status${hidden ? '   (your password in place of ***)' : ''}`,
     '  remove it:   npx reaper demo --clean',
   ];
@@ -391,7 +409,7 @@ async function waitFor(
  * own and, when its kept policies file is there, every policy in it.
  */
 function demoTopology(env: Pick<Env, 'deliveryLimit'>, names: DemoNames) {
-  const policies = new Set([...loadPolicies(DEMO_POLICIES_PATH).keys(), OBJECTS_POLICY]);
+  const policies = new Set([...loadPolicies(DEMO_POLICIES_PATH).keys(), PARTITION_POLICY, OBJECTS_POLICY]);
   if (existsSync(names.policiesFile)) for (const name of loadPolicies(names.policiesFile).keys()) policies.add(name);
   return makeTopology({ prefix: names.prefix, policies: [...policies], deliveryLimit: env.deliveryLimit });
 }
@@ -422,15 +440,17 @@ export async function cleanDemo(env: Env, names: DemoNames = DEMO_NAMES): Promis
     const found = await admin.query('SELECT 1 FROM pg_database WHERE datname = $1', [names.database]);
     await admin.query(`DROP DATABASE IF EXISTS ${pg.escapeIdentifier(names.database)} WITH (FORCE)`);
     // In the roles' own order (migrator, scheduler, worker, operator), whatever order pg_roles returns.
-    const present = new Set((await admin.query<{ rolname: string }>('SELECT rolname FROM pg_roles WHERE rolname = ANY($1::text[])', [Object.values(names.roles)])).rows.map((row) => row.rolname));
-    const existing = Object.values(names.roles).filter((role) => present.has(role));
+    // The partitioned table's owner role last: it owned objects only in the demo's database, now gone.
+    const all = [...Object.values(names.roles), names.tableOwner];
+    const present = new Set((await admin.query<{ rolname: string }>('SELECT rolname FROM pg_roles WHERE rolname = ANY($1::text[])', [all])).rows.map((row) => row.rolname));
+    const existing = all.filter((role) => present.has(role));
     // After the database: the roles' grants were there. A role still owning something elsewhere
     // makes DROP ROLE fail with its reason, and the rest is still removed.
     for (const role of existing) await admin.query(`DROP ROLE IF EXISTS ${pg.escapeIdentifier(role)}`);
     return { database: found.rowCount === 1, roles: existing };
   });
   tell(database ? `removed database ${names.database}` : `no database ${names.database}`);
-  tell(roles.length > 0 ? `removed roles ${roles.join(', ')}` : `no roles ${Object.values(names.roles).join(', ')}`);
+  tell(roles.length > 0 ? `removed roles ${roles.join(', ')}` : `no roles ${[...Object.values(names.roles), names.tableOwner].join(', ')}`);
   const broker = await deleteBrokerObjects(env, topology);
   tell(`removed ${broker.queues} queue(s) and ${broker.exchanges} exchange(s) named ${names.prefix}.*`);
   const directory = path.dirname(names.policiesFile);

@@ -30,7 +30,10 @@ const names: DemoNames = {
   prefix: `test-demo-${suffix}`,
   roles: { migrator: `reaper_t_migrator_${suffix}`, scheduler: `reaper_t_scheduler_${suffix}`, worker: `reaper_t_worker_${suffix}`, operator: `reaper_t_operator_${suffix}` },
   policiesFile: path.join(folder, 'reaper-demo', 'policies.yaml'),
+  tableOwner: `reaper_t_owner_${suffix}`,
 };
+/** Every role the demo makes: the four of `reaper roles --print` and its partitioned table's owner. */
+const allRoles = [...Object.values(names.roles), names.tableOwner];
 
 after(async () => {
   await cleanDemo(await demoEnv(), names).catch(() => undefined); // a failed test's leftovers; the sweeper finds the rest
@@ -71,7 +74,7 @@ test('the printed environment shows what the demo made; `reaper demo --clean` re
   assert.match(operatorUrl, new RegExp(`^postgres(ql)?://${names.roles.operator}@`), 'the way in logs in as the demo\'s operator role');
   // What the services declare at start (the demo's scheduler and workers), for every policy of the kept file.
   const policyNames = [...loadPolicies(names.policiesFile).keys()];
-  assert.deepEqual(policyNames, ['seat-holds', 'media-assets', 'media-objects']);
+  assert.deepEqual(policyNames, ['seat-holds', 'media-assets', 'day-events', 'media-objects']);
   const topology = makeTopology({ prefix: names.prefix, policies: policyNames, deliveryLimit: env.deliveryLimit });
   const connection = await amqp.connect(env.amqpUrl);
   try {
@@ -100,14 +103,14 @@ test('the printed environment shows what the demo made; `reaper demo --clean` re
   });
   assert.equal(status.code, 0, status.stdout);
   const shown = JSON.parse(status.stdout) as { policies: Array<{ policy: string; queued: number | null }>; brokerError: string | null };
-  assert.deepEqual(shown.policies.map((row) => row.policy), policyNames, 'every policy the demo ran, the third (media-objects) too');
+  assert.deepEqual(shown.policies.map((row) => row.policy), policyNames, 'every policy the demo ran, media-objects and day-events too');
   assert.equal(shown.brokerError, null);
   assert.ok(shown.policies.every((row) => row.queued === 0), 'its queues are the demo prefix\'s');
 
   const cleaned = await cleanDemo(env, names);
   assert.deepEqual(cleaned, [
     `removed database ${names.database}`,
-    `removed roles ${Object.values(names.roles).join(', ')}`,
+    `removed roles ${allRoles.join(', ')}`,
     `removed ${topology.queues.length} queue(s) and ${topology.exchanges.length} exchange(s) named ${names.prefix}.*`,
     `removed ${names.policiesFile}`,
   ]);
@@ -115,7 +118,7 @@ test('the printed environment shows what the demo made; `reaper demo --clean` re
   await admin.connect();
   try {
     assert.equal((await admin.query('SELECT 1 FROM pg_database WHERE datname = $1', [names.database])).rowCount, 0, 'database gone');
-    assert.equal((await admin.query('SELECT 1 FROM pg_roles WHERE rolname = ANY($1::text[])', [Object.values(names.roles)])).rowCount, 0, 'roles gone');
+    assert.equal((await admin.query('SELECT 1 FROM pg_roles WHERE rolname = ANY($1::text[])', [allRoles])).rowCount, 0, 'roles gone, the table owner too');
   } finally {
     await admin.end();
   }
@@ -126,7 +129,7 @@ test('the printed environment shows what the demo made; `reaper demo --clean` re
 
   assert.deepEqual(await cleanDemo(env, names), [
     `no database ${names.database}`,
-    `no roles ${Object.values(names.roles).join(', ')}`,
+    `no roles ${allRoles.join(', ')}`,
     `removed 0 queue(s) and 0 exchange(s) named ${names.prefix}.*`,
   ], 'a second clean finds nothing and fails on nothing');
 });
