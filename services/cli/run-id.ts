@@ -42,6 +42,10 @@ export function runIdArgument(argument: string, value: string): RunIdArgument {
  * usage error (exit 2) listing them, so the operator can give more digits.
  */
 export async function resolveRunId(db: Db, id: RunIdArgument): Promise<string> {
+  // A whole id is used as given, looked up by the command itself: a run's audit rows and archive
+  // may name a run that cleanup_runs no longer (or never) holds, and `audit --run <uuid>` answered
+  // for those before prefixes existed (guardrails-rows reads a batch's audit by its run id).
+  if (id.hex.length === 32) return asUuid(id.hex);
   const found = await runsFindByIdPrefix(db, id.hex, LISTED_MATCHES + 1);
   if (found.length === 1) return found[0]!;
   const named = id.argument.startsWith('-') ? `${id.argument}: ` : '';

@@ -8,7 +8,17 @@
 --      │                                                                        │     │
 --      └──(a re-check failed: attached again / never detached)──> kept          │     └─(restore --partition)─> restored
 --                                                                               └─(quarantine over, scheduler)─> dropped
-CREATE SCHEMA IF NOT EXISTS reaper_retired;
+-- Created here only when absent: CREATE SCHEMA (even IF NOT EXISTS) needs CREATE on the database,
+-- which the printed migrator role does not have; `reaper roles --print` creates the schema for it
+-- (owned by the migrator), so a first install in the documented order (roles, then migrate) works.
+DO $$
+BEGIN
+  IF to_regnamespace('reaper_retired') IS NULL THEN
+    CREATE SCHEMA reaper_retired;
+  END IF;
+EXCEPTION WHEN insufficient_privilege THEN
+  RAISE EXCEPTION 'schema reaper_retired does not exist and role % cannot create it: apply the SQL of `reaper roles --print` first (it creates the schema), or create it owned by this role', current_user;
+END $$;
 
 CREATE TABLE IF NOT EXISTS cleanup_partitions (
   retirement_id    bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,

@@ -287,7 +287,9 @@ export function rolesSql(policies: PolicySet, names: DbRoleNames = DEFAULT_DB_RO
     lines.push(...whereExists(`to_regclass(${literal(q(table))})`, [`ALTER TABLE ${q(table)} OWNER TO ${migrator};`, ...reaperTableGrantSql(table, grants, names)]));
   }
   for (const fn of REAPER_FUNCTIONS) lines.push(...whereExists(`to_regprocedure(${literal(fn)})`, [`ALTER FUNCTION ${fn} OWNER TO ${migrator};`]));
-  lines.push(...whereExists(`to_regnamespace(${literal(RETIRED_SCHEMA_NAME)})`, [`ALTER SCHEMA ${q(RETIRED_SCHEMA_NAME)} OWNER TO ${migrator};`, ...retiredSchemaGrantSql(names)]));
+  // Created here, not only by migration 0029: CREATE SCHEMA needs CREATE on the database, which the
+  // migrator does not get; on a new database this SQL runs before the first migrate (first install).
+  lines.push(`CREATE SCHEMA IF NOT EXISTS ${q(RETIRED_SCHEMA_NAME)};`, `ALTER SCHEMA ${q(RETIRED_SCHEMA_NAME)} OWNER TO ${migrator};`, ...retiredSchemaGrantSql(names));
   lines.push(
     '',
     '-- The policies\' tables (they belong to their application): per policy kind, see docs/deploying.md "Deploying".',
