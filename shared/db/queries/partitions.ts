@@ -1,4 +1,5 @@
 import type { Db } from '../pool';
+import pg from 'pg';
 import { quoteIdentifier } from '../pool';
 import { expiringRowsExpiredSql } from './expiring-rows';
 import { outboxInsertPartitionRetired } from './outbox';
@@ -261,8 +262,13 @@ export async function partitionWhereabouts(db: Db, retirement: Pick<PartitionRet
   return row.retired !== null ? 'retired' : 'missing';
 }
 
-const sourceOf = (retirement: Pick<PartitionRetirement, 'sourceSchema' | 'sourceName'>) => `${quoteIdentifier(retirement.sourceSchema)}.${quoteIdentifier(retirement.sourceName)}`;
-const retiredOf = (retirement: Pick<PartitionRetirement, 'retiredName'>) => `${quoteIdentifier(RETIRED_SCHEMA)}.${quoteIdentifier(retirement.retiredName)}`;
+/**
+ * Schema and name quoted each as ONE identifier (pg.escapeIdentifier): a partition's name may hold
+ * dots or hyphens ("ev.2026.01.01"), which quoteIdentifier would split into a qualified name.
+ */
+const name = (identifier: string) => pg.escapeIdentifier(identifier);
+const sourceOf = (retirement: Pick<PartitionRetirement, 'sourceSchema' | 'sourceName'>) => `${name(retirement.sourceSchema)}.${name(retirement.sourceName)}`;
+const retiredOf = (retirement: Pick<PartitionRetirement, 'retiredName'>) => `${name(RETIRED_SCHEMA)}.${name(retirement.retiredName)}`;
 
 /**
  * DETACH PARTITION ... CONCURRENTLY: never inside a transaction block (PostgreSQL runs it as two
@@ -317,7 +323,7 @@ export async function partitionQuarantine(
     [retirement.retirementId, outcome.rows, outcome.checksum, outcome.quarantineDays],
   );
   if (updated.rowCount !== 1) return false;
-  await db.query(`ALTER TABLE ${sourceOf(retirement)} SET SCHEMA ${quoteIdentifier(RETIRED_SCHEMA)}`);
+  await db.query(`ALTER TABLE ${sourceOf(retirement)} SET SCHEMA ${name(RETIRED_SCHEMA)}`);
   if (outcome.audit) {
     await db.query(
       `INSERT INTO cleanup_audit (policy, key, observed_expiry, run_id, policy_version, outcome, row_count, partition_bound, key_checksum)
@@ -416,7 +422,7 @@ export async function partitionRestore(db: Db, retiredName: string): Promise<Par
     [retirement.parentTable, retirement.lowerBound, retirement.upperBound],
   );
   if (overlapping.rows.length > 0) return { kind: 'overlaps', partitions: overlapping.rows.map((entry) => entry.name) };
-  await db.query(`ALTER TABLE ${retiredOf(retirement)} SET SCHEMA ${quoteIdentifier(retirement.sourceSchema)}`);
+  await db.query(`ALTER TABLE ${retiredOf(retirement)} SET SCHEMA ${name(retirement.sourceSchema)}`);
   await partitionAttachBack(db, retirement);
   await db.query(`UPDATE cleanup_partitions SET state = 'restored', updated_at = clock_timestamp() WHERE retirement_id = $1 AND state = 'quarantined'`, [retirement.retirementId]);
   return { kind: 'restored', retirement };
