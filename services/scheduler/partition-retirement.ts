@@ -89,11 +89,19 @@ export async function retirePartitions(
       if (!deps.stillClaimed()) break;
       await resume(step, open);
     }
+    const undroppable: string[] = [];
     for (;;) {
       if (!deps.stillClaimed()) break;
-      const dropped = await inTransaction(client, () => partitionDropOneDue(client, policy.name), 'partition-drop-before-commit');
+      const dropped = await inTransaction(client, () => partitionDropOneDue(client, policy.name, undroppable), 'partition-drop-before-commit');
       if (!dropped) break;
-      deps.log.info({ partition: `reaper_retired.${dropped.retiredName}`, rows: dropped.rowCount }, 'retired partition dropped: its quarantine is over');
+      const partition = `reaper_retired.${dropped.retirement.retiredName}`;
+      if (dropped.kind === 'dropped') {
+        deps.log.info({ partition, rows: dropped.retirement.rowCount }, 'retired partition dropped: its quarantine is over');
+      } else {
+        // Stays quarantined (the next run tries again); this run goes on with the others and the row path.
+        undroppable.push(dropped.retirement.retirementId);
+        deps.log.warn({ partition, reason: dropped.reason }, 'retired partition not dropped: the database refused; it stays quarantined');
+      }
     }
     const before = await partitionRetiredRowsOfRun(client, run.runId);
     let room = options.room - before;

@@ -370,20 +370,37 @@ export async function partitionAttachBack(db: Db, retirement: PartitionRetiremen
  * its table dropped in the same transaction. A crash before COMMIT drops nothing and changes no
  * state; after it, the state says dropped. Null when none is due.
  */
-export async function partitionDropOneDue(db: Db, policy: string): Promise<PartitionRetirement | null> {
+export type PartitionDropOutcome = { kind: 'dropped'; retirement: PartitionRetirement } | { kind: 'not-dropped'; retirement: PartitionRetirement; reason: string };
+
+/**
+ * Drops the oldest quarantined retirement of `policy` whose quarantine is over, leaving out the
+ * ids in `skip` (the ones this run could not drop). A DROP the database refuses (2BP01: a view
+ * depends on the table; 42501; a lock timeout) is rolled back to a savepoint taken before the
+ * state change: the retirement stays quarantined and the refusal is returned, never thrown, so one
+ * undroppable table cannot fail every run of its policy. Null when none is due.
+ */
+export async function partitionDropOneDue(db: Db, policy: string, skip: readonly string[] = []): Promise<PartitionDropOutcome | null> {
+  await db.query('SAVEPOINT reaper_partition_drop');
   const due = await db.query<RetirementRow>(
     `UPDATE cleanup_partitions SET state = 'dropped', updated_at = clock_timestamp()
      WHERE retirement_id = (SELECT retirement_id FROM cleanup_partitions WHERE policy = $1 AND state = 'quarantined' AND quarantine_until <= clock_timestamp()
+                              AND NOT (retirement_id::text = ANY ($2::text[]))
                             ORDER BY retirement_id LIMIT 1 FOR UPDATE SKIP LOCKED)
        AND state = 'quarantined'
      RETURNING ${RETIREMENT_COLUMNS}`,
-    [policy],
+    [policy, skip],
   );
   const row = due.rows[0];
   if (!row) return null;
   const retirement = toRetirement(row);
-  await db.query(`DROP TABLE IF EXISTS ${retiredOf(retirement)}`);
-  return retirement;
+  try {
+    await db.query(`DROP TABLE IF EXISTS ${retiredOf(retirement)}`);
+  } catch (error) {
+    if (!(error instanceof pg.DatabaseError)) throw error;
+    await db.query('ROLLBACK TO SAVEPOINT reaper_partition_drop');
+    return { kind: 'not-dropped', retirement, reason: `database error ${error.code ?? ''}: ${error.message}` };
+  }
+  return { kind: 'dropped', retirement };
 }
 
 /**
