@@ -84,7 +84,7 @@ describe('partitions: a hold placed after the classification wins', () => {
     assert.deepEqual(states.slice(1).map((row) => row.state), ['quarantined', 'quarantined']);
   });
 
-  test('plain DETACH behind a reader: at most lock_timeout 1 s, 3 attempts, then the partition is kept for the row path', async () => {
+  test('plain DETACH behind a reader: lock_timeout 150 ms, 8 attempts, then the partition is kept for the row path', async () => {
     const reader = await bed.pool.connect();
     try {
       const started = Date.now();
@@ -94,12 +94,37 @@ describe('partitions: a hold placed after the classification wins', () => {
       });
       const tookMs = Date.now() - started;
       assert.deepEqual(states.map((row) => [row.source_name, row.state]), [['p_old_a', 'kept']]);
-      assert.match(states[0]!.reason!, /DETACH did not get its lock within 1000 ms, 3 time\(s\): left to the row path/);
-      assert.ok(tookMs >= 3_000 && tookMs < 10_000, `bounded: 3 waits of 1 s and two backoffs (${tookMs} ms)`);
+      assert.match(states[0]!.reason!, /DETACH did not get its lock within 150 ms, 8 time\(s\): left to the row path/);
+      assert.ok(tookMs >= 8 * 150 + 1_400 && tookMs < 8_000, `bounded: 8 waits of 150 ms and 7 growing pauses of 1.4 s in all (${tookMs} ms)`);
       assert.ok((await attachedNames()).includes('p_old_a'));
     } finally {
       await reader.query('ROLLBACK').catch(() => undefined);
       reader.release();
+    }
+  });
+
+  test('plain DETACH behind a writer of the partition: the parent is never locked ACCESS EXCLUSIVE while the partition is waited for', async () => {
+    const writer = await bed.pool.connect();
+    let polling = true;
+    let seen = 0;
+    const poller = (async () => {
+      while (polling) {
+        const held = await bed.pool.query(`SELECT 1 FROM pg_locks WHERE relation = 'events_by_day'::regclass AND mode = 'AccessExclusiveLock'`);
+        seen += held.rowCount ?? 0;
+      }
+    })();
+    try {
+      const states = await retireWithLateHold(async () => {
+        await writer.query('BEGIN');
+        await writer.query('LOCK TABLE ONLY p_old_a IN ROW EXCLUSIVE MODE'); // an insert into that partition, not committed
+      });
+      assert.deepEqual(states.map((row) => [row.source_name, row.state]), [['p_old_a', 'kept']]);
+      assert.equal(seen, 0, 'the parent was locked ACCESS EXCLUSIVE (queueing every query of the table) while the partition was waited for');
+    } finally {
+      polling = false;
+      await poller;
+      await writer.query('ROLLBACK').catch(() => undefined);
+      writer.release();
     }
   });
 

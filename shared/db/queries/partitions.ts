@@ -285,23 +285,32 @@ export async function partitionDetachFinalize(db: Db, retirement: PartitionRetir
 }
 
 /**
- * Plain DETACH (ACCESS EXCLUSIVE on the parent) inside the caller's transaction, waiting at most
- * `lockTimeoutMs` for its locks: a reader holding the table makes it fail fast (55P03), never
- * queue every later query of the table behind it for long.
+ * First step of the plain DETACH's transaction: SHARE on the partition alone (ONLY it: reads of the
+ * table go on, writes into this partition wait), waiting at most `lockTimeoutMs` for it and, as the
+ * setting stays for the transaction, for the DETACH's locks after it: a reader holding the table
+ * makes them fail fast (55P03) instead of queueing every later query of the table behind them.
  */
-export async function partitionDetachInTransaction(db: Db, retirement: PartitionRetirement, lockTimeoutMs: number): Promise<void> {
+export async function partitionLockForPlainDetach(db: Db, retirement: PartitionRetirement, lockTimeoutMs: number): Promise<void> {
   await db.query(`SELECT set_config('lock_timeout', $1, true)`, [`${Math.max(1, Math.round(lockTimeoutMs))}ms`]);
+  await db.query(`LOCK TABLE ONLY ${sourceOf(retirement)} IN SHARE MODE`);
+}
+
+/**
+ * Plain DETACH (ACCESS EXCLUSIVE on the parent) inside the caller's transaction, taken after the
+ * re-check so that the parent's lock is held only for the DDL and the COMMIT.
+ */
+export async function partitionDetachInTransaction(db: Db, retirement: PartitionRetirement): Promise<void> {
   await db.query(`ALTER TABLE ${retirement.parentTable} DETACH PARTITION ${sourceOf(retirement)}`);
+}
+
+/** The re-check of the partition (ONLY it, by its own name, attached or not), with the checksum of its identities. */
+export function partitionRecheckPartition(db: Db, target: ResolvedTarget, retirement: PartitionRetirement, cutoff: string): Promise<PartitionRowCheck & { checksum: string }> {
+  return partitionRowsCheckWithChecksum(db, target, sourceOf(retirement), cutoff);
 }
 
 /** Takes the detached table's lock for the re-check (inside the transaction that moves it). */
 export async function partitionLockDetached(db: Db, retirement: PartitionRetirement): Promise<void> {
   await db.query(`LOCK TABLE ${sourceOf(retirement)} IN ACCESS EXCLUSIVE MODE`);
-}
-
-/** The re-check of the detached table (ONLY it, by its own name), with the checksum of its identities. */
-export function partitionRecheckDetached(db: Db, target: ResolvedTarget, retirement: PartitionRetirement, cutoff: string): Promise<PartitionRowCheck & { checksum: string }> {
-  return partitionRowsCheckWithChecksum(db, target, sourceOf(retirement), cutoff);
 }
 
 /**
