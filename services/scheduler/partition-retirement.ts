@@ -15,6 +15,7 @@ import {
   partitionRetiredRowsOfRun,
   partitionRetirementBegin,
   partitionRetirementsOpen,
+  partitionStoredTextRefused,
   partitionsList,
   partitionWhereabouts,
   type PartitionRetirement,
@@ -159,6 +160,13 @@ interface StepContext {
 
 /** An open retirement found at the start of a run (a crash, or a run that stopped): finish it from where the catalog says it is. */
 async function resume(step: StepContext, open: PartitionRetirement): Promise<void> {
+  // The stored text is pasted into DDL: it must be what this scheduler wrote for the policy's table.
+  const refused = partitionStoredTextRefused(open, step.target.table);
+  if (refused !== null) {
+    await partitionKeep(step.client, open, `stored retirement refused: ${refused}; nothing done`);
+    step.deps.log.error({ partition: `${open.sourceSchema}.${open.sourceName}`, reason: refused }, 'interrupted partition retirement not finished: its stored text does not match the policy');
+    return;
+  }
   const where = await partitionWhereabouts(step.client, open);
   step.deps.log.warn({ partition: `${open.sourceSchema}.${open.sourceName}`, where, runId: open.runId }, 'finishing an interrupted partition retirement');
   if (where === 'attached') {

@@ -18,4 +18,19 @@ describe('partitions: names with dots and hyphens', () => {
     const retired = await world.bed.pool.query<{ name: string }>(`SELECT tablename::text AS name FROM pg_tables WHERE schemaname = 'reaper_retired' ORDER BY 1`);
     assert.deepEqual(retired.rows.map((row) => row.name).sort(), [ODD_NAME, 'p_held', 'p_old_a'].sort(), 'no hold here: p_held is retirable too');
   });
+
+  test('an interrupted retirement whose stored parent_table is not the policy\'s table is kept, its text never run', async () => {
+    // A row edited by hand (the text is pasted into DDL): the next run must not execute it.
+    await world.bed.pool.query(
+      `INSERT INTO cleanup_partitions (policy, run_id, parent_table, source_schema, source_name, retired_name, bound, lower_bound, upper_bound, concurrent, state)
+       SELECT 'day-events', gen_random_uuid(), 'events_by_day DETACH PARTITION p_future; SELECT 1', 'public', 'p_future', 'p_future', 'FOR VALUES FROM (MINVALUE) TO (MAXVALUE)', NULL, now(), false, 'detaching'`,
+    );
+    const run = await runDayEventsUntilEnded(world.bed);
+    assert.equal(run.state, 'completed', run.error ?? '');
+    const kept = await world.bed.pool.query<{ state: string; reason: string }>(`SELECT state, reason FROM cleanup_partitions WHERE source_name = 'p_future'`);
+    assert.equal(kept.rows[0]!.state, 'kept');
+    assert.match(kept.rows[0]!.reason, /parent_table .* is not the policy's table/);
+    const attached = await world.bed.pool.query(`SELECT 1 FROM pg_inherits WHERE inhrelid = 'p_future'::regclass AND inhparent = 'events_by_day'::regclass`);
+    assert.equal(attached.rowCount, 1, 'p_future is still attached');
+  });
 });

@@ -369,7 +369,21 @@ export async function partitionKeep(db: Db, retirement: PartitionRetirement, rea
 }
 
 /** Attaches a detached (not yet moved) partition back where it was, with its bound (the re-check failed). */
+/**
+ * A range bound as pg_get_expr prints it (quoted literals, MINVALUE/MAXVALUE, nothing else): the
+ * stored `bound` is pasted into ATTACH, so text of any other shape (a row edited by hand) is refused.
+ */
+const RANGE_BOUND = /^FOR VALUES FROM \((?:'(?:[^']|'')*'|MINVALUE)\) TO \((?:'(?:[^']|'')*'|MAXVALUE)\)$/;
+
+/** Why a stored retirement's DDL text may not be used for `table` (the policy's resolved table), or null. */
+export function partitionStoredTextRefused(retirement: Pick<PartitionRetirement, 'parentTable' | 'bound'>, table: string): string | null {
+  if (retirement.parentTable !== table) return `parent_table ${JSON.stringify(retirement.parentTable)} is not the policy's table ${table}`;
+  if (!RANGE_BOUND.test(retirement.bound)) return `bound ${JSON.stringify(retirement.bound)} is not a range bound as PostgreSQL prints it`;
+  return null;
+}
+
 export async function partitionAttachBack(db: Db, retirement: PartitionRetirement): Promise<void> {
+  if (!RANGE_BOUND.test(retirement.bound)) throw new Error(`cleanup_partitions.bound ${JSON.stringify(retirement.bound)} of ${retirement.retiredName} is not a range bound as PostgreSQL prints it: not attached`);
   await db.query(`ALTER TABLE ${retirement.parentTable} ATTACH PARTITION ${sourceOf(retirement)} ${retirement.bound}`);
 }
 
