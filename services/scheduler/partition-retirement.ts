@@ -139,7 +139,7 @@ export async function retirePartitions(
       }
       failpoint('partition-after-begin');
       await deps.beforeDetach?.(candidate.partition);
-      const quarantined = concurrent ? await detachConcurrently(step, begun) : await detachPlainAndQuarantine(step, begun);
+      const quarantined = concurrent ? await leftPendingOnLockTimeout(step, begun, () => detachConcurrently(step, begun)) : await detachPlainAndQuarantine(step, begun);
       if (quarantined !== null) room -= quarantined;
     }
     return { retiredRows: await partitionRetiredRowsOfRun(client, run.runId) };
@@ -172,13 +172,30 @@ async function resume(step: StepContext, open: PartitionRetirement): Promise<voi
   if (where === 'attached') {
     await partitionKeep(step.client, open, 'interrupted before its detach: the partition stayed attached');
   } else if (where === 'detach-pending') {
-    await partitionDetachFinalize(step.client, open);
-    await quarantineDetached(step, open);
+    await leftPendingOnLockTimeout(step, open, async () => {
+      await partitionDetachFinalize(step.client, open);
+      return quarantineDetached(step, open);
+    });
   } else if (where === 'detached') {
     await quarantineDetached(step, open);
   } else {
     // 'retired' with state detaching cannot happen (moved and recorded in one transaction); 'missing': dropped by someone else.
     await partitionKeep(step.client, open, `not where reaper left it (${where}): nothing done`);
+  }
+}
+
+/**
+ * DETACH ... CONCURRENTLY or FINALIZE that hit a lock timeout (55P03: an old transaction holds the
+ * table): the retirement stays `detaching` (attached or detach pending) for the next run to finish,
+ * and this run goes on with the other partitions and the row path. Null then, like a kept one.
+ */
+async function leftPendingOnLockTimeout(step: StepContext, retirement: PartitionRetirement, work: () => Promise<number | null>): Promise<number | null> {
+  try {
+    return await work();
+  } catch (error) {
+    if ((error as { code?: string }).code !== LOCK_NOT_AVAILABLE) throw error;
+    step.deps.log.warn({ partition: `${retirement.sourceSchema}.${retirement.sourceName}` }, 'partition detach did not get its lock (lock timeout): left detaching for the next run');
+    return null;
   }
 }
 

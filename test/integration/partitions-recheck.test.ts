@@ -45,7 +45,7 @@ describe('partitions: a hold placed after the classification wins', () => {
     await bed.pool.query(`INSERT INTO cleanup_holds (policy, key, reason, created_by) VALUES ('day-events', $1, 'late hold', 'test')`, [key]);
   };
 
-  async function retireWithLateHold(beforeFirstDetach: (partition: string) => Promise<void> = lateHold): Promise<Array<{ source_name: string; state: string; reason: string | null }>> {
+  async function retireWithLateHold(beforeFirstDetach: (partition: string) => Promise<void> = lateHold, pool: pg.Pool = scheduler): Promise<Array<{ source_name: string; state: string; reason: string | null }>> {
     const policy = loadPolicies(bed.env().policiesPath).get('day-events')!;
     assert.ok(retiresPartitions(policy));
     const target = await targetResolve(scheduler, policy);
@@ -53,7 +53,7 @@ describe('partitions: a hold placed after the classification wins', () => {
     const placed: string[] = [];
     await retirePartitions(
       {
-        pool: scheduler,
+        pool,
         log: testLog,
         stillClaimed: () => true,
         beforeDetach: async (partition) => {
@@ -136,5 +136,23 @@ describe('partitions: a hold placed after the classification wins', () => {
     assert.match(states[0]!.reason!, /1 of 6 row\(s\) no longer pass .* at the re-check: attached again/);
     assert.ok((await attachedNames()).includes('p_old_a'));
     assert.equal((await bed.pool.query<{ n: number }>('SELECT count(*)::int AS n FROM events_by_day WHERE id BETWEEN 2001 AND 2006')).rows[0]!.n, 6, 'every row back in the table');
+  });
+
+  test('DETACH ... CONCURRENTLY behind an old transaction, lock timeout (55P03): left detaching for the next run, the run goes on', async () => {
+    // After the test above: no default partition. The scheduler's sessions have a lock_timeout (a DBA's setting).
+    const timed = new pg.Pool({ connectionString: bed.as(bed.env(), 'scheduler').databaseUrl, max: 2, options: '-c lock_timeout=200' });
+    const reader = await bed.pool.connect();
+    try {
+      const states = await retireWithLateHold(async () => {
+        await reader.query('BEGIN');
+        await reader.query('SELECT count(*) FROM events_by_day'); // an old transaction that uses the table
+      }, timed);
+      assert.ok(states.length >= 1, JSON.stringify(states));
+      assert.ok(states.every((row) => row.state === 'detaching'), JSON.stringify(states));
+    } finally {
+      await reader.query('ROLLBACK').catch(() => undefined);
+      reader.release();
+      await timed.end();
+    }
   });
 });
