@@ -9,11 +9,13 @@ import {
   partitionDropOneDue,
   partitionKeep,
   partitionLockDetached,
+  partitionLockForPlainDetach,
   partitionQuarantine,
-  partitionRecheckDetached,
+  partitionRecheckPartition,
   partitionRetiredRowsOfRun,
   partitionRetirementBegin,
   partitionRetirementsOpen,
+  partitionStoredTextRefused,
   partitionsList,
   partitionWhereabouts,
   type PartitionRetirement,
@@ -44,9 +46,15 @@ import { partitionsClassify } from '../../shared/partitions/classify';
  */
 
 /** Plain DETACH: how long it may wait for its locks, and how many times it tries. */
-const PLAIN_DETACH_LOCK_TIMEOUT_MS = 1_000;
-const PLAIN_DETACH_ATTEMPTS = 3;
-const PLAIN_DETACH_BACKOFF_MS = 500;
+/**
+ * Plain DETACH: how long it may wait for its locks, and how many times it tries. A DETACH queued
+ * behind a reader blocks the table's later queries while it waits: at most 150 ms each time
+ * (issue 44: longest foreground lock wait at most 200 ms), 8 tries, a growing pause between them
+ * (50, 100, ... 350 ms, no transaction open): about 1.2 s of waiting and 1.4 s of pauses in all.
+ */
+const PLAIN_DETACH_LOCK_TIMEOUT_MS = 150;
+const PLAIN_DETACH_ATTEMPTS = 8;
+const PLAIN_DETACH_BACKOFF_MS = 50;
 /** 55P03 lock_not_available: lock_timeout expired. */
 const LOCK_NOT_AVAILABLE = '55P03';
 
@@ -89,11 +97,19 @@ export async function retirePartitions(
       if (!deps.stillClaimed()) break;
       await resume(step, open);
     }
+    const undroppable: string[] = [];
     for (;;) {
       if (!deps.stillClaimed()) break;
-      const dropped = await inTransaction(client, () => partitionDropOneDue(client, policy.name), 'partition-drop-before-commit');
+      const dropped = await inTransaction(client, () => partitionDropOneDue(client, policy.name, undroppable), 'partition-drop-before-commit');
       if (!dropped) break;
-      deps.log.info({ partition: `reaper_retired.${dropped.retiredName}`, rows: dropped.rowCount }, 'retired partition dropped: its quarantine is over');
+      const partition = `reaper_retired.${dropped.retirement.retiredName}`;
+      if (dropped.kind === 'dropped') {
+        deps.log.info({ partition, rows: dropped.retirement.rowCount }, 'retired partition dropped: its quarantine is over');
+      } else {
+        // Stays quarantined (the next run tries again); this run goes on with the others and the row path.
+        undroppable.push(dropped.retirement.retirementId);
+        deps.log.warn({ partition, reason: dropped.reason }, 'retired partition not dropped: the database refused; it stays quarantined');
+      }
     }
     const before = await partitionRetiredRowsOfRun(client, run.runId);
     let room = options.room - before;
@@ -123,7 +139,7 @@ export async function retirePartitions(
       }
       failpoint('partition-after-begin');
       await deps.beforeDetach?.(candidate.partition);
-      const quarantined = concurrent ? await detachConcurrently(step, begun) : await detachPlainAndQuarantine(step, begun);
+      const quarantined = concurrent ? await leftPendingOnLockTimeout(step, begun, () => detachConcurrently(step, begun)) : await detachPlainAndQuarantine(step, begun);
       if (quarantined !== null) room -= quarantined;
     }
     return { retiredRows: await partitionRetiredRowsOfRun(client, run.runId) };
@@ -144,18 +160,42 @@ interface StepContext {
 
 /** An open retirement found at the start of a run (a crash, or a run that stopped): finish it from where the catalog says it is. */
 async function resume(step: StepContext, open: PartitionRetirement): Promise<void> {
+  // The stored text is pasted into DDL: it must be what this scheduler wrote for the policy's table.
+  const refused = partitionStoredTextRefused(open, step.target.table);
+  if (refused !== null) {
+    await partitionKeep(step.client, open, `stored retirement refused: ${refused}; nothing done`);
+    step.deps.log.error({ partition: `${open.sourceSchema}.${open.sourceName}`, reason: refused }, 'interrupted partition retirement not finished: its stored text does not match the policy');
+    return;
+  }
   const where = await partitionWhereabouts(step.client, open);
   step.deps.log.warn({ partition: `${open.sourceSchema}.${open.sourceName}`, where, runId: open.runId }, 'finishing an interrupted partition retirement');
   if (where === 'attached') {
     await partitionKeep(step.client, open, 'interrupted before its detach: the partition stayed attached');
   } else if (where === 'detach-pending') {
-    await partitionDetachFinalize(step.client, open);
-    await quarantineDetached(step, open);
+    await leftPendingOnLockTimeout(step, open, async () => {
+      await partitionDetachFinalize(step.client, open);
+      return quarantineDetached(step, open);
+    });
   } else if (where === 'detached') {
     await quarantineDetached(step, open);
   } else {
     // 'retired' with state detaching cannot happen (moved and recorded in one transaction); 'missing': dropped by someone else.
     await partitionKeep(step.client, open, `not where reaper left it (${where}): nothing done`);
+  }
+}
+
+/**
+ * DETACH ... CONCURRENTLY or FINALIZE that hit a lock timeout (55P03: an old transaction holds the
+ * table): the retirement stays `detaching` (attached or detach pending) for the next run to finish,
+ * and this run goes on with the other partitions and the row path. Null then, like a kept one.
+ */
+async function leftPendingOnLockTimeout(step: StepContext, retirement: PartitionRetirement, work: () => Promise<number | null>): Promise<number | null> {
+  try {
+    return await work();
+  } catch (error) {
+    if ((error as { code?: string }).code !== LOCK_NOT_AVAILABLE) throw error;
+    step.deps.log.warn({ partition: `${retirement.sourceSchema}.${retirement.sourceName}` }, 'partition detach did not get its lock (lock timeout): left detaching for the next run');
+    return null;
   }
 }
 
@@ -174,7 +214,7 @@ async function quarantineDetached(step: StepContext, retirement: PartitionRetire
   const { client } = step;
   return inTransaction(client, async () => {
     await partitionLockDetached(client, retirement);
-    const check = await partitionRecheckDetached(client, step.target, retirement, step.run.cutoff);
+    const check = await partitionRecheckPartition(client, step.target, retirement, step.run.cutoff);
     if (check.failing > 0) {
       await partitionAttachBack(client, retirement);
       await partitionKeep(client, retirement, `${check.failing} of ${check.rows} row(s) no longer pass (a hold, the guard, the expiry) at the re-check: attached again`);
@@ -187,7 +227,7 @@ async function quarantineDetached(step: StepContext, retirement: PartitionRetire
 
 /**
  * Plain DETACH (a default partition exists, so not CONCURRENTLY) with the re-check and the move in
- * the same transaction: a failed re-check rolls the detach back. The lock is waited for at most
+ * the same transaction, the re-check before the DETACH: a failed re-check never detaches. The lock is waited for at most
  * PLAIN_DETACH_LOCK_TIMEOUT_MS per attempt, PLAIN_DETACH_ATTEMPTS times; then the partition is kept.
  */
 async function detachPlainAndQuarantine(step: StepContext, retirement: PartitionRetirement): Promise<number | null> {
@@ -195,9 +235,12 @@ async function detachPlainAndQuarantine(step: StepContext, retirement: Partition
   for (let attempt = 1; ; attempt++) {
     try {
       const outcome = await inTransaction(client, async () => {
-        await partitionDetachInTransaction(client, retirement, PLAIN_DETACH_LOCK_TIMEOUT_MS);
-        const check = await partitionRecheckDetached(client, step.target, retirement, step.run.cutoff);
+        // SHARE on the partition first, the re-check and checksum under it (writes into it wait,
+        // reads of the table go on), and only then the parent's ACCESS EXCLUSIVE, for the DDL and COMMIT.
+        await partitionLockForPlainDetach(client, retirement, PLAIN_DETACH_LOCK_TIMEOUT_MS);
+        const check = await partitionRecheckPartition(client, step.target, retirement, step.run.cutoff);
         if (check.failing > 0) throw new RecheckFailed(`${check.failing} of ${check.rows} row(s) no longer pass (a hold, the guard, the expiry) at the re-check: not detached`);
+        await partitionDetachInTransaction(client, retirement);
         return quarantine(step, retirement, check);
       });
       return outcome;

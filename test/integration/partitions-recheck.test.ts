@@ -45,7 +45,7 @@ describe('partitions: a hold placed after the classification wins', () => {
     await bed.pool.query(`INSERT INTO cleanup_holds (policy, key, reason, created_by) VALUES ('day-events', $1, 'late hold', 'test')`, [key]);
   };
 
-  async function retireWithLateHold(beforeFirstDetach: (partition: string) => Promise<void> = lateHold): Promise<Array<{ source_name: string; state: string; reason: string | null }>> {
+  async function retireWithLateHold(beforeFirstDetach: (partition: string) => Promise<void> = lateHold, pool: pg.Pool = scheduler): Promise<Array<{ source_name: string; state: string; reason: string | null }>> {
     const policy = loadPolicies(bed.env().policiesPath).get('day-events')!;
     assert.ok(retiresPartitions(policy));
     const target = await targetResolve(scheduler, policy);
@@ -53,7 +53,7 @@ describe('partitions: a hold placed after the classification wins', () => {
     const placed: string[] = [];
     await retirePartitions(
       {
-        pool: scheduler,
+        pool,
         log: testLog,
         stillClaimed: () => true,
         beforeDetach: async (partition) => {
@@ -84,7 +84,7 @@ describe('partitions: a hold placed after the classification wins', () => {
     assert.deepEqual(states.slice(1).map((row) => row.state), ['quarantined', 'quarantined']);
   });
 
-  test('plain DETACH behind a reader: at most lock_timeout 1 s, 3 attempts, then the partition is kept for the row path', async () => {
+  test('plain DETACH behind a reader: lock_timeout 150 ms, 8 attempts, then the partition is kept for the row path', async () => {
     const reader = await bed.pool.connect();
     try {
       const started = Date.now();
@@ -94,12 +94,37 @@ describe('partitions: a hold placed after the classification wins', () => {
       });
       const tookMs = Date.now() - started;
       assert.deepEqual(states.map((row) => [row.source_name, row.state]), [['p_old_a', 'kept']]);
-      assert.match(states[0]!.reason!, /DETACH did not get its lock within 1000 ms, 3 time\(s\): left to the row path/);
-      assert.ok(tookMs >= 3_000 && tookMs < 10_000, `bounded: 3 waits of 1 s and two backoffs (${tookMs} ms)`);
+      assert.match(states[0]!.reason!, /DETACH did not get its lock within 150 ms, 8 time\(s\): left to the row path/);
+      assert.ok(tookMs >= 8 * 150 + 1_400 && tookMs < 8_000, `bounded: 8 waits of 150 ms and 7 growing pauses of 1.4 s in all (${tookMs} ms)`);
       assert.ok((await attachedNames()).includes('p_old_a'));
     } finally {
       await reader.query('ROLLBACK').catch(() => undefined);
       reader.release();
+    }
+  });
+
+  test('plain DETACH behind a writer of the partition: the parent is never locked ACCESS EXCLUSIVE while the partition is waited for', async () => {
+    const writer = await bed.pool.connect();
+    let polling = true;
+    let seen = 0;
+    const poller = (async () => {
+      while (polling) {
+        const held = await bed.pool.query(`SELECT 1 FROM pg_locks WHERE relation = 'events_by_day'::regclass AND mode = 'AccessExclusiveLock'`);
+        seen += held.rowCount ?? 0;
+      }
+    })();
+    try {
+      const states = await retireWithLateHold(async () => {
+        await writer.query('BEGIN');
+        await writer.query('LOCK TABLE ONLY p_old_a IN ROW EXCLUSIVE MODE'); // an insert into that partition, not committed
+      });
+      assert.deepEqual(states.map((row) => [row.source_name, row.state]), [['p_old_a', 'kept']]);
+      assert.equal(seen, 0, 'the parent was locked ACCESS EXCLUSIVE (queueing every query of the table) while the partition was waited for');
+    } finally {
+      polling = false;
+      await poller;
+      await writer.query('ROLLBACK').catch(() => undefined);
+      writer.release();
     }
   });
 
@@ -111,5 +136,23 @@ describe('partitions: a hold placed after the classification wins', () => {
     assert.match(states[0]!.reason!, /1 of 6 row\(s\) no longer pass .* at the re-check: attached again/);
     assert.ok((await attachedNames()).includes('p_old_a'));
     assert.equal((await bed.pool.query<{ n: number }>('SELECT count(*)::int AS n FROM events_by_day WHERE id BETWEEN 2001 AND 2006')).rows[0]!.n, 6, 'every row back in the table');
+  });
+
+  test('DETACH ... CONCURRENTLY behind an old transaction, lock timeout (55P03): left detaching for the next run, the run goes on', async () => {
+    // After the test above: no default partition. The scheduler's sessions have a lock_timeout (a DBA's setting).
+    const timed = new pg.Pool({ connectionString: bed.as(bed.env(), 'scheduler').databaseUrl, max: 2, options: '-c lock_timeout=200' });
+    const reader = await bed.pool.connect();
+    try {
+      const states = await retireWithLateHold(async () => {
+        await reader.query('BEGIN');
+        await reader.query('SELECT count(*) FROM events_by_day'); // an old transaction that uses the table
+      }, timed);
+      assert.ok(states.length >= 1, JSON.stringify(states));
+      assert.ok(states.every((row) => row.state === 'detaching'), JSON.stringify(states));
+    } finally {
+      await reader.query('ROLLBACK').catch(() => undefined);
+      reader.release();
+      await timed.end();
+    }
   });
 });

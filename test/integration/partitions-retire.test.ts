@@ -1,15 +1,9 @@
 import assert from 'node:assert/strict';
 import { describe, test } from 'node:test';
-import { loadPolicies } from '../../shared/config/policies';
 import { partitionRetiredRoutingKey, type PartitionRetiredEventV1 } from '../../shared/contracts/expiry-event';
 import { outboxClaimOldest } from '../../shared/db/queries/outbox';
-import { runsGetSummary, runsInsertIfAbsent } from '../../shared/db/queries/runs';
-import { startScheduler } from '../../services/scheduler/scheduler';
-import { startWorker } from '../../services/worker/worker';
-import { eventually } from '../support/eventually';
-import { testLog } from '../support/fixtures';
 import { runReaperCli } from '../support/processes';
-import { HELD_ID, OUT_OF_GUARD_ID, partitionedPolicyYaml, partitionedSuite } from '../support/partitioned';
+import { HELD_ID, OUT_OF_GUARD_ID, partitionedPolicyYaml, partitionedSuite, runDayEventsUntilEnded } from '../support/partitioned';
 
 /**
  * Issue 44 steps 3 and 4, as deployed (the scheduler and the worker log in as their printed roles;
@@ -23,18 +17,9 @@ describe('partitions: retiring', () => {
   const world = partitionedSuite('partitions_retire');
 
   async function runToCompletion(): Promise<string> {
-    const env = world.bed.env();
-    const policies = loadPolicies(env.policiesPath);
-    const scheduler = await startScheduler(world.bed.as(env, 'scheduler'), policies, testLog);
-    const worker = await startWorker(world.bed.as(env, 'worker'), policies, testLog);
-    try {
-      const run = (await runsInsertIfAbsent(world.bed.pool, { policy: 'day-events', trigger: 'manual', scheduledFor: null, cutoff: null }))!;
-      await eventually('the run completed', async () => (await runsGetSummary(world.bed.pool, run.runId))?.state === 'completed', { timeoutMs: 30_000 });
-      return run.runId;
-    } finally {
-      await scheduler.stop();
-      await worker.stop();
-    }
+    const run = await runDayEventsUntilEnded(world.bed);
+    assert.equal(run.state, 'completed', run.error ?? '');
+    return run.runId;
   }
 
   const attached = async () =>

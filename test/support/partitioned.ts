@@ -1,5 +1,11 @@
 import { after, before } from 'node:test';
 import pg from 'pg';
+import { loadPolicies } from '../../shared/config/policies';
+import { runsInsertIfAbsent } from '../../shared/db/queries/runs';
+import { startScheduler } from '../../services/scheduler/scheduler';
+import { startWorker } from '../../services/worker/worker';
+import { eventually } from './eventually';
+import { testLog } from './fixtures';
 import { assertNoLeakedProcesses } from './processes';
 import { findServers } from './servers';
 import { makeTestBed, type TestBed } from './testbed';
@@ -114,4 +120,25 @@ export function partitionedSuite(label: string, setup: (bed: TestBed) => Promise
     if (owner) await dropPartitionOwner((await findServers()).databaseUrl, owner);
   });
   return world as { bed: TestBed };
+}
+
+/**
+ * One manual run of `day-events` with the scheduler and the worker as their printed roles, until
+ * it ends (completed or failed): its id and final state.
+ */
+export async function runDayEventsUntilEnded(bed: TestBed): Promise<{ runId: string; state: string; error: string | null }> {
+  const env = bed.env();
+  const policies = loadPolicies(env.policiesPath);
+  const scheduler = await startScheduler(bed.as(env, 'scheduler'), policies, testLog);
+  const worker = await startWorker(bed.as(env, 'worker'), policies, testLog);
+  try {
+    const run = (await runsInsertIfAbsent(bed.pool, { policy: 'day-events', trigger: 'manual', scheduledFor: null, cutoff: null }))!;
+    const ended = async () => (await bed.pool.query<{ state: string; error: string | null }>(`SELECT state, error FROM cleanup_runs WHERE run_id = $1 AND state IN ('completed', 'failed')`, [run.runId])).rows[0];
+    await eventually('the run ended', async () => (await ended()) !== undefined, { timeoutMs: 30_000 });
+    const row = (await ended())!;
+    return { runId: run.runId, state: row.state, error: row.error };
+  } finally {
+    await scheduler.stop();
+    await worker.stop();
+  }
 }

@@ -1,4 +1,5 @@
 import type { Db } from '../pool';
+import pg from 'pg';
 import { quoteIdentifier } from '../pool';
 import { expiringRowsExpiredSql } from './expiring-rows';
 import { outboxInsertPartitionRetired } from './outbox';
@@ -261,8 +262,13 @@ export async function partitionWhereabouts(db: Db, retirement: Pick<PartitionRet
   return row.retired !== null ? 'retired' : 'missing';
 }
 
-const sourceOf = (retirement: Pick<PartitionRetirement, 'sourceSchema' | 'sourceName'>) => `${quoteIdentifier(retirement.sourceSchema)}.${quoteIdentifier(retirement.sourceName)}`;
-const retiredOf = (retirement: Pick<PartitionRetirement, 'retiredName'>) => `${quoteIdentifier(RETIRED_SCHEMA)}.${quoteIdentifier(retirement.retiredName)}`;
+/**
+ * Schema and name quoted each as ONE identifier (pg.escapeIdentifier): a partition's name may hold
+ * dots or hyphens ("ev.2026.01.01"), which quoteIdentifier would split into a qualified name.
+ */
+const name = (identifier: string) => pg.escapeIdentifier(identifier);
+const sourceOf = (retirement: Pick<PartitionRetirement, 'sourceSchema' | 'sourceName'>) => `${name(retirement.sourceSchema)}.${name(retirement.sourceName)}`;
+const retiredOf = (retirement: Pick<PartitionRetirement, 'retiredName'>) => `${name(RETIRED_SCHEMA)}.${name(retirement.retiredName)}`;
 
 /**
  * DETACH PARTITION ... CONCURRENTLY: never inside a transaction block (PostgreSQL runs it as two
@@ -279,23 +285,32 @@ export async function partitionDetachFinalize(db: Db, retirement: PartitionRetir
 }
 
 /**
- * Plain DETACH (ACCESS EXCLUSIVE on the parent) inside the caller's transaction, waiting at most
- * `lockTimeoutMs` for its locks: a reader holding the table makes it fail fast (55P03), never
- * queue every later query of the table behind it for long.
+ * First step of the plain DETACH's transaction: SHARE on the partition alone (ONLY it: reads of the
+ * table go on, writes into this partition wait), waiting at most `lockTimeoutMs` for it and, as the
+ * setting stays for the transaction, for the DETACH's locks after it: a reader holding the table
+ * makes them fail fast (55P03) instead of queueing every later query of the table behind them.
  */
-export async function partitionDetachInTransaction(db: Db, retirement: PartitionRetirement, lockTimeoutMs: number): Promise<void> {
+export async function partitionLockForPlainDetach(db: Db, retirement: PartitionRetirement, lockTimeoutMs: number): Promise<void> {
   await db.query(`SELECT set_config('lock_timeout', $1, true)`, [`${Math.max(1, Math.round(lockTimeoutMs))}ms`]);
+  await db.query(`LOCK TABLE ONLY ${sourceOf(retirement)} IN SHARE MODE`);
+}
+
+/**
+ * Plain DETACH (ACCESS EXCLUSIVE on the parent) inside the caller's transaction, taken after the
+ * re-check so that the parent's lock is held only for the DDL and the COMMIT.
+ */
+export async function partitionDetachInTransaction(db: Db, retirement: PartitionRetirement): Promise<void> {
   await db.query(`ALTER TABLE ${retirement.parentTable} DETACH PARTITION ${sourceOf(retirement)}`);
+}
+
+/** The re-check of the partition (ONLY it, by its own name, attached or not), with the checksum of its identities. */
+export function partitionRecheckPartition(db: Db, target: ResolvedTarget, retirement: PartitionRetirement, cutoff: string): Promise<PartitionRowCheck & { checksum: string }> {
+  return partitionRowsCheckWithChecksum(db, target, sourceOf(retirement), cutoff);
 }
 
 /** Takes the detached table's lock for the re-check (inside the transaction that moves it). */
 export async function partitionLockDetached(db: Db, retirement: PartitionRetirement): Promise<void> {
   await db.query(`LOCK TABLE ${sourceOf(retirement)} IN ACCESS EXCLUSIVE MODE`);
-}
-
-/** The re-check of the detached table (ONLY it, by its own name), with the checksum of its identities. */
-export function partitionRecheckDetached(db: Db, target: ResolvedTarget, retirement: PartitionRetirement, cutoff: string): Promise<PartitionRowCheck & { checksum: string }> {
-  return partitionRowsCheckWithChecksum(db, target, sourceOf(retirement), cutoff);
 }
 
 /**
@@ -317,7 +332,7 @@ export async function partitionQuarantine(
     [retirement.retirementId, outcome.rows, outcome.checksum, outcome.quarantineDays],
   );
   if (updated.rowCount !== 1) return false;
-  await db.query(`ALTER TABLE ${sourceOf(retirement)} SET SCHEMA ${quoteIdentifier(RETIRED_SCHEMA)}`);
+  await db.query(`ALTER TABLE ${sourceOf(retirement)} SET SCHEMA ${name(RETIRED_SCHEMA)}`);
   if (outcome.audit) {
     await db.query(
       `INSERT INTO cleanup_audit (policy, key, observed_expiry, run_id, policy_version, outcome, row_count, partition_bound, key_checksum)
@@ -354,7 +369,21 @@ export async function partitionKeep(db: Db, retirement: PartitionRetirement, rea
 }
 
 /** Attaches a detached (not yet moved) partition back where it was, with its bound (the re-check failed). */
+/**
+ * A range bound as pg_get_expr prints it (quoted literals, MINVALUE/MAXVALUE, nothing else): the
+ * stored `bound` is pasted into ATTACH, so text of any other shape (a row edited by hand) is refused.
+ */
+const RANGE_BOUND = /^FOR VALUES FROM \((?:'(?:[^']|'')*'|MINVALUE)\) TO \((?:'(?:[^']|'')*'|MAXVALUE)\)$/;
+
+/** Why a stored retirement's DDL text may not be used for `table` (the policy's resolved table), or null. */
+export function partitionStoredTextRefused(retirement: Pick<PartitionRetirement, 'parentTable' | 'bound'>, table: string): string | null {
+  if (retirement.parentTable !== table) return `parent_table ${JSON.stringify(retirement.parentTable)} is not the policy's table ${table}`;
+  if (!RANGE_BOUND.test(retirement.bound)) return `bound ${JSON.stringify(retirement.bound)} is not a range bound as PostgreSQL prints it`;
+  return null;
+}
+
 export async function partitionAttachBack(db: Db, retirement: PartitionRetirement): Promise<void> {
+  if (!RANGE_BOUND.test(retirement.bound)) throw new Error(`cleanup_partitions.bound ${JSON.stringify(retirement.bound)} of ${retirement.retiredName} is not a range bound as PostgreSQL prints it: not attached`);
   await db.query(`ALTER TABLE ${retirement.parentTable} ATTACH PARTITION ${sourceOf(retirement)} ${retirement.bound}`);
 }
 
@@ -364,20 +393,37 @@ export async function partitionAttachBack(db: Db, retirement: PartitionRetiremen
  * its table dropped in the same transaction. A crash before COMMIT drops nothing and changes no
  * state; after it, the state says dropped. Null when none is due.
  */
-export async function partitionDropOneDue(db: Db, policy: string): Promise<PartitionRetirement | null> {
+export type PartitionDropOutcome = { kind: 'dropped'; retirement: PartitionRetirement } | { kind: 'not-dropped'; retirement: PartitionRetirement; reason: string };
+
+/**
+ * Drops the oldest quarantined retirement of `policy` whose quarantine is over, leaving out the
+ * ids in `skip` (the ones this run could not drop). A DROP the database refuses (2BP01: a view
+ * depends on the table; 42501; a lock timeout) is rolled back to a savepoint taken before the
+ * state change: the retirement stays quarantined and the refusal is returned, never thrown, so one
+ * undroppable table cannot fail every run of its policy. Null when none is due.
+ */
+export async function partitionDropOneDue(db: Db, policy: string, skip: readonly string[] = []): Promise<PartitionDropOutcome | null> {
+  await db.query('SAVEPOINT reaper_partition_drop');
   const due = await db.query<RetirementRow>(
     `UPDATE cleanup_partitions SET state = 'dropped', updated_at = clock_timestamp()
      WHERE retirement_id = (SELECT retirement_id FROM cleanup_partitions WHERE policy = $1 AND state = 'quarantined' AND quarantine_until <= clock_timestamp()
+                              AND NOT (retirement_id::text = ANY ($2::text[]))
                             ORDER BY retirement_id LIMIT 1 FOR UPDATE SKIP LOCKED)
        AND state = 'quarantined'
      RETURNING ${RETIREMENT_COLUMNS}`,
-    [policy],
+    [policy, skip],
   );
   const row = due.rows[0];
   if (!row) return null;
   const retirement = toRetirement(row);
-  await db.query(`DROP TABLE IF EXISTS ${retiredOf(retirement)}`);
-  return retirement;
+  try {
+    await db.query(`DROP TABLE IF EXISTS ${retiredOf(retirement)}`);
+  } catch (error) {
+    if (!(error instanceof pg.DatabaseError)) throw error;
+    await db.query('ROLLBACK TO SAVEPOINT reaper_partition_drop');
+    return { kind: 'not-dropped', retirement, reason: `database error ${error.code ?? ''}: ${error.message}` };
+  }
+  return { kind: 'dropped', retirement };
 }
 
 /**
@@ -416,7 +462,7 @@ export async function partitionRestore(db: Db, retiredName: string): Promise<Par
     [retirement.parentTable, retirement.lowerBound, retirement.upperBound],
   );
   if (overlapping.rows.length > 0) return { kind: 'overlaps', partitions: overlapping.rows.map((entry) => entry.name) };
-  await db.query(`ALTER TABLE ${retiredOf(retirement)} SET SCHEMA ${quoteIdentifier(retirement.sourceSchema)}`);
+  await db.query(`ALTER TABLE ${retiredOf(retirement)} SET SCHEMA ${name(retirement.sourceSchema)}`);
   await partitionAttachBack(db, retirement);
   await db.query(`UPDATE cleanup_partitions SET state = 'restored', updated_at = clock_timestamp() WHERE retirement_id = $1 AND state = 'quarantined'`, [retirement.retirementId]);
   return { kind: 'restored', retirement };
