@@ -72,11 +72,15 @@ async function main() {
   const reporters = [`--test-reporter=${process.stdout.isTTY ? 'spec' : 'tap'}`, '--test-reporter-destination=stdout', `--test-reporter=${path.join(root, 'test', 'slowest-reporter.mjs')}`, `--test-reporter-destination=${timings}`];
   const userReporter = flags.some((flag) => flag.startsWith('--test-reporter'));
   const byFile = new Map();
+  // Each group's wall time, printed at the end (issue 43 item 4 measures npm test's time by them).
+  const groupSeconds = [];
   for (const [group, atOnce] of [[parallel, concurrency], [serial, 1]]) {
     if (group.length === 0) continue;
     rmSync(timings, { force: true });
+    const groupStarted = Date.now();
     const result = spawnSync(process.execPath, [...preload, '--test', `--test-concurrency=${atOnce}`, ...(userReporter ? [] : reporters), ...flags, ...group], { cwd: root, stdio: 'inherit', env });
     if (result.status !== 0) status = result.status ?? 1;
+    groupSeconds.push(`${atOnce === 1 && group === serial ? 'serial' : 'parallel'} ${((Date.now() - groupStarted) / 1000).toFixed(0)} s (${group.length} files)`);
     let lines = [];
     try {
       lines = readFileSync(timings, 'utf8').split('\n').filter(Boolean);
@@ -93,6 +97,7 @@ async function main() {
     console.log(`# slowest files (seconds, each file start to end; ${concurrency} run at once in the parallel group):`);
     for (const [file, ms] of slowest) console.log(`#   ${(ms / 1000).toFixed(1).padStart(6)}  ${path.relative(dist, file)}`);
   }
+  if (groupSeconds.length > 0) console.log(`# wall time: ${groupSeconds.join(', ')}`);
   let skips = [];
   try {
     skips = readFileSync(skipLog, 'utf8').split('\n').filter(Boolean);
