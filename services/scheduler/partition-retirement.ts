@@ -17,6 +17,8 @@ import {
   partitionRetirementsOpen,
   partitionStoredTextRefused,
   partitionsList,
+  partitionsPolicyLockTry,
+  partitionsPolicyUnlock,
   partitionWhereabouts,
   type PartitionRetirement,
 } from '../../shared/db/queries/partitions';
@@ -45,7 +47,6 @@ import { partitionsClassify } from '../../shared/partitions/classify';
  * state change is conditional anyway, so neither drops a partition twice nor loses one.
  */
 
-/** Plain DETACH: how long it may wait for its locks, and how many times it tries. */
 /**
  * Plain DETACH: how long it may wait for its locks, and how many times it tries. A DETACH queued
  * behind a reader blocks the table's later queries while it waits: at most 150 ms each time
@@ -87,7 +88,7 @@ export async function retirePartitions(
   const client = await deps.pool.connect();
   let locked = false;
   try {
-    locked = (await client.query<{ locked: boolean }>(`SELECT pg_try_advisory_lock(hashtext('reaper-partitions'), hashtext($1)) AS locked`, [policy.name])).rows[0]!.locked;
+    locked = await partitionsPolicyLockTry(client, policy.name);
     if (!locked) {
       deps.log.info('another scheduler is retiring partitions of this policy: this run leaves them to it');
       return { retiredRows: await partitionRetiredRowsOfRun(client, run.runId) };
@@ -144,7 +145,7 @@ export async function retirePartitions(
     }
     return { retiredRows: await partitionRetiredRowsOfRun(client, run.runId) };
   } finally {
-    if (locked) await client.query(`SELECT pg_advisory_unlock(hashtext('reaper-partitions'), hashtext($1))`, [policy.name]).catch(() => undefined);
+    if (locked) await partitionsPolicyUnlock(client, policy.name).catch(() => undefined);
     client.release();
   }
 }

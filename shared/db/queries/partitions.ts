@@ -489,3 +489,15 @@ export async function partitionRetirePrivilegesMissing(db: Db, target: Pick<Reso
   else if (!row.can_create) missing.push(`GRANT USAGE, CREATE ON SCHEMA ${RETIRED_SCHEMA} TO current role`);
   return missing;
 }
+
+/**
+ * The session advisory lock that lets one scheduler at a time retire a policy's partitions (held on
+ * the connection that runs the DDL: a killed scheduler's backend keeps it until its statement ends).
+ */
+export async function partitionsPolicyLockTry(db: Db, policy: string): Promise<boolean> {
+  return (await db.query<{ locked: boolean }>(`SELECT pg_try_advisory_lock(hashtext('reaper-partitions'), hashtext($1)) AS locked`, [policy])).rows[0]!.locked;
+}
+
+export async function partitionsPolicyUnlock(db: Db, policy: string): Promise<void> {
+  await db.query(`SELECT pg_advisory_unlock(hashtext('reaper-partitions'), hashtext($1))`, [policy]);
+}
