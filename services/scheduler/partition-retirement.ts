@@ -1,6 +1,6 @@
 import type { Logger } from 'pino';
 import { eventsEnabled, type RowDeletePolicy } from '../../shared/config/policies';
-import type { Client as PoolClient, Pool } from '../../shared/db/pool';
+import { transactionOn, type Client as PoolClient, type Pool } from '../../shared/db/pool';
 import {
   partitionAttachBack,
   partitionDetachConcurrently,
@@ -278,16 +278,8 @@ async function quarantine(step: StepContext, retirement: PartitionRetirement, ch
   return check.rows;
 }
 
-/** BEGIN ... COMMIT on the retirement's own connection; ROLLBACK on any error (rethrown). `point`: the crash test's failpoint before COMMIT. */
+/** One transaction on the retirement's own connection (it holds the policy's advisory lock). `point`: the crash test's failpoint before COMMIT, when the work did something. */
 async function inTransaction<T>(client: PoolClient, work: () => Promise<T>, point: 'partition-before-commit' | 'partition-drop-before-commit' = 'partition-before-commit'): Promise<T> {
-  await client.query('BEGIN');
-  try {
-    const result = await work();
-    if (result !== null) failpoint(point);
-    await client.query('COMMIT');
-    return result;
-  } catch (error) {
-    await client.query('ROLLBACK').catch(() => undefined);
-    throw error;
-  }
+  let result: T | null = null;
+  return transactionOn(client, async () => (result = await work()), { beforeCommit: () => result !== null && failpoint(point) });
 }

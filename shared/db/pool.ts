@@ -131,6 +131,23 @@ export async function withTransaction<T>(
   const client = await pool.connect();
   let broken = false;
   try {
+    return await transactionOn(client, work, { ...hooks, onBroken: () => (broken = true) });
+  } finally {
+    client.release(broken);
+  }
+}
+
+/**
+ * One transaction on a client the caller holds (withTransaction's, or a connection kept for its
+ * session advisory lock: partition retirement). `onBroken`: the connection cannot be used again
+ * (the caller discards it).
+ */
+export async function transactionOn<T, C extends pg.ClientBase>(
+  client: C,
+  work: (client: C) => Promise<T>,
+  hooks: { beforeCommit?: () => void; planCacheMode?: typeof ROW_DELETE_PLAN_CACHE_MODE; onBroken?: () => void } = {},
+): Promise<T> {
+  try {
     // One simple-protocol message either way: the SET LOCAL costs no extra round trip.
     await client.query(hooks.planCacheMode ? `BEGIN; SET LOCAL plan_cache_mode = ${hooks.planCacheMode}` : 'BEGIN');
     const result = await work(client);
@@ -141,18 +158,16 @@ export async function withTransaction<T>(
     if (connectionLost(error)) {
       // The link itself is gone or stalled: a ROLLBACK on it would wait out the client's query
       // bound a second time. The server rolls back when the connection closes; discard the client.
-      broken = true;
+      hooks.onBroken?.();
       throw error;
     }
     try {
       await client.query('ROLLBACK');
     } catch {
       // The connection itself failed: hand the client back as broken so the pool discards it.
-      broken = true;
+      hooks.onBroken?.();
     }
     throw error;
-  } finally {
-    client.release(broken);
   }
 }
 
