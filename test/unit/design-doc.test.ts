@@ -2,6 +2,7 @@ import assert from 'node:assert/strict';
 import { existsSync, readdirSync, readFileSync } from 'node:fs';
 import path from 'node:path';
 import { test } from 'node:test';
+import { parsePolicies } from '../../shared/config/policies';
 
 /**
  * The design the code cites lives in the repository (issue 13 item 9): docs/design.md exists with
@@ -54,4 +55,16 @@ test('the README links docs/design.md, and every test file its "Tests" section n
   const named = [...new Set([...tests.matchAll(/`((?:unit|integration|faults)\/[\w.-]+\.test\.ts)`/g)].map((m) => m[1]!))];
   assert.ok(named.length >= 10, `the table names the tests (${named.length})`);
   assert.deepEqual(named.filter((file) => !existsSync(path.join(root, 'test', file))), [], 'named test files exist');
+});
+
+test('every policies example in README.md and docs/configuration.md is a valid policies file (the validator reads it as a deployment would)', () => {
+  let examples = 0;
+  for (const file of ['README.md', 'docs/configuration.md']) {
+    for (const [, yaml] of read(file).matchAll(/```yaml\n(policies:\n[\s\S]*?)```/g)) {
+      examples++;
+      const names = [...parsePolicies(yaml!, file, { MEDIA_API_URL: 'http://127.0.0.1:8081' }, () => 'secret').keys()];
+      assert.ok(names.length >= 2, `${file}: an example with ${names.length} policies`);
+    }
+  }
+  assert.ok(examples >= 2, `README.md and docs/configuration.md each show a policies file (found ${examples})`);
 });
