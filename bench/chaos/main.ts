@@ -39,6 +39,7 @@ import { brokerNames } from '../../shared/amqp/topology';
 import { openTestBroker } from '../../test/support/broker';
 import { startMediaApi, type MediaApi } from '../../tools/media-api/server';
 import { runReaperCli, startReaper, type ReaperProcess } from '../../test/support/processes';
+import { prng } from '../../test/support/prng';
 import { rabbitmqctl } from '../../test/support/rabbitmqctl';
 import { eventViolations, formatChecker, measureRecovery, runChecker, type Recovery } from '../../test/support/run-checks';
 import { ensurePostgresUp, restartPostgresImmediately, restoreMemoryWatermark, setMemoryWatermark } from '../../test/support/server-control';
@@ -89,18 +90,6 @@ const SERVER_FAULT_GAP_MS = 90_000;
 const HEARTBEAT_S = 2;
 const STATEMENT_TIMEOUT_MS = 3_000;
 const REMOTE_LEASE_MS = 12_000; // the least a 2 s remote timeout allows (timeout + 10 s)
-
-/** mulberry32: a small seeded PRNG, so `--seed` replays the same schedule. */
-function prng(seed: number): () => number {
-  let a = seed >>> 0;
-  return () => {
-    a = (a + 0x6d2b79f5) >>> 0;
-    let t = a;
-    t = Math.imul(t ^ (t >>> 15), t | 1);
-    t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
-    return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
-  };
-}
 
 interface FaultRecord {
   at: number;

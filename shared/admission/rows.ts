@@ -1,23 +1,25 @@
 import { Gauge, type Registry } from 'prom-client';
 import type { RowDeletePolicy } from '../config/policies';
 import type { Db, Pool } from '../db/pool';
-import { admissionOthersSample, admissionRowsEnsure, admissionRowsSlotTry, admissionRowsTake, type AdaptiveRowsState, type AdaptiveRowsTake } from '../db/queries/admission';
+import { admissionOthersSample, admissionRowsEnsure, admissionRowsSlotTry, admissionRowsTake, type AdaptiveRowsTake } from '../db/queries/admission';
 import { replicationLagRead, replicationLagReadable } from '../db/queries/replication';
 import {
-  adaptiveStartRate,
-  adaptRate,
   ADAPTIVE,
-  latencyObserve,
-  loadPressureOf,
-  lookStartRate,
-  NO_READING,
-  othersLooked,
-  othersObserve,
-  presenceLooked,
-  pressureOf,
-  statementRows,
+  adaptiveStartRate,
+  afterAdmitted,
+  afterLook,
+  afterStatement,
+  afterTake,
+  lookAdd,
   lookDone,
-  type LatencyReading,
+  lookDue,
+  NEW_WORKER,
+  NO_LOOK,
+  NO_READING,
+  statementRows,
+  takeToSend,
+  workerAlone,
+  type WorkerView,
 } from './adaptive';
 import { overrideFor, pausedFor, rowAdmissionWith, type RowAdmission } from './overrides';
 
@@ -31,7 +33,8 @@ import { overrideFor, pausedFor, rowAdmissionWith, type RowAdmission } from './o
  * Adaptive admission (issue 18, on unless `admission: { adaptive: false }`): the bucket's rate is
  * the shared adaptive rate kept in the same row (at most rowsPerSecond when set), stepped by the
  * control law in adaptive.ts from what each worker sees of its own statements (noteRowStatement)
- * and of the other backends' waits (read by the take itself).
+ * and of the other backends' waits (read by the take itself). This file does the I/O and applies
+ * what the pure worker view (adaptive-worker.ts) decides; the SQL is in db/queries/admission.ts.
  */
 
 /** Longest wait between two asks while the bucket is empty, the policy paused or the brake on. */
@@ -179,18 +182,14 @@ export function adaptiveAdmission(policy: RowDeletePolicy): boolean {
   return policy.admission?.adaptive !== false;
 }
 
-/** One worker's view of the adaptive rate, per pool and policy: its reading of its statements, and the shared state its last take saw. */
-interface Observer {
-  reading: LatencyReading;
-  seen: { state: AdaptiveRowsState; at: number } | null;
-  /** While reaper has the database to itself: groups until then are admitted without a statement (see hasDatabaseAlone). */
-  aloneUntil: number;
-  /** When this worker last took (its clock); null before the first. Stale after ADAPTIVE.restartAfterSeconds: it looks first. */
-  lastTakeAt: number | null;
+/**
+ * One worker's view of the adaptive rate, per pool and policy (adaptive-worker.ts), kept as one
+ * object that the pure functions' changes are applied to (Object.assign), so that concurrent
+ * admissions and statements of the worker see each other's changes; and the start look under way.
+ */
+interface Observer extends WorkerView {
   /** The start look under way (concurrent admissions of one worker wait for the one look). */
   looking: Promise<void> | null;
-  /** A start look's rate (lookStartRate: the floor when busy, graded in the hold band), for the next take to set; null once taken, or when the look was quiet. */
-  looked: { rate: number; othersPressure: number; busy: boolean } | null;
 }
 const observers = new WeakMap<Pool, Map<string, Observer>>();
 
@@ -198,7 +197,7 @@ function observerFor(pool: Pool, policy: string): Observer {
   let byPolicy = observers.get(pool);
   if (!byPolicy) observers.set(pool, (byPolicy = new Map()));
   let observer = byPolicy.get(policy);
-  if (!observer) byPolicy.set(policy, (observer = { reading: NO_READING, seen: null, aloneUntil: 0, lastTakeAt: null, looking: null, looked: null }));
+  if (!observer) byPolicy.set(policy, (observer = { ...NEW_WORKER, looking: null }));
   return observer;
 }
 
@@ -210,7 +209,7 @@ function observerFor(pool: Pool, policy: string): Observer {
 export function noteRowStatement(pool: Pool, policy: RowDeletePolicy, sample: { ms: number; rows: number; at?: number }): void {
   if (!adaptiveAdmission(policy)) return;
   const observer = observerFor(pool, policy.name);
-  observer.reading = latencyObserve(observer.reading, { ms: sample.ms, rows: sample.rows, at: sample.at ?? performance.now() });
+  Object.assign(observer, afterStatement(observer, { ms: sample.ms, rows: sample.rows, at: sample.at ?? performance.now() }));
 }
 
 /**
@@ -232,31 +231,6 @@ export function maxRowsPerStatement(pool: Pool, policy: RowDeletePolicy, inForce
 }
 
 /**
- * The adaptive part of a take: a step proposal when the last step (of any worker) is at least
- * ADAPTIVE.stepMs old and this worker has a new statement to judge by; the take stores it only if
- * no other worker stepped since (adapted_at).
- */
-function adaptiveTake(observer: Observer, ceiling: number | null, at: number, alone: boolean): AdaptiveRowsTake {
-  const looked = observer.looked;
-  if (looked) {
-    // The first take after a look that was not quiet starts a new rate, or one from another moment, at the look's rate.
-    observer.looked = null;
-    return { startRate: looked.rate, proposal: null, restart: { staleSeconds: ADAPTIVE.restartAfterSeconds, pressure: looked.othersPressure } };
-  }
-  const startRate = adaptiveStartRate(ceiling);
-  const seen = observer.seen;
-  const pressure = pressureOf(observer.reading);
-  // Alone (hasDatabaseAlone), the rate is not in force and is left where it is: the probe's own
-  // sample may show another client, and the next take then steps on all it has read since.
-  if (!seen || pressure === null || alone) return { startRate, proposal: null };
-  const elapsedSeconds = seen.state.sinceStepSeconds + Math.max(0, at - seen.at) / 1000;
-  if (elapsedSeconds * 1000 < ADAPTIVE.stepMs) return { startRate, proposal: null };
-  const next = adaptRate({ rate: seen.state.rate, pressure, loadPressure: loadPressureOf(observer.reading), ceiling, elapsedSeconds, admittedRowsPerSecond: seen.state.admittedSinceStep / Math.max(elapsedSeconds, 0.001) });
-  observer.reading = { ...observer.reading, fresh: 0 };
-  return { startRate, proposal: { rate: next.rate, pressure, seenAdaptedAt: seen.state.adaptedAt } };
-}
-
-/**
  * A worker's first admission, or its first after ADAPTIVE.restartAfterSeconds without one (between
  * two runs): it looks at the other clients first (ADAPTIVE.startLookSamples samples of
  * pg_stat_activity, one autocommit statement each, so each reads it afresh; lookDone ends it after
@@ -266,47 +240,18 @@ function adaptiveTake(observer: Observer, ceiling: number | null, at: number, al
  * (0.04 s on a database nobody else uses); concurrent admissions of the worker share the one look.
  */
 async function lookIfStale(pool: Pool, observer: Observer, ceiling: number | null, at: number): Promise<void> {
-  if (observer.lastTakeAt !== null && at - observer.lastTakeAt < ADAPTIVE.restartAfterSeconds * 1000) return;
+  if (!lookDue(observer, at)) return;
   observer.looking ??= (async () => {
-    const sum = { waiting: 0, active: 0, changes: 0, present: 0 };
-    let samples = 0;
-    while (!lookDone(samples, sum)) {
-      if (samples > 0) await new Promise((resolve) => setTimeout(resolve, ADAPTIVE.startLookGapMs));
-      const sample = await admissionOthersSample(pool);
-      samples += 1;
-      sum.waiting += sample.waiting;
-      sum.active += sample.active;
-      sum.changes += sample.changes;
-      if (sample.present > 0) sum.present += 1;
+    let sums = NO_LOOK;
+    while (!lookDone(sums.samples, sums)) {
+      if (sums.samples > 0) await new Promise((resolve) => setTimeout(resolve, ADAPTIVE.startLookGapMs));
+      sums = lookAdd(sums, await admissionOthersSample(pool));
     }
-    const look = { waiting: sum.waiting / samples, active: sum.active / samples, changes: sum.changes / samples };
-    observer.reading = presenceLooked(observer.reading, sum.present / samples);
-    observer.looked = lookStartRate(look, ceiling);
-    if (observer.looked?.busy) observer.reading = othersLooked(observer.reading, look);
-    // Looked: not stale again until another pause, whatever the first take's outcome.
-    observer.lastTakeAt = at;
+    Object.assign(observer, afterLook(observer, sums, ceiling, at));
   })().finally(() => {
     observer.looking = null;
   });
   await observer.looking;
-}
-
-/**
- * Adaptive with no rate set and no brake, while no other client has been seen on the database
- * (presence share below ADAPTIVE.aloneBelow) and the pressure is quiet: an admitted take lets this
- * worker's groups of the next ADAPTIVE.aloneProbeSeconds through without a statement each; the next
- * take after that is the probe that samples the database again. The shared rate is not in force
- * meanwhile and does not step: when another client appears, reaper goes on from the stored rate. There is nobody to be gentle to,
- * and an admission statement per group of a few hundred rows, and the asking again of refused
- * ones, was most of reaper's own cost per row (bench `--only cost`, quick: 3.2 PostgreSQL CPU s per
- * 100k rows with it, 1.35 with adaptive off). Once another client is seen, every group asks again.
- */
-function hasDatabaseAlone(observer: Observer, policy: RowDeletePolicy, admission: RowAdmission): boolean {
-  if (admission.rowsPerSecond !== null || policy.brake?.maxReplicationLagSeconds !== undefined || !observer.seen) return false;
-  const present = observer.reading.othersPresent;
-  if (present === null || present >= ADAPTIVE.aloneBelow) return false;
-  const pressure = pressureOf(observer.reading);
-  return pressure === null || pressure <= ADAPTIVE.raiseBelow;
 }
 
 /**
@@ -403,7 +348,7 @@ async function admitRowsInTurn(
     } else {
       const observer = adaptive ? observerFor(pool, policy.name) : null;
       if (observer) await lookIfStale(pool, observer, admission.rowsPerSecond, now());
-      const alone = observer !== null && hasDatabaseAlone(observer, policy, admission);
+      const alone = observer !== null && workerAlone(observer, { rated: admission.rowsPerSecond !== null, braked: policy.brake?.maxReplicationLagSeconds !== undefined });
       if (alone && observer.aloneUntil > now()) return { admitted: true, admission, waitedMs: performance.now() - started };
       const capacity = Math.max(1, admission.burst);
       let known = ensured.get(pool);
@@ -414,6 +359,12 @@ async function admitRowsInTurn(
       }
       const at = now();
       const unknownBrakes = maxLag !== null && unknownLagBrakes(pool, policy, at);
+      let adaptiveTake: AdaptiveRowsTake | null = null;
+      if (observer) {
+        const { take, next } = takeToSend(observer, admission.rowsPerSecond, at, alone);
+        Object.assign(observer, next);
+        adaptiveTake = take;
+      }
       const take = await admissionRowsTake(pool, {
         policy: policy.name,
         rowsPerSecond: admission.rowsPerSecond,
@@ -422,17 +373,15 @@ async function admitRowsInTurn(
         maxLagSeconds: maxLag,
         standbys,
         unknownBrakes,
-        adaptive: observer ? adaptiveTake(observer, admission.rowsPerSecond, at, alone) : null,
+        adaptive: adaptiveTake,
       });
       if (maxLag !== null) noteUnknownLag(pool, policy.name, take.unknownStandbys, at);
       gauges?.lag.set(take.replicationLagSeconds);
       gauges?.unknown.set(take.unknownStandbys.length);
       gauges?.braked.set({ policy: policy.name }, take.braked ? 1 : 0);
       let rate = admission.rowsPerSecond ?? ADAPTIVE.maxRowsPerSecond;
-      if (observer) observer.lastTakeAt = at;
+      if (observer) Object.assign(observer, afterTake(observer, take.adaptive, at));
       if (observer && take.adaptive) {
-        observer.seen = { state: take.adaptive, at };
-        observer.reading = othersObserve(observer.reading, { waiting: take.adaptive.othersWaiting, active: take.adaptive.othersActive, changes: take.adaptive.othersChanges, present: take.adaptive.othersPresent });
         rate = Math.min(rate, take.adaptive.rate);
         gauges?.latencyRatio.set({ policy: policy.name }, observer.reading.ratio ?? 1);
         gauges?.othersWaiting.set({ policy: policy.name }, observer.reading.othersWaiting ?? 0);
@@ -441,7 +390,7 @@ async function admitRowsInTurn(
       }
       gauges?.rate.set({ policy: policy.name }, rate);
       if (take.admitted) {
-        if (observer) observer.aloneUntil = alone ? now() + ADAPTIVE.aloneProbeSeconds * 1000 : 0;
+        if (observer) Object.assign(observer, afterAdmitted(alone, now()));
         return { admitted: true, admission, waitedMs: performance.now() - started };
       }
       reason = take.braked ? 'replica-lag' : take.paused ? 'paused' : 'throttled';

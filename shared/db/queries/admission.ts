@@ -3,7 +3,7 @@ import type { ResolvedTarget } from './target';
 import { rowHeldSql, stillEligibleSql, type ClaimedOperation } from './ledger';
 import { SERVER_STANDBY_LAG_CTES } from './replication';
 import { prepared } from './prepared';
-import { ADAPTIVE } from '../../admission/adaptive';
+import { ADAPTIVE } from '../../admission/adaptive-constants';
 
 /**
  * Global admission per policy (cleanup_admission): one row, locked for the few milliseconds of a

@@ -1,0 +1,145 @@
+/**
+ * Adaptive row-delete admission (issue 18): the control law, pure. No clock, no database, no state
+ * of its own: from a worker's reading of the database (adaptive-signal.ts) and the shared rate to
+ * the next rate and the size of a statement. docs/design.md "Adaptive row-delete admission" states
+ * the same law; the constants and why they have their values are in adaptive-constants.ts.
+ *
+ *   pressure = max(latency pressure, 1 + 0.5 x others waiting, load)
+ *     latency pressure = 1 + (own latency ratio - 1) x min(1, presence / 0.05)
+ *     load             = max(1 + 6 x others active, 1 + others' state changes/s / 200)
+ *   step (at most one per 250 ms, for all workers):
+ *     pressure <= 1.4  raise: rate x 2^elapsed (at most x 2), not above max(32,000, 2 x admitted rows/s)
+ *     in between       hold (and hold with no new statement to judge by)
+ *     pressure >= 2    back off: rate x 0.7, or x max(0.25, 0.7 x 2 / load) when the load alone is >= 2
+ *   clamped to [min(500, ceiling), ceiling or 10,000,000]
+ *   start: min(32,000, ceiling); a start look whose others' pressure is >= 2 starts at the floor,
+ *     one in the band at a rate graded geometrically from the start rate (1.4) to the floor (2)
+ *   a statement: one batch while others share the database, else what the rate admits in 0.1 s
+ *   alone (presence < 0.005, quiet, no rate set, no brake): no rate, a probe every 0.25 s
+ */
+import { ADAPTIVE } from './adaptive-constants';
+import type { LatencyReading, OthersLook } from './adaptive-signal';
+
+/**
+ * The signal the rate reacts to: 1 is the quiet time; null when this worker has no new statement to
+ * judge by. The latency's excess over the baseline counts in the measure others share the database
+ * (ADAPTIVE.presenceFull); others waiting, and the others' own load (active), count always.
+ */
+export function pressureOf(reading: LatencyReading): number | null {
+  if (reading.fresh === 0 || reading.ratio === null) return null;
+  const shared = reading.othersPresent === null ? 1 : Math.min(1, reading.othersPresent / ADAPTIVE.presenceFull);
+  const latency = 1 + (reading.ratio - 1) * shared;
+  return Math.max(latency, othersPressureOf({ waiting: reading.othersWaiting ?? 0, active: reading.othersActive ?? 0, changes: reading.othersChanges ?? 0 }));
+}
+
+/** The others' part of the pressure: max(1 + waitingPressure x waiting, their load). The take's reading and the start look both use it. */
+export function othersPressureOf(look: OthersLook): number {
+  return Math.max(1 + ADAPTIVE.waitingPressure * look.waiting, othersLoadOf(look.active, look.changes));
+}
+
+/** The others' own load: max(1 + activePressure x active, 1 + changes / changesAtBackOff). */
+function othersLoadOf(active: number, changes: number): number {
+  return Math.max(1 + ADAPTIVE.activePressure * active, 1 + changes / ADAPTIVE.changesAtBackOff);
+}
+
+/** The part of the pressure that is the other clients' own load (their active share, their statement rate); null before the first sample. */
+export function loadPressureOf(reading: LatencyReading): number | null {
+  return reading.othersActive === null ? null : othersLoadOf(reading.othersActive, reading.othersChanges ?? 0);
+}
+
+export type AdaptDecision = 'raise' | 'hold' | 'back-off';
+
+/**
+ * One step of the shared rate. `elapsedSeconds`: since the last step (of any worker);
+ * `admittedRowsPerSecond`: rows admitted per second over that time, by every worker; `ceiling`:
+ * the policy's rowsPerSecond (file or `reaper admission set`), null when none is set;
+ * `loadPressure`: the part of `pressure` that is the other clients' load (loadPressureOf), which
+ * alone makes a back-off step bigger than backOffFactor.
+ */
+export function adaptRate(input: {
+  rate: number;
+  pressure: number | null;
+  loadPressure?: number | null;
+  ceiling: number | null;
+  elapsedSeconds: number;
+  admittedRowsPerSecond: number;
+}): { rate: number; decision: AdaptDecision } {
+  const top = input.ceiling ?? ADAPTIVE.maxRowsPerSecond;
+  const floor = Math.min(top, ADAPTIVE.floorRowsPerSecond);
+  const clamp = (rate: number): number => Math.min(top, Math.max(floor, rate));
+  const { pressure } = input;
+  if (pressure === null || (pressure > ADAPTIVE.raiseBelow && pressure < ADAPTIVE.backOffAbove)) return { rate: clamp(input.rate), decision: 'hold' };
+  if (pressure >= ADAPTIVE.backOffAbove) {
+    const load = input.loadPressure ?? 1;
+    const factor = load >= ADAPTIVE.backOffAbove ? Math.max(ADAPTIVE.backOffFactorLeast, (ADAPTIVE.backOffFactor * ADAPTIVE.backOffAbove) / load) : ADAPTIVE.backOffFactor;
+    return { rate: clamp(input.rate * factor), decision: 'back-off' };
+  }
+  // At baseline: raise, but not past what the workers can use (a rate far above the demand would
+  // take many back-off steps to come down when the database gets busy).
+  const factor = Math.min(ADAPTIVE.raisePerSecond, ADAPTIVE.raisePerSecond ** Math.max(0, input.elapsedSeconds));
+  const demandCap = Math.max(ADAPTIVE.startRowsPerSecond, ADAPTIVE.demandHeadroom * input.admittedRowsPerSecond);
+  return { rate: clamp(Math.max(input.rate, Math.min(input.rate * factor, demandCap))), decision: 'raise' };
+}
+
+/** The rate a policy starts at: the start rate, or the ceiling when lower. */
+export function adaptiveStartRate(ceiling: number | null): number {
+  return ceiling === null ? ADAPTIVE.startRowsPerSecond : Math.min(ceiling, ADAPTIVE.startRowsPerSecond);
+}
+
+/** What a start look decides (lookStartRate). */
+export interface LookStart {
+  rate: number;
+  othersPressure: number;
+  busy: boolean;
+}
+
+/**
+ * What a start look (the means of its samples) does. When the others' part of the pressure is at or
+ * over backOffAbove, where the law would back off, the rate starts at the floor (where backing off
+ * would take it: before the first statement instead of after three steps) and the caller keeps the
+ * look as the worker's reading (othersLooked; `busy`). In the hold band (raiseBelow up to
+ * backOffAbove) the start rate is graded, geometrically from the start rate at raiseBelow down to
+ * the floor at backOffAbove (1.7: about 4,000 rows/s), and the takes' own samples go on deciding
+ * (not busy): an application at 300 statements/s reads about 2 and a look is noisy, so an
+ * all-or-nothing threshold started a run at the start rate in three runs of four, which deleted half
+ * of figure 7's rows in the first three seconds (2026-12-04); a look of 30 statements/s on a slow
+ * machine reads about 1.5 and starts at about 16,000 (half the start rate), and the takes raise it from there when they
+ * read it quiet. Not the floor in the band: a start at the floor would stay there (the law never
+ * raises in the band; 0.09 of the unthrottled rate at 30/s). Below raiseBelow: nothing (null), the
+ * start rate or the stored one.
+ */
+export function lookStartRate(look: OthersLook, ceiling: number | null): LookStart | null {
+  const othersPressure = othersPressureOf(look);
+  if (othersPressure < ADAPTIVE.raiseBelow) return null;
+  const start = adaptiveStartRate(ceiling);
+  const floor = Math.min(start, ADAPTIVE.floorRowsPerSecond);
+  if (othersPressure >= ADAPTIVE.backOffAbove) return { rate: floor, othersPressure, busy: true };
+  const within = (othersPressure - ADAPTIVE.raiseBelow) / (ADAPTIVE.backOffAbove - ADAPTIVE.raiseBelow);
+  return { rate: Math.round(start * (floor / start) ** within), othersPressure, busy: false };
+}
+
+/**
+ * The most rows one deleting statement may take, adaptive with no rate set. Alone on the database,
+ * what the rate admits in ADAPTIVE.statementSeconds (at least one batch): fewer, bigger statements
+ * cost the database less per row. Shared with other clients (or not known yet): one batch. An
+ * application statement that arrives while reaper deletes waits behind that statement's work and
+ * its commit's WAL flush, however low the rate; bench figure 7 (pinned): at about 30,000 rows/s in
+ * statements of 3,000 rows the foreground's p99 was 12.9x its own alone, at a fixed 5,000 rows/s in
+ * statements of one batch (500) 2.9x.
+ */
+export function statementRows(reading: LatencyReading, rate: number, batchSize: number): number {
+  const shared = reading.othersPresent === null || reading.othersPresent >= ADAPTIVE.presenceFull;
+  return shared ? batchSize : Math.max(batchSize, rate * ADAPTIVE.statementSeconds);
+}
+
+/**
+ * Whether reaper has the database to itself (docs/design.md "Alone on the database"): no other
+ * client seen (presence share below ADAPTIVE.aloneBelow) and the pressure quiet. Only with no rate
+ * set and no brake, and once the worker has taken at least once (`taken`); the caller checks those.
+ */
+export function aloneOnDatabase(reading: LatencyReading): boolean {
+  const present = reading.othersPresent;
+  if (present === null || present >= ADAPTIVE.aloneBelow) return false;
+  const pressure = pressureOf(reading);
+  return pressure === null || pressure <= ADAPTIVE.raiseBelow;
+}

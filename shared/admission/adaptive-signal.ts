@@ -1,0 +1,145 @@
+/**
+ * Adaptive row-delete admission: the signal, pure. What one worker reads of the database and keeps
+ * between its takes (a LatencyReading): its own deleting transactions' latency against a quiet-time
+ * baseline per size class, and the other client backends seen at each admission (waiting on a lock
+ * or IO, running a statement, changing state, present at all), each smoothed. No clock, no
+ * database: every sample is an argument. The law that turns a reading into a rate is adaptive.ts.
+ */
+import { ADAPTIVE } from './adaptive-constants';
+
+/** One worker's reading of its own statements. Values, not objects with methods: the caller keeps the latest. */
+export interface LatencyReading {
+  /** Quiet-time latency (ms) per size class (floor(log2(rows))): a statement of 1,000 rows is never compared with one of 10. */
+  baselineMs: ReadonlyMap<number, number>;
+  /** Smoothed latency ÷ baseline of the recent statements; null before the first. */
+  ratio: number | null;
+  /** Smoothed number of other backends seen waiting on a lock or on IO; null before the first sample. */
+  othersWaiting: number | null;
+  /** Smoothed number of other client backends seen running a statement; null before the first sample. */
+  othersActive: number | null;
+  /** Smoothed rate of the other client backends' state changes (a statement started or ended) per second; null before the first sample. */
+  othersChanges: number | null;
+  /** Smoothed share of samples that saw another client in a statement or transaction; null before the first (counts as present). */
+  othersPresent: number | null;
+  /** Statements observed since this worker last proposed a step (a step needs at least one). */
+  fresh: number;
+  /** The caller's clock (ms) at the last statement observed; null before the first. */
+  lastAt: number | null;
+}
+
+export const NO_READING: LatencyReading = { baselineMs: new Map(), ratio: null, othersWaiting: null, othersActive: null, othersChanges: null, othersPresent: null, fresh: 0, lastAt: null };
+
+const sizeClass = (rows: number): number => Math.floor(Math.log2(Math.max(1, rows)));
+
+/** One row-delete transaction took `ms` for `rows` rows, at `at` (ms, the caller's clock). */
+export function latencyObserve(reading: LatencyReading, sample: { ms: number; rows: number; at: number }): LatencyReading {
+  if (!(sample.ms > 0) || !(sample.rows > 0)) return reading;
+  const size = sizeClass(sample.rows);
+  const before = reading.baselineMs.get(size);
+  let baseline: number;
+  if (before === undefined) baseline = sample.ms;
+  else if (sample.ms < before) baseline = before + (sample.ms - before) * ADAPTIVE.baselineFallWeight;
+  else {
+    const elapsedSeconds = reading.lastAt === null ? 0 : Math.max(0, (sample.at - reading.lastAt) / 1000);
+    baseline = before + (sample.ms - before) * (1 - Math.exp(-elapsedSeconds / ADAPTIVE.baselineRiseSeconds));
+  }
+  const baselineMs = new Map(reading.baselineMs);
+  baselineMs.set(size, baseline);
+  const ratio = sample.ms / baseline;
+  return {
+    ...reading,
+    baselineMs,
+    ratio: smoothed(reading.ratio, ratio, ADAPTIVE.ratioWeight),
+    fresh: reading.fresh + 1,
+    lastAt: sample.at,
+  };
+}
+
+/** Exponential moving average: the first sample as it is, then `weight` of each new one. */
+function smoothed(previous: number | null, sample: number, weight: number): number {
+  return previous === null ? sample : previous + (sample - previous) * weight;
+}
+
+/** An admission saw `count` other client backends of the database waiting on a lock or on IO. */
+export function othersWaitingObserve(reading: LatencyReading, count: number): LatencyReading {
+  return { ...reading, othersWaiting: smoothed(reading.othersWaiting, count, ADAPTIVE.waitingWeight) };
+}
+
+/** An admission saw `count` other client backends of the database running a statement (waiting or not). */
+export function othersActiveObserve(reading: LatencyReading, count: number): LatencyReading {
+  return { ...reading, othersActive: smoothed(reading.othersActive, count, ADAPTIVE.waitingWeight) };
+}
+
+/** An admission saw the other client backends of the database change state at `perSecond` (a statement started or ended). */
+export function othersChangesObserve(reading: LatencyReading, perSecond: number): LatencyReading {
+  return { ...reading, othersChanges: smoothed(reading.othersChanges, perSecond, ADAPTIVE.waitingWeight) };
+}
+
+/** An admission saw another client of the database in a statement or a transaction (`present`), or none. */
+export function othersPresentObserve(reading: LatencyReading, present: boolean): LatencyReading {
+  return { ...reading, othersPresent: smoothed(reading.othersPresent, present ? 1 : 0, ADAPTIVE.presenceWeight) };
+}
+
+/**
+ * Every start look counts towards the presence share, busy or not: the share of its samples that saw
+ * another client in a statement or a transaction, when more than the worker knew. Without it a look
+ * that read an application in the hold band (so not busy: the reading is not replaced) left the
+ * presence to the first take's one sample, and an application at 300 short statements/s on a fast
+ * database is in a statement about a tenth of the time: nine takes in ten saw nobody, the worker
+ * took the database for its own (workerAlone in adaptive-worker.ts) and admitted its groups without the
+ * rate until a probe saw the application (bench figure 7, 2026-12-04 evening: 50,000 rows went in
+ * 23 s while the shared rate read 500 to 1,900 rows/s, about 16,000 rows' worth; foreground p99
+ * 2.3 x alone). A look that saw nobody changes nothing: the takes decide, as before.
+ */
+export function presenceLooked(reading: LatencyReading, presentShare: number): LatencyReading {
+  if (!(presentShare > 0)) return reading;
+  return { ...reading, othersPresent: Math.max(reading.othersPresent ?? 0, presentShare) };
+}
+
+/**
+ * A busy start look (lookStartRate) replaces what this worker knew of the others' load (from
+ * another moment) with the means of its samples, and its latency ratio starts again. Kept: the
+ * baseline (the quiet time of each statement size) and the presence share, which says whether an
+ * application uses the database at all and is meant to change slowly; but at least presenceFull:
+ * an application busy enough to back off from is there, and a worker whose last run ended alone
+ * (below aloneBelow) would otherwise go on admitting without the rate until a take saw it.
+ */
+export function othersLooked(reading: LatencyReading, look: OthersLook): LatencyReading {
+  return { ...reading, othersWaiting: look.waiting, othersActive: look.active, othersChanges: look.changes, othersPresent: Math.max(reading.othersPresent ?? 0, ADAPTIVE.presenceFull), ratio: null, fresh: 0 };
+}
+
+/**
+ * Whether a start look has seen enough after `samples` samples whose sums are `seen` (present: the
+ * samples that saw another client in a statement or transaction): all of startLookSamples, or
+ * startLookQuietSamples that saw nobody at all.
+ */
+export function lookDone(samples: number, seen: OthersLook & { present: number }): boolean {
+  if (samples >= ADAPTIVE.startLookSamples) return true;
+  return samples >= ADAPTIVE.startLookQuietSamples && seen.waiting === 0 && seen.active === 0 && seen.changes === 0 && seen.present === 0;
+}
+
+/** One admission's sample of the other client backends: waiting, running a statement, changing state per second, present at all. */
+export function othersObserve(reading: LatencyReading, sample: OthersLook & { present: number }): LatencyReading {
+  return othersPresentObserve(othersChangesObserve(othersActiveObserve(othersWaitingObserve(reading, sample.waiting), sample.active), sample.changes), sample.present > 0);
+}
+
+/** What the other client backends were seen doing (one sample, or the means of a look): waiting on a lock or IO, running a statement, changing state per second. */
+export interface OthersLook {
+  waiting: number;
+  active: number;
+  changes: number;
+}
+
+
+/** A start look's samples so far: how many, and the sums of their counts (present: the samples that saw another client at all). */
+export interface LookSums extends OthersLook {
+  samples: number;
+  present: number;
+}
+
+export const NO_LOOK: LookSums = { samples: 0, waiting: 0, active: 0, changes: 0, present: 0 };
+
+/** One more sample of a start look (one pg_stat_activity read). */
+export function lookAdd(sums: LookSums, sample: OthersLook & { present: number }): LookSums {
+  return { samples: sums.samples + 1, waiting: sums.waiting + sample.waiting, active: sums.active + sample.active, changes: sums.changes + sample.changes, present: sums.present + (sample.present > 0 ? 1 : 0) };
+}
