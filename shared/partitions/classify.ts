@@ -1,5 +1,5 @@
 import type { Db } from '../db/pool';
-import { partitionRowsCheck, partitionsList, type PartitionInfo } from '../db/queries/partitions';
+import { partitionRowsCheck, partitionsList, partitionsRestored, type PartitionInfo } from '../db/queries/partitions';
 import type { ResolvedTarget } from '../db/queries/target';
 
 /**
@@ -45,6 +45,15 @@ export function classifyByCatalog(partition: PartitionInfo, cutoffMs: number): {
 }
 
 /**
+ * A partition `reaper restore --partition` attached back (`restoredAt`) stays attached until an
+ * operator releases it: blocked, with how to release it. Its rows are still the row path's.
+ */
+export function restoredBlock(partition: Pick<PartitionInfo, 'qualified'>, restoredAt: string | undefined, policy: string): { class: 'blocked'; reason: string } | null {
+  if (restoredAt === undefined) return null;
+  return { class: 'blocked', reason: `restored on ${restoredAt}; \`reaper partitions ${policy} --release ${partition.qualified}\` lets reaper retire it again` };
+}
+
+/**
  * Every partition of the target, classified under `cutoff` (an ISO instant, the run's). Reads the
  * rows only of partitions whose bound is at or before the cutoff, one partition at a time.
  * A frozen cutoff read with a JS Date loses microseconds: a bound within a millisecond after the
@@ -53,9 +62,10 @@ export function classifyByCatalog(partition: PartitionInfo, cutoffMs: number): {
 export async function partitionsClassify(db: Db, target: ResolvedTarget, cutoff: string): Promise<ClassifiedPartition[]> {
   const cutoffMs = Date.parse(cutoff);
   const classified: ClassifiedPartition[] = [];
+  const restored = await partitionsRestored(db, target.table);
   for (const partition of await partitionsList(db, target)) {
     const base = { partition: partition.qualified, bound: partition.bound, lower: partition.lower, upper: partition.upper };
-    const decided = classifyByCatalog(partition, cutoffMs);
+    const decided = restoredBlock(partition, restored.get(partition.qualified), target.policy) ?? classifyByCatalog(partition, cutoffMs);
     if (decided) {
       classified.push({ ...base, ...decided, rows: null });
       continue;
