@@ -242,7 +242,7 @@ export async function partitionRetirementsList(db: Db, filter: { policy?: string
 /** Rows this run retired (they count toward its allowance like published rows). */
 export async function partitionRetiredRowsOfRun(db: Db, runId: string): Promise<number> {
   const result = await db.query<{ n: string }>(
-    `SELECT coalesce(sum(row_count), 0) AS n FROM cleanup_partitions WHERE run_id = $1 AND state IN ('quarantined', 'dropped', 'restored', 'released')`,
+    `SELECT coalesce(sum(row_count), 0) AS n FROM cleanup_partitions WHERE run_id = $1 AND state IN ('quarantined', 'dropped', 'restored')`,
     [runId],
   );
   return Number(result.rows[0]!.n);
