@@ -1,6 +1,8 @@
 import type { Db } from '../db/pool';
-import { partitionRowsCheck, partitionsList, partitionsRestored, type PartitionInfo } from '../db/queries/partitions';
+import { partitionRowsCheck, partitionsList, type PartitionInfo } from '../db/queries/partitions';
 import type { ResolvedTarget } from '../db/queries/target';
+// Restored partitions stay blocked until released (issue 44 review): restoredBlock below.
+import { partitionsRestored } from '../db/queries/partitions';
 
 /**
  * Classification of a partitioned policy table's partitions under a run's frozen cutoff (issue 44;
