@@ -31,6 +31,15 @@ export interface ClassifiedPartition {
 }
 
 /**
+ * A partition `reaper restore --partition` attached back (`restoredAt`) stays attached until an
+ * operator releases it: blocked, with how to release it. Its rows are still the row path's.
+ */
+export function restoredBlock(partition: Pick<PartitionInfo, 'qualified'>, restoredAt: string | undefined, policy: string): { class: 'blocked'; reason: string } | null {
+  if (restoredAt === undefined) return null;
+  return { class: 'blocked', reason: `restored on ${restoredAt}; \`reaper partitions ${policy} --release ${partition.qualified}\` lets reaper retire it again` };
+}
+
+/**
  * What the bound (and the catalog) decide alone; null when the partition's rows must be read.
  * Pure: unit-tested without a database.
  */
@@ -44,15 +53,6 @@ export function classifyByCatalog(partition: PartitionInfo, cutoffMs: number): {
     return { class: 'mixed', reason: `upper bound ${partition.upper ?? 'MAXVALUE'} after the cutoff: the row path deletes its expired rows` };
   }
   return null;
-}
-
-/**
- * A partition `reaper restore --partition` attached back (`restoredAt`) stays attached until an
- * operator releases it: blocked, with how to release it. Its rows are still the row path's.
- */
-export function restoredBlock(partition: Pick<PartitionInfo, 'qualified'>, restoredAt: string | undefined, policy: string): { class: 'blocked'; reason: string } | null {
-  if (restoredAt === undefined) return null;
-  return { class: 'blocked', reason: `restored on ${restoredAt}; \`reaper partitions ${policy} --release ${partition.qualified}\` lets reaper retire it again` };
 }
 
 /**
