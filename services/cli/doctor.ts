@@ -1,7 +1,7 @@
 import { Command, Option } from 'commander';
 import { connectBroker, explainDatabaseError } from './connections';
 import { assertSchemaCurrent } from '../../shared/db/migrate';
-import { DEFAULT_DB_ROLE_NAMES, neededPrivileges, privilegesMissing } from '../../shared/db/queries/roles';
+import { DEFAULT_DB_ROLE_NAMES, neededPrivileges, privilegesMissing, type NeededPrivilege } from '../../shared/db/queries/roles';
 import { quoteIdentifier } from '../../shared/db/pool';
 import { context, withPool } from './common';
 import { printResult } from './output';
@@ -56,12 +56,12 @@ export function registerDoctorCommand(program: Command): void {
           findings.push({ check: `role ${role}`, ok: false, detail: `role "${role}" does not exist`, fix: 'apply `reaper roles --print` (as a superuser), or name the roles you use with --scheduler/--worker/--operator' });
         }
         for (const entry of missing.filter((item) => item.roleExists)) {
-          const grant = entry.privilege === 'MEMBER' ? `GRANT ${entry.table} TO ${quoteIdentifier(entry.role)};` : `GRANT ${entry.privilege} ON ${entry.table} TO ${quoteIdentifier(entry.role)};`;
+          const what = describeNeeded(entry);
           findings.push({
-            check: `${entry.purpose} ${entry.privilege === 'MEMBER' ? entry.table : `${entry.privilege} ${entry.table}`}`,
+            check: `${entry.purpose} ${what.check}`,
             ok: false,
-            detail: entry.tableExists ? `role "${entry.role}" (${entry.purpose}) lacks ${entry.privilege === 'MEMBER' ? `membership in ${entry.table}` : `${entry.privilege} on ${entry.table}`}: ${entry.why}` : `table ${entry.table} does not exist (${entry.why})`,
-            fix: entry.tableExists ? `${grant} (or re-apply \`reaper roles --print\`)` : 'create the policy\'s table, or fix the policy\'s `table`',
+            detail: entry.tableExists ? `role "${entry.role}" (${entry.purpose}) lacks ${what.lacks}: ${entry.why}` : `table ${entry.table} does not exist (${entry.why})`,
+            fix: entry.tableExists ? `${what.grant} (or re-apply \`reaper roles --print\`)` : 'create the policy\'s table, or fix the policy\'s `table`',
           });
         }
         const checked = needed.length - missing.length;
@@ -83,4 +83,16 @@ export function registerDoctorCommand(program: Command): void {
       );
       if (failed.length > 0) process.exitCode = 1;
     });
+}
+
+/** A missing privilege as doctor names it: the check, what the role lacks, and the GRANT that fixes it. */
+function describeNeeded(entry: NeededPrivilege & { owner: string | null }): { check: string; lacks: string; grant: string } {
+  const role = quoteIdentifier(entry.role);
+  if (entry.privilege === 'MEMBER') return { check: entry.table, lacks: `membership in ${entry.table}`, grant: `GRANT ${entry.table} TO ${role};` };
+  if (entry.privilege === 'OWNER') {
+    const owner = entry.owner ?? '<owner>';
+    return { check: `member of ${entry.table}'s owner`, lacks: `membership in role "${owner}", the owner of ${entry.table}`, grant: `GRANT ${quoteIdentifier(owner)} TO ${role};` };
+  }
+  const privilege = entry.column ? `${entry.privilege} (${entry.column})` : entry.privilege;
+  return { check: `${privilege} ${entry.table}`, lacks: `${privilege} on ${entry.table}`, grant: `GRANT ${privilege} ON ${entry.table} TO ${role};` };
 }

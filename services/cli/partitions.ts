@@ -2,10 +2,10 @@ import { Command, Option } from 'commander';
 import { requirePolicy, type Policy } from '../../shared/config/policies';
 import { withReadOnlyTransaction } from '../../shared/db/pool';
 import { databaseNow } from '../../shared/db/queries/clock';
-import { partitionRetirementsList, RETIRED_SCHEMA, type PartitionRetirement } from '../../shared/db/queries/partitions';
+import { partitionRelease, partitionRetirementsList, RETIRED_SCHEMA, type PartitionRetirement } from '../../shared/db/queries/partitions';
 import { targetResolve } from '../../shared/db/queries/target';
 import { partitionsClassify, type ClassifiedPartition } from '../../shared/partitions/classify';
-import { context, pastCutoff, UsageError, withPool } from './common';
+import { context, NotFoundError, operatorName, pastCutoff, UsageError, withPool } from './common';
 import { printResult, table } from './output';
 
 /** What `reaper partitions` answers (the JSON field names are the contract). */
@@ -61,11 +61,13 @@ export function registerPartitionsCommand(program: Command): void {
     .command('partitions <policy>')
     .description("classify <policy>'s partitions under a cutoff: retirable, mixed (row path), unexpired, blocked; changes nothing")
     .option('--cutoff <iso>', 'as of this past instant (ISO 8601 with a time zone)')
+    .option('--release <schema.name>', 'let runs retire again a partition `reaper restore --partition` attached back (it stays attached until then)')
     .addOption(new Option('--json', 'print machine-readable JSON'))
-    .action(async (policyName: string, options: { cutoff?: string; json?: boolean }) => {
+    .action(async (policyName: string, options: { cutoff?: string; json?: boolean; release?: string }) => {
       const { env, policies } = context();
       const policy = requirePolicy(policies, policyName);
       requirePartitionable(policy);
+      if (options.release !== undefined) return releasePartition(policy.name, options.release, !!options.json);
       const report = await withPool(env, async (pool) => {
         const cutoff = options.cutoff ? await pastCutoff(pool, options.cutoff) : await databaseNow(pool);
         const target = await targetResolve(pool, policy);
@@ -84,4 +86,12 @@ export function registerPartitionsCommand(program: Command): void {
         ].join('\n'),
       );
     });
+}
+
+/** `reaper partitions <policy> --release <schema.name>`: restored -> released (partitionRelease). */
+async function releasePartition(policy: string, partition: string, json: boolean): Promise<void> {
+  const { env } = context();
+  const released = await withPool(env, (pool) => partitionRelease(pool, policy, partition, operatorName()));
+  if (released === 0) throw new NotFoundError(`no restored partition ${partition} of policy "${policy}" (only a partition \`reaper restore --partition\` attached back is released)`);
+  printResult(json, { policy, partition, released: true }, () => `released ${partition}: a run of "${policy}" may retire it again when all its rows are expired`);
 }

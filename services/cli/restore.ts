@@ -11,7 +11,7 @@ import {
   type ArchiveSelection,
   type RestoredRow,
 } from '../../shared/db/queries/archive';
-import { partitionRestore } from '../../shared/db/queries/partitions';
+import { partitionRestore, partitionRetirementByRetiredName } from '../../shared/db/queries/partitions';
 import { targetResolve, type ResolvedTarget } from '../../shared/db/queries/target';
 import { failpoint } from '../../shared/observability/failpoint-hook';
 import { context, NotFoundError, operatorName, UsageError, withPool } from './common';
@@ -106,19 +106,25 @@ export function registerRestoreCommand(program: Command): void {
 
 /**
  * `reaper restore --partition reaper_retired.<name>`: one transaction (shared/db/queries/partitions.ts
- * partitionRestore): the retirement locked, refused when its quarantine ended or an attached
- * partition's range now meets its bound, else moved back into its schema, attached with its bound
- * and marked restored. Its rows are the table itself: nothing to copy.
+ * partitionRestore): the retirement locked, refused when its quarantine ended, its stored
+ * parent_table is not its policy's table or an attached partition's range now meets its bound,
+ * else moved back into its schema, attached with its bound (a CHECK of the bound first: no scan
+ * under the ATTACH's locks), marked restored (it stays attached until `reaper partitions <policy>
+ * --release`) and logged in cleanup_restores. Its rows are the table itself: nothing to copy.
  */
 async function restorePartition(given: string, json: boolean): Promise<void> {
-  const match = /^reaper_retired\.([A-Za-z_][A-Za-z0-9_$]*)$/.exec(given);
-  if (!match) throw new UsageError(`--partition: "${given}" is not reaper_retired.<table name>`);
-  const { env } = context();
+  const retiredName = retiredTableName(given);
+  const { env, policies } = context();
   const outcome = await withPool(env, async (pool) => {
+    const found = await partitionRetirementByRetiredName(pool, retiredName);
+    if (!found) return { kind: 'not-found' } as const;
+    const policy = policies.get(found.policy);
+    if (!policy || policy.kind !== 'row-delete') throw new RestoreRefused(`${given} was retired by policy "${found.policy}", which is not a row-delete policy of the policies file: not restored`);
+    const target = await targetResolve(pool, policy);
     const client = await pool.connect();
     try {
       await client.query('BEGIN');
-      const result = await partitionRestore(client, match[1]!);
+      const result = await partitionRestore(client, { retiredName, table: target.table, expiresAt: target.expiresAt, restoreId: randomUUID(), operator: operatorName() });
       await client.query(result.kind === 'restored' ? 'COMMIT' : 'ROLLBACK');
       return result;
     } catch (error) {
@@ -135,14 +141,35 @@ async function restorePartition(given: string, json: boolean): Promise<void> {
       throw new RestoreRefused(`${given} is ${outcome.state}, not quarantined: nothing to restore`);
     case 'quarantine-ended':
       throw new RestoreRefused(`the quarantine of ${given} ended at ${outcome.quarantineUntil}: it is dropped by the next run (and is no longer restorable)`);
+    case 'refused':
+      throw new RestoreRefused(`refusing to restore ${given}: its stored retirement does not match the policy (${outcome.reason})`);
     case 'overlaps':
       throw new RestoreRefused(`refusing to restore ${given}: its range overlaps the attached partition(s) ${outcome.partitions.join(', ')} (detach or drop them first)`);
     case 'restored': {
       const { retirement } = outcome;
-      const shown = { partition: `${retirement.sourceSchema}.${retirement.sourceName}`, from: given, policy: retirement.policy, rows: retirement.rowCount, bound: retirement.bound };
-      printResult(json, shown, () => `restored ${given} as ${shown.partition} (${shown.rows ?? '?'} row(s), ${shown.bound}) into ${retirement.parentTable}`);
+      const { partition } = outcome;
+      const shown = { partition, from: given, policy: retirement.policy, rows: outcome.rows, bound: retirement.bound };
+      printResult(json, shown, () =>
+        [
+          `restored ${given} as ${partition} (${shown.rows} row(s), ${shown.bound}) into ${retirement.parentTable}; logged in cleanup_restores`,
+          `it stays attached (no run retires it again) until \`reaper partitions ${retirement.policy} --release ${partition}\`; its expired rows are still the row path's (hold them or correct the policy first)`,
+        ].join('\n'),
+      );
     }
   }
+}
+
+/**
+ * The table name in `reaper_retired.<name>`: any name (hyphens, dots, capitals), as is or
+ * double-quoted as SQL quotes it ("events-2026-01-01", "a""b"). Whether it is a retired table is
+ * the database's answer (cleanup_partitions and the catalog), not a pattern's.
+ */
+export function retiredTableName(given: string): string {
+  const match = /^(?:reaper_retired|"reaper_retired")\.(.+)$/s.exec(given);
+  if (!match) throw new UsageError(`--partition: "${given}" is not reaper_retired.<table name>`);
+  const rest = match[1]!;
+  if (/^"(?:[^"]|"")+"$/s.test(rest)) return rest.slice(1, -1).replace(/""/g, '"');
+  return rest;
 }
 
 /** A key the key's type refuses (say, not a uuid): the operator's mistake, exit 2 naming --id. */

@@ -1,7 +1,7 @@
 import { randomUUID } from 'node:crypto';
 import type { Logger } from 'pino';
 import { ReconnectingConnection } from '../../shared/amqp/connection';
-import { ConfirmingPublisher } from '../../shared/amqp/publisher';
+import { ConfirmingPublisher, UnroutableError } from '../../shared/amqp/publisher';
 import { brokerNames, topologyFor } from '../../shared/amqp/topology';
 import type { Env } from '../../shared/config/env';
 import type { PolicySet } from '../../shared/config/policies';
@@ -16,7 +16,7 @@ import {
   partitionRetiredRoutingKey,
 } from '../../shared/contracts/expiry-event';
 import { makePool, type Pool } from '../../shared/db/pool';
-import { outboxClaimOldest, outboxDeletePublished, outboxReleaseClaims, outboxReleaseClaimsOf } from '../../shared/db/queries/outbox';
+import { outboxClaimOldest, outboxDeletePublished, outboxReleaseClaims, outboxReleaseClaimsOf, type OutboxEntry } from '../../shared/db/queries/outbox';
 import { failpoint } from '../../shared/observability/failpoint-hook';
 import { testTimings } from '../../shared/config/test-timings';
 
@@ -32,6 +32,11 @@ import { testTimings } from '../../shared/config/test-timings';
  * transaction or row lock is held while the relay waits on the broker (invariant 18). A broker
  * outage, or no queue bound for a policy's events, only lets the outbox grow (up to each policy's
  * events.maxOutbox, where its deletions pause: services/worker/outbox-limit.ts).
+ *
+ * An unroutable event (no queue bound for its routing key, e.g. `<policy>.partition-retired` where
+ * the consumer bound only `#.expired`) is not a failure of the relay: its routing key waits on its
+ * own (UnroutableKeys: 2 s doubling to 30 s, its rows left out of the claims meanwhile) and every
+ * other key's events go on at full speed; the rows stay in the outbox until a queue is bound.
  */
 
 export const RELAY_BATCH_SIZE = 200;
@@ -39,6 +44,8 @@ export const RELAY_BATCH_SIZE = 200;
 export const RELAY_IDLE_MS = 500;
 /** Wait after a pass that failed (broker or database trouble) before the next. */
 export const RELAY_FAILURE_BACKOFF_MS = 2_000;
+/** The longest wait before a routing key whose events were unroutable is tried again (it starts at RELAY_FAILURE_BACKOFF_MS and doubles). */
+export const RELAY_UNROUTABLE_MAX_MS = 30_000;
 /**
  * How long a pass's claim keeps other relays off its rows: past the publisher's confirm timeout
  * (10 s), so a live relay deletes or gives back its rows before the claim runs out, and short, as
@@ -50,14 +57,67 @@ export const RELAY_CLAIM_MS = 15_000;
 export interface RelayPass {
   taken: number;
   published: number;
-  /** The first refusal of the pass (unroutable, nacked, no confirm), when some publish failed. */
+  /** The first refusal of the pass other than unroutable (nacked, no confirm, channel closed), when some publish failed so. */
   failure: string | null;
+  /** Routing keys whose events the broker returned as unroutable in this pass (they wait: UnroutableKeys). */
+  unroutable: string[];
 }
 
-/** One pass over the oldest unclaimed outbox rows (see the module comment). */
-export async function relayOnce(deps: { pool: Pool; publisher: ConfirmingPublisher; exchange: string; batchSize: number; owner: string; claimMs?: number }): Promise<RelayPass> {
-  const entries = await outboxClaimOldest(deps.pool, { limit: deps.batchSize, owner: deps.owner, leaseMs: deps.claimMs ?? testTimings().relayClaimMs ?? RELAY_CLAIM_MS });
-  if (entries.length === 0) return { taken: 0, published: 0, failure: null };
+type OutboxKind = OutboxEntry['kind'];
+
+/**
+ * The routing keys (a policy and an event kind) the broker last returned as unroutable, each with
+ * the time it may be tried again: its rows stay out of the relay's claims until then, so one key
+ * with no queue bound does not hold back the others (head-of-line blocking). The wait starts at
+ * `firstMs` and doubles up to `maxMs` while the key stays unroutable; one routed event clears it.
+ * Per relay process (another relay learns it on its own first try).
+ */
+export class UnroutableKeys {
+  private readonly keys = new Map<string, { policy: string; kind: OutboxKind; retryAt: number; waitMs: number }>();
+
+  constructor(
+    private readonly maxMs: number = testTimings().relayUnroutableMaxMs ?? RELAY_UNROUTABLE_MAX_MS,
+    private readonly firstMs: number = Math.min(RELAY_FAILURE_BACKOFF_MS, maxMs),
+    private readonly now: () => number = Date.now,
+  ) {}
+
+  /** The (policy, kind) pairs still waiting: left out of the next claim. */
+  waiting(): Array<{ policy: string; kind: OutboxKind }> {
+    const now = this.now();
+    return [...this.keys.values()].filter((key) => key.retryAt > now).map(({ policy, kind }) => ({ policy, kind }));
+  }
+
+  unroutable(policy: string, kind: OutboxKind): void {
+    const id = `${kind}:${policy}`;
+    const earlier = this.keys.get(id);
+    const waitMs = earlier ? Math.min(this.maxMs, earlier.waitMs * 2) : this.firstMs;
+    this.keys.set(id, { policy, kind, retryAt: this.now() + waitMs, waitMs });
+  }
+
+  routed(policy: string, kind: OutboxKind): void {
+    this.keys.delete(`${kind}:${policy}`);
+  }
+}
+
+const routingKeyOf = (entry: OutboxEntry) => (entry.kind === 'partition-retired' ? partitionRetiredRoutingKey(entry.event.policy) : expiryEventRoutingKey(entry.event.policy));
+
+/** One pass over the oldest unclaimed outbox rows (see the module comment); `unroutable` keeps the keys that wait (none without it). */
+export async function relayOnce(deps: {
+  pool: Pool;
+  publisher: ConfirmingPublisher;
+  exchange: string;
+  batchSize: number;
+  owner: string;
+  claimMs?: number;
+  unroutable?: UnroutableKeys;
+}): Promise<RelayPass> {
+  const entries = await outboxClaimOldest(deps.pool, {
+    limit: deps.batchSize,
+    owner: deps.owner,
+    leaseMs: deps.claimMs ?? testTimings().relayClaimMs ?? RELAY_CLAIM_MS,
+    skip: deps.unroutable?.waiting() ?? [],
+  });
+  if (entries.length === 0) return { taken: 0, published: 0, failure: null, unroutable: [] };
   failpoint('relay-before-publish');
   const outcomes = await Promise.allSettled(
     entries.map((entry) =>
@@ -79,10 +139,24 @@ export async function relayOnce(deps: { pool: Pool; publisher: ConfirmingPublish
   const confirmed = entries.filter((_, index) => outcomes[index]!.status === 'fulfilled');
   failpoint('relay-after-confirm');
   await outboxDeletePublished(deps.pool, confirmed.map((entry) => entry.outboxId), deps.owner);
-  const refused = outcomes.find((outcome): outcome is PromiseRejectedResult => outcome.status === 'rejected');
+  const rejected = entries.flatMap((entry, index) => {
+    const outcome = outcomes[index]!;
+    return outcome.status === 'rejected' ? [{ entry, reason: outcome.reason as unknown }] : [];
+  });
   // Given back at once for any relay (this one takes its own claims again at its next pass anyway).
-  if (refused) await outboxReleaseClaims(deps.pool, entries.filter((_, index) => outcomes[index]!.status === 'rejected').map((entry) => entry.outboxId), deps.owner);
-  return { taken: entries.length, published: confirmed.length, failure: refused ? String((refused.reason as Error).message ?? refused.reason) : null };
+  if (rejected.length > 0) await outboxReleaseClaims(deps.pool, rejected.map(({ entry }) => entry.outboxId), deps.owner);
+  for (const entry of confirmed) deps.unroutable?.routed(entry.event.policy, entry.kind);
+  const unroutable = new Map<string, OutboxEntry>();
+  for (const { entry, reason } of rejected) if (reason instanceof UnroutableError) unroutable.set(routingKeyOf(entry), entry);
+  for (const entry of unroutable.values()) deps.unroutable?.unroutable(entry.event.policy, entry.kind);
+  // Without a key list to wait in, an unroutable event is a failure of the pass (the whole relay waits).
+  const failed = rejected.find(({ reason }) => !(reason instanceof UnroutableError) || deps.unroutable === undefined);
+  return {
+    taken: entries.length,
+    published: confirmed.length,
+    failure: failed ? String((failed.reason as Error).message ?? failed.reason) : null,
+    unroutable: [...unroutable.keys()],
+  };
 }
 
 export interface RelayHandle {
@@ -126,17 +200,21 @@ export async function startRelay(env: Env, policies: PolicySet, log: Logger): Pr
     return 0;
   });
   if (reclaimed > 0) log.info({ reclaimed }, 'outbox claims of an earlier relay with this id taken back');
+  const unroutable = new UnroutableKeys();
   const loop = (async () => {
     while (!stopping) {
       let pass: RelayPass;
       try {
-        pass = await relayOnce({ pool, publisher, exchange, batchSize: RELAY_BATCH_SIZE, owner });
+        pass = await relayOnce({ pool, publisher, exchange, batchSize: RELAY_BATCH_SIZE, owner, unroutable });
       } catch (error) {
         log.warn({ err: (error as Error).message }, 'relay pass failed; the outbox rows stay and are published again');
         await pause(RELAY_FAILURE_BACKOFF_MS);
         continue;
       }
       if (pass.taken > 0) log.info({ taken: pass.taken, published: pass.published }, 'expiry events published');
+      if (pass.unroutable.length > 0) {
+        log.warn({ routingKeys: pass.unroutable, exchange }, 'no queue bound for these routing keys: their events stay in the outbox and are tried again later; the other events go on');
+      }
       if (pass.failure !== null) {
         log.warn({ failure: pass.failure, unpublished: pass.taken - pass.published }, 'some expiry events were not confirmed; they stay in the outbox');
         await pause(RELAY_FAILURE_BACKOFF_MS);

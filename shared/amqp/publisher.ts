@@ -23,6 +23,13 @@ export class PublishError extends Error {
 }
 
 /**
+ * The broker confirmed the message but routed it to no queue (a `mandatory` return): nothing is
+ * bound for its routing key. The relay tells this apart from a broker failure: it waits per
+ * routing key, not for everything (services/relay/relay.ts).
+ */
+export class UnroutableError extends PublishError {}
+
+/**
  * Publishes with publisher confirms and `mandatory`. A publish resolves only when the broker
  * confirmed it AND routed it to a queue; a return (unroutable), a nack, a closed channel or no
  * confirm within `confirmTimeoutMs` rejects with PublishError. The confirm channel is reopened
@@ -124,7 +131,7 @@ export class ConfirmingPublisher {
         channel.publish(exchange, routingKey, content, { ...options, messageId, mandatory: true, persistent: true }, (error) => {
           if (error) return finish(new PublishError(`broker nacked the message (${String(error)})`));
           if (this.returned.delete(messageId)) {
-            return finish(new PublishError(`unroutable: no queue bound to ${exchange || '(default)'} with key ${routingKey}`));
+            return finish(new UnroutableError(`unroutable: no queue bound to ${exchange || '(default)'} with key ${routingKey}`));
           }
           finish(null);
         });

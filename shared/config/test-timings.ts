@@ -11,6 +11,9 @@ import { parseVariables } from './variables';
  *
  * - REAPER_TEST_RELAY_CLAIM_MS: how long a relay pass's claim keeps other relays off its outbox
  *   rows (production RELAY_CLAIM_MS, 15 s): how long a killed relay's rows wait for another relay.
+ * - REAPER_TEST_RELAY_UNROUTABLE_MAX_MS: the longest wait of the relay before it tries a routing
+ *   key whose events were unroutable again (production RELAY_UNROUTABLE_MAX_MS, 30 s; the wait starts at
+ *   2 s, or at this value when shorter, and doubles up to it).
  * - REAPER_TEST_OUTBOX_FULL_RETRY_MS: the delay a batch of a policy paused by its full outbox waits
  *   before it asks again (production OUTBOX_FULL_RETRY_MS, 10 s).
  * - REAPER_TEST_BREAKER_RESET_MS: how long an HTTP remote's open circuit refuses calls before a
@@ -21,6 +24,7 @@ import { parseVariables } from './variables';
  */
 const timingsSchema = z.object({
   REAPER_TEST_RELAY_CLAIM_MS: z.coerce.number().int().min(500).max(3_600_000).optional(),
+  REAPER_TEST_RELAY_UNROUTABLE_MAX_MS: z.coerce.number().int().min(100).max(600_000).optional(),
   REAPER_TEST_OUTBOX_FULL_RETRY_MS: z.coerce.number().int().min(100).max(600_000).optional(),
   REAPER_TEST_BREAKER_RESET_MS: z.coerce.number().int().min(100).max(600_000).optional(),
   REAPER_TEST_RUN_RETRY_MAX_MS: z.coerce.number().int().min(500).max(600_000).optional(),
@@ -32,6 +36,7 @@ export const TEST_TIMING_VARIABLES = Object.keys(timingsSchema.shape) as Readonl
 export interface TestTimings {
   /** undefined: the production value. */
   relayClaimMs: number | undefined;
+  relayUnroutableMaxMs: number | undefined;
   outboxFullRetryMs: number | undefined;
   breakerResetMs: number | undefined;
   runRetryMaxMs: number | undefined;
@@ -41,6 +46,7 @@ export function loadTestTimings(source: NodeJS.ProcessEnv = process.env): TestTi
   const values = parseVariables(timingsSchema, source);
   return {
     relayClaimMs: values.REAPER_TEST_RELAY_CLAIM_MS,
+    relayUnroutableMaxMs: values.REAPER_TEST_RELAY_UNROUTABLE_MAX_MS,
     outboxFullRetryMs: values.REAPER_TEST_OUTBOX_FULL_RETRY_MS,
     breakerResetMs: values.REAPER_TEST_BREAKER_RESET_MS,
     runRetryMaxMs: values.REAPER_TEST_RUN_RETRY_MAX_MS,

@@ -1,6 +1,8 @@
 import type { Db } from '../db/pool';
 import { partitionRowsCheck, partitionsList, type PartitionInfo } from '../db/queries/partitions';
 import type { ResolvedTarget } from '../db/queries/target';
+// Restored partitions stay blocked until released (issue 44 review): restoredBlock below.
+import { partitionsRestored } from '../db/queries/partitions';
 
 /**
  * Classification of a partitioned policy table's partitions under a run's frozen cutoff (issue 44;
@@ -29,6 +31,15 @@ export interface ClassifiedPartition {
 }
 
 /**
+ * A partition `reaper restore --partition` attached back (`restoredAt`) stays attached until an
+ * operator releases it: blocked, with how to release it. Its rows are still the row path's.
+ */
+export function restoredBlock(partition: Pick<PartitionInfo, 'qualified'>, restoredAt: string | undefined, policy: string): { class: 'blocked'; reason: string } | null {
+  if (restoredAt === undefined) return null;
+  return { class: 'blocked', reason: `restored on ${restoredAt}; \`reaper partitions ${policy} --release ${partition.qualified}\` lets reaper retire it again` };
+}
+
+/**
  * What the bound (and the catalog) decide alone; null when the partition's rows must be read.
  * Pure: unit-tested without a database.
  */
@@ -53,9 +64,10 @@ export function classifyByCatalog(partition: PartitionInfo, cutoffMs: number): {
 export async function partitionsClassify(db: Db, target: ResolvedTarget, cutoff: string): Promise<ClassifiedPartition[]> {
   const cutoffMs = Date.parse(cutoff);
   const classified: ClassifiedPartition[] = [];
+  const restored = await partitionsRestored(db, target.table);
   for (const partition of await partitionsList(db, target)) {
     const base = { partition: partition.qualified, bound: partition.bound, lower: partition.lower, upper: partition.upper };
-    const decided = classifyByCatalog(partition, cutoffMs);
+    const decided = restoredBlock(partition, restored.get(partition.qualified), target.policy) ?? classifyByCatalog(partition, cutoffMs);
     if (decided) {
       classified.push({ ...base, ...decided, rows: null });
       continue;

@@ -15,8 +15,10 @@ import { createPartitionedTable, dropPartitionOwner, HELD_ID, partitionedPolicyY
  * before its COMMIT. A second scheduler takes the run over after the lease and finishes: each
  * retirable partition ends in reaper_retired exactly once, no partition is lost (every row of the
  * table is still in it or in reaper_retired), none is left half-detached, none dropped.
- * The table has no default partition here, so the detach is CONCURRENTLY (the path with a state
- * between two transactions); the plain path is one transaction (partitions-retire.test.ts).
+ * Both detach paths: without a default partition the detach is CONCURRENTLY (a state between two
+ * transactions: killed after the intent, after the DETACH, before the quarantine's COMMIT); with
+ * one, the plain DETACH in one transaction (killed after the intent, and before its COMMIT while
+ * it holds the table's lock: the server rolls the DETACH back, the heir keeps and retires anew).
  */
 const LEASE_MS = 3_000;
 
@@ -33,12 +35,19 @@ describe('partitions: a scheduler killed at each step of a retirement', () => {
     }
   });
 
-  for (const point of ['partition-after-begin', 'partition-after-detach', 'partition-before-commit'] satisfies FailpointName[]) {
-    test(`SIGKILL at ${point}: the next scheduler finishes, each retirable partition retired once, nothing lost`, async () => {
-      const bed = await makeTestBed(`partitions_crash_${point.replace(/-/g, '_')}`);
+  // Without a default partition: DETACH ... CONCURRENTLY, a step between its own transactions.
+  // With one (plain DETACH): the intent, then ONE transaction (SHARE on the partition, re-check,
+  // DETACH, SET SCHEMA, audit) killed before its COMMIT while it holds the table's ACCESS EXCLUSIVE.
+  const cases = [
+    ...(['partition-after-begin', 'partition-after-detach', 'partition-before-commit'] satisfies FailpointName[]).map((point) => ({ point, plain: false })),
+    ...(['partition-after-begin', 'partition-before-commit'] satisfies FailpointName[]).map((point) => ({ point, plain: true })),
+  ];
+  for (const { point, plain } of cases) {
+    test(`SIGKILL at ${point}${plain ? ' (plain DETACH: a default partition exists)' : ''}: the next scheduler finishes, each retirable partition retired once, nothing lost`, async () => {
+      const bed = await makeTestBed(`partitions_crash_${plain ? 'plain_' : ''}${point.replace(/-/g, '_')}`);
       beds.push(bed);
       await createPartitionedTable(bed);
-      await bed.pool.query('DROP TABLE p_default'); // no default partition: DETACH ... CONCURRENTLY
+      if (!plain) await bed.pool.query('DROP TABLE p_default'); // no default partition: DETACH ... CONCURRENTLY
       bed.writePolicies(partitionedPolicyYaml());
       await bed.pool.query(`INSERT INTO cleanup_holds (policy, key, reason, created_by) VALUES ('day-events', $1, 'litigation 44', 'test')`, [HELD_ID]);
       const rowsBefore = (await bed.pool.query<{ n: number }>('SELECT count(*)::int AS n FROM events_by_day')).rows[0]!.n;
@@ -62,7 +71,9 @@ describe('partitions: a scheduler killed at each step of a retirement', () => {
         const quarantined = states.rows.filter((row) => row.state === 'quarantined').map((row) => row.source_name).sort();
         assert.deepEqual(quarantined, ['p_old_a', 'p_old_b'], `each retirable partition quarantined once (${JSON.stringify(states.rows)})`);
         assert.ok(states.rows.every((row) => row.state === 'quarantined' || row.state === 'kept'), 'nothing left detaching, nothing dropped');
-        if (point === 'partition-after-begin') assert.deepEqual(states.rows[0], { source_name: 'p_old_a', state: 'kept' }, 'a detach that never started is recorded kept, then retired anew');
+        if (point === 'partition-after-begin' || plain) assert.deepEqual(states.rows[0], { source_name: 'p_old_a', state: 'kept' }, 'a detach that never started (or was rolled back) is recorded kept, then retired anew');
+        const concurrent = await bed.pool.query<{ concurrent: boolean }>('SELECT DISTINCT concurrent FROM cleanup_partitions');
+        assert.deepEqual(concurrent.rows, [{ concurrent: !plain }], plain ? 'the plain DETACH path was the one taken' : 'DETACH ... CONCURRENTLY was the one taken');
         const retired = await bed.pool.query<{ name: string }>(`SELECT tablename::text AS name FROM pg_tables WHERE schemaname = 'reaper_retired' ORDER BY 1`);
         assert.deepEqual(retired.rows.map((row) => row.name), ['p_old_a', 'p_old_b']);
         const pending = await bed.pool.query<{ n: number }>(`SELECT count(*)::int AS n FROM pg_inherits WHERE inhparent = 'events_by_day'::regclass AND inhdetachpending`);
@@ -71,6 +82,7 @@ describe('partitions: a scheduler killed at each step of a retirement', () => {
         assert.equal(stray.rows[0]!.n, 0, 'no detached table left outside the parent and outside reaper_retired');
         // No worker ran: every row is still either attached or in quarantine.
         const rowsAfter = (await bed.pool.query<{ n: number }>('SELECT (SELECT count(*) FROM events_by_day) + (SELECT count(*) FROM reaper_retired.p_old_a) + (SELECT count(*) FROM reaper_retired.p_old_b) AS n')).rows[0]!.n;
+        if (plain) assert.ok((await bed.pool.query(`SELECT 1 FROM pg_inherits WHERE inhrelid = 'p_default'::regclass`)).rowCount === 1, 'the default partition stays');
         assert.equal(Number(rowsAfter), rowsBefore, 'no row lost');
       } finally {
         await doomed?.stop(2_000);

@@ -1,7 +1,8 @@
 import assert from 'node:assert/strict';
-import { after, before, test } from 'node:test';
+import { after, before, describe, test } from 'node:test';
 import pg from 'pg';
 import { combinedPoliciesYaml, rowDeletePolicyYaml } from '../support/fixtures';
+import { partitionedPolicyYaml, partitionedSuite, partitionOwnerRole } from '../support/partitioned';
 import { runReaperCli } from '../support/processes';
 import { mediaPolicyYaml } from '../support/remote-helpers';
 import { makeTestBed, type TestBed } from '../support/testbed';
@@ -64,4 +65,36 @@ test('roles that do not exist are named, with how to make them', async () => {
   const checked = await runReaperCli(['doctor', '--worker', 'reaper_worker_nobody_made'], bed.processEnv());
   assert.equal(checked.code, 1, checked.stdout);
   assert.match(checked.stdout, /FAIL +role reaper_worker_nobody_made: role "reaper_worker_nobody_made" does not exist\n\s+fix: apply `reaper roles --print`/);
+});
+
+describe('partitions.retire: membership in the table\'s owner role', () => {
+  // The scheduler refuses to start without it (DETACH, SET SCHEMA, DROP need the owner), and
+  // `reaper restore --partition` (the operator) fails without it: doctor names both, with the GRANT.
+  const world = partitionedSuite('doctor_partitions', (partitioned) => {
+    partitioned.writePolicies(partitionedPolicyYaml());
+  });
+  const check = (extra: string[] = []) => {
+    const roles = world.bed.roles!;
+    return runReaperCli(['doctor', '--scheduler', roles.scheduler, '--worker', roles.worker, '--operator', roles.operator, ...extra], world.bed.processEnv());
+  };
+
+  test('the printed roles pass; without the membership the scheduler and the operator are each named with the GRANT', async () => {
+    const passed = await check();
+    assert.equal(passed.code, 0, passed.stdout);
+    const roles = world.bed.roles!;
+    const owner = partitionOwnerRole(world.bed);
+    await world.bed.pool.query(`REVOKE ${pg.escapeIdentifier(owner)} FROM ${pg.escapeIdentifier(roles.scheduler)}, ${pg.escapeIdentifier(roles.operator)}`);
+    try {
+      const checked = await check(['--json']);
+      assert.equal(checked.code, 1, checked.stdout);
+      const failed = (JSON.parse(checked.stdout) as { findings: Array<{ check: string; ok: boolean; detail: string; fix: string | null }> }).findings.filter((finding) => !finding.ok);
+      assert.deepEqual(failed.map((finding) => finding.check).sort(), ['operator member of events_by_day\'s owner', 'privileges', 'scheduler member of events_by_day\'s owner']);
+      const scheduler = failed.find((finding) => finding.check.startsWith('scheduler'))!;
+      assert.match(scheduler.detail, new RegExp(`lacks membership in role "${owner}", the owner of events_by_day: partitions.retire`));
+      assert.match(scheduler.fix!, new RegExp(`^GRANT "?${owner}"? TO "${roles.scheduler}";`));
+      assert.match(failed.find((finding) => finding.check.startsWith('operator'))!.fix!, new RegExp(`^GRANT "?${owner}"? TO "${roles.operator}";`));
+    } finally {
+      await world.bed.pool.query(`GRANT ${pg.escapeIdentifier(owner)} TO ${pg.escapeIdentifier(roles.scheduler)}, ${pg.escapeIdentifier(roles.operator)}`);
+    }
+  });
 });

@@ -59,6 +59,9 @@ export async function createPartitionedTable(bed: TestBed): Promise<void> {
   const q = (sql: string) => bed.pool.query(sql);
   await q(`DO $$ BEGIN IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = '${owner}') THEN CREATE ROLE ${pg.escapeIdentifier(owner)} NOLOGIN; END IF; END $$`);
   await q(`CREATE TABLE ${PARTITIONED_TABLE} (id bigint NOT NULL, status text NOT NULL, expires_at timestamptz NOT NULL, payload text, PRIMARY KEY (id, expires_at)) PARTITION BY RANGE (expires_at)`);
+  // The keyset scan's index (docs/configuration.md: every policy table needs one on (expiresAt, key),
+  // partial on the guard); on the parent, so each partition has its own.
+  await q(`CREATE INDEX ${PARTITIONED_TABLE}_open_by_expiry ON ${PARTITIONED_TABLE} (expires_at, id) WHERE status = 'open'`);
   const day = (offset: number) => `date_trunc('day', now()) + interval '${offset} days'`;
   const parts: Array<[string, number, number]> = [
     ['p_fk', -6, -5],

@@ -62,9 +62,15 @@ export async function outboxInsertPartitionRetired(
  * keeps two relays that claim at the same moment apart; the lease keeps them apart afterwards.
  * A claim that outlives its lease (a relay killed or stalled) is taken again by any relay; the
  * owner's own claims are taken again at once (its passes run one at a time: a claim of its own
- * seen at the start of a pass is left by a pass that failed before its delete).
+ * seen at the start of a pass is left by a pass that failed before its delete). Rows of a (policy,
+ * kind) in `skip` are left out: a routing key the relay found unroutable waits for its own retry
+ * time without holding back the rows behind it.
  */
-export async function outboxClaimOldest(db: Db, claim: { limit: number; owner: string; leaseMs: number }): Promise<OutboxEntry[]> {
+export async function outboxClaimOldest(
+  db: Db,
+  claim: { limit: number; owner: string; leaseMs: number; skip?: ReadonlyArray<{ policy: string; kind: OutboxEntry['kind'] }> },
+): Promise<OutboxEntry[]> {
+  const skip = claim.skip ?? [];
   const result = await db.query<{
     outbox_id: string;
     policy: string;
@@ -81,12 +87,13 @@ export async function outboxClaimOldest(db: Db, claim: { limit: number; owner: s
     key_checksum: string | null;
   }>(
     `UPDATE cleanup_outbox o SET claimed_by = $2, claimed_until = clock_timestamp() + $3 * interval '1 millisecond'
-     FROM (SELECT outbox_id FROM cleanup_outbox WHERE claimed_until IS NULL OR claimed_until < clock_timestamp() OR claimed_by = $2
+     FROM (SELECT outbox_id FROM cleanup_outbox WHERE (claimed_until IS NULL OR claimed_until < clock_timestamp() OR claimed_by = $2)
+             AND (policy, kind) NOT IN (SELECT * FROM unnest($4::text[], $5::text[]))
            ORDER BY outbox_id LIMIT $1 FOR UPDATE SKIP LOCKED) picked
      WHERE o.outbox_id = picked.outbox_id
      RETURNING o.outbox_id::text, o.policy, o.key, reaper_iso(o.observed_expiry) AS observed_expiry, reaper_iso(o.cutoff) AS cutoff,
        o.run_id::text, o.batch_id, reaper_iso(o.deleted_at) AS deleted_at, o.policy_version, o.kind, o.row_count::text, o.partition_bound, o.key_checksum`,
-    [claim.limit, claim.owner, claim.leaseMs],
+    [claim.limit, claim.owner, claim.leaseMs, skip.map((entry) => entry.policy), skip.map((entry) => entry.kind)],
   );
   return result.rows
     .sort((a, b) => (BigInt(a.outbox_id) < BigInt(b.outbox_id) ? -1 : 1))

@@ -151,7 +151,7 @@ export interface PartitionRetirement {
   lowerBound: string | null;
   upperBound: string;
   concurrent: boolean;
-  state: 'detaching' | 'quarantined' | 'kept' | 'dropped' | 'restored';
+  state: 'detaching' | 'quarantined' | 'kept' | 'dropped' | 'restored' | 'released';
   rowCount: number | null;
   keyChecksum: string | null;
   reason: string | null;
@@ -428,28 +428,59 @@ export async function partitionDropOneDue(db: Db, policy: string, skip: readonly
 
 /**
  * `reaper restore --partition`, in the caller's transaction: the quarantined retirement locked
- * (FOR UPDATE), checked, moved back into its schema and attached with its bound, marked restored.
- * Refusals are returned, not thrown: 'not-found', 'not-quarantined' (with its state),
- * 'quarantine-ended', 'overlaps' (the attached partitions whose range meets its bound).
+ * (FOR UPDATE), checked, moved back into its schema and attached with its bound, marked restored
+ * and logged in cleanup_restores (the operator, the bound, the rows it brought back). Refusals are
+ * returned, not thrown: 'not-found' (no retirement of that name, or no such table in
+ * reaper_retired), 'not-quarantined' (with its state), 'quarantine-ended', 'refused' (its stored
+ * parent_table is not the policy's table, or its bound is not a range bound), 'overlaps' (the
+ * attached partitions whose range meets its bound).
+ *
+ * Before the ATTACH, a CHECK constraint matching the bound is added to the table (validated by a
+ * scan of that table alone, under its own lock: nobody else uses a retired table): PostgreSQL then
+ * skips the ATTACH's scan of the partition, so the parent's lock is not held for it. The
+ * constraint is dropped after the ATTACH (the partition constraint says the same). A default
+ * partition is still scanned by the ATTACH (docs/guardrails.md "Retiring partitions", Undo).
  */
 export type PartitionRestoreOutcome =
-  | { kind: 'restored'; retirement: PartitionRetirement }
+  | { kind: 'restored'; retirement: PartitionRetirement; rows: number; partition: string }
   | { kind: 'not-found' }
   | { kind: 'not-quarantined'; state: string }
   | { kind: 'quarantine-ended'; quarantineUntil: string }
+  | { kind: 'refused'; reason: string }
   | { kind: 'overlaps'; partitions: string[] };
 
-export async function partitionRestore(db: Db, retiredName: string): Promise<PartitionRestoreOutcome> {
-  const locked = await db.query<RetirementRow & { ended: boolean }>(
-    `SELECT ${RETIREMENT_COLUMNS}, quarantine_until <= clock_timestamp() AS ended FROM cleanup_partitions
-     WHERE retired_name = $1 ORDER BY (state = 'quarantined') DESC, retirement_id DESC LIMIT 1 FOR UPDATE`,
+/** The retirement a retired table's name belongs to (the quarantined one, else the newest); null when none. */
+export async function partitionRetirementByRetiredName(db: Db, retiredName: string): Promise<PartitionRetirement | null> {
+  const result = await db.query<RetirementRow>(
+    `SELECT ${RETIREMENT_COLUMNS} FROM cleanup_partitions WHERE retired_name = $1 ORDER BY (state = 'quarantined') DESC, retirement_id DESC LIMIT 1`,
     [retiredName],
+  );
+  return result.rows[0] ? toRetirement(result.rows[0]) : null;
+}
+
+/** The CHECK constraint restore adds before the ATTACH (and drops after it). */
+const RESTORE_CHECK = 'reaper_restore_bound';
+
+export async function partitionRestore(
+  db: Db,
+  restore: { retiredName: string; table: string; expiresAt: string; restoreId: string; operator: string },
+): Promise<PartitionRestoreOutcome> {
+  const locked = await db.query<RetirementRow & { ended: boolean; exists: boolean; qualified: string }>(
+    `SELECT ${RETIREMENT_COLUMNS}, quarantine_until <= clock_timestamp() AS ended, format('%I.%I', source_schema, source_name) AS qualified,
+            to_regclass(format('%I.%I', $2::text, retired_name)) IS NOT NULL AS exists
+     FROM cleanup_partitions
+     WHERE retired_name = $1 ORDER BY (state = 'quarantined') DESC, retirement_id DESC LIMIT 1 FOR UPDATE`,
+    [restore.retiredName, RETIRED_SCHEMA],
   );
   const row = locked.rows[0];
   if (!row) return { kind: 'not-found' };
   const retirement = toRetirement(row);
   if (retirement.state !== 'quarantined') return { kind: 'not-quarantined', state: retirement.state };
+  if (!row.exists) return { kind: 'not-found' };
   if (row.ended) return { kind: 'quarantine-ended', quarantineUntil: retirement.quarantineUntil! };
+  // The stored text is pasted into DDL: only what the scheduler wrote for the policy's own table.
+  const refused = partitionStoredTextRefused(retirement, restore.table);
+  if (refused !== null) return { kind: 'refused', reason: refused };
   const overlapping = await db.query<{ name: string }>(
     `SELECT p.qualified AS name FROM (
        SELECT format('%I.%I', n.nspname, c.relname) AS qualified, regexp_match(pg_get_expr(c.relpartbound, c.oid), '^FOR VALUES FROM \\((.*)\\) TO \\((.*)\\)$') AS range
@@ -462,10 +493,50 @@ export async function partitionRestore(db: Db, retiredName: string): Promise<Par
     [retirement.parentTable, retirement.lowerBound, retirement.upperBound],
   );
   if (overlapping.rows.length > 0) return { kind: 'overlaps', partitions: overlapping.rows.map((entry) => entry.name) };
+  // The table's own lock first (for the count, the CHECK's scan and the DDL), then its rows counted for the log.
+  await db.query(`LOCK TABLE ${retiredOf(retirement)} IN ACCESS EXCLUSIVE MODE`);
+  const rows = Number((await db.query<{ n: string }>(`SELECT count(*) AS n FROM ${retiredOf(retirement)}`)).rows[0]!.n);
+  const column = restore.expiresAt;
+  const lower = retirement.lowerBound === null ? '' : ` AND ${column} >= ${pg.escapeLiteral(retirement.lowerBound)}::timestamptz`;
+  await db.query(
+    `ALTER TABLE ${retiredOf(retirement)} ADD CONSTRAINT ${name(RESTORE_CHECK)} CHECK (${column} IS NOT NULL${lower} AND ${column} < ${pg.escapeLiteral(retirement.upperBound)}::timestamptz)`,
+  );
   await db.query(`ALTER TABLE ${retiredOf(retirement)} SET SCHEMA ${name(retirement.sourceSchema)}`);
   await partitionAttachBack(db, retirement);
+  await db.query(`ALTER TABLE ${sourceOf(retirement)} DROP CONSTRAINT ${name(RESTORE_CHECK)}`);
   await db.query(`UPDATE cleanup_partitions SET state = 'restored', updated_at = clock_timestamp() WHERE retirement_id = $1 AND state = 'quarantined'`, [retirement.retirementId]);
-  return { kind: 'restored', retirement };
+  await db.query(
+    `INSERT INTO cleanup_restores (restore_id, archive_id, run_id, policy, key, outcome, operator, retirement_id, row_count, partition_bound)
+     VALUES ($1, NULL, $2, $3, $4, 'restored', $5, $6, $7, $8)`,
+    [restore.restoreId, retirement.runId, retirement.policy, `partition:${RETIRED_SCHEMA}.${retirement.retiredName}`, restore.operator, retirement.retirementId, rows, retirement.bound],
+  );
+  return { kind: 'restored', retirement, rows, partition: row.qualified };
+}
+
+/**
+ * Partitions of `table` that `reaper restore --partition` attached back and no operator released
+ * yet: classified blocked (partitionsClassify), so no run retires them again. Keyed by schema.name
+ * quoted as partitionsList's `qualified`; the value is when it was restored.
+ */
+export async function partitionsRestored(db: Db, table: string): Promise<Map<string, string>> {
+  const result = await db.query<{ qualified: string; at: string }>(
+    `SELECT format('%I.%I', source_schema, source_name) AS qualified, reaper_iso(updated_at) AS at FROM cleanup_partitions WHERE parent_table = $1 AND state = 'restored'`,
+    [table],
+  );
+  return new Map(result.rows.map((entry) => [entry.qualified, entry.at]));
+}
+
+/**
+ * `reaper partitions <policy> --release <schema.name>`: restored -> released, so a later run may
+ * retire the partition again (a new retirement). How many were released (0: none restored by that name).
+ */
+export async function partitionRelease(db: Db, policy: string, qualified: string, operator: string): Promise<number> {
+  const result = await db.query(
+    `UPDATE cleanup_partitions SET state = 'released', reason = 'released by ' || $3, updated_at = clock_timestamp()
+     WHERE policy = $1 AND state = 'restored' AND (format('%I.%I', source_schema, source_name) = $2 OR source_schema || '.' || source_name = $2)`,
+    [policy, qualified, operator],
+  );
+  return result.rowCount ?? 0;
 }
 
 /**

@@ -25,6 +25,14 @@ import { quoteIdentifier } from '../pool';
  */
 
 export type DbPrivilege = 'SELECT' | 'INSERT' | 'UPDATE' | 'DELETE';
+/** A table privilege, or UPDATE of some columns only (`UPDATE (state, updated_at)`: least privilege where a role changes a few columns). */
+export type TablePrivilege = DbPrivilege | `UPDATE (${string})`;
+
+/** The columns of a column privilege (`UPDATE (a, b)` -> ['a', 'b']); null for a table privilege. */
+export function privilegeColumns(privilege: TablePrivilege): { privilege: DbPrivilege; columns: string[] | null } {
+  const match = /^(UPDATE) \((.+)\)$/.exec(privilege);
+  return match ? { privilege: 'UPDATE', columns: match[2]!.split(',').map((column) => column.trim()) } : { privilege: privilege as DbPrivilege, columns: null };
+}
 
 /** The roles, by purpose. Tests suffix them (role names are cluster-wide). */
 export interface DbRoleNames {
@@ -46,7 +54,7 @@ export type GranteeRole = 'scheduler' | 'worker' | 'operator';
 const GRANTEES: readonly GranteeRole[] = ['scheduler', 'worker', 'operator'];
 
 /** Per table, what each grantee may do (the operator: nothing unless named). */
-export type ReaperTableGrants = Readonly<Record<string, { scheduler: readonly DbPrivilege[]; worker: readonly DbPrivilege[]; operator?: readonly DbPrivilege[] }>>;
+export type ReaperTableGrants = Readonly<Record<string, { scheduler: readonly TablePrivilege[]; worker: readonly TablePrivilege[]; operator?: readonly TablePrivilege[] }>>;
 
 /**
  * reaper's own tables and what each service does with them, read off shared/db/queries/ (SELECT
@@ -78,14 +86,16 @@ export const REAPER_TABLE_GRANTS: ReaperTableGrants = {
   // scheduler; `reaper restore` runs as reaper_operator: it locks and marks the rows it puts back
   // (FOR UPDATE, UPDATE) and INSERTs into the policy's table (targetGrants: archived policies only)
   cleanup_archive: { scheduler: ['SELECT', 'DELETE'], worker: ['INSERT'], operator: ['SELECT', 'UPDATE'] },
-  // the restore log: written by `reaper restore` (the operator) only
+  // the restore log: written by `reaper restore` (the operator) only, rows and partitions
   cleanup_restores: { scheduler: [], worker: [], operator: ['SELECT', 'INSERT'] },
   // expiry events: written by the deleting statements (the worker reads its size for the limit);
   // `reaper relay` (scheduler role) claims (UPDATE), publishes and deletes them, the scheduler's gauge reads their age
   cleanup_outbox: { scheduler: ['SELECT', 'INSERT', 'UPDATE', 'DELETE'], worker: ['SELECT', 'INSERT'], operator: ['SELECT'] }, // scheduler INSERT: a retired partition's event
   // partition retirements (issue 44): the scheduler records and steps them (detach, quarantine, drop);
-  // `reaper restore --partition` (the operator) marks one restored; `reaper partitions`/status read them
-  cleanup_partitions: { scheduler: ['SELECT', 'INSERT', 'UPDATE'], worker: [], operator: ['SELECT', 'UPDATE'] },
+  // `reaper restore --partition` (the operator) locks one (FOR UPDATE: UPDATE on some column) and
+  // marks it restored, `reaper partitions --release` marks it released with who did: those columns
+  // only; `reaper partitions`/status read them
+  cleanup_partitions: { scheduler: ['SELECT', 'INSERT', 'UPDATE'], worker: [], operator: ['SELECT', 'UPDATE (state, reason, updated_at)'] },
   // `reaper admission set`: live overrides every worker reads (set by operators)
   cleanup_admission_overrides: { scheduler: ['SELECT'], worker: ['SELECT'], operator: ['SELECT', 'INSERT', 'UPDATE', 'DELETE'] },
   // each process records a heartbeat (and forgets old ones); the scheduler reads the workers' versions
@@ -330,13 +340,18 @@ export function rolesSql(policies: PolicySet, names: DbRoleNames = DEFAULT_DB_RO
   return lines.join('\n');
 }
 
-/** One privilege a deployment role needs: `privilege` on `table`, or membership in `table` when privilege is 'MEMBER'. */
+/**
+ * One privilege a deployment role needs: `privilege` on `table` (on its `column` only, when given),
+ * membership in `table` when privilege is 'MEMBER', or membership in the role that owns `table`
+ * when privilege is 'OWNER' (partitions.retire: DETACH, ATTACH, SET SCHEMA and DROP need the owner).
+ */
 export interface NeededPrivilege {
   role: string;
   /** What the role is for (scheduler, worker, operator), for the message. */
   purpose: GranteeRole;
   table: string;
-  privilege: DbPrivilege | 'MEMBER';
+  privilege: DbPrivilege | 'MEMBER' | 'OWNER';
+  column?: string;
   /** Why it is needed, for the message. */
   why: string;
 }
@@ -349,7 +364,10 @@ export function neededPrivileges(policies: PolicySet, names: Pick<DbRoleNames, G
   const needed: NeededPrivilege[] = [];
   for (const [table, grants] of Object.entries(REAPER_TABLE_GRANTS)) {
     for (const purpose of GRANTEES) {
-      for (const privilege of grants[purpose] ?? []) needed.push({ role: names[purpose], purpose, table, privilege, why: `reaper's table ${table}` });
+      for (const granted of grants[purpose] ?? []) {
+        const { privilege, columns } = privilegeColumns(granted);
+        for (const column of columns ?? [undefined]) needed.push({ role: names[purpose], purpose, table, privilege, ...(column ? { column } : {}), why: `reaper's table ${table}` });
+      }
     }
   }
   for (const [table, grants] of targetGrants(policies)) {
@@ -364,23 +382,35 @@ export function neededPrivileges(policies: PolicySet, names: Pick<DbRoleNames, G
   if (rowPolicies.some((policy) => policy.brake !== undefined)) {
     needed.push({ role: names.operator, purpose: 'operator', table: 'pg_read_all_stats', privilege: 'MEMBER', why: '`reaper status` shows the standbys\' lag the brake reads' });
   }
+  for (const table of new Set(rowPolicies.filter((policy) => policy.partitions?.retire === true).map((policy) => policy.table))) {
+    needed.push({ role: names.scheduler, purpose: 'scheduler', table, privilege: 'OWNER', why: 'partitions.retire: DETACH, SET SCHEMA and DROP need the table\'s owner (the scheduler refuses to start without it)' });
+    needed.push({ role: names.operator, purpose: 'operator', table, privilege: 'OWNER', why: 'partitions.retire: `reaper restore --partition` (SET SCHEMA, ATTACH) needs the table\'s owner' });
+  }
   return needed;
 }
 
 /** Of `needed`, what the database does not grant now (a role that does not exist lacks everything). */
-export async function privilegesMissing(db: Db, needed: readonly NeededPrivilege[]): Promise<Array<NeededPrivilege & { roleExists: boolean; tableExists: boolean }>> {
+export async function privilegesMissing(
+  db: Db,
+  needed: readonly NeededPrivilege[],
+): Promise<Array<NeededPrivilege & { roleExists: boolean; tableExists: boolean; owner: string | null }>> {
   if (needed.length === 0) return [];
-  const result = await db.query<{ i: number; role_exists: boolean; table_exists: boolean; granted: boolean | null }>(
+  const result = await db.query<{ i: number; role_exists: boolean; table_exists: boolean; granted: boolean | null; owner: string | null }>(
     `SELECT n.i::int AS i, r.oid IS NOT NULL AS role_exists,
-            (n.privilege = 'MEMBER' OR to_regclass(quote_ident(n.tbl)) IS NOT NULL OR to_regclass(n.tbl) IS NOT NULL) AS table_exists,
+            (n.privilege = 'MEMBER' OR t.oid IS NOT NULL) AS table_exists,
+            CASE WHEN n.privilege = 'OWNER' THEN pg_get_userbyid(c.relowner)::text END AS owner,
             CASE WHEN r.oid IS NULL THEN false
                  WHEN n.privilege = 'MEMBER' THEN pg_has_role(n.role, n.tbl, 'USAGE')
-                 WHEN coalesce(to_regclass(quote_ident(n.tbl)), to_regclass(n.tbl)) IS NULL THEN false
-                 ELSE has_table_privilege(n.role, coalesce(to_regclass(quote_ident(n.tbl)), to_regclass(n.tbl)), n.privilege) END AS granted
-     FROM unnest($1::text[], $2::text[], $3::text[]) WITH ORDINALITY AS n(role, tbl, privilege, i)
+                 WHEN t.oid IS NULL THEN false
+                 WHEN n.privilege = 'OWNER' THEN pg_has_role(n.role, c.relowner, 'USAGE')
+                 WHEN n.col IS NOT NULL THEN has_column_privilege(n.role, t.oid, n.col, n.privilege)
+                 ELSE has_table_privilege(n.role, t.oid, n.privilege) END AS granted
+     FROM unnest($1::text[], $2::text[], $3::text[], $4::text[]) WITH ORDINALITY AS n(role, tbl, privilege, col, i)
      LEFT JOIN pg_roles r ON r.rolname = n.role
+     LEFT JOIN LATERAL (SELECT CASE WHEN n.privilege = 'MEMBER' THEN NULL ELSE coalesce(to_regclass(quote_ident(n.tbl)), to_regclass(n.tbl)) END AS oid) t ON true
+     LEFT JOIN pg_class c ON c.oid = t.oid
      ORDER BY n.i`,
-    [needed.map((entry) => entry.role), needed.map((entry) => entry.table), needed.map((entry) => entry.privilege)],
+    [needed.map((entry) => entry.role), needed.map((entry) => entry.table), needed.map((entry) => entry.privilege), needed.map((entry) => entry.column ?? null)],
   );
-  return result.rows.filter((row) => !row.granted).map((row) => ({ ...needed[row.i - 1]!, roleExists: row.role_exists, tableExists: row.table_exists }));
+  return result.rows.filter((row) => !row.granted).map((row) => ({ ...needed[row.i - 1]!, roleExists: row.role_exists, tableExists: row.table_exists, owner: row.owner }));
 }
