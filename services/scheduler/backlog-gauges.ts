@@ -6,6 +6,7 @@ import { transactionOn, withTransaction, type Db } from '../../shared/db/pool';
 import { partitionsPolicyReadLockTry } from '../../shared/db/queries/partitions';
 import {
   admissionGaugeRead,
+  backlogReadWithoutJit,
   ledgerBacklogRead,
   ledgerStateCounts,
   runsCompletedSince,
@@ -57,8 +58,8 @@ export async function readBacklog(db: Db, policies: readonly Policy[], targets: 
   for (const policy of policies) {
     const target = targets.get(policy.name);
     if (!target) continue;
-    const read = (client: Db) => targetBacklogRead(client, target, undefined, { remotePolicy: policy.kind === 'remote-delete' });
-    const targetBacklog = options.yieldToRetirement && retiresPartitions(policy) && target.partitioned ? await readUnlessRetiring(db, policy.name, read) : await read(db);
+    const yieldTo = options.yieldToRetirement && retiresPartitions(policy) && target.partitioned ? policy.name : null;
+    const targetBacklog = await targetBacklogOf(db, target, policy.kind === 'remote-delete', yieldTo);
     if (targetBacklog === null) continue; // being retired: the gauges keep their previous values
     result.push({
       policy: policy.name,
@@ -71,9 +72,17 @@ export async function readBacklog(db: Db, policies: readonly Policy[], targets: 
   return result;
 }
 
-/** `read` in a transaction holding the shared side of the policy's partition lock; null (nothing read) while a retirement holds or waits for it. */
-async function readUnlessRetiring<T>(db: Db, policy: string, read: (client: Db) => Promise<T>): Promise<T | null> {
-  const work = async (client: Db): Promise<T | null> => ((await partitionsPolicyReadLockTry(client, policy)) ? read(client) : null);
+/**
+ * The target's backlog, read in a transaction of its own without JIT (backlogReadWithoutJit);
+ * with `yieldTo` (a policy's name), under the shared side of its partition lock: null (nothing
+ * read) while a retirement of its partitions holds or waits for that lock.
+ */
+async function targetBacklogOf(db: Db, target: ResolvedTarget, remotePolicy: boolean, yieldTo: string | null): Promise<TargetBacklog | null> {
+  const work = async (client: Db): Promise<TargetBacklog | null> => {
+    await backlogReadWithoutJit(client);
+    if (yieldTo !== null && !(await partitionsPolicyReadLockTry(client, yieldTo))) return null;
+    return targetBacklogRead(client, target, undefined, { remotePolicy });
+  };
   return db instanceof pg.Pool ? withTransaction(db, work) : transactionOn(db, work);
 }
 

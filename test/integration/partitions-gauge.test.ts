@@ -50,6 +50,30 @@ describe('partitions: the backlog gauge does not hold up a retirement', () => {
     assert.deepEqual((await readBacklog(world.bed.pool, [policy], targets, { yieldToRetirement: true })).map((entry) => entry.policy), ['day-events']);
   });
 
+  test('the gauge reads the table with JIT off (compiling its statement took seconds on a loaded machine; it runs in a millisecond)', async () => {
+    const { policy, targets } = await setup();
+    const client = await world.bed.pool.connect();
+    const jitWhenRead: string[] = [];
+    // The same connection, recording the session's jit setting as each backlog statement of the table starts.
+    const recording = new Proxy(client, {
+      get(target, property, receiver) {
+        if (property !== 'query') return Reflect.get(target, property, receiver);
+        return async (text: unknown, ...rest: unknown[]) => {
+          if (typeof text === 'string' && text.includes('AS oldest_age')) jitWhenRead.push((await target.query<{ jit: string }>('SHOW jit')).rows[0]!.jit);
+          return (target.query as (...args: unknown[]) => unknown).call(target, text, ...rest);
+        };
+      },
+    });
+    try {
+      assert.deepEqual((await readBacklog(recording, [policy], targets, { yieldToRetirement: true })).map((entry) => entry.policy), ['day-events']);
+      assert.deepEqual((await readBacklog(recording, [policy], targets)).map((entry) => entry.policy), ['day-events']);
+    } finally {
+      client.release();
+    }
+    assert.deepEqual(jitWhenRead, ['off', 'off']);
+    assert.equal((await world.bed.pool.query<{ jit: string }>('SHOW jit')).rows[0]!.jit, 'on', 'the server default is on (else this test proves nothing)');
+  });
+
   test('a retirement waits for a gauge read in flight (no new one starts meanwhile), then retires', async () => {
     const { policy, targets } = await setup();
     const gauge = await world.bed.pool.connect();
