@@ -25,6 +25,9 @@
  *   BENCH_ECHO=1 prints every reaper process's log lines (prefixed with its name); BENCH_LOG_LEVEL=debug
  *   sets their LOG_LEVEL (warn otherwise), e.g. to see each object storage request leave and each batch park.
  *
+ * Figure 10's standby replay lag needs a server with a streaming standby: bench/standby-cluster.sh
+ * start makes a scratch primary (port 5544) and standby (5545); DATABASE_URL=postgres://postgres@127.0.0.1:5544/postgres.
+ *
  * It needs PostgreSQL and RabbitMQ (DATABASE_URL / AMQP_URL, defaults 127.0.0.1). It creates and
  * drops its own databases (reaper_bench_<random>, reaper_bench_<random>_seed: two runs at once never
  * touch each other's) and broker objects under a random prefix, and writes bench/results/<date>-<mode>.json and .md.

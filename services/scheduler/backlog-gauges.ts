@@ -1,9 +1,12 @@
 import { createTask } from 'node-cron';
 import type { Logger } from 'pino';
-import { eventsEnabled, type Policy, type PolicySet } from '../../shared/config/policies';
-import type { Db } from '../../shared/db/pool';
+import pg from 'pg';
+import { eventsEnabled, retiresPartitions, type Policy, type PolicySet } from '../../shared/config/policies';
+import { transactionOn, withTransaction, type Db } from '../../shared/db/pool';
+import { partitionsPolicyReadLockTry } from '../../shared/db/queries/partitions';
 import {
   admissionGaugeRead,
+  backlogReadWithoutJit,
   ledgerBacklogRead,
   ledgerStateCounts,
   runsCompletedSince,
@@ -41,23 +44,46 @@ export interface PolicyBacklog {
   lastCompleted: LastCompletedRun | null;
 }
 
-/** One read of every policy's backlog: used by the gauges and by `reaper status`. */
-export async function readBacklog(db: Db, policies: readonly Policy[], targets: ReadonlyMap<string, ResolvedTarget>): Promise<PolicyBacklog[]> {
+/**
+ * One read of every policy's backlog: used by the gauges and by `reaper status`.
+ * `yieldToRetirement` (the gauges): a policy that retires partitions is read under the shared side
+ * of its partition lock (partitionsPolicyReadLockTry) and left out while a scheduler retires its
+ * partitions: a read of the table in flight would hold every DETACH ... CONCURRENTLY up until it
+ * ends (issue 44: 2.2 s in the bench), and a retirement waits for the reads already in flight.
+ */
+export async function readBacklog(db: Db, policies: readonly Policy[], targets: ReadonlyMap<string, ResolvedTarget>, options: { yieldToRetirement?: boolean } = {}): Promise<PolicyBacklog[]> {
   const names = policies.map((policy) => policy.name);
   const lastCompleted = new Map((await runsLastCompleted(db, names)).map((run) => [run.policy, run]));
   const result: PolicyBacklog[] = [];
   for (const policy of policies) {
     const target = targets.get(policy.name);
     if (!target) continue;
+    const yieldTo = options.yieldToRetirement && retiresPartitions(policy) && target.partitioned ? policy.name : null;
+    const targetBacklog = await targetBacklogOf(db, target, policy.kind === 'remote-delete', yieldTo);
+    if (targetBacklog === null) continue; // being retired: the gauges keep their previous values
     result.push({
       policy: policy.name,
       kind: policy.kind,
-      target: await targetBacklogRead(db, target, undefined, { remotePolicy: policy.kind === 'remote-delete' }),
+      target: targetBacklog,
       ledger: policy.kind === 'remote-delete' ? await ledgerBacklogRead(db, policy.name, policy.leaseMs) : null,
       lastCompleted: lastCompleted.get(policy.name) ?? null,
     });
   }
   return result;
+}
+
+/**
+ * The target's backlog, read in a transaction of its own without JIT (backlogReadWithoutJit);
+ * with `yieldTo` (a policy's name), under the shared side of its partition lock: null (nothing
+ * read) while a retirement of its partitions holds or waits for that lock.
+ */
+async function targetBacklogOf(db: Db, target: ResolvedTarget, remotePolicy: boolean, yieldTo: string | null): Promise<TargetBacklog | null> {
+  const work = async (client: Db): Promise<TargetBacklog | null> => {
+    await backlogReadWithoutJit(client);
+    if (yieldTo !== null && !(await partitionsPolicyReadLockTry(client, yieldTo))) return null;
+    return targetBacklogRead(client, target, undefined, { remotePolicy });
+  };
+  return db instanceof pg.Pool ? withTransaction(db, work) : transactionOn(db, work);
 }
 
 /** Seconds between ticks: the longest gap among the next few (an irregular schedule alerts on its slowest gap). */
@@ -135,7 +161,7 @@ export function startBacklogGauges(deps: {
 
   async function pass(): Promise<void> {
     await observeCompletedRuns();
-    const backlog = await readBacklog(db, policies, deps.targets);
+    const backlog = await readBacklog(db, policies, deps.targets, { yieldToRetirement: true });
     const runs = await runStateCounts(db, names);
     const ledger = remoteNames.length > 0 ? await ledgerStateCounts(db, remoteNames) : [];
     const admission = remoteNames.length > 0 ? await admissionGaugeRead(db, remoteNames) : [];

@@ -18,6 +18,8 @@ import {
   partitionStoredTextRefused,
   partitionsList,
   partitionsPolicyLockTry,
+  partitionsPolicyLockWait,
+  partitionsPolicyOnlyReadersHold,
   partitionsPolicyUnlock,
   partitionWhereabouts,
   type PartitionRetirement,
@@ -56,6 +58,11 @@ import { partitionsClassify } from '../../shared/partitions/classify';
 const PLAIN_DETACH_LOCK_TIMEOUT_MS = 150;
 const PLAIN_DETACH_ATTEMPTS = 8;
 const PLAIN_DETACH_BACKOFF_MS = 50;
+/**
+ * How long a retirement waits for the backlog gauge's reads of the table in flight (shared holders
+ * of the policy's lock; no new one starts while it waits) before leaving its partitions to the next run.
+ */
+const GAUGE_READ_WAIT_MS = 10_000;
 /** 55P03 lock_not_available: lock_timeout expired. */
 const LOCK_NOT_AVAILABLE = '55P03';
 
@@ -89,11 +96,23 @@ export async function retirePartitions(
   let locked = false;
   try {
     locked = await partitionsPolicyLockTry(client, policy.name);
+    if (!locked && (await partitionsPolicyOnlyReadersHold(client, policy.name))) {
+      // Backlog gauge reads of the table hold it (shared): wait for them (the DETACH would), no new one starts meanwhile.
+      locked = await transactionOn(client, async () => {
+        await partitionsPolicyLockWait(client, policy.name, GAUGE_READ_WAIT_MS);
+        return true;
+      }).catch((error: { code?: string }) => {
+        if (error.code !== LOCK_NOT_AVAILABLE) throw error;
+        return false;
+      });
+    }
     if (!locked) {
       deps.log.info('another scheduler is retiring partitions of this policy: this run leaves them to it');
       return { retiredRows: await partitionRetiredRowsOfRun(client, run.runId) };
     }
-    const step = { deps, client, run, policy, target, policyVersion: options.policyVersion };
+    // The run's allowance left (the brake): checked against each partition's rows as the re-check
+    // counts them, in the transaction that retires it (never against an earlier count).
+    const step: StepContext = { deps, client, run, policy, target, policyVersion: options.policyVersion, room: options.room - (await partitionRetiredRowsOfRun(client, run.runId)) };
     for (const open of await partitionRetirementsOpen(client, policy.name)) {
       if (!deps.stillClaimed()) break;
       await resume(step, open);
@@ -112,17 +131,16 @@ export async function retirePartitions(
         deps.log.warn({ partition, reason: dropped.reason }, 'retired partition not dropped: the database refused; it stays quarantined');
       }
     }
-    const before = await partitionRetiredRowsOfRun(client, run.runId);
-    let room = options.room - before;
     const partitions = await partitionsList(client, target);
     const concurrent = !partitions.some((partition) => partition.isDefault);
-    for (const candidate of await partitionsClassify(client, target, run.cutoff)) {
+    // The proof alone (no row counted): the re-check counts them once, under the partition's lock.
+    for (const candidate of await partitionsClassify(client, target, run.cutoff, { count: false })) {
       if (candidate.class !== 'retirable' || !deps.stillClaimed()) continue;
-      const info = partitions.find((partition) => partition.qualified === candidate.partition)!;
-      if ((candidate.rows ?? 0) > room) {
-        deps.log.warn({ partition: candidate.partition, rows: candidate.rows, room }, "partition not retired: its rows pass the run's allowance (the row path and the brake take them)");
+      if (step.room <= 0) {
+        deps.log.warn({ partition: candidate.partition, room: step.room }, "partition not retired: the run's allowance is used up (the row path and the brake take its rows)");
         continue;
       }
+      const info = partitions.find((partition) => partition.qualified === candidate.partition)!;
       const begun = await partitionRetirementBegin(client, {
         policy: policy.name,
         runId: run.runId,
@@ -140,8 +158,8 @@ export async function retirePartitions(
       }
       failpoint('partition-after-begin');
       await deps.beforeDetach?.(candidate.partition);
-      const quarantined = concurrent ? await leftPendingOnLockTimeout(step, begun, () => detachConcurrently(step, begun)) : await detachPlainAndQuarantine(step, begun);
-      if (quarantined !== null) room -= quarantined;
+      if (concurrent) await leftPendingOnLockTimeout(step, begun, () => detachConcurrently(step, begun));
+      else await detachPlainAndQuarantine(step, begun);
     }
     return { retiredRows: await partitionRetiredRowsOfRun(client, run.runId) };
   } finally {
@@ -157,6 +175,8 @@ interface StepContext {
   policy: RowDeletePolicy & { partitions: { retire: true; quarantineDays: number } };
   target: ResolvedTarget;
   policyVersion: string;
+  /** Rows this run may still retire (the brake's allowance left); each quarantine takes its re-check's count off it. */
+  room: number;
 }
 
 /** An open retirement found at the start of a run (a crash, or a run that stopped): finish it from where the catalog says it is. */
@@ -180,7 +200,8 @@ async function resume(step: StepContext, open: PartitionRetirement): Promise<voi
   } else if (where === 'detached') {
     await quarantineDetached(step, open);
   } else {
-    // 'retired' with state detaching cannot happen (moved and recorded in one transaction); 'missing': dropped by someone else.
+    // 'retired' with state detaching cannot happen (moved and recorded in one transaction); 'missing': dropped by someone else;
+    // 'attached-elsewhere', 'parent-missing': someone else moved it or dropped its parent: not reaper's to finish.
     await partitionKeep(step.client, open, `not where reaper left it (${where}): nothing done`);
   }
 }
@@ -216,10 +237,11 @@ async function quarantineDetached(step: StepContext, retirement: PartitionRetire
   return inTransaction(client, async () => {
     await partitionLockDetached(client, retirement);
     const check = await partitionRecheckPartition(client, step.target, retirement, step.run.cutoff);
-    if (check.failing > 0) {
+    const refused = recheckRefusal(step, check);
+    if (refused !== null) {
       await partitionAttachBack(client, retirement);
-      await partitionKeep(client, retirement, `${check.failing} of ${check.rows} row(s) no longer pass (a hold, the guard, the expiry) at the re-check: attached again`);
-      step.deps.log.warn({ partition: `${retirement.sourceSchema}.${retirement.sourceName}`, failing: check.failing }, 'partition not retired: the re-check found rows that may not be deleted; attached again');
+      await partitionKeep(client, retirement, `${refused}: attached again`);
+      step.deps.log.warn({ partition: `${retirement.sourceSchema}.${retirement.sourceName}`, reason: refused }, 'partition not retired at the re-check; attached again');
       return null;
     }
     return quarantine(step, retirement, check);
@@ -240,7 +262,8 @@ async function detachPlainAndQuarantine(step: StepContext, retirement: Partition
         // reads of the table go on), and only then the parent's ACCESS EXCLUSIVE, for the DDL and COMMIT.
         await partitionLockForPlainDetach(client, retirement, PLAIN_DETACH_LOCK_TIMEOUT_MS);
         const check = await partitionRecheckPartition(client, step.target, retirement, step.run.cutoff);
-        if (check.failing > 0) throw new RecheckFailed(`${check.failing} of ${check.rows} row(s) no longer pass (a hold, the guard, the expiry) at the re-check: not detached`);
+        const refused = recheckRefusal(step, check);
+        if (refused !== null) throw new RecheckFailed(`${refused}: not detached`);
         await partitionDetachInTransaction(client, retirement);
         return quarantine(step, retirement, check);
       });
@@ -265,6 +288,21 @@ async function detachPlainAndQuarantine(step: StepContext, retirement: Partition
 
 class RecheckFailed extends Error {}
 
+/**
+ * Why the re-check refuses the retirement, or null: a row that may not be deleted (held, outside
+ * the guard, not expired), or more rows than the run's allowance left (the brake counts the rows
+ * the re-check counted, the ones that would be retired, not the classification's).
+ */
+function recheckRefusal(step: StepContext, check: { rows: number; failing: number; held: number }): string | null {
+  if (check.failing > 0 || check.held > 0) {
+    // A row both held and outside the guard counts in both: at most every row.
+    const failing = Math.min(check.rows, check.failing + check.held);
+    return `${failing} of ${check.rows} row(s) no longer pass (${check.held} held, ${check.failing} outside the guard or not expired) at the re-check`;
+  }
+  if (check.rows > step.room) return `its ${check.rows} row(s) pass the run's allowance left (${step.room}): the row path and the brake take them`;
+  return null;
+}
+
 async function quarantine(step: StepContext, retirement: PartitionRetirement, check: { rows: number; checksum: string }): Promise<number | null> {
   const done = await partitionQuarantine(step.client, retirement, {
     rows: check.rows,
@@ -274,6 +312,7 @@ async function quarantine(step: StepContext, retirement: PartitionRetirement, ch
     events: eventsEnabled(step.policy) ? { policyVersion: step.policyVersion } : null,
   });
   if (!done) throw new Error(`retirement ${retirement.retirementId} is no longer 'detaching' (another scheduler finished it): rolled back`);
+  step.room -= check.rows;
   step.deps.log.info({ partition: `${retirement.sourceSchema}.${retirement.sourceName}`, rows: check.rows, bound: retirement.bound, checksum: check.checksum }, 'partition retired into reaper_retired');
   return check.rows;
 }

@@ -1,5 +1,5 @@
 import type { Db } from '../db/pool';
-import { partitionRowsCheck, partitionsList, type PartitionInfo } from '../db/queries/partitions';
+import { isDataException, partitionRetirableProof, partitionRowsCheck, partitionsList, type PartitionInfo } from '../db/queries/partitions';
 import type { ResolvedTarget } from '../db/queries/target';
 // Restored partitions stay blocked until released (issue 44 review): restoredBlock below.
 import { partitionsRestored } from '../db/queries/partitions';
@@ -56,12 +56,21 @@ export function classifyByCatalog(partition: PartitionInfo, cutoffMs: number): {
 }
 
 /**
- * Every partition of the target, classified under `cutoff` (an ISO instant, the run's). Reads the
- * rows only of partitions whose bound is at or before the cutoff, one partition at a time.
+ * Every partition of the target, classified under `cutoff` (an ISO instant, the run's). Reads rows
+ * only of partitions whose bound is at or before the cutoff, one partition at a time:
+ *  - `count: true` (`reaper partitions`, `reaper plan`): one scan each, counting its rows and those
+ *    that fail (partitionRowsCheck), so the report says how many;
+ *  - `count: false` (the scheduler): the proof alone (partitionRetirableProof: the bound, and
+ *    bounded queries for the guard, '-infinity' and the policy's holds), `rows` null. The rows are
+ *    counted once, by the re-check in the transaction that retires the partition, and that count
+ *    is what the brake's allowance is checked against.
+ * Both decide the same predicate; the proof's hold look-up casts hold keys to the key's type (a
+ * superset of the text comparison), and where the proof cannot decide (a bound within a
+ * millisecond of the cutoff, a hold key that does not cast) the counting check decides.
  * A frozen cutoff read with a JS Date loses microseconds: a bound within a millisecond after the
  * cutoff compares equal here, so the row check (in SQL, with the exact cutoff) decides it.
  */
-export async function partitionsClassify(db: Db, target: ResolvedTarget, cutoff: string): Promise<ClassifiedPartition[]> {
+export async function partitionsClassify(db: Db, target: ResolvedTarget, cutoff: string, options: { count: boolean } = { count: true }): Promise<ClassifiedPartition[]> {
   const cutoffMs = Date.parse(cutoff);
   const classified: ClassifiedPartition[] = [];
   const restored = await partitionsRestored(db, target.table);
@@ -72,7 +81,13 @@ export async function partitionsClassify(db: Db, target: ResolvedTarget, cutoff:
       classified.push({ ...base, ...decided, rows: null });
       continue;
     }
-    const check = await partitionRowsCheck(db, target, { lower: partition.lower, upper: partition.upper! }, cutoff);
+    const range = { lower: partition.lower, upper: partition.upper! };
+    const proved = options.count ? null : await proofOrNull(db, target, range, cutoff);
+    if (proved) {
+      classified.push({ ...base, ...proved, rows: null });
+      continue;
+    }
+    const check = await partitionRowsCheck(db, target, range, cutoff);
     classified.push(
       check.failing === 0
         ? { ...base, class: 'retirable', reason: `all ${check.rows} row(s) expired under the cutoff, within the guard, none held`, rows: check.rows }
@@ -80,4 +95,20 @@ export async function partitionsClassify(db: Db, target: ResolvedTarget, cutoff:
     );
   }
   return classified;
+}
+
+/** The proof's class and reason; null where it cannot decide (the counting check does). */
+async function proofOrNull(db: Db, target: ResolvedTarget, range: { lower: string | null; upper: string }, cutoff: string): Promise<{ class: 'retirable' | 'mixed'; reason: string } | null> {
+  let proof;
+  try {
+    proof = await partitionRetirableProof(db, target, range, cutoff);
+  } catch (error) {
+    if (isDataException(error)) return null;
+    throw error;
+  }
+  if (!proof.expiredByBound) return null;
+  const failing = [proof.held && 'a row is held', proof.outsideGuard && 'a row is outside the guard', proof.nonFinite && "a row expires at '-infinity'"].filter(Boolean);
+  return failing.length === 0
+    ? { class: 'retirable', reason: 'every row expired by the upper bound, within the guard, none held (proved without counting)' }
+    : { class: 'mixed', reason: `${failing.join(', ')}: the row path deletes the rest` };
 }

@@ -61,7 +61,7 @@ describe('partitions: retiring', () => {
     assert.match(audit.rows[0]!.key_checksum, /^[0-9a-f]+$/);
     // The checksum is the one of the rows kept in quarantine.
     const sum = await world.bed.pool.query<{ c: string }>(
-      `SELECT to_hex((coalesce(sum(('x' || left(md5(id::text || ':' || reaper_iso(expires_at)), 15))::bit(60)::bigint::numeric), 0) % 9223372036854775807)::bigint) AS c FROM reaper_retired.p_old_a`,
+      `SELECT to_hex((coalesce(sum(hashtextextended(id::text, timestamp_hash_extended(expires_at AT TIME ZONE 'UTC', 0)) & 1152921504606846975), 0) % 9223372036854775807)::bigint) AS c FROM reaper_retired.p_old_a`,
     );
     assert.equal(audit.rows[0]!.key_checksum, sum.rows[0]!.c);
     // events on: one partition-retired event per retired partition, as the relay reads it (count, bound, checksum).

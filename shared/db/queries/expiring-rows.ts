@@ -42,9 +42,17 @@ export type ExpiredPredicateTarget = Pick<ResolvedTarget, 'key' | 'expiresAt' | 
  * of target.guardColumns.
  */
 export function expiringRowsExpiredSql(target: ExpiredPredicateTarget, at: { cutoff: string; policy: string; guard: readonly string[] }): string {
-  const guard = target.guardColumns.map((column, index) => ` AND t.${column} = ${at.guard[index]}`).join('');
-  return `t.${target.expiresAt} <= ${at.cutoff} AND t.${target.expiresAt} > '-infinity'::timestamptz${guard}
+  return `${expiredWithinGuardSql(target, at)}
        AND ${noActiveHoldProbedOnlyIfAny(at.policy, `t.${target.key}`)}`;
+}
+
+/**
+ * expiringRowsExpiredSql without its hold clause: expired at or before `cutoff`, finite, the guard.
+ * Partition retirement checks the holds apart, by the policy's holds' keys (few) rather than a probe per row.
+ */
+export function expiredWithinGuardSql(target: Pick<ResolvedTarget, 'expiresAt' | 'guardColumns'>, at: { cutoff: string; guard: readonly string[] }): string {
+  const guard = target.guardColumns.map((column, index) => ` AND t.${column} = ${at.guard[index]}`).join('');
+  return `t.${target.expiresAt} <= ${at.cutoff} AND t.${target.expiresAt} > '-infinity'::timestamptz${guard}`;
 }
 
 /**

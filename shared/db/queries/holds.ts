@@ -13,7 +13,12 @@ import type { ResolvedTarget } from './target';
  */
 export function noActiveHold(policyParameter: string, keyExpression: string): string {
   return `NOT EXISTS (SELECT 1 FROM cleanup_holds hold WHERE hold.policy = ${policyParameter} AND hold.key = (${keyExpression})::text
-            AND (hold.held_until IS NULL OR hold.held_until > statement_timestamp()))`;
+            AND ${holdActiveSql('hold')})`;
+}
+
+/** SQL condition: the hold row `alias` is active now (until held_until, or until removed). */
+export function holdActiveSql(alias: string): string {
+  return `(${alias}.held_until IS NULL OR ${alias}.held_until > statement_timestamp())`;
 }
 
 export interface Hold {

@@ -1,7 +1,8 @@
 import type { Db } from '../pool';
 import pg from 'pg';
 import { quoteIdentifier } from '../pool';
-import { expiringRowsExpiredSql } from './expiring-rows';
+import { expiredWithinGuardSql, expiringRowsExpiredSql, guardSql } from './expiring-rows';
+import { holdActiveSql, noActiveHold } from './holds';
 import { outboxInsertPartitionRetired } from './outbox';
 import type { ResolvedTarget } from './target';
 
@@ -120,22 +121,95 @@ export async function partitionRowsCheck(db: Db, target: ResolvedTarget, range: 
 }
 
 /**
- * What the transaction that retires a partition reads after it took the partition's lock: its
- * rows, those failing the predicate (a hold placed or a guard changed since the classification),
- * and a checksum of the row identities (key and exact expiry; order-independent: the sum of the
- * first 60 bits of each identity's md5, as hex), for the audit row and the event.
- * `partition` is where the table is now (it may already be detached).
+ * The proof that lets the scheduler classify a partition retirable without reading its rows
+ * (issue 44): for a partition whose upper bound is at or before the cutoff, every row's expiry is
+ * below the cutoff by the bound alone (partitions never overlap; a range partition holds no NULL
+ * key). What the bound cannot prove is read with bounded queries, each answered by its first row:
+ *  - expiredByBound: the bound checked in SQL against the exact cutoff (never later than now);
+ *    false only within a millisecond of the cutoff, where the caller falls back to partitionRowsCheck;
+ *  - nonFinite: a row expiring at '-infinity' (only a partition from MINVALUE can hold one: an
+ *    index probe on the (expiresAt, key) index);
+ *  - outsideGuard: a row failing the guard (only when the policy has one: EXISTS, stops at the first);
+ *  - held: a row under one of the policy's active holds, found by looking each hold's key up in the
+ *    partition (an index probe per hold; holds are few) instead of a probe per row.
+ * Read through the parent with the partition's range, like partitionRowsCheck. A hold whose key
+ * does not cast to the key's type (a row edited by hand) raises 22xxx: the caller falls back.
+ * Parameters: $1 cutoff, $2 policy, $3.. guard values, then the range.
  */
-export async function partitionRowsCheckWithChecksum(db: Db, target: ResolvedTarget, partition: string, cutoff: string): Promise<PartitionRowCheck & { checksum: string }> {
-  const result = await db.query<{ rows: string; failing: string; checksum: string }>(
-    `SELECT count(*) AS rows, count(*) FILTER (WHERE ${failingRowSql(target)}) AS failing,
-            to_hex((coalesce(sum(('x' || left(md5(t.${target.key}::text || ':' || reaper_iso(t.${target.expiresAt})), 15))::bit(60)::bigint::numeric), 0)
-                    % 9223372036854775807)::bigint) AS checksum
+export interface PartitionRetirableProof {
+  expiredByBound: boolean;
+  nonFinite: boolean;
+  outsideGuard: boolean;
+  held: boolean;
+}
+
+export async function partitionRetirableProof(db: Db, target: ResolvedTarget, range: { lower: string | null; upper: string }, cutoff: string): Promise<PartitionRetirableProof> {
+  const parameters: unknown[] = [cutoff, target.policy, ...target.guardValues];
+  const upper = `$${parameters.push(range.upper)}::timestamptz`;
+  const lowerFinite = range.lower !== null && Number.isFinite(Date.parse(range.lower));
+  const inRange = `t.${target.expiresAt} < ${upper}${range.lower === null ? '' : ` AND t.${target.expiresAt} >= $${parameters.push(range.lower)}::timestamptz`}`;
+  const guard = target.guardColumns.length === 0 ? 'false' : `EXISTS (SELECT 1 FROM ${target.table} t WHERE ${inRange} AND (true${guardSql(target, 3)}) IS NOT TRUE)`;
+  const nonFinite = lowerFinite ? 'false' : `EXISTS (SELECT 1 FROM ${target.table} t WHERE ${inRange} AND t.${target.expiresAt} = '-infinity'::timestamptz)`;
+  const result = await db.query<{ by_bound: boolean; non_finite: boolean; outside_guard: boolean; held: boolean }>(
+    `SELECT ${upper} <= least($1::timestamptz, statement_timestamp()) AS by_bound, ${nonFinite} AS non_finite, ${guard} AS outside_guard,
+            EXISTS (SELECT 1 FROM ${target.table} t WHERE ${inRange} AND t.${target.key} = ANY (${activeHoldKeysSql(target, '$2')})) AS held`,
+    parameters,
+  );
+  const row = result.rows[0]!;
+  return { expiredByBound: row.by_bound, nonFinite: row.non_finite, outsideGuard: row.outside_guard, held: row.held };
+}
+
+/** The policy's (in `policyParameter`) active holds' keys as an array of the key's type: an initplan, so `t.key = ANY (...)` probes the key's index once per hold. */
+function activeHoldKeysSql(target: Pick<ResolvedTarget, 'keyType'>, policyParameter: string): string {
+  return `ARRAY(SELECT h.key::${target.keyType} FROM cleanup_holds h WHERE h.policy = ${policyParameter} AND ${holdActiveSql('h')})`;
+}
+
+/** 22xxx data exception: a hold key that does not cast to the key's type (see partitionRetirableProof). */
+export const isDataException = (error: unknown): boolean => error instanceof pg.DatabaseError && (error.code ?? '').startsWith('22');
+
+/**
+ * What the transaction that retires a partition reads after it took the partition's lock, as
+ * cheaply as the proof allows: ONE read of the rows (a sequential or index-only scan of the
+ * partition alone) for their count, the rows failing expiry or guard (a per-row comparison, no
+ * probe) and a checksum of the row identities; the holds apart, by the policy's active holds'
+ * keys (an index probe each), only when the policy has any. A hold or a guard change committed
+ * before these statements wins.
+ * Checksum: order-independent, the sum of 60 bits of a 64-bit hash of each identity (the key's
+ * text, seeded with the hash of its exact expiry), modulo 2^63-1, as hex; hashtextextended and
+ * timestamp_hash_extended are the functions hash partitioning relies on (stable across versions).
+ * `partition` is where the table is now (it may already be detached). In a transaction: the hold
+ * look-up runs under a savepoint, and a hold key that does not cast (22xxx) falls back to a probe per row.
+ */
+export async function partitionRowsRecheck(db: Db, target: ResolvedTarget, partition: string, cutoff: string): Promise<PartitionRowCheck & { held: number; checksum: string }> {
+  const failing = expiredWithinGuardSql(target, { cutoff: 'least($1::timestamptz, statement_timestamp())', guard: target.guardValues.map((_, index) => `$${3 + index}`) });
+  // One pass of cheap expressions over the partition: compiling it (JIT, past jit_above_cost on a large partition) costs more than it saves.
+  await db.query(`SELECT set_config('jit', 'off', true)`);
+  const result = await db.query<{ rows: string; failing: string; checksum: string; any_hold: boolean }>(
+    `SELECT count(*) AS rows, count(*) FILTER (WHERE (${failing}) IS NOT TRUE) AS failing,
+            to_hex((coalesce(sum(hashtextextended(t.${target.key}::text, timestamp_hash_extended(t.${target.expiresAt} AT TIME ZONE 'UTC', 0)) & 1152921504606846975), 0)
+                    % 9223372036854775807)::bigint) AS checksum,
+            EXISTS (SELECT 1 FROM cleanup_holds h WHERE h.policy = $2 AND ${holdActiveSql('h')}) AS any_hold
      FROM ONLY ${partition} t`,
     [cutoff, target.policy, ...target.guardValues],
   );
   const row = result.rows[0]!;
-  return { rows: Number(row.rows), failing: Number(row.failing), checksum: row.checksum };
+  const held = row.any_hold ? await heldRowsIn(db, target, partition) : 0;
+  return { rows: Number(row.rows), failing: Number(row.failing), held, checksum: row.checksum };
+}
+
+/** Rows of `partition` (ONLY it) under an active hold of the policy: an index probe per hold; a hold key that does not cast falls back to a probe per row. */
+async function heldRowsIn(db: Db, target: ResolvedTarget, partition: string): Promise<number> {
+  await db.query('SAVEPOINT reaper_partition_holds');
+  try {
+    const probed = await db.query<{ n: string }>(`SELECT count(*) AS n FROM ONLY ${partition} t WHERE t.${target.key} = ANY (${activeHoldKeysSql(target, '$1')})`, [target.policy]);
+    await db.query('RELEASE SAVEPOINT reaper_partition_holds');
+    return Number(probed.rows[0]!.n);
+  } catch (error) {
+    if (!isDataException(error)) throw error;
+    await db.query('ROLLBACK TO SAVEPOINT reaper_partition_holds');
+    const scanned = await db.query<{ n: string }>(`SELECT count(*) AS n FROM ONLY ${partition} t WHERE NOT ${noActiveHold('$1', `t.${target.key}`)}`, [target.policy]);
+    return Number(scanned.rows[0]!.n);
+  }
 }
 
 /** A row of cleanup_partitions: one retirement of one partition, at one state. */
@@ -248,18 +322,33 @@ export async function partitionRetiredRowsOfRun(db: Db, runId: string): Promise<
   return Number(result.rows[0]!.n);
 }
 
-/** Where a retirement's partition is now, read from the catalog. */
-export type PartitionWhereabouts = 'attached' | 'detach-pending' | 'detached' | 'retired' | 'missing';
+/**
+ * Where a retirement's partition is now, read from the catalog:
+ *  - attached / detach-pending: a partition of the retirement's parent (inhdetachpending);
+ *  - detached: the table exists, the parent exists, and the table is nobody's partition (what
+ *    reaper's detach leaves; the catalog cannot tell it from someone else's detach: the re-check decides);
+ *  - attached-elsewhere: the table is now a partition of another table (not reaper's to move);
+ *  - parent-missing: the table exists but the retirement's parent does not (dropped, renamed);
+ *  - retired: in reaper_retired; missing: neither.
+ * A parent lookup that finds nothing (no pg_inherits row, no parent) is never read as "detached".
+ */
+export type PartitionWhereabouts = 'attached' | 'detach-pending' | 'detached' | 'attached-elsewhere' | 'parent-missing' | 'retired' | 'missing';
 
 export async function partitionWhereabouts(db: Db, retirement: Pick<PartitionRetirement, 'parentTable' | 'sourceSchema' | 'sourceName' | 'retiredName'>): Promise<PartitionWhereabouts> {
-  const result = await db.query<{ source: string | null; retired: string | null; pending: boolean | null }>(
-    `SELECT to_regclass(format('%I.%I', $1::text, $2::text))::text AS source, to_regclass(format('%I.%I', $3::text, $4::text))::text AS retired,
-            (SELECT i.inhdetachpending FROM pg_inherits i WHERE i.inhrelid = to_regclass(format('%I.%I', $1::text, $2::text)) AND i.inhparent = to_regclass($5)) AS pending`,
+  const result = await db.query<{ source: string | null; retired: string | null; parent: string | null; pending: boolean | null; elsewhere: boolean }>(
+    `WITH s AS (SELECT to_regclass(format('%I.%I', $1::text, $2::text)) AS source, to_regclass($5) AS parent)
+     SELECT s.source::text AS source, to_regclass(format('%I.%I', $3::text, $4::text))::text AS retired, s.parent::text AS parent,
+            (SELECT i.inhdetachpending FROM pg_inherits i WHERE i.inhrelid = s.source AND i.inhparent = s.parent) AS pending,
+            EXISTS (SELECT 1 FROM pg_inherits i WHERE i.inhrelid = s.source AND i.inhparent IS DISTINCT FROM s.parent) AS elsewhere
+     FROM s`,
     [retirement.sourceSchema, retirement.sourceName, RETIRED_SCHEMA, retirement.retiredName, retirement.parentTable],
   );
   const row = result.rows[0]!;
-  if (row.source !== null) return row.pending === null ? 'detached' : row.pending ? 'detach-pending' : 'attached';
-  return row.retired !== null ? 'retired' : 'missing';
+  if (row.source === null) return row.retired !== null ? 'retired' : 'missing';
+  if (row.pending !== null) return row.pending ? 'detach-pending' : 'attached';
+  if (row.elsewhere) return 'attached-elsewhere';
+  if (row.parent === null) return 'parent-missing';
+  return 'detached';
 }
 
 /**
@@ -303,9 +392,9 @@ export async function partitionDetachInTransaction(db: Db, retirement: Partition
   await db.query(`ALTER TABLE ${retirement.parentTable} DETACH PARTITION ${sourceOf(retirement)}`);
 }
 
-/** The re-check of the partition (ONLY it, by its own name, attached or not), with the checksum of its identities. */
-export function partitionRecheckPartition(db: Db, target: ResolvedTarget, retirement: PartitionRetirement, cutoff: string): Promise<PartitionRowCheck & { checksum: string }> {
-  return partitionRowsCheckWithChecksum(db, target, sourceOf(retirement), cutoff);
+/** The re-check of the partition (ONLY it, by its own name, attached or not), with the checksum of its identities (partitionRowsRecheck). */
+export function partitionRecheckPartition(db: Db, target: ResolvedTarget, retirement: PartitionRetirement, cutoff: string): Promise<PartitionRowCheck & { held: number; checksum: string }> {
+  return partitionRowsRecheck(db, target, sourceOf(retirement), cutoff);
 }
 
 /** Takes the detached table's lock for the re-check (inside the transaction that moves it). */
@@ -571,4 +660,35 @@ export async function partitionsPolicyLockTry(db: Db, policy: string): Promise<b
 
 export async function partitionsPolicyUnlock(db: Db, policy: string): Promise<void> {
   await db.query(`SELECT pg_advisory_unlock(hashtext('reaper-partitions'), hashtext($1))`, [policy]);
+}
+
+/**
+ * The backlog gauge's side of the same lock (issue 44: a gauge read of the table, in flight when a
+ * DETACH ... CONCURRENTLY starts, holds the detach up until it ends): SHARED, for the caller's
+ * transaction, never waiting. False while a scheduler retires the policy's partitions (or waits
+ * to): the gauge then leaves the policy's table alone this pass.
+ */
+export async function partitionsPolicyReadLockTry(db: Db, policy: string): Promise<boolean> {
+  return (await db.query<{ locked: boolean }>(`SELECT pg_try_advisory_xact_lock_shared(hashtext('reaper-partitions'), hashtext($1)) AS locked`, [policy])).rows[0]!.locked;
+}
+
+/**
+ * When partitionsPolicyLockTry was refused: true when only readers (gauge reads, shared) hold the
+ * lock, no scheduler (exclusive): a shared try is granted only then (it is refused as well while
+ * another scheduler waits for it exclusively). Released at once.
+ */
+export async function partitionsPolicyOnlyReadersHold(db: Db, policy: string): Promise<boolean> {
+  const { locked } = (await db.query<{ locked: boolean }>(`SELECT pg_try_advisory_lock_shared(hashtext('reaper-partitions'), hashtext($1)) AS locked`, [policy])).rows[0]!;
+  if (locked) await db.query(`SELECT pg_advisory_unlock_shared(hashtext('reaper-partitions'), hashtext($1))`, [policy]);
+  return locked;
+}
+
+/**
+ * The session lock, waited for at most `waitMs` (the readers in flight end; new ones stay out
+ * while this waits). In the caller's transaction (lock_timeout is set for it alone); the lock,
+ * session-level, outlives it. False on the lock timeout (55P03): the caller rolls back.
+ */
+export async function partitionsPolicyLockWait(db: Db, policy: string, waitMs: number): Promise<void> {
+  await db.query(`SELECT set_config('lock_timeout', $1, true)`, [`${Math.max(1, Math.round(waitMs))}ms`]);
+  await db.query(`SELECT pg_advisory_lock(hashtext('reaper-partitions'), hashtext($1))`, [policy]);
 }
