@@ -103,7 +103,7 @@ export interface PartitionsForeground {
   afterTrigger: ForegroundLatency;
   /** Longest heavyweight-lock wait of a foreground backend (pg_locks.waitstart, sampled every 50 ms) during the retirement. */
   lockWaitMaxMs: number;
-  /** Standbys' longest replay_lag during the retirement (pg_stat_replication, every 100 ms); null: no standby on this server. */
+  /** Standbys' longest replay_lag during the retirement (pg_stat_replication, every 50 ms); null: no standby on this server. */
   replayLagMaxMs: number | null;
   standbys: number;
 }

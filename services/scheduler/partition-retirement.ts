@@ -13,6 +13,7 @@ import {
   partitionQuarantine,
   partitionRecheckPartition,
   partitionRetiredRowsOfRun,
+  partitionRowsCheck,
   partitionRetirementBegin,
   partitionRetirementsOpen,
   partitionStoredTextRefused,
@@ -140,7 +141,20 @@ export async function retirePartitions(
         deps.log.warn({ partition: candidate.partition, room: step.room }, "partition not retired: the run's allowance is used up (the row path and the brake take its rows)");
         continue;
       }
-      const info = partitions.find((partition) => partition.qualified === candidate.partition)!;
+      // Absent when the table changed between the two reads (a restore attached it meanwhile): the next run decides.
+      const info = partitions.find((partition) => partition.qualified === candidate.partition);
+      if (!info) continue;
+      if (concurrent && Number.isFinite(step.room)) {
+        // A DETACH ... CONCURRENTLY cannot be rolled back: a partition over the allowance left would
+        // leave the parent's view (and wait for every transaction on the table) only to be attached
+        // back after its re-check. So under a finite allowance its rows are counted first; the
+        // re-check, under the partition's lock, still decides.
+        const { rows } = await partitionRowsCheck(client, target, { lower: info.lower, upper: info.upper! }, run.cutoff);
+        if (rows > step.room) {
+          deps.log.warn({ partition: candidate.partition, rows, room: step.room }, "partition not retired: its rows pass the run's allowance left (the row path and the brake take them)");
+          continue;
+        }
+      }
       const begun = await partitionRetirementBegin(client, {
         policy: policy.name,
         runId: run.runId,

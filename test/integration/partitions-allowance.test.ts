@@ -83,3 +83,36 @@ describe('partitions: the allowance is checked against the re-check count', () =
     }
   });
 });
+
+/**
+ * The same allowance on the DETACH ... CONCURRENTLY path (no default partition), which cannot be
+ * rolled back (review finding): a partition whose rows already pass the allowance left is never
+ * begun, so never detached and attached back; before, it left the parent's view and came back
+ * with the reason "its 7 row(s) pass the run's allowance left (6)".
+ */
+describe('partitions: the allowance on the concurrent path', () => {
+  const world = partitionedSuite('partitions_allowance_concurrent', async (bed) => {
+    bed.writePolicies(partitionedPolicyYaml());
+    await bed.pool.query('DROP TABLE p_default');
+  });
+
+  test('a partition already over the allowance is not detached at all; the next one within it is retired', async () => {
+    const bed = world.bed;
+    await bed.pool.query(`INSERT INTO events_by_day (id, status, expires_at) SELECT 2100, 'open', min(expires_at) + interval '1 second' FROM ONLY p_old_a`);
+    const scheduler = new pg.Pool({ connectionString: bed.as(bed.env(), 'scheduler').databaseUrl, max: 2 });
+    try {
+      const policy = loadPolicies(bed.env().policiesPath).get('day-events')!;
+      assert.ok(retiresPartitions(policy));
+      const result = await retirePartitions({ pool: scheduler, log: testLog, stillClaimed: () => true }, { runId: randomUUID(), cutoff: await databaseNowIso(bed.pool) }, policy, await targetResolve(scheduler, policy), {
+        room: 6,
+        policyVersion: 'test',
+      });
+      const states = (await bed.pool.query<{ source_name: string; state: string; concurrent: boolean }>('SELECT source_name, state, concurrent FROM cleanup_partitions ORDER BY retirement_id')).rows;
+      assert.deepEqual(states, [{ source_name: 'p_old_b', state: 'quarantined', concurrent: true }], 'p_old_a never begun (never detached); p_old_b retired concurrently');
+      assert.equal(result.retiredRows, 6);
+      assert.equal((await bed.pool.query<{ n: number }>('SELECT count(*)::int AS n FROM events_by_day WHERE id BETWEEN 2001 AND 2100')).rows[0]!.n, 7, 'p_old_a stays attached with its rows');
+    } finally {
+      await scheduler.end();
+    }
+  });
+});

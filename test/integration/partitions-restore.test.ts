@@ -2,7 +2,7 @@ import assert from 'node:assert/strict';
 import { randomUUID } from 'node:crypto';
 import { describe, test } from 'node:test';
 import pg from 'pg';
-import { partitionRestore } from '../../shared/db/queries/partitions';
+import { partitionRestore, partitionRetirementBegin } from '../../shared/db/queries/partitions';
 import { runReaperCli } from '../support/processes';
 import { HELD_ID, partitionedPolicyYaml, partitionedSuite, partitionOwnerRole, runDayEventsUntilEnded } from '../support/partitioned';
 
@@ -103,6 +103,22 @@ describe('partitions: restoring a retired partition', () => {
     assert.equal(run.state, 'completed', run.error ?? '');
     assert.ok((await attached()).includes('p-old-a'), 'still attached after a run');
     assert.deepEqual((await states()).filter((row) => row.source_name === 'p-old-a'), [{ source_name: 'p-old-a', state: 'restored' }], 'not retired again');
+    // A run that classified the partition before the restore committed: its begin step refuses it (review finding: two reads, no state check).
+    const stored = (await pool().query<{ parent_table: string; source_schema: string; bound: string; lower_bound: string | null; upper_bound: string }>(
+      `SELECT parent_table, source_schema, bound, reaper_iso(lower_bound) AS lower_bound, reaper_iso(upper_bound) AS upper_bound FROM cleanup_partitions WHERE source_name = 'p-old-a'`,
+    )).rows[0]!;
+    const begun = await partitionRetirementBegin(pool(), {
+      policy: 'day-events',
+      runId: randomUUID(),
+      parentTable: stored.parent_table,
+      schema: stored.source_schema,
+      name: 'p-old-a',
+      bound: stored.bound,
+      lower: stored.lower_bound,
+      upper: stored.upper_bound,
+      concurrent: true,
+    });
+    assert.equal(begun, null, 'a restored partition is never begun again');
 
     const notRestored = await cli(['partitions', 'day-events', '--release', 'public.p_future']);
     assert.notEqual(notRestored.code, 0);

@@ -192,7 +192,7 @@ export async function archiveRestoreStep(
      )
      -- Ordered by the number (o.archive_id), not by the text column of the same name: in text order
      -- '10' < '9', the caller's cursor went back, and a conflict row came round again in the same
-     -- restore (a duplicate log row: cleanup_restores_pkey, issue 40).
+     -- restore (a duplicate log row: a raw violation of the restore log's unique key, issue 40).
      SELECT o.archive_id::text AS archive_id, o.key, o.restored FROM outcome o ORDER BY o.archive_id`,
     [step.runId, step.key, step.after, step.limit, step.restoreId, step.operator, step.sameColumns],
   );

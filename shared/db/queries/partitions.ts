@@ -289,6 +289,10 @@ export async function partitionRetirementBegin(
     `INSERT INTO cleanup_partitions (policy, run_id, parent_table, source_schema, source_name, retired_name, bound, lower_bound, upper_bound, concurrent, state)
      SELECT $1, $2, $3, $4, $5, $5, $6, $7, $8, $9, 'detaching'
      WHERE to_regclass(format('%I.%I', $10::text, $5::text)) IS NULL
+       -- Conditional on the state it expects, like every step: a partition an operator restored
+       -- (and did not release) is never begun again, even by a run that classified it before the
+       -- restore committed.
+       AND NOT EXISTS (SELECT 1 FROM cleanup_partitions r WHERE r.parent_table = $3 AND r.source_schema = $4 AND r.source_name = $5 AND r.state = 'restored')
      ON CONFLICT DO NOTHING
      RETURNING ${RETIREMENT_COLUMNS}`,
     [retirement.policy, retirement.runId, retirement.parentTable, retirement.schema, retirement.name, retirement.bound, retirement.lower, retirement.upper, retirement.concurrent, RETIRED_SCHEMA],
