@@ -1,6 +1,7 @@
 import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
 import type { Options } from 'amqplib';
+import type pg from 'pg';
 import fc from 'fast-check';
 import pino from 'pino';
 import { ReconnectingConnection } from '../../shared/amqp/connection';
@@ -8,6 +9,7 @@ import { ConfirmingPublisher } from '../../shared/amqp/publisher';
 import { brokerNames, makeTopology } from '../../shared/amqp/topology';
 import { DEFAULT_APPROVAL_TOLERANCE, parsePolicies, type Policy, type RemoteDeletePolicy } from '../../shared/config/policies';
 import { decodeBatch, type BatchV1 } from '../../shared/contracts/batch';
+import { makePool } from '../../shared/db/pool';
 import { holdsAdd, holdsRemove } from '../../shared/db/queries/holds';
 import { targetResolve, type ResolvedTarget } from '../../shared/db/queries/target';
 import { runsApprove, runsClaimNext, runsInsertIfAbsent, runsReject } from '../../shared/db/queries/runs';
@@ -109,6 +111,9 @@ interface Worker {
 
 interface Real {
   bed: TestBed;
+  /** The pools of the scheduler and of the worker, as deployed: logged in as the roles `reaper roles --print` makes (the test's own reads and writes use bed.pool). */
+  scheduling: pg.Pool;
+  working: pg.Pool;
   variant: Variant;
   stats: Record<string, number>;
   worker: Worker | null;
@@ -189,7 +194,7 @@ class CheckedPublisher extends ConfirmingPublisher {
 
 function depsFor(real: Real, scheduler: Scheduler): RunExecutorDeps {
   return {
-    pool: real.bed.pool,
+    pool: real.scheduling,
     publisher: publishers.get(scheduler)!,
     names: brokerNames(real.bed.prefix),
     owner: scheduler.owner,
@@ -225,7 +230,7 @@ function untilSettled(real: Real, scheduler: Scheduler, go: () => void): Promise
 async function claimNext(real: Real, scheduler: Scheduler): Promise<void> {
   if (scheduler.running) return;
   const policy = real.versions[real.current];
-  const run = await runsClaimNext(real.bed.pool, scheduler.owner, LEASE_MS, [real.variant.policy]);
+  const run = await runsClaimNext(real.scheduling, scheduler.owner, LEASE_MS, [real.variant.policy]);
   if (!run) return;
   tally(real, 'claims');
   if (run.claimCount > 1 && run.cursor !== null) tally(real, 'takeovers');
@@ -350,7 +355,7 @@ const WORKER_ID = 'model-worker';
 const STAND_IN_FAILURE = 'stand-in remote: connection reset (the call outcome is unknown)';
 
 function workerContext(real: Real): HandlerContext {
-  return { pool: real.bed.pool, workerId: WORKER_ID, log: pino({ level: 'silent' }), metrics, deliveryCount: 1, failpoint: () => undefined };
+  return { pool: real.working, workerId: WORKER_ID, log: pino({ level: 'silent' }), metrics, deliveryCount: 1, failpoint: () => undefined };
 }
 
 /** The run an earlier batch belongs to (a run of before the sequence: no row of it is needed). */
@@ -600,6 +605,9 @@ function runModelSuite(variant: Variant): { runSequence: RunSequence; pool: () =
 
   before(async () => {
     bed = await makeTestBed(`runs_property_${variant.policy.replace(/-/g, '_')}`);
+    // As deployed: the printed roles get their grants on the policy's table from the policies file.
+    bed.writePolicies(variant.yaml(5));
+    const as = (role: 'scheduler' | 'worker') => makePool(bed.as(bed.env(), role).databaseUrl, 4, `runs-property-${role}`);
     const version = (maxPerRun: number) => parsePolicies(variant.yaml(maxPerRun), 'runs-property.yaml', {}).get(variant.policy)!;
     const versions: [Policy, Policy] = [version(5), version(7)];
     connection = new ReconnectingConnection({
@@ -628,13 +636,15 @@ function runModelSuite(variant: Variant): { runSequence: RunSequence; pool: () =
         batches: [],
       };
     }
-    real = { bed, variant, stats: newStats(), worker, violation: null, versions, current: 0, target, schedulers, published: new Map() };
+    real = { bed, scheduling: as('scheduler'), working: as('worker'), variant, stats: newStats(), worker, violation: null, versions, current: 0, target, schedulers, published: new Map() };
     for (const scheduler of schedulers) publishers.set(scheduler, new CheckedPublisher(() => real, () => scheduler, connection));
     await connection.start();
   });
 
   after(async () => {
     await connection?.close();
+    await real?.scheduling.end();
+    await real?.working.end();
     await bed?.close();
   });
 
