@@ -9,6 +9,7 @@ import { admitRows, maxRowsPerStatement, noteRowStatement } from '../../shared/a
 import { parsePolicies, type RowDeletePolicy } from '../../shared/config/policies';
 import { makeBatchId, type BatchV1 } from '../../shared/contracts/batch';
 import { makePool } from '../../shared/db/pool';
+import { admissionOthersSample } from '../../shared/db/queries/admission';
 import { targetResolve } from '../../shared/db/queries/target';
 import { makeMetrics } from '../../shared/observability/metrics';
 import { makeRowDeleteGroupHandler } from '../../services/worker/handlers/row-delete';
@@ -430,6 +431,53 @@ describe('adaptive row-delete admission: one shared rate', () => {
       assert.ok(results.every((r) => r.kind === 'done' || r.kind === 'retry'), JSON.stringify(results.map((r) => r.kind)));
     } finally {
       await bed.pool.query(`DROP TRIGGER first_group_note ON seat_reservations; DROP FUNCTION first_group_note(); DROP TABLE first_group_statements`);
+    }
+  });
+
+  test("the harm law (admission: { law: harm }, issue 41): pg_stat_activity shows each of the others' statements once, with its duration; a first take beside an application starts at the floor, one with nobody there at the start rate", async () => {
+    // The observable: an application session that ran a 50 ms statement and is idle again shows it (state_change - query_start), once.
+    const applicationPool = makePool(bed.databaseUrl, 1, 'application-harm');
+    pools.push(applicationPool);
+    const application = await applicationPool.connect();
+    try {
+      const before = await admissionOthersSample(bed.pool, null);
+      await application.query('SELECT pg_sleep(0.05)');
+      const seen = await admissionOthersSample(bed.pool, before.at);
+      assert.ok(seen.finishedMs.some((ms) => ms >= 45 && ms < 1_000), `the 50 ms statement: ${JSON.stringify(seen.finishedMs)}`);
+      assert.ok(seen.at > before.at, 'the sample carries the database clock');
+      const again = await admissionOthersSample(bed.pool, seen.at);
+      assert.ok(!again.finishedMs.some((ms) => ms >= 45), `counted once: ${JSON.stringify(again.finishedMs)}`);
+
+      const harmPolicy = (name: string): RowDeletePolicy => parsePolicies(`${rowDeletePolicyYaml({ name, batchSize: 50 })}    admission: { law: harm }\n`, 'test', {}).get(name) as RowDeletePolicy;
+      const storedRate = async (policy: string): Promise<number> =>
+        (await bed.pool.query<{ rate: number }>('SELECT adaptive_rate AS rate FROM cleanup_admission WHERE policy = $1', [policy])).rows[0]!.rate;
+      // An application running short statements one after another during the look: seen, so the first take is gentle.
+      let running = true;
+      const loop = (async () => {
+        while (running) await application.query('SELECT pg_sleep(0.002)');
+      })();
+      try {
+        const busy = harmPolicy('harm-busy');
+        assert.ok((await admitRows(workerPool('harm-1'), busy, 10, { holdMs: 10_000 })).admitted);
+        assert.equal(await storedRate(busy.name), ADAPTIVE.floorRowsPerSecond, 'beside an application: the floor');
+      } finally {
+        running = false;
+        await loop;
+      }
+    } finally {
+      application.release();
+    }
+    // Nobody else has run a statement within restartAfterSeconds in this database: the look is quiet, the start rate stands.
+    const quietBed = await makeTestBed('adaptive_harm_quiet');
+    const quietPool = makePool(quietBed.databaseUrl, 2, 'reaper-adaptive-harm-quiet');
+    try {
+      const quiet = parsePolicies(`${rowDeletePolicyYaml({ name: 'harm-quiet', batchSize: 50 })}    admission: { law: harm }\n`, 'test', {}).get('harm-quiet') as RowDeletePolicy;
+      assert.ok((await admitRows(quietPool, quiet, 10, { holdMs: 10_000 })).admitted);
+      const rate = (await quietBed.pool.query<{ rate: number }>('SELECT adaptive_rate AS rate FROM cleanup_admission WHERE policy = $1', [quiet.name])).rows[0]!.rate;
+      assert.equal(rate, ADAPTIVE.startRowsPerSecond, 'nobody else: the start rate');
+    } finally {
+      await quietPool.end();
+      await quietBed.close();
     }
   });
 });
