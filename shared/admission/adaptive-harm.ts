@@ -6,13 +6,14 @@
  * transaction) again, i.e. its last statement, counted once (ended since the worker's previous
  * sample). docs/design.md "The harm law" states it and justifies each constant of HARM.
  *
- *   baseline  = geometric mean of the others' statement durations seen before reaper deletes
- *               (the start look: every idle session's last statement, and those that end during it)
- *   harm      = geometric mean of the durations that ended since the last step / baseline
- *   step (at least HARM.minStatements durations and ADAPTIVE.stepMs since the last step):
+ *   baseline  = mean duration of the others' statements that end during the start look, before
+ *               reaper deletes (on for up to HARM.baselineSeconds until there are enough)
+ *   harm      = mean duration of those that ended since the last step / baseline
+ *   step (enough durations, and HARM.stepSeconds since the last step of any worker):
  *     climbing (from the start until the first harm over the target): rate x 2
  *     harm <= target: rate x up;  harm > target: rate x down
- *   start: the floor when the look saw another client (gentle), else the start rate (alone: unthrottled)
+ *   start: the floor when the look saw another client (gentle), else the start rate
+ *   alone (no other client for HARM.aloneAfterSeconds): unthrottled, as the load law
  */
 import { ADAPTIVE } from './adaptive-constants';
 
@@ -126,6 +127,11 @@ export function harmObserve(reading: HarmReading, sample: { finishedMs: readonly
   }
   const seen = count > 0 || sample.present > 0;
   const next = { ...reading, since: Math.max(reading.since ?? sample.at, sample.at), othersAt: seen ? sample.at : reading.othersAt };
+  // The first sample (no `since`) shows every idle session's last statement of the last 30 s: one
+  // per session, however busy, not the stream of statements the steps judge (a real database: the
+  // test's own short polls and the application's 5 ms statements read harm 11.8 with nothing
+  // changed). It says someone is there (othersAt); the baseline starts with the next sample.
+  if (reading.since === null) return next;
   if (baseline || !baselineDone(reading)) return { ...next, baseMs: reading.baseMs + sum, baseMs2: reading.baseMs2 + sum2, baseCount: reading.baseCount + count };
   return { ...next, freshMs: reading.freshMs + sum, freshCount: reading.freshCount + count };
 }
