@@ -127,7 +127,7 @@ export function harmObserve(reading: HarmReading, sample: { finishedMs: readonly
   }
   const seen = count > 0 || sample.present > 0;
   const next = { ...reading, since: Math.max(reading.since ?? sample.at, sample.at), othersAt: seen ? sample.at : reading.othersAt };
-  // The first sample (no `since`) shows every idle session's last statement of the last 30 s: one
+  // The first sample (no `since`) shows every idle session's last statement of the last second: one
   // per session, however busy, not the stream of statements the steps judge (a real database: the
   // test's own short polls and the application's 5 ms statements read harm 11.8 with nothing
   // changed). It says someone is there (othersAt); the baseline starts with the next sample.

@@ -49,7 +49,7 @@ export function afterLook(view: WorkerView, sums: LookSums, ceiling: number | nu
 
 /**
  * The harm law's start: a look that saw another client at all (in a statement or a transaction,
- * running, a state change, or a statement that ended within ADAPTIVE.restartAfterSeconds) starts at the floor and climbs from there (adaptive-harm.ts), since
+ * running, a state change, or a statement that ended within HARM.aloneAfterSeconds) starts at the floor and climbs from there (adaptive-harm.ts), since
  * the harm reaper does is not known before it deletes: gentle first statements. A look that saw
  * nobody: nothing (null), the takes decide (alone: unthrottled).
  */

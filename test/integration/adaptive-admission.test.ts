@@ -467,7 +467,7 @@ describe('adaptive row-delete admission: one shared rate', () => {
     } finally {
       application.release();
     }
-    // Nobody else has run a statement within restartAfterSeconds in this database: the look is quiet, the start rate stands.
+    // Nobody else has run a statement in this new database within the last second (HARM.aloneAfterSeconds): the look is quiet, the start rate stands.
     const quietBed = await makeTestBed('adaptive_harm_quiet');
     const quietPool = makePool(quietBed.databaseUrl, 2, 'reaper-adaptive-harm-quiet');
     try {

@@ -17,7 +17,7 @@
  * idle), wait_event_type, query_start and state_change; from those the observables the SQL computes
  * (shared/db/queries/admission.ts OTHER_CLIENTS_COUNTS): waiting, active, present, state changes
  * within the last 5 ms per second, and the durations (state_change - query_start) of the idle
- * sessions' last statements that ended after `since` (null: within the last 30 s, as the SQL).
+ * sessions' last statements that ended after `since` (null: within the last second, HARM.aloneAfterSeconds, as the SQL).
  */
 import type { OthersSample } from '../../shared/db/queries/admission';
 
@@ -141,7 +141,7 @@ export class SimulatedDatabase {
         const end = session.start <= at ? session.end : session.lastEnd;
         if (start !== null && end !== null) {
           if (at - end <= CHANGE_WINDOW_MS) changes += 1;
-          if (end > (since ?? at - 30_000)) finishedMs.push(end - start);
+          if (end > (since ?? at - 1_000)) finishedMs.push(end - start);
         }
       }
     }

@@ -4,6 +4,7 @@ import { rowHeldSql, stillEligibleSql, type ClaimedOperation } from './ledger';
 import { SERVER_STANDBY_LAG_CTES } from './replication';
 import { prepared } from './prepared';
 import { ADAPTIVE } from '../../admission/adaptive-constants';
+import { HARM } from '../../admission/adaptive-harm';
 
 /**
  * Global admission per policy (cleanup_admission): one row, locked for the few milliseconds of a
@@ -387,15 +388,15 @@ const OTHER_CLIENTS_COUNTS = (since: string): string => `count(*) FILTER (WHERE 
 
 /**
  * The durations (ms) of the other clients' statements that ended after `since` (epoch ms, the
- * database clock of the worker's previous sample; null: within the last ADAPTIVE.restartAfterSeconds,
- * the time a worker pauses before it looks again): a session idle (or idle in
+ * database clock of the worker's previous sample; null: within the last HARM.aloneAfterSeconds, the
+ * time without one after which the harm law calls reaper alone): a session idle (or idle in
  * transaction) again shows its last statement's start (query_start) and its end (state_change), so
  * each statement is counted once, the last of its session between two samples (the harm law,
  * shared/admission/adaptive-harm.ts). And the sample's own clock, the next `since`.
  */
 const OTHERS_FINISHED = (since: string): string => `coalesce(array_agg(extract(epoch FROM s.state_change - s.query_start)::float8 * 1000)
                 FILTER (WHERE s.state IN ('idle', 'idle in transaction') AND s.state_change >= s.query_start
-                  AND s.state_change > coalesce(to_timestamp(${since}::float8 / 1000), clock_timestamp() - interval '${ADAPTIVE.restartAfterSeconds} seconds')), '{}') AS finished_ms,
+                  AND s.state_change > coalesce(to_timestamp(${since}::float8 / 1000), clock_timestamp() - interval '${HARM.aloneAfterSeconds} seconds')), '{}') AS finished_ms,
               extract(epoch FROM clock_timestamp())::float8 * 1000 AS sampled_at`;
 
 /**
