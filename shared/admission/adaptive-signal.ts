@@ -6,6 +6,7 @@
  * database: every sample is an argument. The law that turns a reading into a rate is adaptive.ts.
  */
 import { ADAPTIVE } from './adaptive-constants';
+import { HARM, harmBaselineDone, harmObserve, NO_HARM, type HarmReading } from './adaptive-harm';
 
 /** One worker's reading of its own statements. Values, not objects with methods: the caller keeps the latest. */
 export interface LatencyReading {
@@ -113,9 +114,19 @@ export function othersLooked(reading: LatencyReading, look: OthersLook): Latency
  * samples that saw another client in a statement or transaction): all of startLookSamples, or
  * startLookQuietSamples that saw nobody at all.
  */
-export function lookDone(samples: number, seen: OthersLook & { present: number }): boolean {
+export function lookDone(samples: number, seen: OthersLook & { present: number; harm?: HarmReading }, law: 'load' | 'harm' = 'load'): boolean {
+  const quiet = seen.waiting === 0 && seen.active === 0 && seen.changes === 0 && seen.present === 0;
+  if (law === 'harm' && seen.harm && seen.harm.othersAt !== null && !harmBaselineDone(seen.harm)) {
+    // The harm law's baseline (adaptive-harm.ts): on until it is complete, at most HARM.baselineSeconds after the first samples.
+    return samples >= ADAPTIVE.startLookSamples + (HARM.baselineSeconds * 1000) / HARM.sampleMs;
+  }
   if (samples >= ADAPTIVE.startLookSamples) return true;
-  return samples >= ADAPTIVE.startLookQuietSamples && seen.waiting === 0 && seen.active === 0 && seen.changes === 0 && seen.present === 0;
+  return samples >= ADAPTIVE.startLookQuietSamples && quiet;
+}
+
+/** The pause before a start look's next sample: ADAPTIVE.startLookGapMs, then HARM.sampleMs while the harm law's baseline fills. */
+export function lookGapMs(samples: number): number {
+  return samples < ADAPTIVE.startLookSamples ? ADAPTIVE.startLookGapMs : HARM.sampleMs;
 }
 
 /** One admission's sample of the other client backends: waiting, running a statement, changing state per second, present at all. */
@@ -131,15 +142,22 @@ export interface OthersLook {
 }
 
 
-/** A start look's samples so far: how many, and the sums of their counts (present: the samples that saw another client at all). */
+/**
+ * A start look's samples so far: how many, and the sums of their counts (present: the samples that
+ * saw another client at all); `harm`: the others' statement durations it saw, the harm law's
+ * baseline (adaptive-harm.ts: reaper has not deleted yet).
+ */
 export interface LookSums extends OthersLook {
   samples: number;
   present: number;
+  harm: HarmReading;
 }
 
-export const NO_LOOK: LookSums = { samples: 0, waiting: 0, active: 0, changes: 0, present: 0 };
+/** A new look: every look measures the harm law's baseline afresh (the application may have changed since the last run). */
+export const NO_LOOK: LookSums = { samples: 0, waiting: 0, active: 0, changes: 0, present: 0, harm: NO_HARM };
 
 /** One more sample of a start look (one pg_stat_activity read). */
-export function lookAdd(sums: LookSums, sample: OthersLook & { present: number }): LookSums {
-  return { samples: sums.samples + 1, waiting: sums.waiting + sample.waiting, active: sums.active + sample.active, changes: sums.changes + sample.changes, present: sums.present + (sample.present > 0 ? 1 : 0) };
+export function lookAdd(sums: LookSums, sample: OthersLook & { present: number; finishedMs?: readonly number[]; at?: number }): LookSums {
+  const harm = sample.at === undefined ? sums.harm : harmObserve(sums.harm, { finishedMs: sample.finishedMs ?? [], at: sample.at, present: sample.present }, true);
+  return { samples: sums.samples + 1, waiting: sums.waiting + sample.waiting, active: sums.active + sample.active, changes: sums.changes + sample.changes, present: sums.present + (sample.present > 0 ? 1 : 0), harm };
 }

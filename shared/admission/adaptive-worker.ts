@@ -5,10 +5,11 @@
  * (pg_stat_activity samples, the take statement) and applies these; a test drives them with a
  * simulated database instead (test/unit/adaptive-simulated.test.ts).
  */
-import type { AdaptiveRowsState, AdaptiveRowsTake } from '../db/queries/admission';
+import type { AdaptiveRowsState, AdaptiveRowsTake, OthersSample } from '../db/queries/admission';
 import { ADAPTIVE } from './adaptive-constants';
-import { adaptiveStartRate, adaptRate, aloneOnDatabase, loadPressureOf, lookStartRate, pressureOf, type LookStart } from './adaptive-law';
-import { latencyObserve, NO_READING, othersLooked, othersObserve, presenceLooked, type LatencyReading, type LookSums } from './adaptive-signal';
+import { adaptiveStartRate, adaptRate, aloneOnDatabase, loadPressureOf, lookStartRate, othersPressureOf, pressureOf, type LookStart } from './adaptive-law';
+import { HARM, harmAlone, harmObserve, harmStep, NO_HARM, type HarmReading } from './adaptive-harm';
+import { latencyObserve, NO_READING, othersLooked, othersObserve, presenceLooked, type LatencyReading, type LookSums, type OthersLook } from './adaptive-signal';
 
 export interface WorkerView {
   reading: LatencyReading;
@@ -20,9 +21,14 @@ export interface WorkerView {
   lastTakeAt: number | null;
   /** A start look's rate (lookStartRate: the floor when busy, graded in the hold band), for the next take to set; null once taken, or when the look was quiet. */
   looked: LookStart | null;
+  /** The harm law's reading (adaptive-harm.ts): the others' statement durations, before reaper deleted and since the last step. */
+  harm: HarmReading;
 }
 
-export const NEW_WORKER: WorkerView = { reading: NO_READING, seen: null, aloneUntil: 0, lastTakeAt: null, looked: null };
+export const NEW_WORKER: WorkerView = { reading: NO_READING, seen: null, aloneUntil: 0, lastTakeAt: null, looked: null, harm: NO_HARM };
+
+/** Which law steps the rate: 'load' (the others' presence and load, and reaper's own latency; the default) or 'harm' (the others' statement durations, adaptive-harm.ts). */
+export type AdaptiveLaw = 'load' | 'harm';
 
 /** A worker's first admission, or its first after ADAPTIVE.restartAfterSeconds without one (between two runs): it looks at the others first. */
 export function lookDue(view: WorkerView, at: number): boolean {
@@ -34,11 +40,22 @@ export function lookDue(view: WorkerView, at: number): boolean {
  * the presence share; one the law calls busy replaces the reading of the others' load; the next take
  * sets the look's rate (lookStartRate). Not stale again until another pause, whatever that take's outcome.
  */
-export function afterLook(view: WorkerView, sums: LookSums, ceiling: number | null, at: number): Pick<WorkerView, 'reading' | 'looked' | 'lastTakeAt'> {
+export function afterLook(view: WorkerView, sums: LookSums, ceiling: number | null, at: number, law: AdaptiveLaw = 'load'): Pick<WorkerView, 'reading' | 'looked' | 'lastTakeAt' | 'harm'> {
   const look = { waiting: sums.waiting / sums.samples, active: sums.active / sums.samples, changes: sums.changes / sums.samples };
   const reading = presenceLooked(view.reading, sums.present / sums.samples);
-  const looked = lookStartRate(look, ceiling);
-  return { reading: looked?.busy ? othersLooked(reading, look) : reading, looked, lastTakeAt: at };
+  const looked = law === 'harm' ? harmLookStart(sums, look, ceiling) : lookStartRate(look, ceiling);
+  return { reading: looked?.busy ? othersLooked(reading, look) : reading, looked, lastTakeAt: at, harm: sums.harm };
+}
+
+/**
+ * The harm law's start: a look that saw another client at all (in a statement or a transaction,
+ * running, a state change, or a statement that ended within HARM.aloneAfterSeconds) starts at the floor and climbs from there (adaptive-harm.ts), since
+ * the harm reaper does is not known before it deletes: gentle first statements. A look that saw
+ * nobody: nothing (null), the takes decide (alone: unthrottled).
+ */
+function harmLookStart(sums: LookSums, look: OthersLook, ceiling: number | null): LookStart | null {
+  if (sums.present === 0 && sums.active === 0 && sums.changes === 0 && sums.harm.othersAt === null) return null;
+  return { rate: Math.min(adaptiveStartRate(ceiling), ADAPTIVE.floorRowsPerSecond), othersPressure: othersPressureOf(look), busy: true };
 }
 
 /**
@@ -52,8 +69,9 @@ export function afterLook(view: WorkerView, sums: LookSums, ceiling: number | nu
  * quick: 3.2 PostgreSQL CPU s per 100k rows with it, 1.35 with adaptive off). Once another client
  * is seen, every group asks again.
  */
-export function workerAlone(view: WorkerView, limits: { rated: boolean; braked: boolean }): boolean {
-  return !limits.rated && !limits.braked && view.seen !== null && aloneOnDatabase(view.reading);
+export function workerAlone(view: WorkerView, limits: { rated: boolean; braked: boolean }, law: AdaptiveLaw = 'load'): boolean {
+  // The harm law: alone when no other client's statement has ended, and none was in one, for HARM.aloneAfterSeconds.
+  return !limits.rated && !limits.braked && view.seen !== null && (law === 'harm' ? harmAlone(view.harm) : aloneOnDatabase(view.reading));
 }
 
 /**
@@ -64,7 +82,13 @@ export function workerAlone(view: WorkerView, limits: { rated: boolean; braked: 
  * and is left where it is: the probe's own sample may show another client, and the next take then
  * steps on all it has read since. `next`: the view's change (applied before the take is sent).
  */
-export function takeToSend(view: WorkerView, ceiling: number | null, at: number, alone: boolean): { take: AdaptiveRowsTake; next: Partial<WorkerView> } {
+export function takeToSend(view: WorkerView, ceiling: number | null, at: number, alone: boolean, law: AdaptiveLaw = 'load'): { take: AdaptiveRowsTake; next: Partial<WorkerView> } {
+  const { take, next } = proposeTake(view, ceiling, at, alone, law);
+  // The take's sample of the others returns the durations of their statements that ended since this worker's last sample.
+  return { take: { ...take, since: view.harm.since }, next };
+}
+
+function proposeTake(view: WorkerView, ceiling: number | null, at: number, alone: boolean, law: AdaptiveLaw): { take: AdaptiveRowsTake; next: Partial<WorkerView> } {
   if (view.looked) {
     return { take: { startRate: view.looked.rate, proposal: null, restart: { staleSeconds: ADAPTIVE.restartAfterSeconds, pressure: view.looked.othersPressure } }, next: { looked: null } };
   }
@@ -72,11 +96,16 @@ export function takeToSend(view: WorkerView, ceiling: number | null, at: number,
   const { seen } = view;
   const pressure = pressureOf(view.reading);
   const hold = { take: { startRate, proposal: null }, next: {} };
-  if (!seen || pressure === null || alone) return hold;
+  if (!seen || (pressure === null && law === 'load') || alone) return hold;
   const elapsedSeconds = seen.state.sinceStepSeconds + Math.max(0, at - seen.at) / 1000;
-  if (elapsedSeconds * 1000 < ADAPTIVE.stepMs) return hold;
+  if (elapsedSeconds * 1000 < (law === 'harm' ? HARM.stepSeconds * 1000 : ADAPTIVE.stepMs)) return hold;
+  if (law === 'harm') {
+    const step = harmStep(seen.state.rate, view.harm, ceiling);
+    if (!step) return hold;
+    return { take: { startRate, proposal: { rate: step.rate, pressure: step.harm, seenAdaptedAt: seen.state.adaptedAt } }, next: { harm: step.reading } };
+  }
   const admittedRowsPerSecond = seen.state.admittedSinceStep / Math.max(elapsedSeconds, 0.001);
-  const step = adaptRate({ rate: seen.state.rate, pressure, loadPressure: loadPressureOf(view.reading), ceiling, elapsedSeconds, admittedRowsPerSecond });
+  const step = adaptRate({ rate: seen.state.rate, pressure: pressure!, loadPressure: loadPressureOf(view.reading), ceiling, elapsedSeconds, admittedRowsPerSecond });
   return { take: { startRate, proposal: { rate: step.rate, pressure, seenAdaptedAt: seen.state.adaptedAt } }, next: { reading: { ...view.reading, fresh: 0 } } };
 }
 
@@ -84,7 +113,13 @@ export function takeToSend(view: WorkerView, ceiling: number | null, at: number,
 export function afterTake(view: WorkerView, state: AdaptiveRowsState | null, at: number): Partial<WorkerView> {
   if (!state) return { lastTakeAt: at };
   const others = { waiting: state.othersWaiting, active: state.othersActive, changes: state.othersChanges, present: state.othersPresent };
-  return { lastTakeAt: at, seen: { state, at }, reading: othersObserve(view.reading, others) };
+  const harm = harmObserve(view.harm, { finishedMs: state.othersFinishedMs, at: state.sampledAt, present: state.othersPresent }, false);
+  return { lastTakeAt: at, seen: { state, at }, reading: othersObserve(view.reading, others), harm };
+}
+
+/** A sample of the others while the worker waits for tokens (the harm law: HARM.sampleMs). */
+export function afterSample(view: WorkerView, sample: OthersSample): Pick<WorkerView, 'harm'> {
+  return { harm: harmObserve(view.harm, { finishedMs: sample.finishedMs, at: sample.at, present: sample.present }, false) };
 }
 
 /** The take admitted at `now`: alone, the groups of the next ADAPTIVE.aloneProbeSeconds go without a statement. */

@@ -14,3 +14,4 @@ export { ADAPTIVE } from './adaptive-constants';
 export * from './adaptive-law';
 export * from './adaptive-signal';
 export * from './adaptive-worker';
+export * from './adaptive-harm';

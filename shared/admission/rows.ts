@@ -5,13 +5,16 @@ import { admissionOthersSample, admissionRowsEnsure, admissionRowsSlotTry, admis
 import { replicationLagRead, replicationLagReadable } from '../db/queries/replication';
 import {
   ADAPTIVE,
+  HARM,
   adaptiveStartRate,
   afterAdmitted,
   afterLook,
+  afterSample,
   afterStatement,
   afterTake,
   lookAdd,
   lookDone,
+  lookGapMs,
   lookDue,
   NEW_WORKER,
   NO_LOOK,
@@ -19,6 +22,7 @@ import {
   statementRows,
   takeToSend,
   workerAlone,
+  type AdaptiveLaw,
   type WorkerView,
 } from './adaptive';
 import { overrideFor, pausedFor, rowAdmissionWith, type RowAdmission } from './overrides';
@@ -239,15 +243,15 @@ export function maxRowsPerStatement(pool: Pool, policy: RowDeletePolicy, inForce
  * look's rate: the floor when busy, graded in the hold band. About 0.2 s once per run and worker
  * (0.04 s on a database nobody else uses); concurrent admissions of the worker share the one look.
  */
-async function lookIfStale(pool: Pool, observer: Observer, ceiling: number | null, at: number): Promise<void> {
+async function lookIfStale(pool: Pool, observer: Observer, ceiling: number | null, at: number, law: AdaptiveLaw): Promise<void> {
   if (!lookDue(observer, at)) return;
   observer.looking ??= (async () => {
     let sums = NO_LOOK;
-    while (!lookDone(sums.samples, sums)) {
-      if (sums.samples > 0) await new Promise((resolve) => setTimeout(resolve, ADAPTIVE.startLookGapMs));
-      sums = lookAdd(sums, await admissionOthersSample(pool));
+    while (!lookDone(sums.samples, sums, law)) {
+      if (sums.samples > 0) await new Promise((resolve) => setTimeout(resolve, lookGapMs(sums.samples)));
+      sums = lookAdd(sums, await admissionOthersSample(pool, sums.harm.since));
     }
-    Object.assign(observer, afterLook(observer, sums, ceiling, at));
+    Object.assign(observer, afterLook(observer, sums, ceiling, at, law));
   })().finally(() => {
     observer.looking = null;
   });
@@ -322,6 +326,7 @@ async function admitRowsInTurn(
   const standbys = policy.brake?.standbys ?? [];
   const gauges = options.registry ? brakeGauges(options.registry) : null;
   const adaptive = adaptiveAdmission(policy);
+  const law = policy.admission?.law ?? 'load';
   for (;;) {
     const admission = rowAdmissionWith(policy, await overrideFor(pool, policy.name));
     // `reaper pause <policy>`: nothing is admitted, whatever the rate (an unthrottled or "alone"
@@ -347,8 +352,8 @@ async function admitRowsInTurn(
       retryInMs = MAX_ASK_INTERVAL_MS;
     } else {
       const observer = adaptive ? observerFor(pool, policy.name) : null;
-      if (observer) await lookIfStale(pool, observer, admission.rowsPerSecond, now());
-      const alone = observer !== null && workerAlone(observer, { rated: admission.rowsPerSecond !== null, braked: policy.brake?.maxReplicationLagSeconds !== undefined });
+      if (observer) await lookIfStale(pool, observer, admission.rowsPerSecond, now(), law);
+      const alone = observer !== null && workerAlone(observer, { rated: admission.rowsPerSecond !== null, braked: policy.brake?.maxReplicationLagSeconds !== undefined }, law);
       if (alone && observer.aloneUntil > now()) return { admitted: true, admission, waitedMs: performance.now() - started };
       const capacity = Math.max(1, admission.burst);
       let known = ensured.get(pool);
@@ -361,7 +366,7 @@ async function admitRowsInTurn(
       const unknownBrakes = maxLag !== null && unknownLagBrakes(pool, policy, at);
       let adaptiveTake: AdaptiveRowsTake | null = null;
       if (observer) {
-        const { take, next } = takeToSend(observer, admission.rowsPerSecond, at, alone);
+        const { take, next } = takeToSend(observer, admission.rowsPerSecond, at, alone, law);
         Object.assign(observer, next);
         adaptiveTake = take;
       }
@@ -401,7 +406,23 @@ async function admitRowsInTurn(
     queue.lastRefusal = reason;
     const waitedMs = performance.now() - started;
     if (waitedMs + retryInMs > options.holdMs || options.stopping?.()) return { admitted: false, reason, retryInMs: Math.max(retryInMs, 1000), waitedMs };
-    await new Promise((resolve) => setTimeout(resolve, retryInMs));
+    await waitSampling(pool, adaptive && law === 'harm' ? observerFor(pool, policy.name) : null, retryInMs);
+  }
+}
+
+/**
+ * Waits `ms`; the harm law (`observer` given) samples the other clients every HARM.sampleMs
+ * meanwhile (one read of pg_stat_activity each, no write), so that its durations are not only
+ * those of the moments its takes follow reaper's own statements (adaptive-harm.ts).
+ */
+async function waitSampling(pool: Pool, observer: Observer | null, ms: number): Promise<void> {
+  const until = performance.now() + ms;
+  for (;;) {
+    const left = until - performance.now();
+    if (left <= 0) return;
+    await new Promise((resolve) => setTimeout(resolve, observer ? Math.min(left, HARM.sampleMs) : left));
+    if (!observer || performance.now() >= until) return;
+    Object.assign(observer, afterSample(observer, await admissionOthersSample(pool, observer.harm.since)));
   }
 }
 

@@ -121,7 +121,10 @@ const rowDeletePolicy = z.strictObject({
    * (default: one batch). Absent: unthrottled. Live changes: `reaper admission set`.
    * `adaptive` (issue 18; absent means true): the rate adapts to how PostgreSQL answers reaper's own
    * statements (shared/admission/adaptive.ts), at most rowsPerSecond when that is set; false: the
-   * fixed rate only (or none). Optional, not defaulted: an absent key keeps the policy version.
+   * fixed rate only (or none). `law` (issue 41): which law steps the adaptive rate, 'load' (the
+   * default: the others' presence and load) or 'harm' (the others' statement durations against
+   * their own before reaper deleted, shared/admission/adaptive-harm.ts). Optional, not defaulted: an
+   * absent key keeps the policy version.
    */
   admission: z
     .strictObject({
@@ -129,6 +132,7 @@ const rowDeletePolicy = z.strictObject({
       concurrency: z.number().int().min(1).max(1000).optional(),
       burst: z.number().int().min(1).max(10_000_000).optional(),
       adaptive: z.boolean().optional(),
+      law: z.enum(['load', 'harm']).optional(),
     })
     .optional(),
   /**

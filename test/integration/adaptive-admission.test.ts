@@ -3,12 +3,13 @@ import { randomUUID } from 'node:crypto';
 import { after, before, describe, test } from 'node:test';
 import pino from 'pino';
 import type pg from 'pg';
-import { ADAPTIVE } from '../../shared/admission/adaptive';
+import { ADAPTIVE, HARM } from '../../shared/admission/adaptive';
 import { rowAdmissionWith } from '../../shared/admission/overrides';
 import { admitRows, maxRowsPerStatement, noteRowStatement } from '../../shared/admission/rows';
 import { parsePolicies, type RowDeletePolicy } from '../../shared/config/policies';
 import { makeBatchId, type BatchV1 } from '../../shared/contracts/batch';
 import { makePool } from '../../shared/db/pool';
+import { admissionOthersSample } from '../../shared/db/queries/admission';
 import { targetResolve } from '../../shared/db/queries/target';
 import { makeMetrics } from '../../shared/observability/metrics';
 import { makeRowDeleteGroupHandler } from '../../services/worker/handlers/row-delete';
@@ -430,6 +431,107 @@ describe('adaptive row-delete admission: one shared rate', () => {
       assert.ok(results.every((r) => r.kind === 'done' || r.kind === 'retry'), JSON.stringify(results.map((r) => r.kind)));
     } finally {
       await bed.pool.query(`DROP TRIGGER first_group_note ON seat_reservations; DROP FUNCTION first_group_note(); DROP TABLE first_group_statements`);
+    }
+  });
+
+  test("the harm law (admission: { law: harm }, issue 41): pg_stat_activity shows each of the others' statements once, with its duration; a first take beside an application starts at the floor, one with nobody there at the start rate", async () => {
+    // The observable: an application session that ran a 50 ms statement and is idle again shows it (state_change - query_start), once.
+    const applicationPool = makePool(bed.databaseUrl, 1, 'application-harm');
+    pools.push(applicationPool);
+    const application = await applicationPool.connect();
+    try {
+      const before = await admissionOthersSample(bed.pool, null);
+      await application.query('SELECT pg_sleep(0.05)');
+      const seen = await admissionOthersSample(bed.pool, before.at);
+      assert.ok(seen.finishedMs.some((ms) => ms >= 45 && ms < 1_000), `the 50 ms statement: ${JSON.stringify(seen.finishedMs)}`);
+      assert.ok(seen.at > before.at, 'the sample carries the database clock');
+      const again = await admissionOthersSample(bed.pool, seen.at);
+      assert.ok(!again.finishedMs.some((ms) => ms >= 45), `counted once: ${JSON.stringify(again.finishedMs)}`);
+
+      const harmPolicy = (name: string): RowDeletePolicy => parsePolicies(`${rowDeletePolicyYaml({ name, batchSize: 50 })}    admission: { law: harm }\n`, 'test', {}).get(name) as RowDeletePolicy;
+      const storedRate = async (policy: string): Promise<number> =>
+        (await bed.pool.query<{ rate: number }>('SELECT adaptive_rate AS rate FROM cleanup_admission WHERE policy = $1', [policy])).rows[0]!.rate;
+      // An application running short statements one after another during the look: seen, so the first take is gentle.
+      let running = true;
+      const loop = (async () => {
+        while (running) await application.query('SELECT pg_sleep(0.002)');
+      })();
+      try {
+        const busy = harmPolicy('harm-busy');
+        assert.ok((await admitRows(workerPool('harm-1'), busy, 10, { holdMs: 10_000 })).admitted);
+        assert.equal(await storedRate(busy.name), ADAPTIVE.floorRowsPerSecond, 'beside an application: the floor');
+      } finally {
+        running = false;
+        await loop;
+      }
+    } finally {
+      application.release();
+    }
+    // Nobody else has run a statement in this new database within the last second (HARM.aloneAfterSeconds): the look is quiet, the start rate stands.
+    const quietBed = await makeTestBed('adaptive_harm_quiet');
+    const quietPool = makePool(quietBed.databaseUrl, 2, 'reaper-adaptive-harm-quiet');
+    try {
+      const quiet = parsePolicies(`${rowDeletePolicyYaml({ name: 'harm-quiet', batchSize: 50 })}    admission: { law: harm }\n`, 'test', {}).get('harm-quiet') as RowDeletePolicy;
+      assert.ok((await admitRows(quietPool, quiet, 10, { holdMs: 10_000 })).admitted);
+      const rate = (await quietBed.pool.query<{ rate: number }>('SELECT adaptive_rate AS rate FROM cleanup_admission WHERE policy = $1', [quiet.name])).rows[0]!.rate;
+      assert.equal(rate, ADAPTIVE.startRowsPerSecond, 'nobody else: the start rate');
+    } finally {
+      await quietPool.end();
+      await quietBed.close();
+    }
+  });
+
+  test('the harm law on a real database: beside an application whose statements keep their duration the rate climbs from the floor; when they take four times longer it backs off and stores that harm', async () => {
+    const policy = parsePolicies(`${rowDeletePolicyYaml({ name: 'harm-steps', batchSize: 50 })}    admission: { law: harm }\n`, 'test', {}).get('harm-steps') as RowDeletePolicy;
+    // The test's own polls run as "reaper-..." so the law does not count them among the application's statements.
+    const observer = workerPool('harm-steps-observer');
+    const stored = async (): Promise<{ rate: number; pressure: number | null }> =>
+      (await observer.query<{ rate: number; pressure: number | null }>('SELECT adaptive_rate AS rate, adaptive_pressure AS pressure FROM cleanup_admission WHERE policy = $1', [policy.name])).rows[0]!;
+    const applicationPool = makePool(bed.databaseUrl, 2, 'application-harm-steps');
+    pools.push(applicationPool);
+    // The application: two sessions, each running statements of `sleep` seconds one after another.
+    let sleep = 0.005;
+    let running = true;
+    const loops = [0, 1].map(async () => {
+      const client = await applicationPool.connect();
+      try {
+        while (running) await client.query('SELECT pg_sleep($1)', [sleep]);
+      } finally {
+        client.release();
+      }
+    });
+    const worker = workerPool('harm-steps');
+    // The worker asks as a run would, one group of 50 rows after another.
+    let asking = true;
+    const asks = (async () => {
+      while (asking) await admitRows(worker, policy, 50, { holdMs: 2_000 });
+    })();
+    try {
+      await eventually('the first take at the floor', async () => (await observer.query('SELECT 1 FROM cleanup_admission WHERE policy = $1 AND adaptive_rate IS NOT NULL', [policy.name])).rowCount === 1, { timeoutMs: 10_000, intervalMs: 20 });
+      assert.equal((await stored()).rate, ADAPTIVE.floorRowsPerSecond, 'beside the application: the floor');
+      const peak = await eventually(
+        'the rate to climb while the durations stay',
+        async () => {
+          const now = await stored();
+          return now.rate >= 4 * ADAPTIVE.floorRowsPerSecond ? now.rate : undefined;
+        },
+        { timeoutMs: 20_000, intervalMs: 50, describe: stored },
+      );
+      sleep = 0.02;
+      const harmed = await eventually(
+        'the rate to back off while the statements take four times longer',
+        async () => {
+          const now = await stored();
+          return now.rate < peak && now.pressure !== null && now.pressure > HARM.target ? now : undefined;
+        },
+        { timeoutMs: 20_000, intervalMs: 50, describe: stored },
+      );
+      assert.ok(harmed.pressure! > 2, `the stored pressure is the harm, about 4: ${harmed.pressure}`);
+    } finally {
+      asking = false;
+      running = false;
+      await asks;
+      await Promise.all(loops);
     }
   });
 });

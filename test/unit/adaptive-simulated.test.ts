@@ -1,98 +1,29 @@
 /**
- * The adaptive row-delete admission's law against a simulated database (issue 41 items 3 and 6):
- * does it find the knee of applications it was not tuned on?
+ * The adaptive row-delete admission's laws against a simulated database (issue 41 items 3 and 6):
+ * do they find the knee of applications they were not tuned on?
  *
- * The model. A foreground application runs `statementsPerSecond` short statements on
- * `connections` connections, each `aloneMs` long when reaper does nothing. Reaper's deletions harm
- * it: over a second in which reaper deleted r rows, each foreground statement takes
- * aloneMs x harm(r), harm(r) = 1 + 0.25 x (r / knee)^2, so the knee is what bench figure 7b calls
- * it: the highest rate at which the foreground's latency is at most 1.25 x its own alone (harm 2 at
- * twice the knee, 5 at four times). Reaper's own statements (5 ms per 500 rows) are barely slowed
- * (at most x 1.2, as bench figure 7 measured while the foreground's p99 was 13 x). The model
- * produces what PostgreSQL shows the law, sampled at each take and each sample of a start look:
- *  - active: the foreground backends in a statement: Poisson with mean statements/s x latency
- *    (Little's law), at most `connections`; present: the same (an autocommit application);
- *  - waiting: of those, each waits (Lock, LWLock, IO) with probability (harm - 1) / harm: the time
- *    reaper added to its statement is time spent waiting for reaper;
- *  - changes: backends whose state changed within the last 5 ms, per second of that window
- *    (Poisson with mean statements/s x 5.5 ms, at most `connections`, x 200): 300 statements/s
- *    read 300-370 in pgbench (docs/design.md), this reads about 330.
+ * The database (test/support/simulated-database.ts) runs a foreground application whose statements
+ * reaper's deletions lengthen by harm(r) = 1 + 0.25 x (r / knee)^2, and shows a worker only what
+ * pg_stat_activity would: the other sessions' states, wait events, and the durations of the
+ * statements that ended since its last sample (state_change - query_start of an idle session). The
+ * hidden harm is read only by the test's own ticks, to judge the outcome.
  *
- * The worker is one worker of the real code path's pure parts (adaptive-worker.ts: the look, the
- * alone test, the step proposal, the take's sample, the statement's latency), with the shared
- * row's SQL (admissionRowsTake) mirrored by SharedRow below, and the ask-again interval of rows.ts.
+ * The workers run the real code path's pure parts (adaptive-worker.ts: the look, the alone test,
+ * the step proposal, the take's sample, the statement's latency), one or two of them interleaved in
+ * time order, against SharedRow, which mirrors the shared row's SQL (admissionRowsTake), with the
+ * ask-again interval of rows.ts.
  *
  * The band (issue 41 item 2's targets, applied to the model): over the second half of a 60 s run,
- * the mean rate is at least 0.7 x the knee and the foreground's mean harm at most 1.25.
- * Cases the law of today misses are `todo`, each with why: that is the evidence for item 3.
+ * the mean rate is at least 0.7 x the knee and the foreground's mean harm at most 1.25. A short run
+ * (15,000 rows) is judged over its whole length: mean harm at most 1.25, done within 12 s (it
+ * measures the others first and starts at the floor: no burst at the start).
  */
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
 import * as adaptive from '../../shared/admission/adaptive';
 import type { AdaptiveRowsState, AdaptiveRowsTake, OthersSample } from '../../shared/db/queries/admission';
 import { prng } from '../support/prng';
-
-interface Foreground {
-  statementsPerSecond: number;
-  aloneMs: number;
-  connections: number;
-}
-
-function poisson(random: () => number, mean: number): number {
-  if (mean > 30) return Math.max(0, Math.round(mean + Math.sqrt(mean) * Math.sqrt(-2 * Math.log(random() || 1e-12)) * Math.cos(2 * Math.PI * random())));
-  const limit = Math.exp(-mean);
-  let count = 0;
-  for (let product = random(); product > limit; product *= random()) count += 1;
-  return count;
-}
-
-const REAPER_MS_PER_500_ROWS = 5;
-const CHANGE_WINDOW_MS = 5.5;
-
-/** The simulated database: reaper's deletions over time, the harm they do, and what pg_stat_activity shows. */
-class SimulatedDatabase {
-  private readonly deletions: { at: number; rows: number }[] = [];
-  private windowStart = 0;
-  private inWindow = 0;
-
-  constructor(
-    private readonly knee: number,
-    private readonly foreground: Foreground,
-    private readonly random: () => number,
-  ) {}
-
-  /** rows/s reaper deleted over the last second before `at` (`at` never goes back, and no deletion is later than it). */
-  rateAt(at: number): number {
-    while (this.windowStart < this.deletions.length && this.deletions[this.windowStart]!.at <= at - 1000) this.inWindow -= this.deletions[this.windowStart++]!.rows;
-    return this.inWindow;
-  }
-
-  harmAt(at: number): number {
-    return 1 + 0.25 * (this.rateAt(at) / this.knee) ** 2;
-  }
-
-  deleted(at: number, rows: number): void {
-    this.deletions.push({ at, rows });
-    this.inWindow += rows;
-  }
-
-  /** One read of pg_stat_activity's other clients at `at`. */
-  sample(at: number): OthersSample {
-    const { statementsPerSecond, aloneMs, connections } = this.foreground;
-    const harm = this.harmAt(at);
-    const active = Math.min(connections, poisson(this.random, (statementsPerSecond * aloneMs * harm) / 1000));
-    let waiting = 0;
-    for (let i = 0; i < active; i++) if (this.random() < (harm - 1) / harm) waiting += 1;
-    const changed = Math.min(connections, poisson(this.random, (statementsPerSecond * CHANGE_WINDOW_MS) / 1000));
-    return { waiting, active, present: active, changes: changed * (1000 / adaptive.ADAPTIVE.changeWindowMs) };
-  }
-
-  /** How long reaper's statement of `rows` rows takes at `at` (ms): barely slowed by the harm it does, a little noise. */
-  reaperStatementMs(rows: number, at: number): number {
-    const harm = this.harmAt(at);
-    return ((REAPER_MS_PER_500_ROWS * rows) / 500) * (1 + 0.2 * (1 - 1 / harm)) * (0.9 + 0.2 * this.random());
-  }
-}
+import { SimulatedDatabase, type Foreground } from '../support/simulated-database';
 
 /** The policy's cleanup_admission row and its one-statement take (admissionRowsTake's SQL, adaptive, no ceiling, no brake). */
 class SharedRow {
@@ -133,6 +64,8 @@ class SharedRow {
       othersActive: others.active,
       othersPresent: others.present,
       othersChanges: others.changes,
+      othersFinishedMs: others.finishedMs,
+      sampledAt: others.at,
     };
     return { admitted, tokens: this.tokens, state };
   }
@@ -141,116 +74,243 @@ class SharedRow {
 const BATCH = 500;
 const TAKE_MS = 1;
 const SAMPLE_MS = 0.5;
+const REAPER_MS_PER_500_ROWS = 5;
+
+interface Run {
+  database: SimulatedDatabase;
+  row: SharedRow;
+  law: adaptive.AdaptiveLaw;
+  /** Rows left to delete (shared by the workers); Infinity: a backlog that never ends. */
+  left: number;
+  endMs: number;
+  random: () => number;
+}
 
 /**
- * One worker deleting a backlog that never ends for `seconds` simulated seconds, beside the
- * foreground. Returns the mean rate and the foreground's mean harm over the second half, and the
- * shared rate at the end.
+ * One worker of rows.ts: a group's statement size (maxRowsPerStatement), its admission
+ * (admitRowsInTurn: the look, the alone shortcut, the take, asking again), its deleting
+ * transaction. A generator that yields the time of its next action, so that two workers (and the
+ * judge's ticks) act in time order against one database.
  */
-function simulate(options: { knee: number; foreground: Foreground; seconds?: number; seed?: number }): { rowsPerSecond: number; harm: number; rate: number } {
-  const seconds = options.seconds ?? 60;
-  const random = prng(options.seed ?? 41);
-  const database = new SimulatedDatabase(options.knee, options.foreground, random);
-  const row = new SharedRow(BATCH);
+function* worker(run: Run, startAt: number): Generator<number, void, void> {
+  const { database, row, law } = run;
   let view: adaptive.WorkerView = adaptive.NEW_WORKER;
   const apply = (change: Partial<adaptive.WorkerView>): void => {
     view = { ...view, ...change };
   };
-  let now = 0;
-  let rate: number = adaptive.adaptiveStartRate(null);
-  let deletedSecondHalf = 0;
-  // The foreground's harm over the second half, one look per 100 ms (the rate over the second before each).
-  let harmSum = 0;
-  let ticks = 0;
-  let nextTick = (seconds * 1000) / 2;
-  while (now < seconds * 1000) {
-    // The group's statement size (maxRowsPerStatement), then its admission (admitRowsInTurn).
-    const rows = adaptive.statementRows(view.reading, view.seen?.state.rate ?? adaptive.adaptiveStartRate(null), BATCH);
+  let now = startAt;
+  while (now < run.endMs && run.left > 0) {
+    const rows = Math.min(run.left, adaptive.statementRows(view.reading, view.seen?.state.rate ?? adaptive.adaptiveStartRate(null), BATCH));
     for (;;) {
       if (adaptive.lookDue(view, now)) {
         const at = now;
         let sums = adaptive.NO_LOOK;
-        while (!adaptive.lookDone(sums.samples, sums)) {
-          if (sums.samples > 0) now += adaptive.ADAPTIVE.startLookGapMs;
-          sums = adaptive.lookAdd(sums, database.sample(now));
+        while (!adaptive.lookDone(sums.samples, sums, law)) {
+          if (sums.samples > 0) now += adaptive.lookGapMs(sums.samples);
+          yield now;
+          sums = adaptive.lookAdd(sums, database.sample(now, sums.harm.since));
           now += SAMPLE_MS;
         }
-        apply(adaptive.afterLook(view, sums, null, at));
+        apply(adaptive.afterLook(view, sums, null, at, law));
       }
-      const alone = adaptive.workerAlone(view, { rated: false, braked: false });
+      const alone = adaptive.workerAlone(view, { rated: false, braked: false }, law);
       if (alone && view.aloneUntil > now) break;
       const at = now;
-      const { take, next } = adaptive.takeToSend(view, null, at, alone);
+      const { take, next } = adaptive.takeToSend(view, null, at, alone, law);
       apply(next);
-      const outcome = row.take(now, take, rows, database.sample(now));
+      yield now;
+      const outcome = row.take(now, take, rows, database.sample(now, take.since ?? null));
       now += TAKE_MS;
       apply(adaptive.afterTake(view, outcome.state, at));
-      rate = outcome.state.rate;
       if (outcome.admitted) {
         apply(adaptive.afterAdmitted(alone, now));
         break;
       }
       const missing = Math.min(rows, BATCH) - outcome.tokens;
-      now += Math.min(1_000, Math.max(5, (missing / rate) * 1000));
+      const until = now + Math.min(1_000, Math.max(5, (missing / outcome.state.rate) * 1000));
+      // The harm law samples the others while it waits (rows.ts waitSampling).
+      for (now += adaptive.HARM.sampleMs; law === 'harm' && now < until; now += adaptive.HARM.sampleMs) {
+        yield now;
+        apply(adaptive.afterSample(view, database.sample(now, view.harm.since)));
+      }
+      now = until;
     }
-    // The deleting transaction: its latency is what noteRowStatement reports.
-    const ms = database.reaperStatementMs(rows, now);
+    if (run.left <= 0) return;
+    run.left -= rows;
+    // The deleting transaction (barely slowed by the harm it does, as bench figure 7 measured): its latency is what noteRowStatement reports.
+    const ms = ((REAPER_MS_PER_500_ROWS * rows) / 500) * (1 + 0.2 * (1 - 1 / database.harmAt(now))) * (0.9 + 0.2 * run.random());
     now += ms;
-    // Every deletion recorded so far happened before these ticks: each reads the second before it.
-    for (; nextTick <= Math.min(now, seconds * 1000); nextTick += 100, ticks++) harmSum += database.harmAt(nextTick);
+    yield now;
     database.deleted(now, rows);
-    if (now > (seconds * 1000) / 2 && now <= seconds * 1000) deletedSecondHalf += rows;
     apply(adaptive.afterStatement(view, { ms, rows, at: now }));
   }
-  return { rowsPerSecond: deletedSecondHalf / (seconds / 2), harm: harmSum / ticks, rate };
 }
 
-interface Case {
-  name: string;
-  knee: number;
-  foreground: Foreground;
-  /** Why today's law misses this case (node:test todo), or absent when it meets the band. */
-  todo?: string;
+interface Outcome {
+  /** Mean rows/s over the judged span (the second half; a finite run: its whole length). */
+  rowsPerSecond: number;
+  /** The foreground's mean harm over the same span (the hidden truth, ticks of 100 ms). */
+  harm: number;
+  /** ms until the last row (a finite run), or the run's length. */
+  doneMs: number;
+}
+
+function simulate(options: { knee: number; foreground: Foreground; law?: adaptive.AdaptiveLaw; seconds?: number; seed?: number; workers?: number; rows?: number }): Outcome {
+  const seconds = options.seconds ?? 60;
+  const random = prng(options.seed ?? 41);
+  const total = options.rows ?? Number.POSITIVE_INFINITY;
+  const run: Run = { database: new SimulatedDatabase(options.knee, options.foreground, random), row: new SharedRow(BATCH), law: options.law ?? 'harm', left: total, endMs: seconds * 1000, random };
+  const workers = Array.from({ length: options.workers ?? 1 }, (_, i) => ({ steps: worker(run, i * 37), at: i * 37, done: false }));
+  const fromMs = Number.isFinite(total) ? 0 : run.endMs / 2;
+  let harmSum = 0;
+  let ticks = 0;
+  let doneMs = run.endMs;
+  let deletedFrom = 0;
+  let tick = fromMs;
+  for (;;) {
+    const live = workers.filter((w) => !w.done);
+    if (live.length === 0) break;
+    const next = live.reduce((a, b) => (b.at < a.at ? b : a));
+    // The judge's ticks: every deletion up to a tick is recorded before it reads the harm.
+    for (; tick <= Math.min(next.at, run.endMs) && tick <= doneMs; tick += 100, ticks++) harmSum += run.database.harmAt(tick);
+    const before = run.left;
+    const step = next.steps.next();
+    if (step.done) next.done = true;
+    else next.at = step.value;
+    if (run.left < before && run.left <= 0 && Number.isFinite(total)) doneMs = Math.min(doneMs, next.at);
+  }
+  deletedFrom = Number.isFinite(total) ? total - Math.max(0, run.left) : 0;
+  if (!Number.isFinite(total)) {
+    // The backlog that never ends: rows deleted over the second half, from the database's own record.
+    deletedFrom = run.database.rateAt(run.endMs) >= 0 ? rowsBetween(run.database, fromMs, run.endMs) : 0;
+  }
+  const spanMs = (Number.isFinite(total) ? doneMs : run.endMs) - fromMs;
+  return { rowsPerSecond: deletedFrom / (spanMs / 1000), harm: harmSum / Math.max(1, ticks), doneMs };
+}
+
+function rowsBetween(database: SimulatedDatabase, fromMs: number, toMs: number): number {
+  let rows = 0;
+  for (let at = fromMs + 1000; at <= toMs; at += 1000) rows += database.rateAt(at);
+  return rows;
 }
 
 const QUIET: Foreground = { statementsPerSecond: 30, aloneMs: 0.6, connections: 4 };
 const FIGURE_7: Foreground = { statementsPerSecond: 300, aloneMs: 0.6, connections: 4 };
 const MANY: Foreground = { statementsPerSecond: 2_000, aloneMs: 0.6, connections: 16 };
 
-const QUIET_MISS =
-  "today's law reads the others' load (6 x active, changes / 200), not their harm: 30 statements/s of 0.6 ms read about 1.1-1.2 and their state changes never move, so the rate rises until the harm itself lengthens their statements enough (active = 30/s x 0.6 ms x harm) for the load to leave the raise band, about harm 3.7 by the formula; seeds 1-5 and 41 settled at 1.9-4.5 x the knee, harm 2.3-6.5, the more the higher the knee";
-const MANY_MISS = "today's law reads 2,000 statements/s as about 1,600 state changes/s (pressure about 9) and an active share over 1 whatever reaper does: the rate sits at its floor (500 rows/s, 0.03-0.5 x these knees; harm 1.00-1.06), far under what the application would allow";
+interface Case {
+  name: string;
+  knee: number;
+  foreground: Foreground;
+  workers?: number;
+  seed?: number;
+  /** Most mean harm allowed (1.25 unless said, with why). */
+  harmAtMost?: number;
+  /** Why the harm law misses this case (node:test todo), or absent when it meets the band. */
+  todo?: string;
+}
 
-const CASES: Case[] = [
-  { name: 'figure 7 (300 statements/s), knee 600 rows/s: the shape the law was tuned on (it holds its floor, 500, just under this knee)', knee: 600, foreground: FIGURE_7 },
-  { name: 'quiet (30 statements/s), knee 1,000 rows/s', knee: 1_000, foreground: QUIET, todo: QUIET_MISS },
-  { name: 'quiet (30 statements/s), knee 4,000 rows/s', knee: 4_000, foreground: QUIET, todo: QUIET_MISS },
-  { name: 'quiet (30 statements/s), knee 16,000 rows/s', knee: 16_000, foreground: QUIET, todo: QUIET_MISS },
-  { name: 'many (2,000 statements/s), knee 1,000 rows/s', knee: 1_000, foreground: MANY, todo: MANY_MISS },
-  { name: 'many (2,000 statements/s), knee 4,000 rows/s', knee: 4_000, foreground: MANY, todo: MANY_MISS },
-  { name: 'many (2,000 statements/s), knee 16,000 rows/s', knee: 16_000, foreground: MANY, todo: MANY_MISS },
+/** The seven cases of issue 41's first simulator: the harm law was designed against these. */
+const DESIGNED: Case[] = [
+  // Marginal: the floor (500 rows/s, one statement of 500 rows a second) is 0.83 of this knee and
+  // already does harm 1.17; a rate of 600 is one or two whole statements in a second.
+  { name: 'figure 7 (300 statements/s), knee 600 rows/s', knee: 600, foreground: FIGURE_7 },
+  { name: 'quiet (30 statements/s), knee 1,000 rows/s', knee: 1_000, foreground: QUIET },
+  { name: 'quiet (30 statements/s), knee 4,000 rows/s', knee: 4_000, foreground: QUIET },
+  { name: 'quiet (30 statements/s), knee 16,000 rows/s', knee: 16_000, foreground: QUIET },
+  { name: 'many (2,000 statements/s), knee 1,000 rows/s', knee: 1_000, foreground: MANY },
+  { name: 'many (2,000 statements/s), knee 4,000 rows/s', knee: 4_000, foreground: MANY },
+  { name: 'many (2,000 statements/s), knee 16,000 rows/s', knee: 16_000, foreground: MANY },
 ];
 
-for (const one of CASES) {
-  test(`simulated database, ${one.name}: settles near the knee (mean rate >= 0.7 x knee, foreground harm <= 1.25)`, { todo: one.todo ?? false }, (t) => {
-    const outcome = simulate({ knee: one.knee, foreground: one.foreground });
-    const summary = `mean rate ${Math.round(outcome.rowsPerSecond)} rows/s = ${(outcome.rowsPerSecond / one.knee).toFixed(2)} x knee, mean harm ${outcome.harm.toFixed(2)}, shared rate at the end ${Math.round(outcome.rate)}`;
+/** Cases the law was not tuned on: other knees, two workers, noisier statements, harm that the statements show only in part, other seeds. */
+const UNSEEN: Case[] = [
+  { name: 'figure 7 (300 statements/s), knee 2,000 rows/s', knee: 2_000, foreground: FIGURE_7 },
+  { name: 'figure 7 (300 statements/s), knee 8,000 rows/s', knee: 8_000, foreground: FIGURE_7 },
+  { name: 'figure 7, two workers, knee 4,000 rows/s', knee: 4_000, foreground: FIGURE_7, workers: 2 },
+  { name: 'many (2,000 statements/s), two workers, knee 8,000 rows/s', knee: 8_000, foreground: MANY, workers: 2 },
+  {
+    name: 'noisy statements (100/s of 2 ms, log spread 0.8), knee 4,000 rows/s',
+    knee: 4_000,
+    foreground: { statementsPerSecond: 100, aloneMs: 2, connections: 8, spread: 0.8 },
+    todo:
+      "0.61 x the knee, harm 1.12: durations this spread (coefficient of variation 0.95) leave a step's estimate about +-10 %, and the rule (x 1.1 under the target, x 0.8 over it) settles where the estimate is over the target three steps in ten, so the true harm about 5 % under 1.18 (1.12, 0.69 x the knee) before the baseline's own error; it passed (0.73) while the baseline counted the first sample's statements, which a real database showed to be wrong (adaptive-admission.test.ts); x 0.9 instead of x 0.8 brings it to 0.97 x but puts four other cases over 1.25",
+  },
+  {
+    name: 'harm half outside the statements (300/s), knee 2,000 rows/s: the law steers the half it sees, so the whole harm stays under 1 + 2 x 0.25',
+    knee: 2_000,
+    foreground: { ...FIGURE_7, hiddenShare: 0.5 },
+    harmAtMost: 1.5,
+  },
+  { name: 'quiet (30 statements/s), knee 8,000 rows/s, seed 7', knee: 8_000, foreground: QUIET, seed: 7 },
+  { name: 'many (2,000 statements/s), knee 2,000 rows/s, seed 3', knee: 2_000, foreground: MANY, seed: 3 },
+];
+
+function describe(outcome: Outcome, knee: number): string {
+  return `mean rate ${Math.round(outcome.rowsPerSecond)} rows/s = ${(outcome.rowsPerSecond / knee).toFixed(2)} x knee, mean harm ${outcome.harm.toFixed(3)}`;
+}
+
+for (const one of [...DESIGNED, ...UNSEEN]) {
+  test(`harm law, simulated database, ${one.name}: settles near the knee (mean rate >= 0.7 x knee, foreground harm <= ${one.harmAtMost ?? 1.25})`, { todo: one.todo ?? false }, (t) => {
+    const outcome = simulate({ knee: one.knee, foreground: one.foreground, workers: one.workers, seed: one.seed });
+    const summary = describe(outcome, one.knee);
     t.diagnostic(summary);
     assert.ok(outcome.rowsPerSecond >= 0.7 * one.knee, `too slow: ${summary}`);
-    assert.ok(outcome.harm <= 1.25, `too harmful: ${summary}`);
+    assert.ok(outcome.harm <= (one.harmAtMost ?? 1.25), `too harmful: ${summary}`);
   });
 }
 
-test('the simulated database itself: the harm is 1.25 at the knee, reaper alone reads nobody, the foreground reads as measured', () => {
-  const random = prng(7);
-  const database = new SimulatedDatabase(4_000, FIGURE_7, random);
+for (const [foreground, knee] of [
+  [QUIET, 16_000],
+  [FIGURE_7, 2_000],
+  [MANY, 8_000],
+] as const) {
+  // Not 0.7 x the knee: the law measures the others' quiet durations before it deletes (up to
+  // HARM.baselineSeconds beside a quiet application) and starts at the floor; a run this short ends
+  // while it climbs. The bound is what it measured (8 to 10 s), with a little room.
+  test(`harm law, a short run (15,000 rows) beside ${foreground.statementsPerSecond} statements/s, knee ${knee}: no burst at the start, harm <= 1.25 over the run, done within 12 s`, (t) => {
+    const outcome = simulate({ knee, foreground, rows: 15_000, seconds: 120 });
+    const summary = `${describe(outcome, knee)}, done in ${(outcome.doneMs / 1000).toFixed(1)} s`;
+    t.diagnostic(summary);
+    assert.ok(outcome.harm <= 1.25, `too harmful: ${summary}`);
+    assert.ok(outcome.doneMs <= 12_000, `too slow: ${summary}`);
+  });
+}
+
+test('harm law, a long run (200,000 rows) beside 300 statements/s, knee 4,000: harm <= 1.25 over the run, at >= 0.7 x the knee', (t) => {
+  const outcome = simulate({ knee: 4_000, foreground: FIGURE_7, rows: 200_000, seconds: 600 });
+  const summary = `${describe(outcome, 4_000)}, done in ${(outcome.doneMs / 1000).toFixed(1)} s`;
+  t.diagnostic(summary);
+  assert.ok(outcome.harm <= 1.25, `too harmful: ${summary}`);
+  assert.ok(outcome.rowsPerSecond >= 0.7 * 4_000, `too slow: ${summary}`);
+});
+
+test('the load law (the default) on the simulated database: figure 7, the shape it was tuned on, stays under the knee', (t) => {
+  const outcome = simulate({ knee: 600, foreground: FIGURE_7, law: 'load' });
+  t.diagnostic(describe(outcome, 600));
+  assert.ok(outcome.harm <= 1.25, describe(outcome, 600));
+});
+
+test('the simulated database itself: the harm is 1.25 at the knee, durations show it, reaper alone reads nobody and runs unthrottled', () => {
+  const database = new SimulatedDatabase(4_000, FIGURE_7, prng(7));
   database.deleted(0, 4_000);
   assert.equal(database.harmAt(500), 1.25);
   assert.equal(database.harmAt(1_500), 1, 'a second later the deletions are out of the window');
   let changes = 0;
-  for (let i = 0; i < 2_000; i++) changes += database.sample(2_000).changes;
-  assert.ok(changes / 2_000 > 300 && changes / 2_000 < 370, `300 statements/s read as 300-370 state changes/s (pgbench, docs/design.md): ${changes / 2_000}`);
-  // Nobody else on the database: the worker finds it alone and runs unthrottled, far above any knee.
-  const alone = simulate({ knee: 4_000, foreground: { statementsPerSecond: 0, aloneMs: 0.6, connections: 4 }, seconds: 10 });
-  assert.ok(alone.rowsPerSecond > 50_000, `alone: ${Math.round(alone.rowsPerSecond)} rows/s`);
+  let since: number | null = null;
+  const durations: number[] = [];
+  for (let i = 0; i < 2_000; i++) {
+    const sample = database.sample(2_000 + i, since);
+    changes += sample.changes;
+    durations.push(...sample.finishedMs);
+    since = sample.at;
+  }
+  assert.ok(changes / 2_000 > 250 && changes / 2_000 < 370, `300 statements/s read as about 300 state changes/s (pgbench read 300-370, docs/design.md): ${changes / 2_000}`);
+  assert.ok(durations.length > 500 && durations.length <= 620, `2 s of 300 statements/s show each statement at most once: ${durations.length}`);
+  const geometric = Math.exp(durations.reduce((sum, ms) => sum + Math.log(ms), 0) / durations.length);
+  assert.ok(geometric > 0.5 && geometric < 0.7, `their durations read as their 0.6 ms: ${geometric}`);
+  for (const law of ['harm', 'load'] as const) {
+    const alone = simulate({ knee: 4_000, foreground: { statementsPerSecond: 0, aloneMs: 0.6, connections: 4 }, seconds: 10, law });
+    assert.ok(alone.rowsPerSecond > 50_000, `${law}, alone: ${Math.round(alone.rowsPerSecond)} rows/s`);
+  }
 });

@@ -191,6 +191,13 @@ test('an unknown key in admission is refused, naming policies.N.admission and th
   refused({ policies: [rowPolicy(), policy] }, ['policies.1.admission', 'perWorker']);
 });
 
+test("a row-delete policy's adaptive law (issue 41): 'load' or 'harm', absent by default; any other is refused naming admission.law", () => {
+  const harm = parse({ policies: [rowPolicy({ admission: { law: 'harm' } })] }).get('seat-holds') as RowDeletePolicy;
+  assert.equal(harm.admission?.law, 'harm');
+  assert.equal((parse({ policies: [rowPolicy()] }).get('seat-holds') as RowDeletePolicy).admission?.law, undefined);
+  refused({ policies: [rowPolicy({ admission: { law: 'presence' } })] }, ['policies.0.admission.law']);
+});
+
 test('remote and admission are not accepted on a row-delete policy', () => {
   refused({ policies: [rowPolicy({ admission: { ratePerSecond: 1, burst: 1, concurrency: 1 } })] }, ['policies.0', 'admission']);
 });

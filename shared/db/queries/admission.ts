@@ -4,6 +4,7 @@ import { rowHeldSql, stillEligibleSql, type ClaimedOperation } from './ledger';
 import { SERVER_STANDBY_LAG_CTES } from './replication';
 import { prepared } from './prepared';
 import { ADAPTIVE } from '../../admission/adaptive-constants';
+import { HARM } from '../../admission/adaptive-harm';
 
 /**
  * Global admission per policy (cleanup_admission): one row, locked for the few milliseconds of a
@@ -330,6 +331,10 @@ export interface AdaptiveRowsState {
   othersPresent: number;
   /** Other client backends' state changes per second, counted over the last ADAPTIVE.changeWindowMs (0 where not readable). */
   othersChanges: number;
+  /** Durations (ms) of the other client backends' statements that ended after the take's `since` (idle again: state_change - query_start). */
+  othersFinishedMs: number[];
+  /** The database clock of the sample (epoch ms): the next sample's `since`. */
+  sampledAt: number;
 }
 
 /** One sample of the other client backends (OTHER_CLIENTS_COUNTS). */
@@ -338,6 +343,10 @@ export interface OthersSample {
   active: number;
   present: number;
   changes: number;
+  /** Durations (ms) of statements that ended after the sample's `since`: sessions idle (or idle in transaction) again, state_change - query_start, their last statement. */
+  finishedMs: number[];
+  /** The database clock of the sample (epoch ms). */
+  at: number;
 }
 
 /**
@@ -352,6 +361,8 @@ export interface AdaptiveRowsTake {
   startRate: number;
   proposal: { rate: number; pressure: number | null; seenAdaptedAt: string } | null;
   restart?: { staleSeconds: number; pressure: number } | null;
+  /** The database clock (epoch ms) of this worker's previous sample of the others: their statements that ended later are counted (othersFinishedMs); null: all. */
+  since?: number | null;
 }
 
 /**
@@ -368,11 +379,25 @@ const OTHER_CLIENTS = `s.datname = current_database() AND s.pid <> pg_backend_pi
 // backend type and wait event read NULL) counts as present and active, never as nobody: unknown
 // is not "alone" (issue 40). The worker refuses to start without the grant (assertOthersReadable);
 // this keeps a grant revoked later on the safe side.
-const OTHER_CLIENTS_COUNTS = `count(*) FILTER (WHERE s.state = 'active' AND s.wait_event_type IN ('Lock', 'LWLock', 'IO', 'BufferPin'))::int AS waiting,
+const OTHER_CLIENTS_COUNTS = (since: string): string => `count(*) FILTER (WHERE s.state = 'active' AND s.wait_event_type IN ('Lock', 'LWLock', 'IO', 'BufferPin'))::int AS waiting,
               count(*) FILTER (WHERE s.state = 'active' OR s.state IS NULL)::int AS active,
               count(*) FILTER (WHERE s.state IN ('active', 'idle in transaction', 'idle in transaction (aborted)') OR s.state IS NULL)::int AS present,
               count(*) FILTER (WHERE s.state_change > clock_timestamp() - interval '${ADAPTIVE.changeWindowMs} milliseconds')::float8
-                * ${1000 / ADAPTIVE.changeWindowMs} AS changes`;
+                * ${1000 / ADAPTIVE.changeWindowMs} AS changes,
+              ${OTHERS_FINISHED(since)}`;
+
+/**
+ * The durations (ms) of the other clients' statements that ended after `since` (epoch ms, the
+ * database clock of the worker's previous sample; null: within the last HARM.aloneAfterSeconds, the
+ * time without one after which the harm law calls reaper alone): a session idle (or idle in
+ * transaction) again shows its last statement's start (query_start) and its end (state_change), so
+ * each statement is counted once, the last of its session between two samples (the harm law,
+ * shared/admission/adaptive-harm.ts). And the sample's own clock, the next `since`.
+ */
+const OTHERS_FINISHED = (since: string): string => `coalesce(array_agg(extract(epoch FROM s.state_change - s.query_start)::float8 * 1000)
+                FILTER (WHERE s.state IN ('idle', 'idle in transaction') AND s.state_change >= s.query_start
+                  AND s.state_change > coalesce(to_timestamp(${since}::float8 / 1000), clock_timestamp() - interval '${HARM.aloneAfterSeconds} seconds')), '{}') AS finished_ms,
+              extract(epoch FROM clock_timestamp())::float8 * 1000 AS sampled_at`;
 
 /**
  * The policy's adaptive rate (rows/s) while workers are stepping it: stepped within `freshSeconds`
@@ -396,12 +421,14 @@ export async function admissionAdaptiveRateInForce(db: Db, policy: string, fresh
 }
 
 /** One look at the other clients (OTHER_CLIENTS_COUNTS): waiting on a lock or IO, running a statement, present at all, state changes per second. */
-export async function admissionOthersSample(db: Db): Promise<OthersSample> {
+export async function admissionOthersSample(db: Db, since: number | null = null): Promise<OthersSample> {
   // Autocommit: each call reads pg_stat_activity afresh (within a transaction it is read once).
-  const result = await db.query<OthersSample>(
-    `SELECT ${OTHER_CLIENTS_COUNTS} FROM pg_stat_activity s WHERE ${OTHER_CLIENTS}`,
+  const result = await db.query<Omit<OthersSample, 'finishedMs' | 'at'> & { finished_ms: number[]; sampled_at: number }>(
+    `SELECT ${OTHER_CLIENTS_COUNTS('$1')} FROM pg_stat_activity s WHERE ${OTHER_CLIENTS}`,
+    [since],
   );
-  return result.rows[0]!;
+  const { finished_ms: finishedMs, sampled_at: at, ...counts } = result.rows[0]!;
+  return { ...counts, finishedMs, at };
 }
 
 /**
@@ -456,6 +483,8 @@ export async function admissionRowsTake(
     others_active: number;
     others_present: number;
     others_changes: number;
+    others_finished_ms: number[] | null;
+    sampled_at: number | null;
   }>(
     prepared(braked ? 'admission_take_braked' : 'admission_take', `WITH ${lagCtes}cur AS (
        SELECT a.*, clock_timestamp() AS at_now,
@@ -488,7 +517,7 @@ export async function admissionRowsTake(
        -- Other client backends of this database (not reaper's): in a statement or a transaction
        -- now (present), running a statement (active), waiting on a lock or IO (waiting), and their
        -- state changes per second (changes). Adaptive only.
-       SELECT ${OTHER_CLIENTS_COUNTS}
+       SELECT ${OTHER_CLIENTS_COUNTS('$14')}
        FROM pg_stat_activity s
        WHERE $8::boolean AND ${OTHER_CLIENTS}
      ) others
@@ -498,7 +527,8 @@ export async function admissionRowsTake(
        $6::text[] AS standbys,
        a.adaptive_rate, reaper_iso(a.adapted_at) AS adapted_at, extract(epoch FROM d.at_now - a.adapted_at)::float8 AS since_step,
        a.adaptive_admitted AS admitted_since, a.adaptive_pressure AS pressure,
-       others.waiting AS others_waiting, others.active AS others_active, others.present AS others_present, others.changes AS others_changes`,
+       others.waiting AS others_waiting, others.active AS others_active, others.present AS others_present, others.changes AS others_changes,
+       others.finished_ms AS others_finished_ms, others.sampled_at`,
     [
       take.policy,
       take.capacity,
@@ -513,6 +543,7 @@ export async function admissionRowsTake(
       adaptive?.proposal?.seenAdaptedAt ?? null,
       adaptive?.proposal?.pressure ?? adaptive?.restart?.pressure ?? null,
       adaptive?.restart?.staleSeconds ?? null,
+      adaptive?.since ?? null,
     ],
   ));
   const row = result.rows[0];
@@ -526,7 +557,7 @@ export async function admissionRowsTake(
     braked: row.braked,
     adaptive:
       adaptive !== null && row.adaptive_rate !== null && row.adapted_at !== null
-        ? { rate: row.adaptive_rate, adaptedAt: row.adapted_at, sinceStepSeconds: row.since_step ?? 0, admittedSinceStep: row.admitted_since, pressure: row.pressure, othersWaiting: row.others_waiting, othersActive: row.others_active, othersPresent: row.others_present, othersChanges: row.others_changes }
+        ? { rate: row.adaptive_rate, adaptedAt: row.adapted_at, sinceStepSeconds: row.since_step ?? 0, admittedSinceStep: row.admitted_since, pressure: row.pressure, othersWaiting: row.others_waiting, othersActive: row.others_active, othersPresent: row.others_present, othersChanges: row.others_changes, othersFinishedMs: row.others_finished_ms ?? [], sampledAt: row.sampled_at ?? 0 }
         : null,
   };
 }
