@@ -15,7 +15,8 @@
  *                                 BENCH_FOREGROUND_ROWS=<n> every cleanup on n rows instead of the mode's)
  *   add --only shapes             figure 7b alone (issue 41): four foreground shapes, each with a sweep of fixed rates,
  *                                 unthrottled and adaptive reaper; written as <date>-shapes-<mode>.json and .md
- *                                 (BENCH_SHAPES=mixed-300,quiet-30 measures only those shapes)
+ *                                 (BENCH_SHAPES=mixed-300,quiet-30 measures only those shapes;
+ *                                 BENCH_ADAPTIVE_LAW=harm|load the adaptive contender's law, issue 41)
  *   add --only s3                 figure 9 alone (object storage), written as <date>-s3-<mode>.json and .md
  *   add --only partitions         figure 10 alone (retiring day partitions vs the row path), written as <date>-partitions-<mode>.json and .md
  *   add --only cost               PostgreSQL CPU per deleted row and scheduler memory alone (bench/figures/cost.ts;
@@ -47,7 +48,7 @@ import { runLatency } from './figures/latency';
 import { EVENTS_ARCHIVE_CANDIDATES, runEventsArchive } from './figures/events-archive';
 import { runRemoteBacklog, runRemoteDelete } from './figures/remote-delete';
 import { runS3Delete } from './figures/s3-delete';
-import { runShapes, shapeRowsNeeded } from './figures/shapes';
+import { runShapes, shapeRowsNeeded, type ShapesOptions } from './figures/shapes';
 import { PARTITIONS_FIGURE, runPartitions } from './figures/partitions';
 import { runReaperEndToEnd, runStageSplit, type ReaperRun } from './figures/row-delete';
 import { BenchBroker } from './lib/broker';
@@ -273,7 +274,9 @@ async function measureS3(context: BenchContext, config: ModeConfig, report: Benc
 async function measureShapes(context: BenchContext, config: ModeConfig, report: BenchReport): Promise<void> {
   if (!config.shapes) throw new Error(`figure 7b (foreground shapes) is not measured in ${config.mode} mode: use --quick or --full`);
   const only = process.env.BENCH_SHAPES?.split(',').map((key) => key.trim()).filter(Boolean);
-  const options = only && only.length > 0 ? { ...config.shapes, onlyShapes: only } : config.shapes;
+  const law = process.env.BENCH_ADAPTIVE_LAW;
+  if (law !== undefined && law !== 'load' && law !== 'harm') throw new Error(`BENCH_ADAPTIVE_LAW must be load or harm, got ${JSON.stringify(law)}`);
+  const options: ShapesOptions = { ...config.shapes, ...(only && only.length > 0 ? { onlyShapes: only } : {}), ...(law ? { adaptiveLaw: law } : {}) };
   const candidates = Math.max(options.candidates, shapeRowsNeeded(options) + (shapeRowsNeeded(options) % 2));
   context.progress(`foreground shapes: ${candidates.toLocaleString('en-US')} candidates; fixed rates ${options.rates.join(', ')} rows/s, unthrottled, adaptive`);
   const seed = await context.databases.seed(candidates);
@@ -415,7 +418,7 @@ async function main(): Promise<number> {
   report.seconds = (Date.now() - started) / 1000;
   report.countsOk = context.checks.every((entry) => entry.ok);
   mkdirSync(RESULTS_DIR, { recursive: true });
-  const base = path.join(RESULTS_DIR, only === 's3' || only === 'partitions' ? `${report.date}-${only}-${config.mode}` : only === 'shapes' ? `${report.date}-shapes-${config.mode}${pin ? '-pinned' : ''}` : `${report.date}-${config.mode}${only ? `-${only}` : ''}${only === 'foreground' ? foregroundSuffix() : ''}${pin ? '-pinned' : ''}`);
+  const base = path.join(RESULTS_DIR, only === 's3' || only === 'partitions' ? `${report.date}-${only}-${config.mode}` : only === 'shapes' ? `${report.date}-shapes-${config.mode}${process.env.BENCH_ADAPTIVE_LAW ? `-${process.env.BENCH_ADAPTIVE_LAW}` : ''}${pin ? '-pinned' : ''}` : `${report.date}-${config.mode}${only ? `-${only}` : ''}${only === 'foreground' ? foregroundSuffix() : ''}${pin ? '-pinned' : ''}`);
   writeFileSync(`${base}.json`, `${JSON.stringify(report, null, 2)}\n`);
   writeFileSync(`${base}.md`, renderMarkdown(report));
   const shapes = report.shapes ? `\n\n${renderShapesTable(report.shapes).join('\n')}` : '';

@@ -54,6 +54,8 @@ export const SHAPES: readonly ShapeSpec[] = [
 ];
 
 export interface ShapesOptions {
+  /** The adaptive contender's law (issue 41; BENCH_ADAPTIVE_LAW): absent, the default's. */
+  adaptiveLaw?: 'load' | 'harm';
   /** Candidates of the seed the figure takes (each shape a fresh copy). */
   candidates: number;
   batchSize: number;
@@ -170,7 +172,8 @@ function policyName(shape: ShapeSpec, kind: ContenderKind, rate: number | null):
 }
 
 function policyFor(options: ShapesOptions, name: string, kind: ContenderKind, rate: number | null): RowDeletePolicyInput {
-  const admission = kind === 'fixed' ? { rowsPerSecond: rate!, adaptive: false } : kind === 'unthrottled' ? { adaptive: false } : undefined;
+  const admission =
+    kind === 'fixed' ? { rowsPerSecond: rate!, adaptive: false } : kind === 'unthrottled' ? { adaptive: false } : options.adaptiveLaw ? { law: options.adaptiveLaw } : undefined;
   return seatHoldsPolicy(name, options.batchSize, undefined, admission ? { admission } : {});
 }
 
