@@ -4,7 +4,9 @@
 # `reaper migrate` as the migrator, the scheduler and a worker as their own roles until both are
 # ready, `reaper doctor` as the operator, then the services are stopped. CI runs it against the
 # local servers (test/integration/first-install.test.ts); on Kubernetes the same steps are the
-# roles SQL, the migrate Job and the Deployments.
+# roles SQL, the migrate Job and the Deployments. The broker users `<REAPER_AMQP_PREFIX>-scheduler`...
+# come from the deployment's definitions import (docs/deploying.md), not from this script; doctor
+# checks their permissions and names any that are missing.
 #
 #   ADMIN_DATABASE_URL   a superuser (or the owner of the policies' tables) on the database to install into
 #   AMQP_URL             the broker

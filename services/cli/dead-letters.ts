@@ -1,7 +1,7 @@
 import amqp from 'amqplib';
 import type { GetMessage } from 'amqplib';
 import { connectBroker } from './connections';
-import { headersForRepublish } from '../../shared/amqp/headers';
+import { FAILURES_HEADER, headersForRepublish } from '../../shared/amqp/headers';
 import { ConfirmingPublisher, fixedConnection } from '../../shared/amqp/publisher';
 import { brokerNames } from '../../shared/amqp/topology';
 import type { DeadLetterReason } from '../../shared/contracts/batch';
@@ -136,7 +136,7 @@ export function deadLettersRequeue(
         result.skipped += 1;
         continue; // given back (nack, requeue) at the end
       }
-      const headers = headersForRepublish(message.properties.headers, ['x-reaper-reason', 'x-reaper-detail']);
+      const headers = headersForRepublish(message.properties.headers, ['x-reaper-reason', 'x-reaper-detail', FAILURES_HEADER]);
       const contentType = message.properties.contentType as string | undefined;
       try {
         await publisher.publish(names.workExchange, view.policy, message.content, {

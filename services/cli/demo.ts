@@ -6,7 +6,7 @@ import type { Channel } from 'amqplib';
 import pg from 'pg';
 import { DEMO_POLICIES_PATH, loadEnv, type Env } from '../../shared/config/env';
 import { loadPolicies, type RemoteDeletePolicy } from '../../shared/config/policies';
-import { demoTablesCreate } from '../../shared/db/queries/demo-tables';
+import { demoTablesCreate, serviceSessionUsers } from '../../shared/db/queries/demo-tables';
 import { migrate } from '../../shared/db/migrate';
 import { makeTopology } from '../../shared/amqp/topology';
 import { runsGetSummary, runsInsertIfAbsent, type Run, type RunSummary } from '../../shared/db/queries/runs';
@@ -120,8 +120,7 @@ export async function runDemo(names: DemoNames = DEMO_NAMES): Promise<number> {
     LOG_LEVEL: process.env.LOG_LEVEL ?? 'warn',
   };
   const startService = (args: string[], workerId: string): void => {
-    const role = args[0] === 'worker' ? 'worker' : 'scheduler';
-    children.push(spawn(process.execPath, [BIN, ...args], { env: { ...serviceEnv, DATABASE_URL: roleUrl(role), REAPER_WORKER_ID: workerId }, stdio: ['ignore', 'inherit', 'inherit', 'ipc'] })); // ipc: a service stops when the demo is gone (runService)
+    children.push(spawn(process.execPath, [BIN, ...args], { env: demoServiceEnv(serviceEnv, roleUrl, args, workerId), stdio: ['ignore', 'inherit', 'inherit', 'ipc'] })); // ipc: a service stops when the demo is gone (runService)
   };
   try {
     say('3. starting one scheduler; triggering a run of each policy (cutoff = database clock now)');
@@ -155,12 +154,15 @@ export async function runDemo(names: DemoNames = DEMO_NAMES): Promise<number> {
     const objectsDone = objectsRun ? await waitFor(pool, objectsRun.runId, finished, 120_000) : null;
     const partitionsDone = await waitFor(pool, partitionsRun.runId, finished, 120_000);
 
+    // While the services still run: who their sessions log in as.
+    const logins = await serviceLogins(pool, names, roleUrl('worker') === demoUrl.toString()); // fell back: demoRoles said so
+    say(logins.line);
     const holdsOk = await summariseHolds(pool, holdsRun, holdsDone, renewedIds);
     const mediaOk = await summariseMedia(pool, api, media, mediaDone, remoteSeconds);
     const objectsOk = objects && objectsDone ? await objects.summarise(pool, objectsDone) : true;
     const partitionsOk = await summarisePartitions(pool, partitionsRun.runId, partitionsDone);
     say(`\nseconds in all: ${((Date.now() - started) / 1000).toFixed(1)}`);
-    const ok = holdsOk && mediaOk && objectsOk && partitionsOk;
+    const ok = holdsOk && mediaOk && objectsOk && partitionsOk && logins.ok;
     say(
       ok
         ? 'OK: every expired, unrenewed, unconfirmed hold and every expired asset was deleted, once, and nothing else; the wholly expired partitions were retired, the others kept.'
@@ -204,6 +206,30 @@ export async function demoRoles(pool: pg.Pool, demoUrl: URL, names: DemoNames): 
     say(`   note: the services run as the DATABASE_URL's user: the least-privilege roles could not be used here (${(error as Error).message})`);
     return asGiven;
   }
+}
+
+/** A demo service's environment: the scheduler's or the workers' role URL (demoRoles) as DATABASE_URL. */
+export function demoServiceEnv(base: NodeJS.ProcessEnv, roleUrl: (role: keyof DbRoleNames) => string, args: readonly string[], workerId: string): NodeJS.ProcessEnv {
+  return { ...base, DATABASE_URL: roleUrl(args[0] === 'worker' ? 'worker' : 'scheduler'), REAPER_WORKER_ID: workerId };
+}
+
+/**
+ * Who the running scheduler and workers log in as (pg_stat_activity): ok only when each is its
+ * role of `reaper roles --print`, so a demo that fell back to the DATABASE_URL's user (the
+ * superuser) says so and does not end OK. A fallback demoRoles announced is allowed.
+ */
+export async function serviceLogins(pool: pg.Pool, names: DemoNames, fellBack = false): Promise<{ ok: boolean; scheduler: string[]; worker: string[]; line: string }> {
+  const users = await serviceSessionUsers(pool);
+  const scheduler = users.get('reaper-scheduler') ?? [];
+  const worker = users.get('reaper-worker') ?? [];
+  const asRoles = scheduler.join() === names.roles.scheduler && worker.join() === names.roles.worker;
+  const shown = (list: string[]) => (list.length > 0 ? list.join(', ') : '(no session)');
+  return {
+    ok: asRoles || fellBack,
+    scheduler,
+    worker,
+    line: `   checked: the scheduler's sessions log in as ${shown(scheduler)}, the workers' as ${shown(worker)}${asRoles ? ' (their roles)' : `, not as ${names.roles.scheduler} and ${names.roles.worker}`}`,
+  };
 }
 
 /** DATABASE_URL with the demo's database. */

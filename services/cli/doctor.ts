@@ -3,7 +3,10 @@ import { connectBroker, explainDatabaseError } from './connections';
 import { assertSchemaCurrent } from '../../shared/db/migrate';
 import { DEFAULT_DB_ROLE_NAMES, neededPrivileges, privilegesMissing, type NeededPrivilege } from '../../shared/db/queries/roles';
 import { quoteIdentifier } from '../../shared/db/pool';
-import { context, withPool } from './common';
+import { loadEnv } from '../../shared/config/env';
+import { loadPolicies, type PolicySet } from '../../shared/config/policies';
+import { withPool } from './common';
+import { brokerPermissionFindings, windowFindings, type Finding } from './doctor-checks';
 import { printResult } from './output';
 
 /**
@@ -11,17 +14,13 @@ import { printResult } from './output';
  * this policies file need, as the roles the deployment uses, and prints each finding with its fix:
  * the database answers and its schema is current; every privilege `reaper roles --print` grants
  * for these policies is held by the role it names (table privileges, pg_read_all_stats where an
- * adaptive policy or a brake reads server statistics); the broker answers. It reads catalogs only
- * (has_table_privilege, pg_has_role): any role that can connect may run it. Exit 1 on any finding.
- * The policies themselves were validated before anything ran (a bad file names its field).
+ * adaptive policy or a brake reads server statistics); the broker answers and each service's
+ * broker user holds the permissions `reaper topology --definitions` grants for the prefix; the
+ * policies file is valid (a broken one is a finding naming the field, and the other checks still
+ * run); each schedule window has a tick inside it and room for a batch (doctor-checks.ts). It reads
+ * catalogs only (has_table_privilege, pg_has_role): any role that can connect may run it. Exit 1 on
+ * any finding.
  */
-
-interface Finding {
-  check: string;
-  ok: boolean;
-  detail: string;
-  fix: string | null;
-}
 
 export function registerDoctorCommand(program: Command): void {
   program
@@ -32,8 +31,16 @@ export function registerDoctorCommand(program: Command): void {
     .option('--operator <role>', 'the operators\' role', DEFAULT_DB_ROLE_NAMES.operator)
     .addOption(new Option('--json', 'print machine-readable JSON'))
     .action(async (options: { scheduler: string; worker: string; operator: string; json?: boolean }) => {
-      const { env, policies } = context();
+      const env = loadEnv();
       const findings: Finding[] = [];
+      let policies: PolicySet | null = null;
+      try {
+        policies = loadPolicies(env.policiesPath);
+        findings.push({ check: 'policies', ok: true, detail: `${env.policiesPath}: ${policies.size} valid polic${policies.size === 1 ? 'y' : 'ies'}`, fix: null });
+      } catch (error) {
+        findings.push({ check: 'policies', ok: false, detail: (error as Error).message, fix: `correct the field the message names in ${env.policiesPath} (every service refuses to start with it)` });
+      }
+      if (policies) findings.push(...windowFindings(policies, env, new Date()));
       await withPool(env, async (pool) => {
         try {
           await pool.query('SELECT 1');
@@ -48,6 +55,7 @@ export function registerDoctorCommand(program: Command): void {
         } catch (error) {
           findings.push({ check: 'schema', ok: false, detail: (error as Error).message, fix: 'run `reaper migrate` as the migrator role (the migrate Job)' });
         }
+        if (!policies) return; // the privileges follow from the policies: nothing to compare with
         const roles = { scheduler: options.scheduler, worker: options.worker, operator: options.operator };
         const needed = neededPrivileges(policies, roles);
         const missing = await privilegesMissing(pool, needed);
@@ -71,6 +79,7 @@ export function registerDoctorCommand(program: Command): void {
         const connection = await connectBroker(env);
         await connection.close();
         findings.push({ check: 'broker', ok: true, detail: 'AMQP_URL answers', fix: null });
+        findings.push(...(await brokerPermissionFindings(env)));
       } catch (error) {
         findings.push({ check: 'broker', ok: false, detail: (error as Error).message, fix: 'set AMQP_URL (and the broker user\'s permissions: `reaper topology --definitions`)' });
       }

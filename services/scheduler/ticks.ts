@@ -1,4 +1,5 @@
 import { createTask } from 'node-cron';
+import { windowStateAt, type ScheduleWindow } from '../../shared/schedule/window';
 
 /** Cron expressions are evaluated in UTC (docs/design.md). */
 export const CRON_TIMEZONE = 'Etc/UTC';
@@ -23,6 +24,32 @@ export function latestMissedTick(schedule: string, after: Date, now: Date): Date
   try {
     for (; candidate >= earliest; candidate -= stepMs) {
       if (matcher.match(new Date(candidate))) return new Date(candidate);
+    }
+    return null;
+  } finally {
+    void matcher.destroy();
+  }
+}
+
+/**
+ * The first tick of `schedule` at or after `from`, before `from + horizonMs`, inside `window`, or
+ * null. Steps as latestMissedTick does (by the second for 6-field schedules, by the minute for
+ * 5-field ones), over the window's open spans only.
+ */
+export function firstTickInWindow(schedule: string, window: ScheduleWindow, from: Date, horizonMs: number): Date | null {
+  const matcher = createTask(schedule, () => undefined, { timezone: CRON_TIMEZONE });
+  const stepMs = schedule.trim().split(/\s+/).length === 6 ? 1000 : 60_000;
+  const onStep = (ms: number) => Math.ceil(ms / stepMs) * stepMs;
+  try {
+    const end = from.getTime() + horizonMs;
+    for (let candidate = onStep(from.getTime()); candidate < end; ) {
+      const state = windowStateAt(window, new Date(candidate));
+      if (!state.open) {
+        candidate = onStep(state.opensAt.getTime());
+        continue;
+      }
+      const closes = Math.min(state.closesAt!.getTime(), end);
+      for (; candidate < closes; candidate += stepMs) if (matcher.match(new Date(candidate))) return new Date(candidate);
     }
     return null;
   } finally {

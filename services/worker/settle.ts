@@ -1,7 +1,7 @@
 import type { Channel, ConsumeMessage, Options } from 'amqplib';
 import type { Logger } from 'pino';
 import type { ConfirmingPublisher } from '../../shared/amqp/publisher';
-import { headersForRepublish } from '../../shared/amqp/headers';
+import { FAILURES_HEADER, headersForRepublish } from '../../shared/amqp/headers';
 import { DELAY_HEADER, pickDelayTier, type BrokerNames } from '../../shared/amqp/topology';
 import type { DeadLetterReason } from '../../shared/contracts/batch';
 import type { Metrics } from '../../shared/observability/metrics';
@@ -36,7 +36,8 @@ const settled = new WeakSet<ConsumeMessage>();
 /**
  * The one place a batch result becomes broker actions. Every path ends in exactly one of: ack
  * (after commit), publish-then-ack (delay tier or dead-letter, publish confirmed first), or
- * reject-with-requeue (outcome unknown). A publish that fails leaves the message unacked.
+ * reject-with-requeue (database unreachable). An unexpected failure goes to a delay tier with a
+ * growing back-off; the delivery limit counts every failed delivery of the batch. A publish that fails leaves the message unacked.
  *
  * It never throws: the caller runs it from a consumer callback, where a rejected promise would
  * be unhandled and end the process with every batch of the channel in flight. The broker action
@@ -89,29 +90,67 @@ async function applyResult(deps: SettleDeps, delivery: Delivery, result: BatchRe
       safely(log, 'logging a settled batch', () => log.info({ outcome, deleted: result.deleted, noop: result.noop, ...result.detail }, 'batch settled'));
       return 'acked';
     }
-    case 'retry': {
-      const tier = pickDelayTier(result.delayMs);
-      try {
-        await deps.publisher.publish(deps.names.delayExchange, policy, delivery.message.content, {
-          ...copyProperties(delivery.message),
-          headers: { ...headersForRepublish(delivery.message.properties.headers), [DELAY_HEADER]: String(tier), 'x-reaper-retry-reason': result.reason },
-        });
-      } catch (error) {
-        return requeue(deps, delivery, `delay publish failed: ${(error as Error).message}`);
-      }
-      acknowledge(delivery);
-      safely(log, 'recording a delayed batch', () => metrics.batchesTotal.inc({ policy, outcome: 'retry' }));
-      safely(log, 'logging a delayed batch', () => log.info({ delayMs: result.delayMs, tier, reason: result.reason }, 'batch delayed'));
-      return 'delayed';
-    }
+    case 'retry':
+      return toDelayTier(deps, delivery, { delayMs: result.delayMs, reason: result.reason, outcome: 'retry', message: 'batch delayed' });
     case 'dead-letter':
       return deadLetter(deps, delivery, result.reason, result.detail);
-    case 'unknown':
-      if (delivery.deliveryCount >= deps.deliveryLimit) {
-        return deadLetter(deps, delivery, 'delivery-limit', `failed on ${delivery.deliveryCount} deliveries; last: ${result.reason}`);
+    case 'unknown': {
+      const failures = failuresBefore(delivery.message) + delivery.deliveryCount;
+      if (failures >= deps.deliveryLimit) {
+        return deadLetter(deps, delivery, 'delivery-limit', `failed on ${failures} deliveries; last: ${result.reason}`);
       }
-      return requeue(deps, delivery, result.reason);
+      // The database is out: consumption pauses until it answers (deliveries.ts), that is its back-off.
+      if (result.databaseUnavailable) return requeue(deps, delivery, result.reason);
+      return toDelayTier(deps, delivery, {
+        delayMs: unexpectedFailureBackoffMs(failures),
+        reason: result.reason,
+        outcome: 'unknown',
+        message: 'batch outcome unknown; retried after a back-off',
+        headers: { [FAILURES_HEADER]: failures },
+      });
+    }
   }
+}
+
+/** Back-off after an unexpected failure: 250 ms, doubling, at most 30 s (20 failures take about 6 minutes). */
+export const UNEXPECTED_BACKOFF_FIRST_MS = 250;
+export const UNEXPECTED_BACKOFF_MAX_MS = 30_000;
+
+/** The back-off before the next try of a batch whose `failures`-th delivery failed unexpectedly (a delay tier). */
+export function unexpectedFailureBackoffMs(failures: number): number {
+  return pickDelayTier(Math.min(UNEXPECTED_BACKOFF_FIRST_MS * 2 ** Math.max(0, failures - 1), UNEXPECTED_BACKOFF_MAX_MS));
+}
+
+function failuresBefore(message: ConsumeMessage): number {
+  const value = Number(message.properties.headers?.[FAILURES_HEADER] ?? 0);
+  return Number.isSafeInteger(value) && value > 0 ? value : 0;
+}
+
+/**
+ * Publish-then-ack to a delay tier: a copy (a new message, same id and body) comes back to the work
+ * queue after the tier's delay. The original is acked only once the broker confirmed the copy; a
+ * publish that fails leaves it requeued, so nothing is lost.
+ */
+async function toDelayTier(
+  deps: SettleDeps,
+  delivery: Delivery,
+  delay: { delayMs: number; reason: string; outcome: 'retry' | 'unknown'; message: string; headers?: Record<string, unknown> },
+): Promise<SettleAction> {
+  const { policy, log } = delivery;
+  const tier = pickDelayTier(delay.delayMs);
+  try {
+    await deps.publisher.publish(deps.names.delayExchange, policy, delivery.message.content, {
+      ...copyProperties(delivery.message),
+      headers: { ...headersForRepublish(delivery.message.properties.headers), ...delay.headers, [DELAY_HEADER]: String(tier), 'x-reaper-retry-reason': delay.reason },
+    });
+  } catch (error) {
+    return requeue(deps, delivery, `delay publish failed: ${(error as Error).message}`);
+  }
+  acknowledge(delivery);
+  safely(log, 'recording a delayed batch', () => deps.metrics.batchesTotal.inc({ policy: deps.metrics.policyLabel(policy), outcome: delay.outcome }));
+  const level = delay.outcome === 'retry' ? 'info' : 'warn';
+  safely(log, 'logging a delayed batch', () => log[level]({ delayMs: delay.delayMs, tier, reason: delay.reason, ...delay.headers }, delay.message));
+  return 'delayed';
 }
 
 async function deadLetter(deps: SettleDeps, delivery: Delivery, reason: DeadLetterReason, detail: string): Promise<SettleAction> {

@@ -9,3 +9,10 @@ export function headersForRepublish(headers: Record<string, unknown> | undefined
   const skipped = new Set([...BROKER_HEADERS, ...drop]);
   return Object.fromEntries(Object.entries(headers ?? {}).filter(([key]) => !skipped.has(key)));
 }
+
+/**
+ * Header of a delay-tier copy: how many deliveries of the batch failed before it (its earlier
+ * copies and their redeliveries). A copy is a new message whose x-delivery-count starts again, so
+ * the delivery limit counts this plus the copy's own deliveries. `reaper dlq requeue` drops it.
+ */
+export const FAILURES_HEADER = 'x-reaper-failures';

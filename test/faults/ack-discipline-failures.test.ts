@@ -1,6 +1,7 @@
 import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
 import pg from 'pg';
+import { FAILURES_HEADER } from '../../shared/amqp/headers';
 import { brokerNames } from '../../shared/amqp/topology';
 import type { BatchV1 } from '../../shared/contracts/batch';
 import { startAmqpWiretap, type AmqpWiretap, type HeldFrame, type WireEvent } from '../support/amqp-wiretap';
@@ -15,10 +16,11 @@ import { makeTestBed, type TestBed } from '../support/testbed';
  * The failure side of "ack only after commit" (docs/design.md, ack discipline), with real worker
  * processes whose AMQP traffic passes through a wiretap (test/support/amqp-wiretap.ts), so what
  * the broker was told is read off the wire, not off the worker's logs:
- *  - a handler error is settled with basic.reject, requeue set (never basic.nack), and the broker
- *    redelivers the batch (redelivered flag) until it succeeds;
+ *  - an unexpected handler error sends the batch to a delay tier with a growing back-off (250 ms,
+ *    500 ms, 1 s...; issue 40: it was requeued at once, 20 deliveries in 35 ms), each try acked only
+ *    after its copy is confirmed, until it succeeds;
  *  - a poison batch with REAPER_DELIVERY_LIMIT=3 is dead-lettered as `delivery-limit` on its third
- *    delivery, the count in its headers, and acked only after that publish;
+ *    failed try (counted across the copies), the count in its headers, and acked only after that publish;
  *  - a database outage (the worker's connections terminated, the database refusing new ones)
  *    pauses consumption: each batch in flight is rejected once, the waiting ones are not delivered
  *    at all meanwhile, and everything completes once the database is back;
@@ -73,6 +75,18 @@ describe('ack discipline: the failure side', () => {
   const settledLine = (worker: ReaperProcess, batchId: string) =>
     worker.waitForLine(`batch ${batchId} settled`, (line) => line.msg === 'batch settled' && line.batchId === batchId, 30_000);
 
+  /** The first `count` acks of a batch each came after a publish (to `exchange`) since its delivery: publish-then-ack. */
+  function assertCopiedBeforeAck(batchId: string, exchange: string, count: number): void {
+    let published = false;
+    let acks = 0;
+    for (const event of tap.events) {
+      if (event.kind === 'publish' && event.exchange === exchange) published = true;
+      if (!('batchId' in event) || event.batchId !== batchId) continue;
+      if (event.kind === 'deliver') published = false;
+      if (event.kind === 'ack' && acks++ < count) assert.ok(published, `ack ${acks} of ${batchId} came after its copy to "${exchange}" was published`);
+    }
+  }
+
   async function withTrigger<T>(sql: string, body: () => Promise<T>): Promise<T> {
     await bed.pool.query(sql);
     try {
@@ -82,38 +96,53 @@ describe('ack discipline: the failure side', () => {
     }
   }
 
-  test('a handler error is basic.reject with requeue (not nack); the broker redelivers until the batch succeeds', async () => {
+  test('an unexpected handler error is retried from a delay tier with a growing back-off until the batch succeeds (issue 40)', async () => {
     const names = brokerNames(bed.prefix);
     const seeded = await seedHolds(bed.pool, { expiredHeld: 5 });
     const batch = await makeRowBatch(bed.pool, seeded.expiredHeld);
-    // The DELETE fails with an application error (SQLSTATE P0001) on its first two executions.
+    // The DELETE fails with an application error (SQLSTATE P0001) on its first three executions.
     await bed.pool.query('CREATE SEQUENCE IF NOT EXISTS reaper_test_failures');
     await bed.pool.query(`SELECT setval('reaper_test_failures', 1, false)`);
-    await bed.pool.query(`CREATE OR REPLACE FUNCTION reaper_test_fail_twice() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER AS $$
+    await bed.pool.query(`CREATE OR REPLACE FUNCTION reaper_test_fail_thrice() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER AS $$
       BEGIN
-        IF nextval('reaper_test_failures') <= 2 THEN RAISE EXCEPTION 'test: the handler fails'; END IF;
+        IF nextval('reaper_test_failures') <= 3 THEN RAISE EXCEPTION 'test: the handler fails'; END IF;
         RETURN NULL;
       END $$`);
-    const group = startServices(bed, [{ label: 'reject-worker', kind: 'worker', env: { AMQP_URL: tap.url } }]);
+    const group = startServices(bed, [{ label: 'backoff-worker', kind: 'worker', env: { AMQP_URL: tap.url } }]);
     const [worker] = group.services as [ReaperProcess];
     try {
-      await withTrigger('CREATE TRIGGER reaper_test_fail BEFORE DELETE ON seat_reservations FOR EACH STATEMENT EXECUTE FUNCTION reaper_test_fail_twice()', async () => {
+      await withTrigger('CREATE TRIGGER reaper_test_fail BEFORE DELETE ON seat_reservations FOR EACH STATEMENT EXECUTE FUNCTION reaper_test_fail_thrice()', async () => {
         await worker.waitForLine('worker consuming', (line) => line.msg === 'worker consuming', 30_000);
         await publishBatch(broker, names, batch);
         const settled = await settledLine(worker, batch.batchId);
         assert.equal(settled.outcome, 'done');
         assert.equal(settled.deleted, 5);
-        assert.equal(settled.deliveryCount, 3, "the worker read the broker's x-delivery-count: third delivery");
+        assert.equal(settled.deliveryCount, 1, 'the fourth try is a delay-tier copy on its first delivery');
+        const backoffs = worker.lines.filter((line) => line.msg === 'batch outcome unknown; retried after a back-off' && line.batchId === batch.batchId);
+        assert.deepEqual(
+          backoffs.map((line) => [line.delayMs, line[FAILURES_HEADER]]),
+          [
+            [250, 1],
+            [500, 2],
+            [1_000, 3],
+          ],
+          'three failures, each retried after a longer delay, the failure count carried in the copy',
+        );
+        assert.match(String(backoffs[0]!.reason), /^unexpected error P0001: test: the handler fails/);
+        // Each try came back no sooner than its back-off (the log times of the failures and the success).
+        const times = [...backoffs, settled].map((line) => Date.parse(String(line.time)));
+        for (let i = 1; i < times.length; i++) {
+          const delay = Number(backoffs[i - 1]!.delayMs);
+          assert.ok(times[i]! - times[i - 1]! >= delay * 0.8, `try ${i + 1} came ${times[i]! - times[i - 1]!} ms after try ${i}, its back-off ${delay} ms`);
+        }
       });
-      assert.deepEqual(settlements(batch.batchId), ['reject+requeue', 'reject+requeue', 'ack'], 'each failure was basic.reject with requeue; the success an ack');
-      assert.equal(tap.events.filter((event) => event.kind === 'nack').length, 0, 'no basic.nack was ever sent');
-      assert.deepEqual(
-        deliveries(batch.batchId).map((event) => event.redelivered),
-        [false, true, true],
-        'the broker delivered the batch three times, flagged redelivered after the first',
-      );
+      assert.deepEqual(settlements(batch.batchId), ['ack', 'ack', 'ack', 'ack'], 'each failed try acked only after its delay-tier copy, the success acked');
+      assert.equal(tap.events.filter((event) => event.kind === 'nack' || event.kind === 'reject').length, 0, 'nothing rejected, no basic.nack');
+      assert.deepEqual(deliveries(batch.batchId).map((event) => event.redelivered), [false, false, false, false], 'four deliveries, each a new copy');
+      assertCopiedBeforeAck(batch.batchId, names.delayExchange, 3);
       assert.equal(await countReservations(bed.pool, seeded.expiredHeld), 0);
       assert.equal((await receiptsOf(bed.pool, batch.batchId)).length, 1, 'one receipt');
+      assert.equal((await broker.drain(names.deadLetterQueue)).length, 0, 'nothing dead-lettered');
       await stopAllCleanly(group.services);
       assert.equal(await readyAtRest(broker, names.workQueue('seat-holds')), 0);
     } finally {
@@ -142,13 +171,16 @@ describe('ack discipline: the failure side', () => {
         await publishBatch(broker, names, batch);
         const dead = await worker.waitForLine('the dead letter', (line) => line.msg === 'message dead-lettered' && line.batchId === batch.batchId, 30_000);
         assert.equal(dead.reason, 'delivery-limit');
-        assert.equal(dead.deliveryCount, 3);
+        assert.equal(dead.deliveryCount, 1, 'the third try is the second delay-tier copy, on its first delivery');
       });
-      assert.deepEqual(settlements(batch.batchId), ['reject+requeue', 'reject+requeue', 'ack'], 'two rejects with requeue, then (after the dead-letter publish) an ack');
-      assert.deepEqual(deliveries(batch.batchId).map((event) => event.redelivered), [false, true, true], 'three deliveries, no fourth');
+      const backoffs = worker.lines.filter((line) => line.msg === 'batch outcome unknown; retried after a back-off' && line.batchId === batch.batchId);
+      assert.deepEqual(backoffs.map((line) => line.delayMs), [250, 500], 'the first two failures backed off, growing');
+      assert.deepEqual(settlements(batch.batchId), ['ack', 'ack', 'ack'], 'each try acked after its copy (delay tier twice, then the dead letter)');
+      assertCopiedBeforeAck(batch.batchId, names.delayExchange, 2);
+      assert.deepEqual(deliveries(batch.batchId).map((event) => event.redelivered), [false, false, false], 'three deliveries, no fourth');
       const published = tap.events.filter((event) => event.kind === 'publish' && event.routingKey === names.deadLetterQueue);
       assert.equal(published.length, 1, 'one dead-letter publish');
-      const ackAt = tap.events.findIndex((event) => event.kind === 'ack' && event.batchId === batch.batchId);
+      const ackAt = tap.events.findLastIndex((event) => event.kind === 'ack' && event.batchId === batch.batchId);
       assert.ok(tap.events.indexOf(published[0]!) < ackAt, 'the dead letter was published before the delivery was acked');
 
       const letters = await broker.drain(names.deadLetterQueue);
@@ -241,10 +273,14 @@ describe('ack discipline: the failure side', () => {
         await settledLine(worker, failingBatch.batchId);
         const workCancelOk = tap.events.findIndex((event, index) => index >= releasedAt && event.kind === 'cancel-ok' && event.consumerTag !== heldTag);
         assert.ok(workCancelOk >= 0, `the work consumer's cancel answered after the release ${JSON.stringify(tap.events.slice(releasedAt).map((e) => e.kind))}`);
-        for (const batch of [outageBatch, failingBatch]) {
-          assert.deepEqual(settlements(batch.batchId), ['reject+requeue', 'ack'], `${batch.batchId}: given back once, then done ${JSON.stringify(failWire())}`);
-          assert.deepEqual(deliveries(batch.batchId).map((event) => event.redelivered), [false, true], `${batch.batchId}: the failure cost one delivery`);
-          const givenBack = tap.events.findIndex((event) => event.kind === 'reject' && event.batchId === batch.batchId);
+        // O (database unreachable) is rejected with requeue; F (an unexpected error) goes to a delay tier (its copy, then an ack).
+        for (const [batch, givenBackAs, wire, redelivered] of [
+          [outageBatch, 'reject', ['reject+requeue', 'ack'], [false, true]],
+          [failingBatch, 'ack', ['ack', 'ack'], [false, false]],
+        ] as const) {
+          assert.deepEqual(settlements(batch.batchId), wire, `${batch.batchId}: given back once, then done ${JSON.stringify(failWire())}`);
+          assert.deepEqual(deliveries(batch.batchId).map((event) => event.redelivered), redelivered, `${batch.batchId}: the failure cost one delivery`);
+          const givenBack = tap.events.findIndex((event) => event.kind === givenBackAs && 'batchId' in event && event.batchId === batch.batchId);
           assert.ok(givenBack > workCancelOk, `${batch.batchId}: given back (event ${givenBack}) after its consumer's cancel-ok (event ${workCancelOk})`);
         }
       });

@@ -4,7 +4,8 @@
  * database, roles and policies file, the services' topology is declared as they declare it; the
  * environment the summary prints then shows every policy through `reaper status` as the demo's
  * operator role, and `cleanDemo` (`reaper demo --clean`) removes the database, the queues and
- * exchanges, the roles and the policies file, and says so; a second clean finds nothing.
+ * exchanges, the roles and the policies file, and says so; a second clean finds nothing. The
+ * demo's scheduler and worker, started as the demo starts them, log in as its roles (issue 40).
  */
 import assert from 'node:assert/strict';
 import { existsSync, mkdtempSync, rmSync } from 'node:fs';
@@ -16,10 +17,10 @@ import pg from 'pg';
 import { assertTopology, makeTopology } from '../../shared/amqp/topology';
 import { loadEnv } from '../../shared/config/env';
 import { loadPolicies } from '../../shared/config/policies';
-import { cleanDemo, demoDatabaseUrl, demoRoles, prepareDemoDatabase, wayInAndOut, type DemoNames } from '../../services/cli/demo';
+import { cleanDemo, demoDatabaseUrl, demoRoles, demoServiceEnv, prepareDemoDatabase, serviceLogins, wayInAndOut, type DemoNames } from '../../services/cli/demo';
 import { startObjectStorageDemo } from '../../services/cli/demo-s3';
-import { AS_DEPLOYED_ROLES_VARIABLE } from '../support/as-deployed';
-import { runReaperCli } from '../support/processes';
+import { AS_DEPLOYED_ROLES_VARIABLE, SUPERUSER_REASON_VARIABLE } from '../support/as-deployed';
+import { runReaperCli, startReaper } from '../support/processes';
 import { findServers } from '../support/servers';
 import { stampedSuffix } from '../support/sweeper';
 
@@ -59,15 +60,41 @@ async function brokerHas(amqpUrl: string, kind: 'queue' | 'exchange', name: stri
 test('the printed environment shows what the demo made; `reaper demo --clean` removes all of it', async () => {
   const env = await demoEnv();
   const servers = await findServers();
+  const superuser = decodeURIComponent(new URL(servers.databaseUrl).username);
   const pool = await prepareDemoDatabase(env, names);
   let operatorUrl: string;
   try {
     // The third policy (media-objects, object storage) is added to the kept file as the demo adds it.
     const objects = await startObjectStorageDemo(names.policiesFile);
     assert.ok(objects, 's3rver is installed here (a development dependency)');
-    await objects.close();
-    const roleUrl = await demoRoles(pool, demoDatabaseUrl(env, names), names);
-    operatorUrl = roleUrl('operator');
+    try {
+      const roleUrl = await demoRoles(pool, demoDatabaseUrl(env, names), names);
+      operatorUrl = roleUrl('operator');
+      // The scheduler and a worker started as the demo starts them (demoServiceEnv): while they run,
+      // their sessions log in as the demo's roles, never as the superuser (issue 40), and the check
+      // the demo prints says so.
+      const base = {
+        ...process.env,
+        AMQP_URL: env.amqpUrl,
+        REAPER_AMQP_PREFIX: names.prefix,
+        REAPER_POLICIES: names.policiesFile,
+        ...objects.env,
+        // Not rewritten by the suite's as-deployed harness: the user is the one the demo chose.
+        [SUPERUSER_REASON_VARIABLE]: 'the demo picks its services\' users itself; this test checks whom it picked',
+      };
+      const services = (['scheduler', 'worker'] as const).map((kind) => startReaper(`demo ${kind}`, [kind], demoServiceEnv(base, roleUrl, [kind], `demo-test-${kind}`)));
+      try {
+        for (const [index, kind] of (['scheduler', 'worker'] as const).entries()) await services[index]!.waitForLine(`${kind} started`, (line) => line.msg === `${kind} started`, 60_000);
+        const logins = await serviceLogins(pool, names);
+        assert.deepEqual({ scheduler: logins.scheduler, worker: logins.worker }, { scheduler: [names.roles.scheduler], worker: [names.roles.worker] }, logins.line);
+        assert.equal(logins.ok, true);
+        assert.match(logins.line, new RegExp(`log in as ${names.roles.scheduler}, the workers' as ${names.roles.worker} \\(their roles\\)$`));
+      } finally {
+        await Promise.all(services.map((service) => service.stop()));
+      }
+    } finally {
+      await objects.close();
+    }
   } finally {
     await pool.end();
   }
@@ -94,7 +121,6 @@ test('the printed environment shows what the demo made; `reaper demo --clean` re
 
   // As a person would: status with exactly that environment (the URL names the operator role, so
   // the process logs in as it: processes.ts leaves a URL naming another user than the superuser).
-  const superuser = decodeURIComponent(new URL(servers.databaseUrl).username);
   const status = await runReaperCli(['status', '--json'], {
     ...process.env,
     AMQP_URL: env.amqpUrl,

@@ -1,9 +1,15 @@
 import assert from 'node:assert/strict';
+import { mkdtempSync, writeFileSync } from 'node:fs';
+import { createServer, connect, type AddressInfo, type Socket } from 'node:net';
+import { tmpdir } from 'node:os';
+import path from 'node:path';
 import { after, before, describe, test } from 'node:test';
 import pg from 'pg';
 import { combinedPoliciesYaml, rowDeletePolicyYaml } from '../support/fixtures';
 import { partitionedPolicyYaml, partitionedSuite, partitionOwnerRole } from '../support/partitioned';
+import { brokerPermissions, brokerUserName } from '../../shared/amqp/permissions';
 import { runReaperCli } from '../support/processes';
+import { makeBrokerUsers, rabbitmqctl } from '../support/rabbitmqctl';
 import { mediaPolicyYaml } from '../support/remote-helpers';
 import { makeTestBed, type TestBed } from '../support/testbed';
 
@@ -15,8 +21,11 @@ import { makeTestBed, type TestBed } from '../support/testbed';
  */
 let bed: TestBed;
 
+let removeBrokerUsers: (() => Promise<void>) | undefined;
+
 before(async () => {
   bed = await makeTestBed('doctor');
+  removeBrokerUsers = await makeBrokerUsers(bed.prefix);
   bed.writePolicies(
     combinedPoliciesYaml(
       rowDeletePolicyYaml({ batchSize: 20, events: true }),
@@ -26,6 +35,7 @@ before(async () => {
 });
 
 after(async () => {
+  await removeBrokerUsers?.();
   await bed?.close();
 });
 
@@ -39,7 +49,129 @@ test('the printed roles pass every check', async () => {
   assert.equal(checked.code, 0, checked.stdout);
   assert.match(checked.stdout, /ok +schema: migrations current/);
   assert.match(checked.stdout, /ok +privileges: (\d+) of \1 privileges the policies need are granted/);
+  assert.match(checked.stdout, /ok +policies: .*2 valid policies/);
+  assert.match(checked.stdout, /ok +broker permissions: the 4 service users hold the permissions of `reaper topology --definitions` on vhost "\/"/);
   assert.match(checked.stdout, /all checks passed/);
+});
+
+type Report = { ok: boolean; findings: Array<{ check: string; ok: boolean; detail: string; fix: string | null }> };
+const failedOf = (stdout: string) => (JSON.parse(stdout) as Report).findings.filter((finding) => !finding.ok);
+
+test('broker permissions: a user with other patterns and a user that has none are each found, with the set_permissions that fixes them', async () => {
+  const worker = brokerUserName(bed.prefix, 'worker');
+  const autoscaler = brokerUserName(bed.prefix, 'autoscaler');
+  const want = brokerPermissions(bed.prefix);
+  // The worker as an older definitions file had it: no write on amq.default (dead letters refused).
+  await rabbitmqctl(['-q', 'set_permissions', '-p', '/', worker, want.worker.configure, `^${bed.prefix}\\.`, want.worker.read]);
+  await rabbitmqctl(['-q', 'clear_permissions', '-p', '/', autoscaler]);
+  try {
+    const checked = await doctor(['--json']);
+    assert.equal(checked.code, 1, checked.stdout);
+    const failed = failedOf(checked.stdout);
+    assert.deepEqual(failed.map((finding) => finding.check).sort(), [`broker user ${autoscaler}`, `broker user ${worker}`]);
+    const wrong = failed.find((finding) => finding.check === `broker user ${worker}`)!;
+    assert.match(wrong.detail, /write "\^test-.*\\\." \(expected "\^\(test-.*\|amq\\\.default\)\$"\)/);
+    assert.equal(wrong.fix, `rabbitmqctl set_permissions -p '/' '${worker}' '${want.worker.configure}' '${want.worker.write}' '${want.worker.read}'`);
+    assert.match(failed.find((finding) => finding.check === `broker user ${autoscaler}`)!.detail, /has no permissions on vhost "\/"/);
+  } finally {
+    await rabbitmqctl(['-q', 'set_permissions', '-p', '/', worker, want.worker.configure, want.worker.write, want.worker.read]);
+    await rabbitmqctl(['-q', 'set_permissions', '-p', '/', autoscaler, want.autoscaler.configure, want.autoscaler.write, want.autoscaler.read]);
+  }
+});
+
+test('broker permissions: a broker that cannot be asked is a finding, not a crash', async () => {
+  // The broker through a relay on 127.0.0.2: AMQP answers, no management API there, and doctor
+  // asks rabbitmqctl only about a broker on this machine's loopback names.
+  const url = new URL(bed.amqpUrl);
+  const target = { port: Number(url.port || 5672), host: url.hostname };
+  const sockets = new Set<Socket>();
+  const relay = createServer((client) => {
+    const upstream = connect(target.port, target.host);
+    for (const socket of [client, upstream]) {
+      sockets.add(socket);
+      socket.on('error', () => undefined); // the other side is destroyed with it on close
+      socket.on('close', () => (client.destroy(), upstream.destroy()));
+    }
+    client.pipe(upstream).pipe(client);
+  });
+  await new Promise<void>((resolve, reject) => relay.once('error', reject).listen(0, '127.0.0.2', resolve));
+  url.hostname = '127.0.0.2';
+  url.port = String((relay.address() as AddressInfo).port);
+  let checked: Awaited<ReturnType<typeof runReaperCli>>;
+  try {
+    checked = await runReaperCli(['doctor', '--json', '--scheduler', bed.roles!.scheduler, '--worker', bed.roles!.worker, '--operator', bed.roles!.operator], bed.processEnv({ AMQP_URL: url.toString() }));
+  } finally {
+    for (const socket of sockets) socket.destroy();
+    await new Promise((resolve) => relay.close(resolve));
+  }
+  assert.equal(checked.code, 1, checked.stdout);
+  const failed = failedOf(checked.stdout);
+  assert.deepEqual(failed.map((finding) => finding.check), ['broker permissions'], checked.stdout);
+  assert.match(failed[0]!.detail, /cannot ask the broker for its users' permissions \(management API at 127\.0\.0\.2:15672: .*; rabbitmqctl: the broker \(127\.0\.0\.2\) is not on this machine\)/);
+  assert.match(failed[0]!.fix!, /against `reaper topology --definitions`/);
+});
+
+test('a broker that does not answer is a finding; the database checks still run', async () => {
+  const checked = await runReaperCli(['doctor', '--json', '--scheduler', bed.roles!.scheduler, '--worker', bed.roles!.worker, '--operator', bed.roles!.operator], bed.processEnv({ AMQP_URL: 'amqp://guest:guest@127.0.0.1:9/' }));
+  assert.equal(checked.code, 1, checked.stdout);
+  const report = JSON.parse(checked.stdout) as Report;
+  assert.deepEqual(report.findings.filter((finding) => !finding.ok).map((finding) => finding.check), ['broker']);
+  assert.match(report.findings.find((finding) => finding.check === 'broker')!.detail, /cannot connect to RabbitMQ at .*127\.0\.0\.1:9/);
+  assert.ok(report.findings.some((finding) => finding.check === 'schema' && finding.ok), 'the schema was still checked');
+});
+
+test('a schema one migration behind is a finding naming the versions, with `reaper migrate` as the fix', async () => {
+  const removed = await bed.pool.query('DELETE FROM reaper_schema_migrations WHERE version = (SELECT max(version) FROM reaper_schema_migrations) RETURNING *');
+  try {
+    const checked = await doctor(['--json']);
+    assert.equal(checked.code, 1, checked.stdout);
+    const failed = failedOf(checked.stdout);
+    assert.deepEqual(failed.map((finding) => finding.check), ['schema']);
+    const version = Number(removed.rows[0].version);
+    assert.match(failed[0]!.detail, new RegExp(`schema is at version ${version - 1}, this reaper needs ${version}`));
+    assert.match(failed[0]!.fix!, /run `reaper migrate`/);
+  } finally {
+    const row = removed.rows[0] as Record<string, unknown>;
+    const columns = Object.keys(row);
+    await bed.pool.query(`INSERT INTO reaper_schema_migrations (${columns.map((c) => pg.escapeIdentifier(c)).join(', ')}) VALUES (${columns.map((_, i) => `$${i + 1}`).join(', ')})`, Object.values(row));
+  }
+});
+
+test('a broken policies file is a finding with the validator\'s message (field and value); the other checks still run', async () => {
+  const file = path.join(mkdtempSync(path.join(tmpdir(), 'doctor-')), 'policies.yaml');
+  writeFileSync(file, rowDeletePolicyYaml({ batchSize: 20 }).replace(/batchSize: 20/, 'batchSize: 5000'));
+  const checked = await runReaperCli(['doctor', '--json', '--scheduler', bed.roles!.scheduler, '--worker', bed.roles!.worker, '--operator', bed.roles!.operator], bed.processEnv({ REAPER_POLICIES: file }));
+  assert.equal(checked.code, 1, checked.stdout);
+  assert.doesNotMatch(checked.stdout, /\n\s+at /, 'no stack trace');
+  const report = JSON.parse(checked.stdout) as Report;
+  const failed = report.findings.filter((finding) => !finding.ok);
+  assert.deepEqual(failed.map((finding) => finding.check), ['policies']);
+  assert.match(failed[0]!.detail, /batchSize/);
+  assert.match(failed[0]!.detail, /5000|1000/);
+  for (const check of ['database', 'schema', 'broker']) assert.ok(report.findings.some((finding) => finding.check === check && finding.ok), `${check} still checked`);
+});
+
+test('windows: a schedule that never fires inside its window, and a window too short for a batch, each with the fix', async () => {
+  const file = path.join(mkdtempSync(path.join(tmpdir(), 'doctor-')), 'policies.yaml');
+  // Cron is UTC: 12:00 UTC is never inside 01:00-05:00 UTC. The second window is 30 s, the statement timeout 60 s.
+  const withWindow = (schedule: string, end: string) => `${rowDeletePolicyYaml({ batchSize: 20, schedule })}    window: { start: "01:00", end: "${end}", timeZone: "UTC" }\n`;
+  const never = withWindow('0 12 * * *', '05:00');
+  writeFileSync(file, never);
+  const checked = await runReaperCli(['doctor', '--json', '--scheduler', bed.roles!.scheduler, '--worker', bed.roles!.worker, '--operator', bed.roles!.operator], bed.processEnv({ REAPER_POLICIES: file }));
+  assert.equal(checked.code, 1, checked.stdout);
+  let failed = failedOf(checked.stdout);
+  assert.equal(failed.length, 1, JSON.stringify(failed));
+  assert.match(failed[0]!.check, /^window /);
+  assert.match(failed[0]!.detail, /schedule "0 12 \* \* \*" \(UTC\) never fires inside the window 01:00-05:00 UTC/);
+  assert.match(failed[0]!.fix!, /move the schedule into the window/);
+
+  writeFileSync(file, withWindow('* * * * *', '01:00:30'));
+  const short = await runReaperCli(['doctor', '--json', '--scheduler', bed.roles!.scheduler, '--worker', bed.roles!.worker, '--operator', bed.roles!.operator], bed.processEnv({ REAPER_POLICIES: file }));
+  assert.equal(short.code, 1, short.stdout);
+  failed = failedOf(short.stdout);
+  assert.equal(failed.length, 1, JSON.stringify(failed));
+  assert.match(failed[0]!.detail, /is open 30 s, shorter than one batch may take \(REAPER_STATEMENT_TIMEOUT_MS 60000 ms\)/);
+  assert.match(failed[0]!.fix!, /widen the window to at least 1 minute/);
 });
 
 test('a missing grant and a missing statistics role are each found, with the GRANT that fixes them', async () => {
@@ -70,8 +202,13 @@ test('roles that do not exist are named, with how to make them', async () => {
 describe('partitions.retire: membership in the table\'s owner role', () => {
   // The scheduler refuses to start without it (DETACH, SET SCHEMA, DROP need the owner), and
   // `reaper restore --partition` (the operator) fails without it: doctor names both, with the GRANT.
-  const world = partitionedSuite('doctor_partitions', (partitioned) => {
+  let removeUsers: (() => Promise<void>) | undefined;
+  const world = partitionedSuite('doctor_partitions', async (partitioned) => {
     partitioned.writePolicies(partitionedPolicyYaml());
+    removeUsers = await makeBrokerUsers(partitioned.prefix);
+  });
+  after(async () => {
+    await removeUsers?.();
   });
   const check = (extra: string[] = []) => {
     const roles = world.bed.roles!;

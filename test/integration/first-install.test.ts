@@ -3,6 +3,7 @@ import { spawn } from 'node:child_process';
 import path from 'node:path';
 import { after, before, describe, test } from 'node:test';
 import pg from 'pg';
+import { makeBrokerUsers } from '../support/rabbitmqctl';
 import { stampedSuffix } from '../support/sweeper';
 import { makeTestBed, type TestBed } from '../support/testbed';
 
@@ -17,6 +18,7 @@ const SCRIPT = path.resolve(__dirname, '..', '..', '..', 'infra', 'first-install
  */
 describe('first install, in order, on a new database', () => {
   let bed: TestBed;
+  let removeBrokerUsers: (() => Promise<void>) | undefined;
   const rolePrefix = `reaper_t_fi_${stampedSuffix()}`;
   const roles = ['migrator', 'scheduler', 'worker', 'operator'].map((role) => `${rolePrefix}_${role}`);
 
@@ -25,9 +27,12 @@ describe('first install, in order, on a new database', () => {
       migrate: async () => undefined, // a new database: reaper's tables are the install's to make
       superuserBecause: 'the first-install script creates and applies the printed roles itself',
     });
+    // The broker users come from the deployment's definitions import (docs/deploying.md), not from the script: doctor checks them.
+    removeBrokerUsers = await makeBrokerUsers(bed.prefix);
   });
 
   after(async () => {
+    await removeBrokerUsers?.();
     await bed?.close();
     // After the database: the migrator owned reaper's tables there, which went with it.
     const adminUrl = new URL(bed.databaseUrl);

@@ -1,4 +1,6 @@
 import { execFile } from 'node:child_process';
+import { randomBytes } from 'node:crypto';
+import { BROKER_ROLES, brokerPermissions, brokerUserName } from '../../shared/amqp/permissions';
 
 /**
  * The local broker's admin tool, for fault tests that act on the broker itself (close a
@@ -11,6 +13,33 @@ export function rabbitmqctl(args: readonly string[], timeoutMs = 60_000): Promis
       error ? reject(new Error(`rabbitmqctl ${args.join(' ')} failed: ${error.message} ${stderr}`)) : resolve(stdout),
     ),
   );
+}
+
+/**
+ * The prefix's broker users (`<prefix>-scheduler`...), made on vhost "/" with the permissions
+ * `reaper topology --definitions` grants (what `reaper doctor` checks); returns what removes them.
+ */
+export async function makeBrokerUsers(prefix: string): Promise<() => Promise<void>> {
+  const permissions = brokerPermissions(prefix);
+  const made: string[] = [];
+  const removeAll = async () => {
+    await Promise.all(made.map((user) => rabbitmqctl(['-q', 'delete_user', user]).catch(() => undefined))); // best effort: a leftover user holds nothing
+  };
+  try {
+    await Promise.all(
+      BROKER_ROLES.map(async (role) => {
+        const user = brokerUserName(prefix, role);
+        await rabbitmqctl(['-q', 'add_user', user, randomBytes(12).toString('hex')]);
+        made.push(user);
+        const { configure, write, read } = permissions[role];
+        await rabbitmqctl(['-q', 'set_permissions', '-p', '/', user, configure, write, read]);
+      }),
+    );
+  } catch (error) {
+    await removeAll();
+    throw error;
+  }
+  return removeAll;
 }
 
 /**

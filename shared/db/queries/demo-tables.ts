@@ -38,3 +38,17 @@ CREATE INDEX IF NOT EXISTS media_assets_active_by_expiry
 export async function demoTablesCreate(db: { query(text: string): Promise<unknown> }): Promise<void> {
   await db.query(DEMO_TABLES_SQL);
 }
+
+/**
+ * Who the services' sessions on this database log in as, by application name (`reaper-scheduler`,
+ * `reaper-worker`): the demo reads it while its services run to show they run as their roles.
+ */
+export async function serviceSessionUsers(db: { query<R extends object>(text: string): Promise<{ rows: R[] }> }): Promise<Map<string, string[]>> {
+  const { rows } = await db.query<{ app: string; users: string[] }>(
+    `SELECT application_name AS app, array_agg(DISTINCT usename::text ORDER BY usename::text) AS users
+       FROM pg_stat_activity
+      WHERE datname = current_database() AND application_name IN ('reaper-scheduler', 'reaper-worker')
+      GROUP BY application_name`,
+  );
+  return new Map(rows.map((row) => [row.app, row.users]));
+}
