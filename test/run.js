@@ -59,12 +59,13 @@ async function main() {
   // the start. Each file mostly waits on its services (a file's node processes used a third to half
   // a core on average, issue 43), so an idle machine runs 4 (the parallel group took 372 s at 3 on
   // an idle 2-core machine; 4 was 5-20 % faster on the same files), and one already busy (a load
-  // over the last minute of three quarters of its cores or more: another job, CI's busy loops) 3,
+  // over the last minute at or above its number of cores: another job, CI's busy loops; the build
+  // just before adds about one) 3,
   // which keeps the timing-sensitive files within their bounds. The serial group runs one file at
   // a time whatever this says.
   const cores = typeof os.availableParallelism === 'function' ? os.availableParallelism() : os.cpus().length;
   const load = os.loadavg()[0];
-  const busy = load >= 0.75 * cores;
+  const busy = load >= cores;
   const concurrency = Number(process.env.REAPER_TEST_CONCURRENCY || (busy ? 3 : 4));
   if (!Number.isInteger(concurrency) || concurrency <= 0 || concurrency > 16) {
     console.error(`REAPER_TEST_CONCURRENCY must be a whole number of files from 1 to 16, got ${JSON.stringify(process.env.REAPER_TEST_CONCURRENCY)}`);
