@@ -18,8 +18,7 @@
 // counted at the end, and REAPER_TEST_REQUIRE_ALL=1 makes each of them a failure instead.
 const { spawnSync } = require('node:child_process');
 const { mkdtempSync, readdirSync, readFileSync, rmSync } = require('node:fs');
-const os = require('node:os');
-const { tmpdir } = os;
+const { tmpdir } = require('node:os');
 const path = require('node:path');
 
 const root = path.resolve(__dirname, '..');
@@ -34,6 +33,22 @@ function testFiles(dir) {
     if (entry.isDirectory()) return testFiles(full);
     return entry.name.endsWith('.test.js') ? [full] : [];
   });
+}
+
+/** The share of all CPUs' time spent idle over the next `ms` (from /proc/stat; 1 where it cannot be read, e.g. not Linux). */
+async function cpuIdleShare(ms) {
+  const read = () => {
+    const fields = readFileSync('/proc/stat', 'utf8').split('\n')[0].trim().split(/\s+/).slice(1).map(Number);
+    return { idle: fields[3] + (fields[4] || 0), total: fields.reduce((sum, n) => sum + n, 0) };
+  };
+  try {
+    const before = read();
+    await new Promise((resolve) => setTimeout(resolve, ms));
+    const after = read();
+    return after.total > before.total ? (after.idle - before.idle) / (after.total - before.total) : 1;
+  } catch {
+    return 1;
+  }
 }
 
 async function main() {
@@ -58,20 +73,19 @@ async function main() {
   // Files of the parallel group at once: REAPER_TEST_CONCURRENCY, else by the machine's state at
   // the start. Each file mostly waits on its services (a file's node processes used a third to half
   // a core on average, issue 43), so an idle machine runs 4 (the parallel group took 372 s at 3 on
-  // an idle 2-core machine; 4 was 5-20 % faster on the same files), and one already busy (a load
-  // over the last minute at or above its number of cores: another job, CI's busy loops; the build
-  // just before adds about one) 3,
-  // which keeps the timing-sensitive files within their bounds. The serial group runs one file at
-  // a time whatever this says.
-  const cores = typeof os.availableParallelism === 'function' ? os.availableParallelism() : os.cpus().length;
-  const load = os.loadavg()[0];
-  const busy = load >= cores;
+  // an idle 2-core machine; 4 was 5-20 % faster on the same files), and one already busy 3 (another
+  // job, CI's busy loops), which keeps the timing-sensitive files within their bounds. Busy means
+  // less than half of the CPU idle over one second now: the load average would still count the
+  // build that just ran (2.6 on an idle machine right after `npm ci` and tsc). The serial group runs
+  // one file at a time whatever this says.
+  const idleShare = await cpuIdleShare(1_000);
+  const busy = idleShare < 0.5;
   const concurrency = Number(process.env.REAPER_TEST_CONCURRENCY || (busy ? 3 : 4));
   if (!Number.isInteger(concurrency) || concurrency <= 0 || concurrency > 16) {
     console.error(`REAPER_TEST_CONCURRENCY must be a whole number of files from 1 to 16, got ${JSON.stringify(process.env.REAPER_TEST_CONCURRENCY)}`);
     return 1;
   }
-  console.log(`# ${concurrency} files at once in the parallel group (${process.env.REAPER_TEST_CONCURRENCY ? 'REAPER_TEST_CONCURRENCY' : `load ${load.toFixed(2)} on ${cores} cores: ${busy ? 'busy' : 'idle'}`})`);
+  console.log(`# ${concurrency} files at once in the parallel group (${process.env.REAPER_TEST_CONCURRENCY ? 'REAPER_TEST_CONCURRENCY' : `CPU ${(idleShare * 100).toFixed(0)} % idle over 1 s: ${busy ? 'busy' : 'idle'}`})`);
   const perTestTimeout = Number(process.versions.node.split('.')[0]) >= 22 ? [`--test-timeout=${timeoutMs}`] : ['--require', path.join(dist, 'test', 'support', 'timeouts.js')];
   const preload = [...perTestTimeout, '--test-force-exit'];
   const serial = files.filter((file) => file.endsWith('.serial.test.js'));
