@@ -86,7 +86,7 @@ export function registerDoctorCommand(program: Command): void {
       const failed = findings.filter((finding) => !finding.ok);
       printResult(!!options.json, { ok: failed.length === 0, findings }, () =>
         [
-          ...findings.map((finding) => `${finding.ok ? 'ok  ' : 'FAIL'}  ${finding.check}: ${finding.detail}${finding.fix ? `\n      fix: ${finding.fix}` : ''}`),
+          ...findings.map((finding) => `${finding.skipped ? 'skip' : finding.ok ? 'ok  ' : 'FAIL'}  ${finding.check}: ${finding.detail}${finding.fix ? `\n      fix: ${finding.fix}` : ''}`),
           failed.length === 0 ? 'all checks passed' : `${failed.length} finding(s)`,
         ].join('\n'),
       );

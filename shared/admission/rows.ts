@@ -422,7 +422,10 @@ async function waitSampling(pool: Pool, observer: Observer | null, ms: number): 
     if (left <= 0) return;
     await new Promise((resolve) => setTimeout(resolve, observer ? Math.min(left, HARM.sampleMs) : left));
     if (!observer || performance.now() >= until) return;
-    Object.assign(observer, afterSample(observer, await admissionOthersSample(pool, observer.harm.since)));
+    // A sample is an extra look, not the take: one that fails (a busy pool, a lost link) is skipped,
+    // never the batch's failure; the take itself still reports its own errors.
+    const sample = await admissionOthersSample(pool, observer.harm.since).catch(() => null);
+    if (sample) Object.assign(observer, afterSample(observer, sample));
   }
 }
 
