@@ -2,8 +2,9 @@ import type { BatchResult } from './results';
 
 /**
  * Maps an error thrown while handling a batch to a result. Unknown errors take the safe path:
- * the outcome is unknown, nothing is acked, the broker redelivers (and its delivery limit ends a
- * batch that fails every time in the dead-letter queue). Waiting for another transaction (a row
+ * the outcome is unknown; settle.ts gives the batch back later through a delay tier (backing off,
+ * the failures counted in x-reaper-failures) or, for an unreachable database, to the broker while
+ * consumption pauses; the delivery limit ends a batch that fails every time in the dead-letter queue. Waiting for another transaction (a row
  * lock an application holds, a deadlock, a serialization conflict) is not such a failure: the
  * transaction rolled back, so the outcome is KNOWN (nothing happened), and the batch will succeed
  * once the other transaction ends. It goes to a delay tier (a new message: its delivery count

@@ -11,5 +11,5 @@ export type BatchResult =
   | { kind: 'retry'; delayMs: number; reason: string }
   /** The batch itself is wrong: publish it to the dead-letter queue with the reason, then ack. */
   | { kind: 'dead-letter'; reason: DeadLetterReason; detail: string }
-  /** Outcome unknown (database or transport trouble): do not ack; the broker redelivers. */
+  /** Outcome unknown (database or transport trouble): settle.ts backs off through a delay tier (acked after the copy's confirm), or gives it back to the broker while consumption pauses for an unreachable database. */
   | { kind: 'unknown'; reason: string; databaseUnavailable: boolean };
