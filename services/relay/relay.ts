@@ -99,6 +99,7 @@ export class UnroutableKeys {
   }
 }
 
+/** Where an outbox row is published: the one choice the publish and the unroutable-key wait share. */
 const routingKeyOf = (entry: OutboxEntry) => (entry.kind === 'partition-retired' ? partitionRetiredRoutingKey(entry.event.policy) : expiryEventRoutingKey(entry.event.policy));
 
 /** One pass over the oldest unclaimed outbox rows (see the module comment); `unroutable` keeps the keys that wait (none without it). */
@@ -122,13 +123,13 @@ export async function relayOnce(deps: {
   const outcomes = await Promise.allSettled(
     entries.map((entry) =>
       entry.kind === 'partition-retired'
-        ? deps.publisher.publish(deps.exchange, partitionRetiredRoutingKey(entry.event.policy), Buffer.from(JSON.stringify(entry.event)), {
+        ? deps.publisher.publish(deps.exchange, routingKeyOf(entry), Buffer.from(JSON.stringify(entry.event)), {
             messageId: entry.event.eventId,
             contentType: 'application/json',
             type: 'reaper.partition-retired',
             headers: { [EVENT_CAUSE_HEADER]: EVENT_CAUSE_EXPIRY, 'x-reaper-event-version': PARTITION_RETIRED_EVENT_VERSION },
           })
-        : deps.publisher.publish(deps.exchange, expiryEventRoutingKey(entry.event.policy), encodeExpiryEvent(entry.event), {
+        : deps.publisher.publish(deps.exchange, routingKeyOf(entry), encodeExpiryEvent(entry.event), {
             messageId: expiryEventMessageId(entry.event),
             contentType: 'application/json',
             type: 'reaper.expiry',
