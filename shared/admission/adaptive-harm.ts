@@ -6,9 +6,9 @@
  * transaction) again, i.e. its last statement, counted once (ended since the worker's previous
  * sample). docs/design.md "The harm law" states it and justifies each constant of HARM.
  *
- *   baseline  = mean duration of the others' statements that end during the start look, before
- *               reaper deletes (on for up to HARM.baselineSeconds until there are enough)
- *   harm      = mean duration of those that ended since the last step / baseline
+ *   baseline  = geometric mean duration of the others' statements that end during the start look,
+ *               before reaper deletes (on for up to HARM.baselineSeconds until there are enough)
+ *   harm      = geometric mean duration of those that ended since the last step / baseline
  *   step (enough durations, and HARM.stepSeconds since the last step of any worker):
  *     climbing (from the start until the first harm over the target): rate x 2
  *     harm <= target: rate x up;  harm > target: rate x down
@@ -35,12 +35,22 @@ export const HARM = {
   down: 0.8,
   /**
    * The spread (standard deviation, natural log) a step's estimate of the harm may have: a step waits
-   * for (spread of the others' durations / precision)^2 durations, at least 8; the baseline, which
-   * every step divides by and whose error is never averaged away, for nine times as many (a third of
-   * the spread). The others' spread is measured (the baseline's own durations): 0.3 (pgbench-like)
-   * needs 9 a step and 81 for the baseline, 0.8 needs 64 and 576.
+   * for (spread of the others' log durations / precision)^2 durations, at least 8 and at most
+   * `durationsAtMost`; the baseline, which every step divides by and whose error is never averaged
+   * away, for sixteen times as many (a quarter of the spread), at most 4 x `durationsAtMost`. The
+   * others' spread is measured (the baseline's own durations): 0.3 needs 9 a step and 144 for the
+   * baseline; 0.8, 48 (64 capped) and 192 (1,024 capped).
    */
   precision: 0.1,
+  /**
+   * At most this many durations a step waits for, and four times as many for the baseline, whatever
+   * the spread: pgbench beside figure 7b read p50 0.74 ms and p99 9 ms alone (a log spread of about
+   * 1.07), for which `precision` asks 115 a step and 1,830 for the baseline: at the 30-40 durations a
+   * second the samples see beside 300 statements/s the baseline never completed, and the law never
+   * stepped (figure 7b, 2026-12-06: the floor throughout, every shape). 48 a step is about 1.2 s of
+   * them there, with a step's log estimate within +-0.15 at that spread.
+   */
+  durationsAtMost: 48,
   /**
    * At most one step per this long (the shared rate, all workers): what a step did must show in the
    * durations the next one judges by, and the others' statements that started before it show the
@@ -56,7 +66,7 @@ export const HARM = {
    */
   sampleMs: 100,
   /**
-   * A start look whose baseline is not complete (HARM.precision / 3) after its samples goes on
+   * A start look whose baseline is not complete (HARM.precision / 4) after its samples goes on
    * sampling every sampleMs for at most this long, reaper not deleting yet: the baseline must be the
    * others' durations without reaper, and durations seen while it deletes at the floor read the
    * floor's own harm as quiet (simulated figure 7, knee 600 rows/s: the floor does harm 1.17, and
@@ -68,14 +78,19 @@ export const HARM = {
   aloneAfterSeconds: 1,
 } as const;
 
-/** What one worker knows of the others' statement durations (milliseconds). */
+/**
+ * What one worker knows of the others' statement durations, as natural logs of milliseconds: the
+ * law compares geometric means, which a heavy tail moves far less than the arithmetic mean (at a
+ * log spread of 1.07 the arithmetic mean's estimate needs 3.3 times as many durations for the same
+ * precision), and a harm that lengthens every statement by a factor moves by exactly that factor.
+ */
 export interface HarmReading {
-  /** Sum, sum of squares and count of the durations seen before reaper deleted (the look, and the first takes at the floor until there are enough). */
-  baseMs: number;
-  baseMs2: number;
+  /** Sum, sum of squares and count of the log durations seen before reaper deleted (the look, and the first takes at the floor until there are enough). */
+  baseLn: number;
+  baseLn2: number;
   baseCount: number;
-  /** Sum and count of the durations since the last step proposal. */
-  freshMs: number;
+  /** Sum and count of the log durations since the last step proposal. */
+  freshLn: number;
   freshCount: number;
   /** Still doubling: no step has found harm over the target yet. */
   climbing: boolean;
@@ -85,28 +100,28 @@ export interface HarmReading {
   othersAt: number | null;
 }
 
-export const NO_HARM: HarmReading = { baseMs: 0, baseMs2: 0, baseCount: 0, freshMs: 0, freshCount: 0, climbing: true, since: null, othersAt: null };
+export const NO_HARM: HarmReading = { baseLn: 0, baseLn2: 0, baseCount: 0, freshLn: 0, freshCount: 0, climbing: true, since: null, othersAt: null };
 
-/** The spread of the others' durations (coefficient of variation: standard deviation / mean), from the baseline (0.3 until 8 are known). */
+/** The spread of the others' durations (standard deviation of their logs), from the baseline (0.3 until 8 are known). */
 function spreadOf(reading: HarmReading): number {
   if (reading.baseCount < 8) return 0.3;
-  const mean = reading.baseMs / reading.baseCount;
-  return Math.sqrt(Math.max(0, reading.baseMs2 / reading.baseCount - mean * mean)) / mean;
+  const mean = reading.baseLn / reading.baseCount;
+  return Math.sqrt(Math.max(0, reading.baseLn2 / reading.baseCount - mean * mean));
 }
 
-/** Durations a harm estimate needs for a relative error of `precision`: (spread / precision)^2, at least 8. */
-function needed(reading: HarmReading, precision: number): number {
-  return Math.max(8, Math.ceil((spreadOf(reading) / precision) ** 2));
+/** Durations a harm estimate needs for a relative error of `precision`: (spread / precision)^2, at least 8, at most `atMost`. */
+function needed(reading: HarmReading, precision: number, atMost: number): number {
+  return Math.min(atMost, Math.max(8, Math.ceil((spreadOf(reading) / precision) ** 2)));
 }
 
-/** Whether the baseline is complete (HARM.precision / 3): exported for the look (lookDone). */
+/** Whether the baseline is complete (HARM.precision / 4): exported for the look (lookDone). */
 export function harmBaselineDone(reading: HarmReading): boolean {
   return baselineDone(reading);
 }
 
-/** Whether the baseline is complete (HARM.precision / 3): until then the durations the takes see go to it, and the rate does not step. */
+/** Whether the baseline is complete (HARM.precision / 4): until then the durations the takes see go to it, and the rate does not step. */
 function baselineDone(reading: HarmReading): boolean {
-  return reading.baseCount >= needed(reading, HARM.precision / 4);
+  return reading.baseCount >= needed(reading, HARM.precision / 4, 4 * HARM.durationsAtMost);
 }
 
 /**
@@ -121,8 +136,9 @@ export function harmObserve(reading: HarmReading, sample: { finishedMs: readonly
   let count = 0;
   for (const ms of sample.finishedMs) {
     if (!(ms > 0)) continue;
-    sum += ms;
-    sum2 += ms * ms;
+    const ln = Math.log(ms);
+    sum += ln;
+    sum2 += ln * ln;
     count += 1;
   }
   const seen = count > 0 || sample.present > 0;
@@ -132,8 +148,8 @@ export function harmObserve(reading: HarmReading, sample: { finishedMs: readonly
   // test's own short polls and the application's 5 ms statements read harm 11.8 with nothing
   // changed). It says someone is there (othersAt); the baseline starts with the next sample.
   if (reading.since === null) return next;
-  if (baseline || !baselineDone(reading)) return { ...next, baseMs: reading.baseMs + sum, baseMs2: reading.baseMs2 + sum2, baseCount: reading.baseCount + count };
-  return { ...next, freshMs: reading.freshMs + sum, freshCount: reading.freshCount + count };
+  if (baseline || !baselineDone(reading)) return { ...next, baseLn: reading.baseLn + sum, baseLn2: reading.baseLn2 + sum2, baseCount: reading.baseCount + count };
+  return { ...next, freshLn: reading.freshLn + sum, freshCount: reading.freshCount + count };
 }
 
 /** Whether no other client has been seen for HARM.aloneAfterSeconds (or ever) by the sample at `at`: the harm law's "alone". */
@@ -141,10 +157,10 @@ export function harmAlone(reading: HarmReading): boolean {
   return reading.since !== null && (reading.othersAt === null || reading.since - reading.othersAt >= HARM.aloneAfterSeconds * 1000);
 }
 
-/** The others' statements now / before reaper deleted (mean durations); null until the baseline is complete and a step has enough fresh durations. */
+/** The others' statements now / before reaper deleted (geometric mean durations); null until the baseline is complete and a step has enough fresh durations. */
 export function harmRatio(reading: HarmReading): number | null {
-  if (!baselineDone(reading) || reading.freshCount < needed(reading, HARM.precision)) return null;
-  return reading.freshMs / reading.freshCount / (reading.baseMs / reading.baseCount);
+  if (!baselineDone(reading) || reading.freshCount < needed(reading, HARM.precision, HARM.durationsAtMost)) return null;
+  return Math.exp(reading.freshLn / reading.freshCount - reading.baseLn / reading.baseCount);
 }
 
 /** One step of the shared rate by the harm, clamped to [min(floor, ceiling), ceiling or the largest rate]; `reading` after it starts a new window. */
@@ -155,5 +171,5 @@ export function harmStep(rate: number, reading: HarmReading, ceiling: number | n
   const factor = over ? HARM.down : reading.climbing ? 2 : HARM.up;
   const top = ceiling ?? ADAPTIVE.maxRowsPerSecond;
   const next = Math.min(top, Math.max(Math.min(top, ADAPTIVE.floorRowsPerSecond), rate * factor));
-  return { rate: next, harm, reading: { ...reading, freshMs: 0, freshCount: 0, climbing: reading.climbing && !over } };
+  return { rate: next, harm, reading: { ...reading, freshLn: 0, freshCount: 0, climbing: reading.climbing && !over } };
 }
