@@ -16,8 +16,16 @@
 // killed (older than an hour) are removed (test/support/sweeper.ts). A test that needs a tool the
 // machine lacks is skipped with one line naming it (test/support/requirements.ts); the skips are
 // counted at the end, and REAPER_TEST_REQUIRE_ALL=1 makes each of them a failure instead.
-const { spawnSync } = require('node:child_process');
-const { mkdtempSync, readdirSync, readFileSync, rmSync } = require('node:fs');
+//
+// REAPER_TEST_CPU=1 (Linux) measures where the CPU goes, per file, and prints a table at the end:
+// the CPU of each file's process and of all it spawned and reaped (test/support/cpu-usage.ts,
+// preloaded), the CPU of the PostgreSQL backends of the file's databases (sampled every 500 ms: a
+// backend is given to the file whose process holds the other end of the first connection seen to
+// its database, and a backend that lives less than 500 ms is missed), and the processes in the
+// file's tree that used most, also by sampling. Rows in parentheses are the servers' other
+// processes (PostgreSQL's own, RabbitMQ: their CPU in the node column); last, the whole machine's.
+const { spawn } = require('node:child_process');
+const { mkdtempSync, readdirSync, readFileSync, readlinkSync, rmSync } = require('node:fs');
 const { tmpdir } = require('node:os');
 const path = require('node:path');
 
@@ -49,6 +57,139 @@ async function cpuIdleShare(ms) {
   } catch {
     return 1;
   }
+}
+
+/** Every process now: pid to { id (pid and start time: pids are reused), comm, ppid, ticks (user+system, 1/100 s) }. */
+function processes() {
+  const all = new Map();
+  for (const name of readdirSync('/proc')) {
+    if (!/^\d+$/.test(name)) continue;
+    try {
+      const stat = readFileSync(`/proc/${name}/stat`, 'utf8');
+      const fields = stat.slice(stat.lastIndexOf(')') + 2).split(' ');
+      all.set(Number(name), { id: `${name}/${fields[19]}`, comm: stat.slice(stat.indexOf('(') + 1, stat.lastIndexOf(')')), ppid: Number(fields[1]), ticks: Number(fields[11]) + Number(fields[12]) });
+    } catch {
+      // gone meanwhile
+    }
+  }
+  return all;
+}
+
+const cmdline = (pid) => readFileSync(`/proc/${pid}/cmdline`, 'utf8').split('\0').filter(Boolean);
+
+/** The pid holding the client end of a TCP connection to PostgreSQL from local `port` (undefined if none is seen). */
+function clientOf(port, pids) {
+  const wanted = `:${port.toString(16).toUpperCase().padStart(4, '0')}`;
+  let inode;
+  for (const table of ['/proc/net/tcp', '/proc/net/tcp6']) {
+    for (const line of readFileSync(table, 'utf8').split('\n').slice(1)) {
+      const fields = line.trim().split(/\s+/);
+      if (fields[1]?.endsWith(wanted) && fields[2]?.endsWith(':1538')) inode = fields[9];
+    }
+  }
+  if (inode === undefined) return undefined;
+  for (const pid of pids) {
+    try {
+      if (readdirSync(`/proc/${pid}/fd`).some((fd) => readlinkSync(`/proc/${pid}/fd/${fd}`) === `socket:[${inode}]`)) return pid;
+    } catch {
+      // gone meanwhile
+    }
+  }
+  return undefined;
+}
+
+/** A process's command name and its first two arguments that are neither flags nor preloads (`node reaper worker`). */
+function commandOf(comm, args) {
+  const rest = args.slice(1).filter((arg, i, all) => !arg.startsWith('-') && !['--require', '-r', '--import'].includes(all[i - 1]));
+  return [comm, ...rest.slice(0, 2).map((arg) => path.basename(arg))].join(' ');
+}
+
+/** REAPER_TEST_CPU=1: samples every 500 ms; call sample(runnerPid) while a group runs, then table(). */
+function cpuSampler() {
+  const fileOf = new Map(); // id of a file's process or a descendant -> the file
+  const what = new Map(); // such an id -> its command, shortened
+  const pidOf = new Map(); // such an id -> its pid
+  const databaseFile = new Map(); // database -> file
+  const top = new Map(); // process id -> { key: file or server row, what, first, max }
+  const machine = () => readFileSync('/proc/stat', 'utf8').split('\n')[0].trim().split(/\s+/).slice(1).map(Number);
+  const machineBefore = machine();
+  const note = (id, key, label, ticks, existedAtStart) => {
+    const entry = top.get(id) ?? { key, what: label, first: existedAtStart ? ticks : 0, max: 0 };
+    entry.max = Math.max(entry.max, ticks);
+    top.set(id, entry);
+  };
+  let first = true;
+  function sample(runnerPid) {
+    const all = processes();
+    const fileOfPid = (pid) => {
+      const info = all.get(pid);
+      if (!info) return undefined;
+      if (fileOf.has(info.id)) return fileOf.get(info.id);
+      let file;
+      if (info.ppid === runnerPid) file = cmdline(pid).find((arg) => arg.endsWith('.test.js'));
+      else if (info.ppid > 1) file = fileOfPid(info.ppid);
+      if (file !== undefined) {
+        fileOf.set(info.id, file);
+        pidOf.set(info.id, pid);
+        what.set(info.id, info.ppid === runnerPid ? 'the test process' : commandOf(info.comm, cmdline(pid)));
+      }
+      return file;
+    };
+    for (const [pid, info] of all) {
+      try {
+        const file = fileOfPid(pid);
+        if (file !== undefined) {
+          note(info.id, file, what.get(info.id), info.ticks, false);
+        } else if (info.comm === 'postgres') {
+          const title = cmdline(pid).join(' ');
+          const database = /\b(reaper_test_[a-z0-9_]+)/.exec(title)?.[1];
+          const port = /127\.0\.0\.1\((\d+)\)/.exec(title)?.[1];
+          if (database && !databaseFile.has(database) && port) {
+            const client = clientOf(Number(port), [...pidOf].filter(([id, p]) => all.get(p)?.id === id).map(([, p]) => p));
+            if (client !== undefined) databaseFile.set(database, fileOf.get(all.get(client).id));
+          }
+          const key = database ? databaseFile.get(database) ?? `(PostgreSQL, database ${database} of no file seen)` : '(PostgreSQL, other processes)';
+          note(info.id, key, 'postgres', info.ticks, first && !database);
+        } else if (info.comm === 'beam.smp' || info.comm === 'epmd') {
+          note(info.id, '(RabbitMQ)', info.comm, info.ticks, first);
+        }
+      } catch {
+        // gone meanwhile
+      }
+    }
+    first = false;
+  }
+  function table(wallByFile, nodeByFile) {
+    const rows = new Map(); // key -> { postgres, sampled: Map(what -> s) }
+    for (const { key, what: label, first: start, max } of top.values()) {
+      const row = rows.get(key) ?? { postgres: 0, sampled: new Map() };
+      const seconds = (max - start) / 100;
+      if (label === 'postgres' && !key.startsWith('(')) row.postgres += seconds;
+      else row.sampled.set(label, (row.sampled.get(label) ?? 0) + seconds);
+      rows.set(key, row);
+    }
+    for (const file of nodeByFile.keys()) if (!rows.has(file)) rows.set(file, { postgres: 0, sampled: new Map() });
+    const sum = (map) => [...map.values()].reduce((a, b) => a + b, 0);
+    const lines = [...rows].map(([key, row]) => {
+      const node = nodeByFile.get(key) ?? sum(row.sampled);
+      return { key, wall: (wallByFile.get(key) ?? 0) / 1000, node, postgres: row.postgres, total: node + row.postgres, row };
+    });
+    lines.sort((a, b) => b.total - a.total);
+    const fixed = (n) => n.toFixed(1).padStart(7);
+    console.log('# CPU by file (seconds; node: its process and all it spawned and reaped; postgres: its databases\' backends; sampled: the processes of its tree seen alive, and the largest of them):');
+    console.log(`#  ${'wall'.padStart(7)} ${'node'.padStart(7)} ${'postgres'.padStart(8)} ${'total'.padStart(7)}  file / most`);
+    for (const { key, wall, node, postgres, total, row } of lines) {
+      const most = [`sampled ${sum(row.sampled).toFixed(1)}`, ...[...row.sampled].sort((a, b) => b[1] - a[1]).slice(0, 3).map(([label, s]) => `${label} ${s.toFixed(1)}`)].join('; ');
+      console.log(`#  ${fixed(wall)} ${fixed(node)} ${fixed(postgres).padStart(8)} ${fixed(total)}  ${key.startsWith('(') ? key : path.relative(dist, key)}  [${most}]`);
+    }
+    const totals = lines.filter((line) => !line.key.startsWith('('));
+    const machineAfter = machine();
+    const busy = (fields) => fields.reduce((a, b) => a + b, 0) - fields[3] - (fields[4] || 0);
+    const total = (field) => totals.reduce((seconds, line) => seconds + line[field], 0).toFixed(0);
+    const { user, system } = process.cpuUsage();
+    console.log(`#  totals over ${totals.length} files: node ${total('node')} s, postgres ${total('postgres')} s; whole machine busy ${((busy(machineAfter) - busy(machineBefore)) / 100).toFixed(0)} s, of which this sampling ${((user + system) / 1e6).toFixed(0)} s`);
+  }
+  return { sample, table };
 }
 
 async function main() {
@@ -87,7 +228,10 @@ async function main() {
   }
   console.log(`# ${concurrency} files at once in the parallel group (${process.env.REAPER_TEST_CONCURRENCY ? 'REAPER_TEST_CONCURRENCY' : `CPU ${(idleShare * 100).toFixed(0)} % idle over 1 s: ${busy ? 'busy' : 'idle'}`})`);
   const perTestTimeout = Number(process.versions.node.split('.')[0]) >= 22 ? [`--test-timeout=${timeoutMs}`] : ['--require', path.join(dist, 'test', 'support', 'timeouts.js')];
-  const preload = [...perTestTimeout, '--test-force-exit'];
+  const cpu = process.env.REAPER_TEST_CPU === '1' ? cpuSampler() : undefined;
+  const cpuLog = path.join(path.dirname(skipLog), 'cpu');
+  if (cpu) env.REAPER_TEST_CPU_LOG = cpuLog;
+  const preload = [...perTestTimeout, ...(cpu ? ['--require', path.join(dist, 'test', 'support', 'cpu-usage.js')] : []), '--test-force-exit'];
   const serial = files.filter((file) => file.endsWith('.serial.test.js'));
   const parallel = files.filter((file) => !file.endsWith('.serial.test.js'));
   let status = 0;
@@ -102,8 +246,11 @@ async function main() {
     if (group.length === 0) continue;
     rmSync(timings, { force: true });
     const groupStarted = Date.now();
-    const result = spawnSync(process.execPath, [...preload, '--test', `--test-concurrency=${atOnce}`, ...(userReporter ? [] : reporters), ...flags, ...group], { cwd: root, stdio: 'inherit', env });
-    if (result.status !== 0) status = result.status ?? 1;
+    const child = spawn(process.execPath, [...preload, '--test', `--test-concurrency=${atOnce}`, ...(userReporter ? [] : reporters), ...flags, ...group], { cwd: root, stdio: 'inherit', env });
+    const sampling = cpu && setInterval(() => cpu.sample(child.pid), 500);
+    const code = await new Promise((resolve) => child.on('close', resolve).on('error', () => resolve(null)));
+    clearInterval(sampling);
+    if (code !== 0) status = code ?? 1;
     groupSeconds.push(`${atOnce === 1 && group === serial ? 'serial' : 'parallel'} ${((Date.now() - groupStarted) / 1000).toFixed(0)} s (${group.length} files)`);
     let lines = [];
     try {
@@ -122,6 +269,15 @@ async function main() {
     for (const [file, ms] of slowest) console.log(`#   ${(ms / 1000).toFixed(1).padStart(6)}  ${path.relative(dist, file)}`);
   }
   if (groupSeconds.length > 0) console.log(`# wall time: ${groupSeconds.join(', ')}`);
+  if (cpu) {
+    let lines = [];
+    try {
+      lines = readFileSync(cpuLog, 'utf8').split('\n').filter(Boolean);
+    } catch {
+      // no file's process reported
+    }
+    cpu.table(byFile, new Map(lines.map((line) => JSON.parse(line)).map(({ file, seconds }) => [file, seconds])));
+  }
   let skips = [];
   try {
     skips = readFileSync(skipLog, 'utf8').split('\n').filter(Boolean);
