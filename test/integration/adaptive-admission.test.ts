@@ -297,7 +297,7 @@ describe('adaptive row-delete admission: one shared rate', () => {
     }
   });
 
-  test("an application of many short statements, rarely seen running one, is read by its statement rate: the start look starts at the floor and the signal is shown", async () => {
+  test("an application of many short statements, rarely seen running one, is read by its statement rate: the start look starts at the floor and the signal is shown", async (t) => {
     // Three connections, each a short statement then about 2 ms idle: several hundred statements
     // per second, each in a statement a small share of the time (the active share a fast database
     // shows for 300 statements/s, where the load term alone would start in the hold band or above
@@ -327,8 +327,13 @@ describe('adaptive row-delete admission: one shared rate', () => {
       const perSecond = statements / ((performance.now() - startedAt) / 1000);
       const changes = (await metricValue(metrics.registry, 'reaper_row_admission_others_changes_per_second', { policy: policy.name }))!;
       const stored = (await bed.pool.query<{ rate: number; pressure: number }>('SELECT adaptive_rate AS rate, adaptive_pressure AS pressure FROM cleanup_admission WHERE policy = $1', [policy.name])).rows[0]!;
+      t.diagnostic(`${changes.toFixed(0)} state changes/s read; the application made ${perSecond.toFixed(0)} statements/s`);
       assert.equal(stored.rate, ADAPTIVE.floorRowsPerSecond, `started at the floor (look pressure ${stored.pressure})`);
-      assert.ok(changes >= ADAPTIVE.changesAtBackOff, `the signal is shown: ${changes.toFixed(0)} state changes/s (the application made ${perSecond.toFixed(0)} statements/s)`);
+      // Against the application's own rate as well as the law's constant: on a slower, busy machine
+      // the three loops made fewer statements (a whole-suite run read 188 state changes/s where the
+      // constant is 200, a flake). The 5 ms window reads about 0.6 of the statements (596 of 977 on
+      // an idle machine); at least a third of them must show.
+      assert.ok(changes >= Math.min(ADAPTIVE.changesAtBackOff, perSecond / 3), `the signal is shown: ${changes.toFixed(0)} state changes/s (the application made ${perSecond.toFixed(0)} statements/s)`);
     } finally {
       running = false;
       await Promise.all(loops);
