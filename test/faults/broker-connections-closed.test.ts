@@ -1,9 +1,9 @@
 import assert from 'node:assert/strict';
 import { describe, test } from 'node:test';
-import { bedAndBrokerSuite, rowDeletePolicyYaml, runCompleted, runReceipts, runRow, startSchedulerAndWorkers, triggerRunId } from '../support/fixtures';
+import { bedAndBrokerSuite, type ServiceGroup, rowDeletePolicyYaml, runCompleted, runReceipts, runRow, startSchedulerAndWorkers, triggerRunId } from '../support/fixtures';
 import { handOverCheckpointLock, holdCheckpointLock, releaseHeldLocks, SCHEDULER_HELD_CHECKPOINT_ENV, schedulerWaitsOnCheckpoint } from '../support/locks';
 import { type ReaperProcess } from '../support/processes';
-import { rabbitmqctl } from '../support/rabbitmqctl';
+import { brokerAdmin, type BrokerConnection } from '../support/broker-admin';
 import { seedHolds } from '../support/seed';
 import { assertRunDeletedExactlyOnce } from '../support/run-checks';
 
@@ -23,28 +23,26 @@ const FUTURE = 500;
 const CONFIRMED = 500;
 const BATCH_SIZE = 50;
 
-interface BrokerConnection {
-  /** The connection's Erlang pid as close_connection takes it: <rabbit@host.N.N.N>. */
-  pid: string;
-  /** client_properties.connection_name, e.g. "reaper-worker <prefix> <id>". */
-  name: string;
-}
-
 /**
- * This test's connections, as the broker sees them. The table output is read rather than
- * `--formatter json`: the JSON formatter prints pids as #PID<...>, which close_connection refuses.
- * Each line is `<pid>\t[{"connection_name","..."},...]`.
+ * This test's connections as the broker lists them, those whose name (e.g. "reaper-worker <prefix>
+ * <id>") has each of `words`, once `count` of them are ones this test has not closed: the
+ * management API (broker-admin.ts) lists a new connection at its next statistics tick
+ * (collect_statistics_interval, 5 s by default), rabbitmqctl at once. All that is listed then is
+ * returned, a closed one still listed too, for the caller's assertions.
  */
-async function connectionsWithPrefix(prefix: string): Promise<BrokerConnection[]> {
-  const stdout = await rabbitmqctl(['list_connections', 'pid', 'client_properties', '-q', '--no-table-headers']);
-  return stdout
-    .split('\n')
-    .map((line) => ({ pid: line.split('\t')[0]!.trim(), name: /\{"connection_name","([^"]*)"\}/.exec(line)?.[1] ?? '' }))
-    .filter((connection) => connection.pid.startsWith('<') && connection.name.split(' ').includes(prefix));
+function listedOnce(group: ServiceGroup, what: string, words: readonly string[], count: number, closed: ReadonlySet<string> = new Set()): Promise<BrokerConnection[]> {
+  return group.eventuallyAlive(
+    what,
+    async () => {
+      const listed = (await (await brokerAdmin()).listConnections()).filter((connection) => words.every((word) => connection.name.split(' ').includes(word)));
+      return listed.filter((connection) => !closed.has(connection.id)).length >= count ? listed : undefined;
+    },
+    { timeoutMs: 20_000, intervalMs: 200 },
+  );
 }
 
-async function closeConnection(pid: string): Promise<void> {
-  await rabbitmqctl(['close_connection', pid, 'test: connection closed by the broker', '-q']);
+async function closeConnection(id: string): Promise<void> {
+  await (await brokerAdmin()).closeConnection(id, 'test: connection closed by the broker');
 }
 
 describe('broker closes the connections mid-run', () => {
@@ -74,14 +72,14 @@ describe('broker closes the connections mid-run', () => {
       const runId = await triggerRunId(world.bed, 'seat-holds');
       await eventuallyAlive('the scheduler to wait on its first checkpoint', () => schedulerWaitsOnCheckpoint(world.bed.pool), { timeoutMs: 20_000, intervalMs: 20 });
       await eventuallyAlive('a few batches to be committed', async () => (await runReceipts(world.bed.pool, runId)).batches >= 5, { timeoutMs: 20_000, intervalMs: 20 });
-      const connections = await connectionsWithPrefix(world.bed.prefix);
+      const connections = await listedOnce(group, "the services' connections to be listed", [world.bed.prefix], 3);
       assert.deepEqual(
         connections.map((c) => c.name).sort(),
         [`reaper-scheduler ${world.bed.prefix} scheduler-1`, `reaper-worker ${world.bed.prefix} worker-1`, `reaper-worker ${world.bed.prefix} worker-2`],
         'one connection per service, named after this test prefix',
       );
       const stateAtClose = (await runRow(world.bed.pool, runId)).state;
-      await Promise.all(connections.map((c) => closeConnection(c.pid)));
+      await Promise.all(connections.map((c) => closeConnection(c.id)));
       const doneAtClose = (await runReceipts(world.bed.pool, runId)).batches;
       await checkpoints.release();
       assert.equal(stateAtClose, 'scanning', 'the connections were closed while the run was scanning');
@@ -94,9 +92,9 @@ describe('broker closes the connections mid-run', () => {
         );
         await eventuallyAlive(`${service.label} to log 'amqp connected' again`, () => amqpConnectedCount(service) >= 2);
       }
-      const reconnected = await connectionsWithPrefix(world.bed.prefix);
+      const reconnected = await listedOnce(group, 'the new connections to be listed', [world.bed.prefix], 3, new Set(connections.map((c) => c.id)));
       assert.equal(reconnected.length, 3, 'three live connections again');
-      assert.ok(reconnected.every((c) => !connections.some((old) => old.pid === c.pid)), 'new connections, not the closed ones');
+      assert.ok(reconnected.every((c) => !connections.some((old) => old.id === c.id)), 'new connections, not the closed ones');
 
       await runCompleted(group, world.bed.pool, runId, 40_000);
       // One close, one reconnect each: not a reconnect loop.
@@ -144,6 +142,7 @@ describe('broker closes the connections mid-run', () => {
       // Held before the trigger: the first close happens at the first checkpoint, whatever the speed.
       let checkpoints = await holdCheckpointLock(world.bed.pool);
       const runId = await triggerRunId(world.bed, 'flap-holds');
+      const closed = new Set<string>();
 
       for (let closes = 1; closes <= CLOSES; closes++) {
         // Between two windows, deterministically: the next checkpoint is held, the scheduler's
@@ -154,9 +153,10 @@ describe('broker closes the connections mid-run', () => {
           describe: () => runRow(world.bed.pool, runId),
         });
         assert.equal((await runRow(world.bed.pool, runId)).state, 'scanning', `close ${closes} lands while the run is scanning`);
-        const connections = (await connectionsWithPrefix(world.bed.prefix)).filter((c) => c.name.split(' ').includes('scheduler-2'));
+        const connections = await listedOnce(group, "the scheduler's connection to be listed", [world.bed.prefix, 'scheduler-2'], 1, closed);
         assert.equal(connections.length, 1, "the scheduler's one connection");
-        await closeConnection(connections[0]!.pid);
+        await closeConnection(connections[0]!.id);
+        closed.add(connections[0]!.id);
         await eventuallyAlive(`the scheduler to reconnect after close ${closes}`, () => amqpConnectedCount(scheduler) >= closes + 1, { intervalMs: 20 });
         // Let this checkpoint through and hold the next one (no window slips past unheld).
         if (closes < CLOSES) checkpoints = await handOverCheckpointLock(world.bed.pool, checkpoints);

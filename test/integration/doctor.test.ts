@@ -10,7 +10,7 @@ import { combinedPoliciesYaml, rowDeletePolicyYaml } from '../support/fixtures';
 import { partitionedPolicyYaml, partitionedSuite, partitionOwnerRole } from '../support/partitioned';
 import { brokerPermissions, brokerUserName } from '../../shared/amqp/permissions';
 import { runReaperCli } from '../support/processes';
-import { makeBrokerUsers, rabbitmqctl } from '../support/rabbitmqctl';
+import { brokerAdmin, makeBrokerUsers } from '../support/broker-admin';
 import { mediaPolicyYaml } from '../support/remote-helpers';
 import { makeTestBed, type TestBed } from '../support/testbed';
 
@@ -63,9 +63,10 @@ test('broker permissions: a user with other patterns is a finding with the set_p
   const worker = brokerUserName(bed.prefix, 'worker');
   const autoscaler = brokerUserName(bed.prefix, 'autoscaler');
   const want = brokerPermissions(bed.prefix);
+  const admin = await brokerAdmin();
   // The worker as an older definitions file had it: no write on amq.default (dead letters refused).
-  await rabbitmqctl(['-q', 'set_permissions', '-p', '/', worker, want.worker.configure, `^${bed.prefix}\\.`, want.worker.read]);
-  await rabbitmqctl(['-q', 'clear_permissions', '-p', '/', autoscaler]);
+  await admin.setPermissions('/', worker, { ...want.worker, write: `^${bed.prefix}\\.` });
+  await admin.clearPermissions('/', autoscaler);
   try {
     const checked = await doctor(['--json']);
     assert.equal(checked.code, 1, checked.stdout);
@@ -78,8 +79,8 @@ test('broker permissions: a user with other patterns is a finding with the set_p
     assert.match(absent.detail, /^not checked: no user ".*" \(autoscaler\) holds permissions on vhost "\/"/);
     assert.match(absent.fix!, /set_permissions/);
   } finally {
-    await rabbitmqctl(['-q', 'set_permissions', '-p', '/', worker, want.worker.configure, want.worker.write, want.worker.read]);
-    await rabbitmqctl(['-q', 'set_permissions', '-p', '/', autoscaler, want.autoscaler.configure, want.autoscaler.write, want.autoscaler.read]);
+    await admin.setPermissions('/', worker, want.worker);
+    await admin.setPermissions('/', autoscaler, want.autoscaler);
   }
 });
 
@@ -89,8 +90,9 @@ test('broker permissions: a broker that cannot be asked is reported not checked,
   // so rabbitmqctl is not asked either (only about a broker on this machine's loopback names).
   const user = `${bed.prefix}-doctor-untagged`;
   const password = randomBytes(12).toString('hex');
-  await rabbitmqctl(['-q', 'add_user', user, password]);
-  await rabbitmqctl(['-q', 'set_permissions', '-p', '/', user, '', '', '']);
+  const admin = await brokerAdmin();
+  await admin.addUser(user, password); // no tags: the management API refuses it
+  await admin.setPermissions('/', user, { configure: '', write: '', read: '' });
   const url = new URL(bed.amqpUrl);
   const target = { port: Number(url.port || 5672), host: url.hostname };
   const sockets = new Set<Socket>();
@@ -114,7 +116,7 @@ test('broker permissions: a broker that cannot be asked is reported not checked,
   } finally {
     for (const socket of sockets) socket.destroy();
     await new Promise((resolve) => relay.close(resolve));
-    await rabbitmqctl(['-q', 'delete_user', user]);
+    await admin.deleteUser(user);
   }
   // A correct deployment whose operator cannot list permissions (no management tag, the API fenced off) passes.
   assert.equal(checked.code, 0, checked.stdout);

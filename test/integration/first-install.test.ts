@@ -3,7 +3,7 @@ import { spawn } from 'node:child_process';
 import path from 'node:path';
 import { after, before, describe, test } from 'node:test';
 import pg from 'pg';
-import { makeBrokerUsers } from '../support/rabbitmqctl';
+import { makeBrokerUsers } from '../support/broker-admin';
 import { stampedSuffix } from '../support/sweeper';
 import { makeTestBed, type TestBed } from '../support/testbed';
 

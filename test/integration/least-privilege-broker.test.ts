@@ -1,17 +1,15 @@
 /**
  * reaper under its least-privilege RabbitMQ users (shared/amqp/permissions.ts, the permissions in
  * infra/rabbitmq/definitions.json; issue 11). In a scratch vhost of the running broker, one user
- * per service is created with `rabbitmqctl` and exactly the configure/write/read patterns of its
- * role; a scheduler and a worker then run a row-delete and a remote-delete policy under them, and
+ * per service is created (test/support/broker-admin.ts) with exactly the configure/write/read
+ * patterns of its role; a scheduler and a worker then run a row-delete and a remote-delete policy under them, and
  * `reaper status` counts the queues as the operator user. The worker user cannot declare or delete
  * a queue outside the prefix; the autoscaler user can read a work queue's depth and nothing more.
  * Vhost and users are removed in `after`.
  */
 import { test, before, after } from 'node:test';
 import assert from 'node:assert/strict';
-import { execFile } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
-import { promisify } from 'node:util';
 import amqp from 'amqplib';
 import { brokerPermissions, brokerUserName, type BrokerRole } from '../../shared/amqp/permissions';
 import { eventually } from '../support/eventually';
@@ -22,9 +20,7 @@ import { countReservations, seedHolds } from '../support/seed';
 import { makeTestBed, type TestBed } from '../support/testbed';
 import { combinedPoliciesYaml, rowDeletePolicyYaml } from '../support/fixtures';
 import { brokerAnswerAt } from '../support/broker';
-
-const run = promisify(execFile);
-const rabbitmqctl = (...args: string[]) => run('rabbitmqctl', ['-q', ...args], { timeout: 60_000 });
+import { brokerAdmin } from '../support/broker-admin';
 
 const vhost = `reaper-test-${randomBytes(4).toString('hex')}`;
 const ROLES: BrokerRole[] = ['scheduler', 'worker', 'operator', 'autoscaler'];
@@ -55,18 +51,20 @@ async function brokerAnswer(role: BrokerRole, work: (channel: amqp.Channel) => P
 before(async () => {
   bed = await makeTestBed('least_privilege_broker');
   api = await startMediaApi({});
-  await brokerUp();
-  await rabbitmqctl('add_vhost', vhost);
+  const admin = await brokerAdmin();
+  // Once per hook, here and in `after`: a serial file (broker-restart) may have restarted the broker
+  // just before. (Serial files run alone, after this group: the broker stays up within a hook.)
+  await admin.awaitRunning();
+  await admin.addVhost(vhost);
   vhostCreated = true;
   const permissions = brokerPermissions(bed.prefix);
-  // The users side by side: each rabbitmqctl call starts an Erlang node (~2 s on a loaded machine).
-  // All settled before a failure is thrown, so `after` sees every user that was made.
+  // The users side by side (where rabbitmqctl makes them, each call starts an Erlang node: ~2 s on a
+  // loaded machine). All settled before a failure is thrown, so `after` sees every user that was made.
   await allOrFirstFailure(
     ROLES.map(async (role) => {
-      await rabbitmqctl('add_user', user(role), passwords.get(role)!);
+      await admin.addUser(user(role), passwords.get(role)!);
       created.push(user(role));
-      const { configure, write, read } = permissions[role];
-      await rabbitmqctl('set_permissions', '-p', vhost, user(role), configure, write, read);
+      await admin.setPermissions(vhost, user(role), permissions[role]);
     }),
   );
   bed.writePolicies(
@@ -83,23 +81,18 @@ async function allOrFirstFailure(work: Array<Promise<unknown>>): Promise<void> {
   if (failed) throw failed.reason;
 }
 
-/**
- * Waits for the broker app to run, once per hook: a serial file (broker-restart) may have restarted
- * it just before. (Serial files run alone, after this group: the broker stays up within a hook.)
- */
-async function brokerUp(): Promise<void> {
-  await rabbitmqctl('await_startup', '--timeout', '120');
-}
-
 after(async () => {
   const failures: unknown[] = [];
   // Every step runs whatever an earlier one did: a leftover vhost, user or server would outlive the file.
   for (const step of [
     () => stopStarted(),
     () => assertNoLeakedProcesses(),
-    () => brokerUp(),
-    ...(vhostCreated ? [() => rabbitmqctl('delete_vhost', vhost)] : []),
-    () => allOrFirstFailure(created.map((name) => rabbitmqctl('delete_user', name))),
+    async () => (await brokerAdmin()).awaitRunning(),
+    ...(vhostCreated ? [async () => (await brokerAdmin()).deleteVhost(vhost)] : []),
+    async () => {
+      const admin = await brokerAdmin();
+      await allOrFirstFailure(created.map((name) => admin.deleteUser(name)));
+    },
     () => api?.close(),
     () => bed?.close(),
   ]) {

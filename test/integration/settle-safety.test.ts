@@ -139,7 +139,10 @@ describe('settle and the consumer never throw, and never lose a message', () => 
   });
 });
 
-/** "<ready> <unacked>" for a queue, from the broker itself (a worker's unacked message counts). */
+/**
+ * "<ready> <unacked>" for a queue, from the broker itself (a worker's unacked message counts).
+ * rabbitmqctl, not the management API: the API's counts are as of its last statistics tick (5 s).
+ */
 async function queueCounts(queue: string): Promise<string | undefined> {
   const { stdout } = await promisify(execFile)('rabbitmqctl', ['list_queues', 'name', 'messages_ready', 'messages_unacknowledged', '-q', '--no-table-headers']);
   const line = stdout.split('\n').find((text) => text.split(/\s+/)[0] === queue);

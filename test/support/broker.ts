@@ -1,5 +1,6 @@
 import amqp from 'amqplib';
 import type { Channel, ChannelModel, ConfirmChannel, GetMessage, Options } from 'amqplib';
+import { managementApi } from './broker-admin';
 import { rabbitmqctl } from './rabbitmqctl';
 
 /** A plain AMQP client for tests: publish what a test crafts, read what landed in a queue. */
@@ -64,18 +65,14 @@ export async function listBrokerObjects(amqpUrl: string): Promise<BrokerObjects 
 }
 
 async function listOverHttp(amqpUrl: string): Promise<BrokerObjects | undefined> {
-  const url = new URL(amqpUrl);
-  const vhost = encodeURIComponent(decodeURIComponent(url.pathname.slice(1)) || '/');
-  const auth = `Basic ${Buffer.from(`${decodeURIComponent(url.username || 'guest')}:${decodeURIComponent(url.password || 'guest')}`).toString('base64')}`;
-  const names = async (kind: 'queues' | 'exchanges') => {
-    const response = await fetch(`http://${url.hostname}:15672/api/${kind}/${vhost}?columns=name`, { headers: { authorization: auth }, signal: AbortSignal.timeout(3_000) });
-    if (!response.ok) throw new Error(`management API: ${response.status}`);
-    return ((await response.json()) as Array<{ name: string }>).map((entry) => entry.name);
-  };
+  const api = await managementApi(amqpUrl);
+  if (!api) return undefined; // no management plugin there: the next way
+  const vhost = encodeURIComponent(decodeURIComponent(new URL(amqpUrl).pathname.slice(1)) || '/');
+  const names = async (kind: 'queues' | 'exchanges') => ((await api.request('GET', `${kind}/${vhost}?columns=name`, { timeoutMs: 3_000 })) as Array<{ name: string }>).map((entry) => entry.name);
   try {
     return { queues: await names('queues'), exchanges: await names('exchanges') };
   } catch {
-    return undefined; // no management plugin there: the next way
+    return undefined; // the API stopped answering (or refuses this vhost): the next way
   }
 }
 
