@@ -81,8 +81,8 @@ export const HARM = {
 /**
  * What one worker knows of the others' statement durations, as natural logs of milliseconds: the
  * law compares geometric means, which a heavy tail moves far less than the arithmetic mean (at a
- * log spread of 1.07 the arithmetic mean's estimate needs 3.3 times as many durations for the same
- * precision), and a harm that lengthens every statement by a factor moves by exactly that factor.
+ * log spread of 1.07 the arithmetic mean's estimate needs 1.9 times as many durations for the same
+ * precision, (e^(s^2) - 1) / s^2 for a log-normal, more for a heavier tail), and a harm that lengthens every statement by a factor moves by exactly that factor.
  */
 export interface HarmReading {
   /** Sum, sum of squares and count of the log durations seen before reaper deleted (the look, and the first takes at the floor until there are enough). */

@@ -55,8 +55,8 @@ before(async () => {
   // Once per hook, here and in `after`: a serial file (broker-restart) may have restarted the broker
   // just before. (Serial files run alone, after this group: the broker stays up within a hook.)
   await admin.awaitRunning();
+  vhostCreated = true; // before: `after` deletes it even when its making failed half-way
   await admin.addVhost(vhost);
-  vhostCreated = true;
   const permissions = brokerPermissions(bed.prefix);
   // The users side by side (where rabbitmqctl makes them, each call starts an Erlang node: ~2 s on a
   // loaded machine). All settled before a failure is thrown, so `after` sees every user that was made.

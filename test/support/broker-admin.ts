@@ -46,7 +46,7 @@ export interface ManagementApi {
   user: string;
   tags: string[];
   /** One request to /api/<path>: the JSON answer (undefined for none); a status other than 2xx throws. */
-  request(method: string, path: string, options?: { body?: unknown; headers?: Record<string, string>; timeoutMs?: number }): Promise<unknown>;
+  request(method: string, path: string, options?: { body?: unknown; headers?: Record<string, string>; timeoutMs?: number; notFoundIsFine?: boolean }): Promise<unknown>;
 }
 
 const probes = new Map<string, Promise<ManagementApi | undefined>>();
@@ -66,7 +66,7 @@ export function managementApi(amqpUrl: string): Promise<ManagementApi | undefine
 }
 
 async function probeApi(base: string, authorization: string): Promise<ManagementApi | undefined> {
-  const request: ManagementApi['request'] = async (method, path, { body, headers, timeoutMs = 10_000 } = {}) => {
+  const request: ManagementApi['request'] = async (method, path, { body, headers, timeoutMs = 10_000, notFoundIsFine = false } = {}) => {
     const response = await fetch(`${base}${path}`, {
       method,
       headers: { authorization, ...(body === undefined ? {} : { 'content-type': 'application/json' }), ...headers },
@@ -74,6 +74,7 @@ async function probeApi(base: string, authorization: string): Promise<Management
       signal: AbortSignal.timeout(timeoutMs),
     });
     const text = await response.text();
+    if (response.status === 404 && notFoundIsFine) return undefined;
     if (!response.ok) throw new Error(`management API ${method} /api/${path}: ${response.status} ${text}`);
     return text ? JSON.parse(text) : undefined;
   };
@@ -92,7 +93,10 @@ export function brokerAdmin(): Promise<BrokerAdmin> {
   chosen ??= (async () => {
     const api = await managementApi((await findServers()).amqpUrl);
     return api?.tags.includes('administrator') ? overApi(api) : withRabbitmqctl;
-  })();
+  })().catch((error: unknown) => {
+    chosen = undefined; // servers not found this time: the next call asks again rather than failing for good
+    throw error;
+  });
   return chosen;
 }
 
@@ -106,11 +110,17 @@ function overApi(api: ManagementApi): BrokerAdmin {
     setPermissions: async (vhost, user, { configure, write, read }) => void (await api.request('PUT', `permissions/${at(vhost, user)}`, { body: { configure, write, read } })),
     clearPermissions: async (vhost, user) => void (await api.request('DELETE', `permissions/${at(vhost, user)}`)),
     async addVhost(vhost) {
-      await api.request('PUT', `vhosts/${at(vhost)}`);
+      // Up to 45 s: RabbitMQ gives a new vhost that long to start on every node.
+      await api.request('PUT', `vhosts/${at(vhost)}`, { timeoutMs: 45_000 });
       // The API grants the user who made the vhost full permissions on it; add_vhost grants none.
-      await api.request('DELETE', `permissions/${at(vhost, api.user)}`);
+      // If that cannot be undone, the vhost is not left behind with the grant.
+      await api.request('DELETE', `permissions/${at(vhost, api.user)}`).catch(async (error: unknown) => {
+        await api.request('DELETE', `vhosts/${at(vhost)}`, { timeoutMs: 45_000 }).catch(() => undefined);
+        throw error;
+      });
     },
-    deleteVhost: async (vhost) => void (await api.request('DELETE', `vhosts/${at(vhost)}`)),
+    // A vhost already gone is not an error: a clean-up after a half-made vhost deletes what is there.
+    deleteVhost: async (vhost) => void (await api.request('DELETE', `vhosts/${at(vhost)}`, { timeoutMs: 45_000, notFoundIsFine: true })),
     async listConnections() {
       const listed = (await api.request('GET', 'connections?columns=name,client_properties')) as Array<{ name: string; client_properties?: { connection_name?: string } }>;
       return listed.map((entry) => ({ id: entry.name, name: entry.client_properties?.connection_name ?? '' }));
@@ -161,18 +171,19 @@ export async function makeBrokerUsers(prefix: string): Promise<() => Promise<voi
   const removeAll = async () => {
     await Promise.all(made.map((user) => admin.deleteUser(user).catch(() => undefined))); // best effort: a leftover user holds nothing
   };
-  try {
-    await Promise.all(
-      BROKER_ROLES.map(async (role) => {
-        const user = brokerUserName(prefix, role);
-        await admin.addUser(user, randomBytes(12).toString('hex'));
-        made.push(user);
-        await admin.setPermissions('/', user, permissions[role]);
-      }),
-    );
-  } catch (error) {
+  // Every role's calls settle before a failure is thrown: removeAll must see every user that was made.
+  const outcomes = await Promise.allSettled(
+    BROKER_ROLES.map(async (role) => {
+      const user = brokerUserName(prefix, role);
+      await admin.addUser(user, randomBytes(12).toString('hex'));
+      made.push(user);
+      await admin.setPermissions('/', user, permissions[role]);
+    }),
+  );
+  const failed = outcomes.find((outcome): outcome is PromiseRejectedResult => outcome.status === 'rejected');
+  if (failed) {
     await removeAll();
-    throw error;
+    throw failed.reason;
   }
   return removeAll;
 }

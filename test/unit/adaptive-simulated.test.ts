@@ -275,6 +275,17 @@ for (const one of [...DESIGNED, ...UNSEEN]) {
   });
 }
 
+test("harm law beside figure 7b's heavy-tailed statements (300/s, log spread 1.07), knee 4,000: it steps at all (>= 0.5 x the knee, harm <= 1.3)", (t) => {
+  // The band's case above is todo (harm 1.253); this bound is the regression it guards against: with
+  // no cap on the durations a step and the baseline wait for, the baseline never completed and the
+  // rate never left the floor (500 rows/s, 0.13 x the knee), as on the real figure 7b.
+  const outcome = simulate({ knee: 4_000, foreground: { ...FIGURE_7, spread: 1.07 } });
+  const summary = describe(outcome, 4_000);
+  t.diagnostic(summary);
+  assert.ok(outcome.rowsPerSecond >= 0.5 * 4_000, `stuck near the floor: ${summary}`);
+  assert.ok(outcome.harm <= 1.3, `too harmful: ${summary}`);
+});
+
 for (const [foreground, knee] of [
   [QUIET, 16_000],
   [FIGURE_7, 2_000],
