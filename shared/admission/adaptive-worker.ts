@@ -8,7 +8,7 @@
 import type { AdaptiveRowsState, AdaptiveRowsTake, OthersSample } from '../db/queries/admission';
 import { ADAPTIVE } from './adaptive-constants';
 import { adaptiveStartRate, adaptRate, aloneOnDatabase, loadPressureOf, lookStartRate, othersPressureOf, pressureOf, type LookStart } from './adaptive-law';
-import { HARM, harmAlone, harmObserve, harmStep, NO_HARM, type HarmReading } from './adaptive-harm';
+import { HARM, harmAlone, harmObserve, harmStep, NO_HARM, type AdaptiveLaw, type HarmReading } from './adaptive-harm';
 import { latencyObserve, NO_READING, othersLooked, othersObserve, presenceLooked, type LatencyReading, type LookSums, type OthersLook } from './adaptive-signal';
 
 export interface WorkerView {
@@ -26,9 +26,6 @@ export interface WorkerView {
 }
 
 export const NEW_WORKER: WorkerView = { reading: NO_READING, seen: null, aloneUntil: 0, lastTakeAt: null, looked: null, harm: NO_HARM };
-
-/** Which law steps the rate: 'load' (the others' presence and load, and reaper's own latency; the default) or 'harm' (the others' statement durations, adaptive-harm.ts). */
-export type AdaptiveLaw = 'load' | 'harm';
 
 /** A worker's first admission, or its first after ADAPTIVE.restartAfterSeconds without one (between two runs): it looks at the others first. */
 export function lookDue(view: WorkerView, at: number): boolean {
@@ -84,8 +81,8 @@ export function workerAlone(view: WorkerView, limits: { rated: boolean; braked: 
  */
 export function takeToSend(view: WorkerView, ceiling: number | null, at: number, alone: boolean, law: AdaptiveLaw = 'load'): { take: AdaptiveRowsTake; next: Partial<WorkerView> } {
   const { take, next } = proposeTake(view, ceiling, at, alone, law);
-  // The take's sample of the others returns the durations of their statements that ended since this worker's last sample.
-  return { take: { ...take, since: view.harm.since }, next };
+  // The harm law's take also returns the durations of the others' statements that ended since this worker's last sample.
+  return { take: law === 'harm' ? { ...take, since: view.harm.since } : take, next };
 }
 
 function proposeTake(view: WorkerView, ceiling: number | null, at: number, alone: boolean, law: AdaptiveLaw): { take: AdaptiveRowsTake; next: Partial<WorkerView> } {

@@ -249,7 +249,7 @@ async function lookIfStale(pool: Pool, observer: Observer, ceiling: number | nul
     let sums = NO_LOOK;
     while (!lookDone(sums.samples, sums, law)) {
       if (sums.samples > 0) await new Promise((resolve) => setTimeout(resolve, lookGapMs(sums.samples)));
-      sums = lookAdd(sums, await admissionOthersSample(pool, sums.harm.since));
+      sums = lookAdd(sums, await admissionOthersSample(pool, law === 'harm' ? sums.harm.since : undefined));
     }
     Object.assign(observer, afterLook(observer, sums, ceiling, at, law));
   })().finally(() => {

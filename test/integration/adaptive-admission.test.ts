@@ -453,6 +453,10 @@ describe('adaptive row-delete admission: one shared rate', () => {
       assert.ok(seen.at > before.at, 'the sample carries the database clock');
       const again = await admissionOthersSample(bed.pool, seen.at);
       assert.ok(!again.finishedMs.some((ms) => ms >= 45), `counted once: ${JSON.stringify(again.finishedMs)}`);
+      // The load law's samples (no `since`) do not gather durations at all.
+      await application.query('SELECT pg_sleep(0.05)');
+      assert.deepEqual((await admissionOthersSample(bed.pool)).finishedMs, [], 'the load law reads no durations');
+      assert.ok((await admissionOthersSample(bed.pool, null)).finishedMs.some((ms) => ms >= 45), 'the harm law still does');
 
       const harmPolicy = (name: string): RowDeletePolicy => parsePolicies(`${rowDeletePolicyYaml({ name, batchSize: 50 })}    admission: { law: harm }\n`, 'test', {}).get(name) as RowDeletePolicy;
       const storedRate = async (policy: string): Promise<number> =>

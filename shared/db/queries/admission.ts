@@ -361,7 +361,11 @@ export interface AdaptiveRowsTake {
   startRate: number;
   proposal: { rate: number; pressure: number | null; seenAdaptedAt: string } | null;
   restart?: { staleSeconds: number; pressure: number } | null;
-  /** The database clock (epoch ms) of this worker's previous sample of the others: their statements that ended later are counted (othersFinishedMs); null: all. */
+  /**
+   * The harm law only: the database clock (epoch ms) of this worker's previous sample of the others,
+   * their statements that ended later are counted (othersFinishedMs); null: those of the last
+   * HARM.aloneAfterSeconds. Absent (the load law): no durations are gathered.
+   */
   since?: number | null;
 }
 
@@ -379,23 +383,24 @@ const OTHER_CLIENTS = `s.datname = current_database() AND s.pid <> pg_backend_pi
 // backend type and wait event read NULL) counts as present and active, never as nobody: unknown
 // is not "alone" (issue 40). The worker refuses to start without the grant (assertOthersReadable);
 // this keeps a grant revoked later on the safe side.
-const OTHER_CLIENTS_COUNTS = (since: string): string => `count(*) FILTER (WHERE s.state = 'active' AND s.wait_event_type IN ('Lock', 'LWLock', 'IO', 'BufferPin'))::int AS waiting,
+const OTHER_CLIENTS_COUNTS = (since: string, asked: string): string => `count(*) FILTER (WHERE s.state = 'active' AND s.wait_event_type IN ('Lock', 'LWLock', 'IO', 'BufferPin'))::int AS waiting,
               count(*) FILTER (WHERE s.state = 'active' OR s.state IS NULL)::int AS active,
               count(*) FILTER (WHERE s.state IN ('active', 'idle in transaction', 'idle in transaction (aborted)') OR s.state IS NULL)::int AS present,
               count(*) FILTER (WHERE s.state_change > clock_timestamp() - interval '${ADAPTIVE.changeWindowMs} milliseconds')::float8
                 * ${1000 / ADAPTIVE.changeWindowMs} AS changes,
-              ${OTHERS_FINISHED(since)}`;
+              ${OTHERS_FINISHED(since, asked)}`;
 
 /**
- * The durations (ms) of the other clients' statements that ended after `since` (epoch ms, the
+ * Only when `asked` (the harm law; the load law reads no durations, so its samples do not gather
+ * them): the durations (ms) of the other clients' statements that ended after `since` (epoch ms, the
  * database clock of the worker's previous sample; null: within the last HARM.aloneAfterSeconds, the
  * time without one after which the harm law calls reaper alone): a session idle (or idle in
  * transaction) again shows its last statement's start (query_start) and its end (state_change), so
  * each statement is counted once, the last of its session between two samples (the harm law,
  * shared/admission/adaptive-harm.ts). And the sample's own clock, the next `since`.
  */
-const OTHERS_FINISHED = (since: string): string => `coalesce(array_agg(extract(epoch FROM s.state_change - s.query_start)::float8 * 1000)
-                FILTER (WHERE s.state IN ('idle', 'idle in transaction') AND s.state_change >= s.query_start
+const OTHERS_FINISHED = (since: string, asked: string): string => `coalesce(array_agg(extract(epoch FROM s.state_change - s.query_start)::float8 * 1000)
+                FILTER (WHERE ${asked} AND s.state IN ('idle', 'idle in transaction') AND s.state_change >= s.query_start
                   AND s.state_change > coalesce(to_timestamp(${since}::float8 / 1000), clock_timestamp() - interval '${HARM.aloneAfterSeconds} seconds')), '{}') AS finished_ms,
               extract(epoch FROM clock_timestamp())::float8 * 1000 AS sampled_at`;
 
@@ -420,12 +425,16 @@ export async function admissionAdaptiveRateInForce(db: Db, policy: string, fresh
   return result.rows[0]?.rate ?? null;
 }
 
-/** One look at the other clients (OTHER_CLIENTS_COUNTS): waiting on a lock or IO, running a statement, present at all, state changes per second. */
-export async function admissionOthersSample(db: Db, since: number | null = null): Promise<OthersSample> {
+/**
+ * One look at the other clients (OTHER_CLIENTS_COUNTS): waiting on a lock or IO, running a statement,
+ * present at all, state changes per second; with `since` given (the harm law: null for the first
+ * sample), the durations of their statements that ended after it. Absent: `finishedMs` is empty.
+ */
+export async function admissionOthersSample(db: Db, since?: number | null): Promise<OthersSample> {
   // Autocommit: each call reads pg_stat_activity afresh (within a transaction it is read once).
   const result = await db.query<Omit<OthersSample, 'finishedMs' | 'at'> & { finished_ms: number[]; sampled_at: number }>(
-    `SELECT ${OTHER_CLIENTS_COUNTS('$1')} FROM pg_stat_activity s WHERE ${OTHER_CLIENTS}`,
-    [since],
+    `SELECT ${OTHER_CLIENTS_COUNTS('$1', '$2::boolean')} FROM pg_stat_activity s WHERE ${OTHER_CLIENTS}`,
+    [since ?? null, since !== undefined],
   );
   const { finished_ms: finishedMs, sampled_at: at, ...counts } = result.rows[0]!;
   return { ...counts, finishedMs, at };
@@ -517,7 +526,7 @@ export async function admissionRowsTake(
        -- Other client backends of this database (not reaper's): in a statement or a transaction
        -- now (present), running a statement (active), waiting on a lock or IO (waiting), and their
        -- state changes per second (changes). Adaptive only.
-       SELECT ${OTHER_CLIENTS_COUNTS('$14')}
+       SELECT ${OTHER_CLIENTS_COUNTS('$14', '$15::boolean')}
        FROM pg_stat_activity s
        WHERE $8::boolean AND ${OTHER_CLIENTS}
      ) others
@@ -544,6 +553,7 @@ export async function admissionRowsTake(
       adaptive?.proposal?.pressure ?? adaptive?.restart?.pressure ?? null,
       adaptive?.restart?.staleSeconds ?? null,
       adaptive?.since ?? null,
+      adaptive?.since !== undefined,
     ],
   ));
   const row = result.rows[0];
