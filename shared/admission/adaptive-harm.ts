@@ -17,6 +17,9 @@
  */
 import { ADAPTIVE } from './adaptive-constants';
 
+/** Which law steps the rate: 'load' (the others' presence and load, and reaper's own latency; the default) or 'harm' (the others' statement durations, this file). */
+export type AdaptiveLaw = 'load' | 'harm';
+
 export const HARM = {
   /**
    * The harm the law steers to: the others' statements at most this many times their duration before

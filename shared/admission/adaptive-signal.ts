@@ -6,7 +6,7 @@
  * database: every sample is an argument. The law that turns a reading into a rate is adaptive.ts.
  */
 import { ADAPTIVE } from './adaptive-constants';
-import { HARM, harmBaselineDone, harmObserve, NO_HARM, type HarmReading } from './adaptive-harm';
+import { HARM, harmBaselineDone, harmObserve, NO_HARM, type AdaptiveLaw, type HarmReading } from './adaptive-harm';
 
 /** One worker's reading of its own statements. Values, not objects with methods: the caller keeps the latest. */
 export interface LatencyReading {
@@ -114,7 +114,7 @@ export function othersLooked(reading: LatencyReading, look: OthersLook): Latency
  * samples that saw another client in a statement or transaction): all of startLookSamples, or
  * startLookQuietSamples that saw nobody at all.
  */
-export function lookDone(samples: number, seen: OthersLook & { present: number; harm?: HarmReading }, law: 'load' | 'harm' = 'load'): boolean {
+export function lookDone(samples: number, seen: OthersLook & { present: number; harm?: HarmReading }, law: AdaptiveLaw = 'load'): boolean {
   const quiet = seen.waiting === 0 && seen.active === 0 && seen.changes === 0 && seen.present === 0;
   if (law === 'harm' && seen.harm && seen.harm.othersAt !== null && !harmBaselineDone(seen.harm)) {
     // The harm law's baseline (adaptive-harm.ts): on until it is complete, at most HARM.baselineSeconds after the first samples.

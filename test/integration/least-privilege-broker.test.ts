@@ -20,7 +20,7 @@ import { countReservations, seedHolds } from '../support/seed';
 import { makeTestBed, type TestBed } from '../support/testbed';
 import { combinedPoliciesYaml, rowDeletePolicyYaml } from '../support/fixtures';
 import { brokerAnswerAt } from '../support/broker';
-import { brokerAdmin } from '../support/broker-admin';
+import { allOrFirstFailure, brokerAdmin } from '../support/broker-admin';
 
 const vhost = `reaper-test-${randomBytes(4).toString('hex')}`;
 const ROLES: BrokerRole[] = ['scheduler', 'worker', 'operator', 'autoscaler'];
@@ -74,12 +74,6 @@ before(async () => {
     ),
   );
 });
-
-/** Waits for every one of `work`, then throws the first failure if any. */
-async function allOrFirstFailure(work: Array<Promise<unknown>>): Promise<void> {
-  const failed = (await Promise.allSettled(work)).find((result): result is PromiseRejectedResult => result.status === 'rejected');
-  if (failed) throw failed.reason;
-}
 
 after(async () => {
   const failures: unknown[] = [];

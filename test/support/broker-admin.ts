@@ -172,18 +172,24 @@ export async function makeBrokerUsers(prefix: string): Promise<() => Promise<voi
     await Promise.all(made.map((user) => admin.deleteUser(user).catch(() => undefined))); // best effort: a leftover user holds nothing
   };
   // Every role's calls settle before a failure is thrown: removeAll must see every user that was made.
-  const outcomes = await Promise.allSettled(
-    BROKER_ROLES.map(async (role) => {
-      const user = brokerUserName(prefix, role);
-      await admin.addUser(user, randomBytes(12).toString('hex'));
-      made.push(user);
-      await admin.setPermissions('/', user, permissions[role]);
-    }),
-  );
-  const failed = outcomes.find((outcome): outcome is PromiseRejectedResult => outcome.status === 'rejected');
-  if (failed) {
+  try {
+    await allOrFirstFailure(
+      BROKER_ROLES.map(async (role) => {
+        const user = brokerUserName(prefix, role);
+        await admin.addUser(user, randomBytes(12).toString('hex'));
+        made.push(user);
+        await admin.setPermissions('/', user, permissions[role]);
+      }),
+    );
+  } catch (error) {
     await removeAll();
-    throw failed.reason;
+    throw error;
   }
   return removeAll;
+}
+
+/** Waits for every one of `work`, then throws the first failure if any (so a clean-up after it sees all that was made). */
+export async function allOrFirstFailure(work: Array<Promise<unknown>>): Promise<void> {
+  const failed = (await Promise.allSettled(work)).find((result): result is PromiseRejectedResult => result.status === 'rejected');
+  if (failed) throw failed.reason;
 }
