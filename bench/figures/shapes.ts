@@ -1,6 +1,7 @@
 import { writeFileSync } from 'node:fs';
 import path from 'node:path';
 import pg from 'pg';
+import type { AdaptiveLaw } from '../../shared/admission/adaptive-harm';
 import { admissionOverrideSet } from '../../shared/db/queries/admission';
 import { runsInsertIfAbsent } from '../../shared/db/queries/runs';
 import { reaperEnvironment, type BenchContext } from '../lib/context';
@@ -55,7 +56,7 @@ export const SHAPES: readonly ShapeSpec[] = [
 
 export interface ShapesOptions {
   /** The adaptive contender's law (issue 41; BENCH_ADAPTIVE_LAW): absent, the default's. */
-  adaptiveLaw?: 'load' | 'harm';
+  adaptiveLaw?: AdaptiveLaw;
   /** Candidates of the seed the figure takes (each shape a fresh copy). */
   candidates: number;
   batchSize: number;
