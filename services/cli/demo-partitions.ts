@@ -64,10 +64,12 @@ export async function createPartitionedDemoTable(pool: pg.Pool, owner: string): 
   for (const [index, [name, from, to]] of parts.entries()) {
     const bounds = (await pool.query<{ lo: string; hi: string }>(`SELECT (${day(from)})::text AS lo, (${day(to)})::text AS hi`)).rows[0]!;
     await pool.query(`CREATE TABLE ${name} PARTITION OF ${PARTITION_TABLE} FOR VALUES FROM ('${bounds.lo}') TO ('${bounds.hi}')`);
-    // Rows spread over the partition's range; in "now", half an hour to 2 hours ago and a day ahead.
+    // Rows spread over the partition's range; in "now", half an hour to 2 hours ago and just under a
+    // day ahead. Not "a day ahead plus": the partition ends at midnight two days on, which is less
+    // than a day plus 200 minutes away after 20:40 UTC (the demo failed every evening then).
     const expiry =
       name === KEPT[1]
-        ? `CASE WHEN g <= ${ROWS / 2} THEN now() - interval '30 minutes' - g * interval '1 minute' ELSE now() + interval '1 day' + g * interval '1 minute' END`
+        ? `CASE WHEN g <= ${ROWS / 2} THEN now() - interval '30 minutes' - g * interval '1 minute' ELSE now() + interval '1 day' - g * interval '1 minute' END`
         : `${day(from)} + (g - 0.5) * ((${day(to)}) - (${day(from)})) / ${ROWS}`;
     await pool.query(`INSERT INTO ${PARTITION_TABLE} (id, status, expires_at, payload)
                       SELECT ${(index + 1) * 1000} + g, 'open', ${expiry}, 'event ' || g FROM generate_series(1, ${ROWS}) g`);
