@@ -25,7 +25,7 @@
 // file's tree that used most, also by sampling. Rows in parentheses are the servers' other
 // processes (PostgreSQL's own, RabbitMQ: their CPU in the node column); last, the whole machine's.
 const { spawn } = require('node:child_process');
-const { mkdtempSync, readdirSync, readFileSync, readlinkSync, rmSync, writeFileSync } = require('node:fs');
+const { mkdtempSync, readdirSync, readFileSync, readlinkSync, rmSync } = require('node:fs');
 const { tmpdir } = require('node:os');
 const path = require('node:path');
 
@@ -193,28 +193,12 @@ function cpuSampler() {
 }
 
 /**
- * The parallel group's files, the longest first (as a file took in a recent whole run,
- * test/durations.json), files not listed there before them (a new file may be long), ties by name.
- * The runner starts files in the order given: alphabetically, the longest files (a schedule
- * window's wall-clock wait, the property tests) started in the last fifth and ran on alone while
- * the other slots had nothing left; longest first, the short files fill in around them at the end.
- */
-function longestFirst(files) {
-  let known = {};
-  try {
-    known = JSON.parse(readFileSync(path.join(root, 'test', 'durations.json'), 'utf8'));
-  } catch {
-    // no list: alphabetical
-  }
-  const seconds = (file) => known[path.relative(dist, file)] ?? Infinity;
-  return [...files].sort((a, b) => seconds(b) - seconds(a) || (a < b ? -1 : a > b ? 1 : 0));
-}
-
-/**
  * The parallel group's tail: how long, at its end, fewer files ran than it could run at once, and
  * which file ended last (a long file started late lengthens the whole run by what it has left).
  */
 function underUsedTail(spans, atOnce) {
+  // Node 20's runner starts the files in alphabetical order whatever order they are given in (the
+  // longest first would shorten this tail; measured 8-11 s in whole runs on 2026-12-06).
   const end = Math.max(...spans.map((span) => span.end));
   const running = (at) => spans.filter((span) => span.start <= at && span.end > at).length;
   // From the end backwards, second by second, while fewer than atOnce ran.
@@ -265,7 +249,7 @@ async function main() {
   if (cpu) env.REAPER_TEST_CPU_LOG = cpuLog;
   const preload = [...perTestTimeout, ...(cpu ? ['--require', path.join(dist, 'test', 'support', 'cpu-usage.js')] : []), '--test-force-exit'];
   const serial = files.filter((file) => file.endsWith('.serial.test.js'));
-  const parallel = longestFirst(files.filter((file) => !file.endsWith('.serial.test.js')));
+  const parallel = files.filter((file) => !file.endsWith('.serial.test.js'));
   let status = 0;
   // Per-file durations (test/slowest-reporter.mjs) beside the usual output: the slowest are printed at the end.
   const timings = path.join(path.dirname(skipLog), 'timings');
@@ -297,11 +281,6 @@ async function main() {
       if (endedAt) spans.push({ file, start: endedAt - ms, end: endedAt });
     }
     if (atOnce > 1 && spans.length > atOnce) groupSeconds.push(`of which ${underUsedTail(spans, atOnce)}`);
-  }
-  // Every file's seconds, slowest first (REAPER_TEST_DURATIONS_OUT=test/durations.json keeps longestFirst's list current).
-  if (process.env.REAPER_TEST_DURATIONS_OUT) {
-    const all = Object.fromEntries([...byFile].sort((a, b) => b[1] - a[1]).map(([file, ms]) => [path.relative(dist, file), Number((ms / 1000).toFixed(1))]));
-    writeFileSync(process.env.REAPER_TEST_DURATIONS_OUT, `${JSON.stringify(all, null, 1)}\n`);
   }
   const slowest = [...byFile].sort((a, b) => b[1] - a[1]).slice(0, 10);
   if (slowest.length > 0) {
