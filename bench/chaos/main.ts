@@ -36,6 +36,7 @@ import path from 'node:path';
 import { parseArgs } from 'node:util';
 import amqp from 'amqplib';
 import { brokerNames } from '../../shared/amqp/topology';
+import { outboxEventCount } from '../../shared/db/queries/outbox';
 import { openTestBroker } from '../../test/support/broker';
 import { startMediaApi, type MediaApi } from '../../tools/media-api/server';
 import { runReaperCli, startReaper, type ReaperProcess } from '../../test/support/processes';
@@ -546,7 +547,7 @@ async function main(): Promise<number> {
   const openOperations = async () =>
     (await bed.pool.query<{ n: number }>(`SELECT count(*)::int AS n FROM cleanup_ledger WHERE state <> 'done'`)).rows[0]!.n;
   while ((await openOperations()) > 0 && Date.now() < settleDeadline) await wait(500);
-  const unpublished = async () => (await bed.pool.query<{ n: number }>('SELECT count(*)::int AS n FROM cleanup_outbox')).rows[0]!.n;
+  const unpublished = () => outboxEventCount(bed.pool);
   while ((await unpublished()) > 0 && Date.now() < settleDeadline) await wait(500);
   const settledAt = (await bed.pool.query<{ now: string }>('SELECT reaper_iso(clock_timestamp()) AS now')).rows[0]!.now;
   // Each work queue as the settle left it, services still running: a queue with messages and no

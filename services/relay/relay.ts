@@ -16,22 +16,26 @@ import {
   partitionRetiredRoutingKey,
 } from '../../shared/contracts/expiry-event';
 import { makePool, type Pool } from '../../shared/db/pool';
-import { outboxClaimOldest, outboxDeletePublished, outboxReleaseClaims, outboxReleaseClaimsOf, type OutboxEntry } from '../../shared/db/queries/outbox';
+import { outboxClaimOldest, outboxDeletePublished, outboxEntryEvents, outboxReleaseClaims, outboxReleaseClaimsOf, type OutboxEntry } from '../../shared/db/queries/outbox';
 import { failpoint } from '../../shared/observability/failpoint-hook';
 import { testTimings } from '../../shared/config/test-timings';
 
 /**
  * `reaper relay`: publishes the expiry-event outbox (cleanup_outbox) to `<prefix>.events`.
  *
- * One pass claims the oldest RELAY_BATCH_SIZE unclaimed rows with a lease (one short statement,
- * outboxClaimOldest), publishes each with publisher confirms and `mandatory` with no transaction
- * open, then deletes the rows whose events the broker confirmed AND routed, where it still holds
- * the claim, and gives back the claims of the rest. What must stay true: an outbox row is deleted
- * only after its confirm, so a crash, a lost database connection or a broker outage at any point
- * leaves the row to be published again (at-least-once; consumers dedupe on the message id); and no
- * transaction or row lock is held while the relay waits on the broker (invariant 18). A broker
- * outage, or no queue bound for a policy's events, only lets the outbox grow (up to each policy's
- * events.maxOutbox, where its deletions pause: services/worker/outbox-limit.ts).
+ * An outbox row holds the events of every row one batch of a deleting statement deleted (migration
+ * 0031; one event for a row of the older layout or a single remote settle); the relay publishes one
+ * message per event. One pass claims the oldest unclaimed rows up to RELAY_EVENTS_PER_PASS events
+ * with a lease (one short statement, outboxClaimOldest), publishes every event with publisher
+ * confirms and `mandatory` with no transaction open, then deletes the rows ALL of whose events the
+ * broker confirmed AND routed, where it still holds the claim, and gives back the claims of the rest
+ * (a row with one refused event is published again whole). What must stay true: an outbox row is
+ * deleted only after the confirm of each of its events, so a crash, a lost database connection or a
+ * broker outage at any point leaves the row to be published again (at-least-once; consumers dedupe
+ * on the message id, the same on every retry); and no transaction or row lock is held while the
+ * relay waits on the broker (invariant 18). A broker outage, or no queue bound for a policy's
+ * events, only lets the outbox grow (up to each policy's events.maxOutbox events, where its
+ * deletions pause: services/worker/outbox-limit.ts).
  *
  * An unroutable event (no queue bound for its routing key, e.g. `<policy>.partition-retired` where
  * the consumer bound only `#.expired`) is not a failure of the relay: its routing key waits on its
@@ -39,7 +43,15 @@ import { testTimings } from '../../shared/config/test-timings';
  * other key's events go on at full speed; the rows stay in the outbox until a queue is bound.
  */
 
-export const RELAY_BATCH_SIZE = 200;
+/**
+ * Events per pass (a pass takes whole rows: one more row as long as the events before it are fewer
+ * than this, so at most this - 1 + one row's events, a batch, 500 by default). A pass's cost beyond
+ * its messages (the claim, the delete, the wait for the last confirm) was paid per 200 events when a
+ * row held one; 2,000 pays it per 2-4 rows of batch size, while a pass's messages (about 2,000 x
+ * 300 B) stay small and are confirmed well within the publisher's 10 s confirm timeout and the
+ * claim's lease. Measured: bench figure 8 "relay throughput" (docs/performance.md).
+ */
+export const RELAY_EVENTS_PER_PASS = 2_000;
 /** Wait between passes when the outbox is empty. */
 export const RELAY_IDLE_MS = 500;
 /** Wait after a pass that failed (broker or database trouble) before the next. */
@@ -55,7 +67,10 @@ export const RELAY_UNROUTABLE_MAX_MS = 30_000;
 export const RELAY_CLAIM_MS = 15_000;
 
 export interface RelayPass {
+  /** Events claimed (of `rows` rows). */
   taken: number;
+  rows: number;
+  /** Events of the rows deleted: every event of each confirmed. */
   published: number;
   /** The first refusal of the pass other than unroutable (nacked, no confirm, channel closed), when some publish failed so. */
   failure: string | null;
@@ -100,61 +115,74 @@ export class UnroutableKeys {
 }
 
 /** Where an outbox row is published: the one choice the publish and the unroutable-key wait share. */
-const routingKeyOf = (entry: OutboxEntry) => (entry.kind === 'partition-retired' ? partitionRetiredRoutingKey(entry.event.policy) : expiryEventRoutingKey(entry.event.policy));
+const routingKeyOf = (entry: OutboxEntry) => (entry.kind === 'partition-retired' ? partitionRetiredRoutingKey(entry.policy) : expiryEventRoutingKey(entry.policy));
+
+/** Publishes every event of one outbox row (each its own message, its own confirm). */
+function publishEntry(publisher: ConfirmingPublisher, exchange: string, entry: OutboxEntry): Array<Promise<void>> {
+  if (entry.kind === 'partition-retired') {
+    return [
+      publisher.publish(exchange, routingKeyOf(entry), Buffer.from(JSON.stringify(entry.event)), {
+        messageId: entry.event.eventId,
+        contentType: 'application/json',
+        type: 'reaper.partition-retired',
+        headers: { [EVENT_CAUSE_HEADER]: EVENT_CAUSE_EXPIRY, 'x-reaper-event-version': PARTITION_RETIRED_EVENT_VERSION },
+      }),
+    ];
+  }
+  return entry.events.map((event) =>
+    publisher.publish(exchange, routingKeyOf(entry), encodeExpiryEvent(event), {
+      messageId: expiryEventMessageId(event),
+      contentType: 'application/json',
+      type: 'reaper.expiry',
+      headers: { [EVENT_CAUSE_HEADER]: EVENT_CAUSE_EXPIRY, 'x-reaper-event-version': EXPIRY_EVENT_VERSION },
+    }),
+  );
+}
 
 /** One pass over the oldest unclaimed outbox rows (see the module comment); `unroutable` keeps the keys that wait (none without it). */
 export async function relayOnce(deps: {
   pool: Pool;
   publisher: ConfirmingPublisher;
   exchange: string;
-  batchSize: number;
+  eventLimit: number;
   owner: string;
   claimMs?: number;
   unroutable?: UnroutableKeys;
 }): Promise<RelayPass> {
   const entries = await outboxClaimOldest(deps.pool, {
-    limit: deps.batchSize,
+    eventLimit: deps.eventLimit,
     owner: deps.owner,
     leaseMs: deps.claimMs ?? testTimings().relayClaimMs ?? RELAY_CLAIM_MS,
     skip: deps.unroutable?.waiting() ?? [],
   });
-  if (entries.length === 0) return { taken: 0, published: 0, failure: null, unroutable: [] };
+  if (entries.length === 0) return { taken: 0, rows: 0, published: 0, failure: null, unroutable: [] };
   failpoint('relay-before-publish');
-  const outcomes = await Promise.allSettled(
-    entries.map((entry) =>
-      entry.kind === 'partition-retired'
-        ? deps.publisher.publish(deps.exchange, routingKeyOf(entry), Buffer.from(JSON.stringify(entry.event)), {
-            messageId: entry.event.eventId,
-            contentType: 'application/json',
-            type: 'reaper.partition-retired',
-            headers: { [EVENT_CAUSE_HEADER]: EVENT_CAUSE_EXPIRY, 'x-reaper-event-version': PARTITION_RETIRED_EVENT_VERSION },
-          })
-        : deps.publisher.publish(deps.exchange, routingKeyOf(entry), encodeExpiryEvent(entry.event), {
-            messageId: expiryEventMessageId(entry.event),
-            contentType: 'application/json',
-            type: 'reaper.expiry',
-            headers: { [EVENT_CAUSE_HEADER]: EVENT_CAUSE_EXPIRY, 'x-reaper-event-version': EXPIRY_EVENT_VERSION },
-          }),
-    ),
+  // All events of all rows in flight at once; a row's outcome is its first refusal, if any.
+  const outcomes = await Promise.all(
+    entries.map(async (entry) => {
+      const settled = await Promise.allSettled(publishEntry(deps.publisher, deps.exchange, entry));
+      const refused = settled.find((outcome): outcome is PromiseRejectedResult => outcome.status === 'rejected');
+      return refused ? { entry, refused: true as const, reason: refused.reason as unknown } : { entry, refused: false as const };
+    }),
   );
-  const confirmed = entries.filter((_, index) => outcomes[index]!.status === 'fulfilled');
+  const confirmed = outcomes.filter((outcome) => !outcome.refused).map(({ entry }) => entry);
   failpoint('relay-after-confirm');
   await outboxDeletePublished(deps.pool, confirmed.map((entry) => entry.outboxId), deps.owner);
-  const rejected = entries.flatMap((entry, index) => {
-    const outcome = outcomes[index]!;
-    return outcome.status === 'rejected' ? [{ entry, reason: outcome.reason as unknown }] : [];
-  });
-  // Given back at once for any relay (this one takes its own claims again at its next pass anyway).
+  const rejected = outcomes.flatMap((outcome) => (outcome.refused ? [{ entry: outcome.entry, reason: outcome.reason }] : []));
+  // Given back whole at once for any relay (this one takes its own claims again at its next pass
+  // anyway): its confirmed events are published again with it, under the same ids.
   if (rejected.length > 0) await outboxReleaseClaims(deps.pool, rejected.map(({ entry }) => entry.outboxId), deps.owner);
-  for (const entry of confirmed) deps.unroutable?.routed(entry.event.policy, entry.kind);
+  for (const entry of confirmed) deps.unroutable?.routed(entry.policy, entry.kind);
   const unroutable = new Map<string, OutboxEntry>();
   for (const { entry, reason } of rejected) if (reason instanceof UnroutableError) unroutable.set(routingKeyOf(entry), entry);
-  for (const entry of unroutable.values()) deps.unroutable?.unroutable(entry.event.policy, entry.kind);
+  for (const entry of unroutable.values()) deps.unroutable?.unroutable(entry.policy, entry.kind);
   // Without a key list to wait in, an unroutable event is a failure of the pass (the whole relay waits).
   const failed = rejected.find(({ reason }) => !(reason instanceof UnroutableError) || deps.unroutable === undefined);
+  const events = (list: readonly OutboxEntry[]) => list.reduce((sum, entry) => sum + outboxEntryEvents(entry), 0);
   return {
-    taken: entries.length,
-    published: confirmed.length,
+    taken: events(entries),
+    rows: entries.length,
+    published: events(confirmed),
     failure: failed ? String((failed.reason as Error).message ?? failed.reason) : null,
     unroutable: [...unroutable.keys()],
   };
@@ -202,24 +230,26 @@ export async function startRelay(env: Env, policies: PolicySet, log: Logger): Pr
   });
   if (reclaimed > 0) log.info({ reclaimed }, 'outbox claims of an earlier relay with this id taken back');
   const unroutable = new UnroutableKeys();
+  const eventsPerPass = testTimings().relayEventsPerPass ?? RELAY_EVENTS_PER_PASS;
   const loop = (async () => {
     while (!stopping) {
       let pass: RelayPass;
       try {
-        pass = await relayOnce({ pool, publisher, exchange, batchSize: RELAY_BATCH_SIZE, owner, unroutable });
+        pass = await relayOnce({ pool, publisher, exchange, eventLimit: eventsPerPass, owner, unroutable });
       } catch (error) {
         log.warn({ err: (error as Error).message }, 'relay pass failed; the outbox rows stay and are published again');
         await pause(RELAY_FAILURE_BACKOFF_MS);
         continue;
       }
-      if (pass.taken > 0) log.info({ taken: pass.taken, published: pass.published }, 'expiry events published');
+      if (pass.taken > 0) log.info({ taken: pass.taken, rows: pass.rows, published: pass.published }, 'expiry events published');
       if (pass.unroutable.length > 0) {
         log.warn({ routingKeys: pass.unroutable, exchange }, 'no queue bound for these routing keys: their events stay in the outbox and are tried again later; the other events go on');
       }
       if (pass.failure !== null) {
         log.warn({ failure: pass.failure, unpublished: pass.taken - pass.published }, 'some expiry events were not confirmed; they stay in the outbox');
         await pause(RELAY_FAILURE_BACKOFF_MS);
-      } else if (pass.taken < RELAY_BATCH_SIZE) {
+      } else if (pass.taken < eventsPerPass) {
+        // Fewer events than the limit: no claimable row was left (the next row would have been taken).
         await pause(RELAY_IDLE_MS);
       }
     }

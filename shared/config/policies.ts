@@ -73,8 +73,8 @@ const common = {
     })
     .optional(),
   /**
-   * Expiry events through the transactional outbox (docs/guardrails.md "Expiry events"): one cleanup_outbox row
-   * per deletion, in the deleting transaction, published by `reaper relay`. `maxOutbox`: past this
+   * Expiry events through the transactional outbox (docs/guardrails.md "Expiry events"): one event per
+   * deletion (one cleanup_outbox row per batch holds them), in the deleting transaction, published by `reaper relay`. `maxOutbox`: past this
    * many unpublished events the policy's deletions pause (a broker outage only lets the outbox grow
    * up to here). Optional, not defaulted at the top: an absent key keeps the policy version unchanged.
    */

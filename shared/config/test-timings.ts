@@ -14,6 +14,9 @@ import { parseVariables } from './variables';
  * - REAPER_TEST_RELAY_UNROUTABLE_MAX_MS: the longest wait of the relay before it tries a routing
  *   key whose events were unroutable again (production RELAY_UNROUTABLE_MAX_MS, 30 s; the wait starts at
  *   2 s, or at this value when shorter, and doubles up to it).
+ * - REAPER_TEST_RELAY_EVENTS_PER_PASS: the events one relay pass claims (production
+ *   RELAY_EVENTS_PER_PASS, 2,000): a test whose bound is in passes (a row committed behind a pass,
+ *   an unroutable key's wait per pass) sees ten passes in 2,000 events instead of 20,000.
  * - REAPER_TEST_OUTBOX_FULL_RETRY_MS: the delay a batch of a policy paused by its full outbox waits
  *   before it asks again (production OUTBOX_FULL_RETRY_MS, 10 s).
  * - REAPER_TEST_BREAKER_RESET_MS: how long an HTTP remote's open circuit refuses calls before a
@@ -25,6 +28,7 @@ import { parseVariables } from './variables';
 const timingsSchema = z.object({
   REAPER_TEST_RELAY_CLAIM_MS: z.coerce.number().int().min(500).max(3_600_000).optional(),
   REAPER_TEST_RELAY_UNROUTABLE_MAX_MS: z.coerce.number().int().min(100).max(600_000).optional(),
+  REAPER_TEST_RELAY_EVENTS_PER_PASS: z.coerce.number().int().min(1).max(1_000_000).optional(),
   REAPER_TEST_OUTBOX_FULL_RETRY_MS: z.coerce.number().int().min(100).max(600_000).optional(),
   REAPER_TEST_BREAKER_RESET_MS: z.coerce.number().int().min(100).max(600_000).optional(),
   REAPER_TEST_RUN_RETRY_MAX_MS: z.coerce.number().int().min(500).max(600_000).optional(),
@@ -37,6 +41,7 @@ export interface TestTimings {
   /** undefined: the production value. */
   relayClaimMs: number | undefined;
   relayUnroutableMaxMs: number | undefined;
+  relayEventsPerPass: number | undefined;
   outboxFullRetryMs: number | undefined;
   breakerResetMs: number | undefined;
   runRetryMaxMs: number | undefined;
@@ -47,6 +52,7 @@ export function loadTestTimings(source: NodeJS.ProcessEnv = process.env): TestTi
   return {
     relayClaimMs: values.REAPER_TEST_RELAY_CLAIM_MS,
     relayUnroutableMaxMs: values.REAPER_TEST_RELAY_UNROUTABLE_MAX_MS,
+    relayEventsPerPass: values.REAPER_TEST_RELAY_EVENTS_PER_PASS,
     outboxFullRetryMs: values.REAPER_TEST_OUTBOX_FULL_RETRY_MS,
     breakerResetMs: values.REAPER_TEST_BREAKER_RESET_MS,
     runRetryMaxMs: values.REAPER_TEST_RUN_RETRY_MAX_MS,

@@ -3,6 +3,7 @@ import { after, before, describe, test } from 'node:test';
 import amqp, { type Channel, type ChannelModel, type GetMessage } from 'amqplib';
 import { brokerNames } from '../../shared/amqp/topology';
 import type { ExpiryEventV2 } from '../../shared/contracts/expiry-event';
+import { outboxEventCount } from '../../shared/db/queries/outbox';
 import { stopAllCleanly } from '../support/fixtures';
 import { drainQueue } from '../support/broker';
 import { eventually } from '../support/eventually';
@@ -47,7 +48,7 @@ describe('remote-delete: the expiry-event outbox limit pauses deletions until th
 
   const drainEvents = () => drainQueue(channel, queue());
 
-  const outboxCount = async () => (await world.bed.pool.query<{ n: number }>('SELECT count(*)::int AS n FROM cleanup_outbox WHERE policy = $1', [MEDIA_POLICY])).rows[0]!.n;
+  const outboxCount = () => outboxEventCount(world.bed.pool, MEDIA_POLICY);
 
   // A paused batch asks again after 2 s, not the production 10 s (shared/config/test-timings.ts):
   // the test waits for it twice (back still paused, back after the relay drained the outbox).

@@ -3,6 +3,7 @@ import { after, before, beforeEach, describe, test } from 'node:test';
 import amqp, { type Channel, type ChannelModel, type GetMessage } from 'amqplib';
 import { EVENT_CAUSE_EXPIRY, EVENT_CAUSE_HEADER, type ExpiryEventV2 } from '../../shared/contracts/expiry-event';
 import { policyVersion, parsePolicies } from '../../shared/config/policies';
+import { outboxEventCount, outboxEventKeys } from '../../shared/db/queries/outbox';
 import { closeBedAndBroker, combinedPoliciesYaml, makeRowBatch, openBedAndBroker, publishBatch, rowDeletePolicyYaml, type BedAndBroker } from '../support/fixtures';
 import { drainQueue } from '../support/broker';
 import { eventually } from '../support/eventually';
@@ -11,8 +12,8 @@ import { countReservations, seedHolds } from '../support/seed';
 
 /**
  * Expiry events through the transactional outbox (docs/guardrails.md "Expiry events"): the deleting statement
- * writes one outbox row per deletion that happened, and `reaper relay` deletes a row only after the
- * broker confirmed its event. The relay is really killed (SIGKILL, by its own failpoint) before it
+ * writes one outbox row per batch holding an event per deletion that happened, and `reaper relay`
+ * deletes a row only after the broker confirmed every one of its events. The relay is really killed (SIGKILL, by its own failpoint) before it
  * publishes and after the confirm; what a consumer bound to `<prefix>.events` receives is checked.
  */
 describe('expiry events: outbox and relay crashes', () => {
@@ -54,8 +55,8 @@ describe('expiry events: outbox and relay crashes', () => {
     return got;
   }
 
-  const outboxKeys = async (): Promise<string[]> =>
-    (await world.bed.pool.query<{ key: string }>('SELECT key FROM cleanup_outbox ORDER BY key')).rows.map((row) => row.key);
+  /** The keys of the events in the outbox (of rows of either layout), sorted. */
+  const outboxKeys = () => outboxEventKeys(world.bed.pool);
 
   /** Deletes `ids` through a real worker (one crafted batch); returns the worker's settled line. */
   async function deleteThroughWorker(ids: string[], beforePublish: () => Promise<void> = async () => undefined) {
@@ -109,9 +110,10 @@ describe('expiry events: outbox and relay crashes', () => {
     }
   });
 
-  test('one outbox row per deletion that happened: none for a no-op, a renewal race or a held row', async () => {
+  test('one outbox row for the batch, one event per deletion that happened: none for a no-op, a renewal race or a held row', async () => {
     const seeded = await seedHolds(world.bed.pool, { expiredHeld: 10 });
     const [renewed, held, gone, ...deleted] = seeded.expiredHeld;
+    const decided = new Map<string, string>(); // key -> the observed expiry its batch carried
     await world.bed.pool.query(`INSERT INTO cleanup_holds (policy, key, reason, created_by) VALUES ('seat-holds', $1, 'legal', 'test')`, [held]);
     // The renewal race: the row is renewed in a transaction that still holds its lock when the
     // worker's DELETE reaches it; the DELETE waits, then re-checks the renewed row and skips it.
@@ -120,7 +122,7 @@ describe('expiry events: outbox and relay crashes', () => {
       await renewal.query('BEGIN');
       await renewal.query(`UPDATE seat_reservations SET expires_at = now() + interval '1 day' WHERE reservation_id = $1`, [renewed]);
       let committed: Promise<void> = Promise.resolve();
-      const { settled } = await deleteThroughWorker(seeded.expiredHeld, async () => {
+      const { batch, settled } = await deleteThroughWorker(seeded.expiredHeld, async () => {
         // Deleted by someone else after the scan: a no-op for the worker.
         await world.bed.pool.query('DELETE FROM seat_reservations WHERE reservation_id = $1', [gone]);
         committed = commitOnceWaitedOn();
@@ -128,6 +130,7 @@ describe('expiry events: outbox and relay crashes', () => {
       await committed;
       assert.equal(settled.deleted, 7);
       assert.equal(settled.noop, 3);
+      for (const item of batch.items) decided.set(item.id, item.observedExpiry);
     } finally {
       renewal.release();
     }
@@ -140,7 +143,11 @@ describe('expiry events: outbox and relay crashes', () => {
       });
       await renewal.query('COMMIT');
     }
-    assert.deepEqual(await outboxKeys(), [...deleted!].sort(), 'exactly the deleted rows have an outbox row');
+    assert.deepEqual(await outboxKeys(), [...deleted!].sort(), 'exactly the deleted rows have an event');
+    // One deleting statement, one batch: one outbox row holding its 7 events (migration 0031).
+    const rows = await world.bed.pool.query<{ outbox_id: string; event_count: number; keys: string[] }>('SELECT outbox_id::text, event_count, keys FROM cleanup_outbox');
+    assert.deepEqual(rows.rows.map((row) => [row.event_count, row.keys.length]), [[7, 7]], 'one outbox row for the statement');
+    const outboxId = rows.rows[0]!.outbox_id;
 
     const relay = startReaper('relay', ['relay'], env());
     try {
@@ -151,7 +158,8 @@ describe('expiry events: outbox and relay crashes', () => {
         assert.equal(body.version, 2);
         assert.equal(body.policy, 'seat-holds');
         assert.equal(body.policyVersion, version);
-        assert.match(idOf(message), new RegExp(`^seat-holds:${body.key}:${body.observedExpiry.replace(/\./g, '\\.')}:\\d+$`), 'message id = the decision and its deletion');
+        assert.equal(body.observedExpiry, decided.get(body.key), 'each key with its own observed expiry (the two arrays in one order)');
+        assert.equal(idOf(message), `seat-holds:${body.key}:${body.observedExpiry}:${outboxId}`, 'message id = the decision and its deletion (the outbox row)');
         assert.equal(body.eventId, idOf(message), 'the body carries the message id');
         assert.equal(message.properties.headers?.[EVENT_CAUSE_HEADER], EVENT_CAUSE_EXPIRY);
         assert.equal(message.properties.deliveryMode, 2, 'persistent');
@@ -159,6 +167,7 @@ describe('expiry events: outbox and relay crashes', () => {
         for (const field of ['cutoff', 'runId', 'batchId', 'deletedAt'] as const) assert.ok(body[field], `${field} is set`);
       }
       assert.deepEqual(events.map((message) => (JSON.parse(message.content.toString()) as ExpiryEventV2).key).sort(), [...deleted!].sort());
+      assert.equal(new Set(events.map(idOf)).size, 7, 'seven distinct message ids');
       await eventually('the outbox to be empty', async () => (await outboxKeys()).length === 0);
     } finally {
       await relay.stop();
@@ -166,21 +175,30 @@ describe('expiry events: outbox and relay crashes', () => {
   });
 
   test('a row committed behind a pass (a lower outbox id committing late) is published by one of the next passes, not after the backlog (issue 43)', async () => {
-    const BACKLOG = 2_000; // 10 passes of RELAY_BATCH_SIZE (200)
+    // Passes of PASS events (REAPER_TEST_RELAY_EVENTS_PER_PASS; production 2,000) over a backlog of
+    // 12 passes in rows of ROW_EVENTS events, as deleting statements write them (migration 0031): a
+    // pass takes rows while fewer than PASS events come before them, so it carries at most
+    // PASS - 1 + ROW_EVENTS. The late row is of the older layout (one key).
+    const PASS = 200;
+    const ROW_EVENTS = 50;
+    const MOST_PER_PASS = PASS - 1 + ROW_EVENTS;
+    const BACKLOG = 12 * PASS;
     const version = policyVersion(parsePolicies(POLICY_YAML, 'policies.yaml', {}).get('seat-holds')!);
-    const insert = (keys: string) =>
-      `INSERT INTO cleanup_outbox (policy, key, observed_expiry, cutoff, policy_version)
-       SELECT 'seat-holds', k, now() - interval '1 hour', now(), '${version}' FROM (${keys}) AS keys(k)`;
     // The late row takes the lowest id and commits only once the relay has passed it.
     const late = await world.bed.pool.connect();
     let open = false;
     let doneAtCommit = 0;
-    const relay = startReaper('relay-behind', ['relay'], env());
+    const relay = startReaper('relay-behind', ['relay'], env({ REAPER_TEST_RELAY_EVENTS_PER_PASS: String(PASS) }));
     try {
       await late.query('BEGIN');
       open = true;
-      await late.query(insert(`SELECT 'late-row'`));
-      await world.bed.pool.query(insert(`SELECT 'backlog-' || lpad(i::text, 5, '0') FROM generate_series(1, ${BACKLOG}) i`));
+      await late.query(`INSERT INTO cleanup_outbox (policy, key, observed_expiry, cutoff, policy_version) VALUES ('seat-holds', 'late-row', now() - interval '1 hour', now(), $1)`, [version]);
+      await world.bed.pool.query(
+        `INSERT INTO cleanup_outbox (policy, keys, observed_expiries, event_count, cutoff, policy_version)
+         SELECT 'seat-holds', array_agg('backlog-' || lpad(i::text, 5, '0') ORDER BY i), array_agg(now() - interval '1 hour'), count(*), now(), $1
+         FROM generate_series(1, $2) i GROUP BY (i - 1) / $3 ORDER BY (i - 1) / $3`,
+        [version, BACKLOG, ROW_EVENTS],
+      );
       // Consumed (not fetched one by one): the keys in the order the relay published them.
       const keys: string[] = [];
       const { consumerTag } = await channel.consume(queue(), (message) => message && keys.push((JSON.parse(message.content.toString()) as ExpiryEventV2).key), { noAck: true });
@@ -188,8 +206,7 @@ describe('expiry events: outbox and relay crashes', () => {
         await eventually('the first pass to publish', () => keys.length > 0, { intervalMs: 10 });
         // What the relay had done just before the commit: the events received, and the backlog rows it
         // had already deleted (confirmed: published, on their way even if not received yet).
-        const left = await world.bed.pool.query<{ n: number }>('SELECT count(*)::int AS n FROM cleanup_outbox');
-        doneAtCommit = Math.max(keys.length, BACKLOG - left.rows[0]!.n);
+        doneAtCommit = Math.max(keys.length, BACKLOG - (await outboxEventCount(world.bed.pool)));
         await late.query('COMMIT');
         open = false;
         await eventually(`all ${BACKLOG + 1} events`, () => keys.length === BACKLOG + 1, { timeoutMs: 60_000, describe: () => ({ arrived: keys.length }) });
@@ -202,10 +219,10 @@ describe('expiry events: outbox and relay crashes', () => {
       // count above missed come first; the pass after them starts from the oldest unclaimed row, which
       // is it. Counted from what the relay had done at the commit, not from the first pass: on a slow
       // machine the test's poll saw the first event when three passes were out (a clean run read
-      // event 601, with the bound at 600 from the start). A relay that went on after its last row
+      // event 601, with the bound at 600 from the start, when a pass was 200 rows of one event). A relay that went on after its last row
       // would reach it only after the backlog.
-      assert.ok(doneAtCommit + 4 * 200 < BACKLOG, `the commit came before the backlog was mostly out (${doneAtCommit} of ${BACKLOG} events out): else this cannot tell`);
-      assert.ok(at < doneAtCommit + 4 * 200, `the late row was event ${at + 1} of ${keys.length}, ${doneAtCommit} were out at its commit: left behind a pass`);
+      assert.ok(doneAtCommit + 4 * MOST_PER_PASS < BACKLOG, `the commit came before the backlog was mostly out (${doneAtCommit} of ${BACKLOG} events out): else this cannot tell`);
+      assert.ok(at < doneAtCommit + 4 * MOST_PER_PASS, `the late row was event ${at + 1} of ${keys.length}, ${doneAtCommit} were out at its commit: left behind a pass`);
       await eventually('the outbox to be empty', async () => (await outboxKeys()).length === 0);
     } finally {
       if (open) await late.query('ROLLBACK').catch(() => undefined); // the test failed before the commit

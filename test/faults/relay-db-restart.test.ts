@@ -4,6 +4,7 @@ import { after, before, describe, test } from 'node:test';
 import amqp, { type Channel, type ChannelModel, type ConsumeMessage } from 'amqplib';
 import { brokerNames } from '../../shared/amqp/topology';
 import type { ExpiryEventV2 } from '../../shared/contracts/expiry-event';
+import { outboxEventCount } from '../../shared/db/queries/outbox';
 import { eventually } from '../support/eventually';
 import { rowDeletePolicyYaml } from '../support/fixtures';
 import { startPrivatePostgres, type PrivatePostgres } from '../support/private-postgres';
@@ -53,16 +54,28 @@ describe('expiry events: the database restarts while the relay publishes', () =>
     }
   });
 
-  const outboxCount = async () => (await bed.pool.query<{ n: number }>('SELECT count(*)::int AS n FROM cleanup_outbox')).rows[0]!.n;
+  const outboxCount = () => outboxEventCount(bed.pool);
 
   test('restarted mid-relay: every event published, duplicates only with the same id, the relay survives', async () => {
-    // The outbox as deletions left it: one row per deleted key (the deleting statements' own
-    // outbox rows are tested in relay-crash.test.ts; here the relay is under test).
+    // The outbox as deletions left it, in both layouts (migration 0031): the first half one row per
+    // deleted key (written by an earlier release), the second half one row per batch of 500 keys (the
+    // deleting statements' own outbox rows are tested in relay-crash.test.ts; here the relay is under test).
     const runId = randomUUID();
     const written = await bed.pool.query<{ key: string }>(
-      `INSERT INTO cleanup_outbox (policy, key, observed_expiry, cutoff, run_id, batch_id, policy_version)
-       SELECT $1, gen_random_uuid()::text, clock_timestamp() - interval '1 hour' - i * interval '1 microsecond', clock_timestamp(), $2::uuid, $2 || ':' || lpad((i / 1000)::text, 6, '0'), 'v-test'
-       FROM generate_series(1, $3) i RETURNING key`,
+      `WITH events AS (
+         SELECT i, gen_random_uuid()::text AS key, clock_timestamp() - interval '1 hour' - i * interval '1 microsecond' AS expiry, $2 || ':' || lpad((i / 1000)::text, 6, '0') AS batch_id
+         FROM generate_series(1, $3) i
+       ), single AS (
+         INSERT INTO cleanup_outbox (policy, key, observed_expiry, cutoff, run_id, batch_id, policy_version)
+         SELECT $1, key, expiry, clock_timestamp(), $2::uuid, batch_id, 'v-test' FROM events WHERE i <= $3 / 2 ORDER BY i
+         RETURNING key
+       ), batched AS (
+         INSERT INTO cleanup_outbox (policy, keys, observed_expiries, event_count, cutoff, run_id, batch_id, policy_version)
+         SELECT $1, array_agg(key ORDER BY i), array_agg(expiry ORDER BY i), count(*), clock_timestamp(), $2::uuid, min(batch_id), 'v-test'
+         FROM events WHERE i > $3 / 2 GROUP BY (i - 1) / 500 ORDER BY (i - 1) / 500
+         RETURNING keys
+       )
+       SELECT key FROM single UNION ALL SELECT unnest(keys) FROM batched`,
       [POLICY, runId, EVENTS],
     );
     const keys = written.rows.map((row) => row.key).sort();

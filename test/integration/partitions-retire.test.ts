@@ -65,7 +65,7 @@ describe('partitions: retiring', () => {
     );
     assert.equal(audit.rows[0]!.key_checksum, sum.rows[0]!.c);
     // events on: one partition-retired event per retired partition, as the relay reads it (count, bound, checksum).
-    const entries = await outboxClaimOldest(world.bed.pool, { limit: 1000, owner: 'test', leaseMs: 1000 });
+    const entries = await outboxClaimOldest(world.bed.pool, { eventLimit: 1000, owner: 'test', leaseMs: 1000 });
     const retiredEvents = entries.filter((entry) => entry.kind === 'partition-retired').map((entry) => entry.event as PartitionRetiredEventV1);
     assert.deepEqual(retiredEvents.map((event) => [event.partition, event.rowCount, event.keyChecksum === audit.rows.find((row) => row.key === `partition:${event.partition}`)!.key_checksum]), [
       ['reaper_retired.p_old_a', 6, true],
@@ -73,7 +73,7 @@ describe('partitions: retiring', () => {
     ]);
     assert.equal(partitionRetiredRoutingKey('day-events'), 'day-events.partition-retired');
     assert.ok(entries.some((entry) => entry.kind === 'expired'), 'the row path\'s deletions have their own expiry events');
-    assert.ok(!entries.some((entry) => entry.kind === 'expired' && /^200[1-6]$|^300[1-6]$/.test(entry.event.key)), 'no row event for a retired partition\'s rows');
+    assert.ok(!entries.some((entry) => entry.kind === 'expired' && entry.events.some((event) => /^200[1-6]$|^300[1-6]$/.test(event.key))), 'no row event for a retired partition\'s rows');
   });
 
   test('restore --partition attaches a quarantined partition back; refused clearly on overlap and after the quarantine', async () => {

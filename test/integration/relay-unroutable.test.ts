@@ -52,12 +52,14 @@ describe('relay: an unroutable routing key does not hold back the others', () =>
        SELECT 'seat-holds', 'k' || g, now() - interval '1 hour', now(), NULL, NULL, 'v' FROM generate_series(1, $1) g`,
       [EXPIRED],
     );
-    // The unroutable key is tried again at most every second here (production: 2 s doubling to 30 s).
-    const relay = startReaper('relay-unroutable', ['relay'], world.bed.processEnv({ REAPER_TEST_RELAY_UNROUTABLE_MAX_MS: '1000' }));
+    // The unroutable key is tried again at most every second here (production: 2 s doubling to 30 s),
+    // and a pass takes 200 events (production 2,000): the 2,000 row events are 10 passes, each of
+    // which would wait for the unroutable event if its key did not wait on its own.
+    const relay = startReaper('relay-unroutable', ['relay'], world.bed.processEnv({ REAPER_TEST_RELAY_UNROUTABLE_MAX_MS: '1000', REAPER_TEST_RELAY_EVENTS_PER_PASS: '200' }));
     try {
       await eventually(`${EXPIRED} row events`, () => arrived.length >= EXPIRED, { timeoutMs: 60_000, describe: () => ({ arrived: arrived.length, log: relay.output.slice(-4) }) });
       const spread = arrived[EXPIRED - 1]!.at - arrived[0]!.at;
-      // 10+ passes of 200: before, each waited 2 s for the unroutable event (>= 18 s in all).
+      // 10+ passes of 200 events: before, each waited 2 s for the unroutable event (>= 18 s in all).
       assert.ok(spread < 8_000, `the ${EXPIRED} row events took ${spread} ms from the first to the last: held back by the unroutable event`);
       assert.ok(arrived.every(({ message }) => message.fields.routingKey === 'seat-holds.expired'));
       // The relay deletes a pass's rows after the broker's confirms, which can come after the

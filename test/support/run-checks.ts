@@ -1,6 +1,7 @@
 import assert from 'node:assert/strict';
 import type pg from 'pg';
 import type { TestBroker } from './broker';
+import { outboxEventCount } from '../../shared/db/queries/outbox';
 import { eventually } from './eventually';
 import { readyAtRest, runReceipts, stopAllCleanly, type BedAndBroker } from './fixtures';
 import type { ReaperProcess } from './processes';
@@ -268,7 +269,7 @@ async function checkEvents(pool: pg.Pool, input: CheckerInput, deliveredIds: rea
   const delivered = new Set(deliveredDeletions.keys());
   const missing = [...deletions].filter((id) => !delivered.has(id));
   const spurious = [...delivered].filter((id) => !deletions.has(id) || deliveredDeletions.get(id)!.size > 1);
-  const outboxLeft = (await pool.query<{ n: number }>('SELECT count(*)::int AS n FROM cleanup_outbox')).rows[0]!.n;
+  const outboxLeft = await outboxEventCount(pool);
   return {
     check: {
       deletions: deletions.size,

@@ -7,7 +7,7 @@ import path from 'node:path';
 import { failpoint, TEST_FAILPOINT_VARIABLE } from '../../shared/testing/failpoints';
 import { failpoint as productFailpoint, refuseTestOnlyVariables, TEST_ONLY_VARIABLES } from '../../shared/observability/failpoint-hook';
 import { loadTestTimings, TEST_TIMING_VARIABLES } from '../../shared/config/test-timings';
-import { RELAY_CLAIM_MS, RELAY_UNROUTABLE_MAX_MS } from '../../services/relay/relay';
+import { RELAY_CLAIM_MS, RELAY_EVENTS_PER_PASS, RELAY_UNROUTABLE_MAX_MS } from '../../services/relay/relay';
 import { OUTBOX_FULL_RETRY_MS } from '../../services/worker/outbox-limit';
 import { DEFAULT_BREAKER } from '../../shared/remote/client';
 import { RETRY_MAX_MS } from '../../services/scheduler/run-executor';
@@ -66,10 +66,12 @@ test('the test timings (issue 43) are test-only too, validated once, and unset t
   assert.throws(() => refuseTestOnlyVariables({ REAPER_TEST_BREAKER_RESET_MS: '2000' }, absent), /REAPER_TEST_BREAKER_RESET_MS="2000": test-only/);
   assert.throws(() => refuseTestOnlyVariables({ REAPER_TEST_RUN_RETRY_MAX_MS: '2000' }, absent), /REAPER_TEST_RUN_RETRY_MAX_MS="2000": test-only/);
   assert.throws(() => refuseTestOnlyVariables({ REAPER_TEST_RELAY_UNROUTABLE_MAX_MS: '1000' }, absent), /REAPER_TEST_RELAY_UNROUTABLE_MAX_MS="1000": test-only/);
-  assert.deepEqual(loadTestTimings({}), { relayClaimMs: undefined, relayUnroutableMaxMs: undefined, outboxFullRetryMs: undefined, breakerResetMs: undefined, runRetryMaxMs: undefined });
+  assert.throws(() => refuseTestOnlyVariables({ REAPER_TEST_RELAY_EVENTS_PER_PASS: '200' }, absent), /REAPER_TEST_RELAY_EVENTS_PER_PASS="200": test-only/);
+  assert.deepEqual(loadTestTimings({}), { relayClaimMs: undefined, relayUnroutableMaxMs: undefined, relayEventsPerPass: undefined, outboxFullRetryMs: undefined, breakerResetMs: undefined, runRetryMaxMs: undefined });
   assert.deepEqual(loadTestTimings({ REAPER_TEST_RELAY_CLAIM_MS: '3000', REAPER_TEST_OUTBOX_FULL_RETRY_MS: '', REAPER_TEST_BREAKER_RESET_MS: '2000', REAPER_TEST_RUN_RETRY_MAX_MS: '2000' }), {
     relayClaimMs: 3000,
     relayUnroutableMaxMs: undefined,
+    relayEventsPerPass: undefined,
     outboxFullRetryMs: undefined,
     breakerResetMs: 2000,
     runRetryMaxMs: 2000,
@@ -79,6 +81,7 @@ test('the test timings (issue 43) are test-only too, validated once, and unset t
   // The services use the production constants when nothing is set.
   assert.equal(RELAY_CLAIM_MS, 15_000);
   assert.equal(RELAY_UNROUTABLE_MAX_MS, 30_000);
+  assert.equal(RELAY_EVENTS_PER_PASS, 2_000);
   assert.equal(OUTBOX_FULL_RETRY_MS, 10_000);
   assert.equal(DEFAULT_BREAKER.resetTimeoutMs, 10_000);
   assert.equal(RETRY_MAX_MS, 10_000);

@@ -163,8 +163,8 @@ export interface GroupBatchOutcome {
  * deliveries in hand): a conditional DELETE over all their items (each item checked against ITS batch's cutoff: key, exact observed expiry, expiry <=
  * least(cutoff, now), guard, no active hold, no receipt for its batch yet), one receipt per batch
  * counting the rows deleted for it, the audit rows (with each row's own run and batch id), the
- * archived rows (archivedCte, shared/db/queries/archive.ts) and the expiry-event outbox rows
- * (shared/db/queries/outbox.ts) when those are on.
+ * archived rows (archivedCte, shared/db/queries/archive.ts) and the expiry-event outbox rows (one per
+ * batch, with every deleted row's event: shared/db/queries/outbox.ts) when those are on.
  * Batch ids must be distinct (the caller counts a repeated one as a duplicate no-op). A row named
  * by two batches of the group is deleted once and counted once, for one of them, as two statements
  * in a row would. The statement commits or fails as a whole.
@@ -179,7 +179,7 @@ export async function expiringRowsDeleteGroupIfStillExpired(
     audit?: { policyVersion: string } | null;
     /** Copy each deleted row into cleanup_archive (archive.enabled), with this policy version. */
     archive?: { policyVersion: string } | null;
-    /** Expiry events on: one cleanup_outbox row per deleted row, in this statement. */
+    /** Expiry events on: one cleanup_outbox row per batch that deleted rows, holding their events, in this statement. */
     events?: { policyVersion: string } | null;
   },
 ): Promise<{ batches: GroupBatchOutcome[]; lagSeconds: number[] }> {

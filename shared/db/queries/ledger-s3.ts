@@ -3,7 +3,7 @@ import { dueRecheckCtes, type admissionGrantAndClaim } from './admission';
 import { guardSql } from './expiring-rows';
 import type { ResolvedTarget } from './target';
 import { noActiveHold } from './holds';
-import { outboxInsertForSettledSql } from './outbox';
+import { outboxInsertForSettledManySql } from './outbox';
 import type { ClaimedOperation, LedgerOutcome } from './ledger';
 
 /**
@@ -246,7 +246,8 @@ export async function auditVersionsOf(db: Db, operationKey: string): Promise<Arr
  * ledger.targetSettleConfirmed for all the confirmed keys of one request, in two statements
  * instead of two per key: each policy row that still holds its operation's retention decision
  * (key, exact observed expiry, guard) and has no active legal hold is marked (markConfirmed) or
- * deleted, with an outbox row each when events are on; the operations whose row holds the decision
+ * deleted, with their expiry events when events are on (one outbox row per run and batch of the
+ * settled keys, outboxInsertForSettledManySql); the operations whose row holds the decision
  * but is held now are turned to outcome 'held' (the object is gone; the row is kept until the hold
  * is removed, as for the HTTP remote). Rows that changed are left alone. In the confirming transaction.
  */
@@ -277,7 +278,7 @@ export async function targetSettleConfirmedMany(
   let outbox = '';
   if (settle.events) {
     params.push(settle.events.policyVersion);
-    outbox = outboxInsertForSettledSql({ policy: '$3', policyVersion: `$${params.length}` });
+    outbox = outboxInsertForSettledManySql({ policy: '$3', policyVersion: `$${params.length}` });
   }
   const settled = await db.query<{ n: number }>(
     `WITH settled AS (${change} RETURNING t.${key}::text AS key, t.${expiresAt} AS expiry)${outbox} SELECT count(*)::int AS n FROM settled`,

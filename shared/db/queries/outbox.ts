@@ -9,21 +9,28 @@ import type { Db } from '../pool';
  */
 
 /**
- * row-delete: the outbox CTE of expiringRowsDeleteGroupIfStillExpired, one row per row its
- * `removed` CTE deleted (a no-op, a held row or a renewed row is not in `removed`, so it gets
- * none), with its batch's cutoff from the statement's `b` CTE.
+ * row-delete: the outbox CTE of expiringRowsDeleteGroupIfStillExpired, ONE row per batch of the
+ * statement that deleted rows (migration 0031), carrying the keys and observed expiries of every row
+ * its `removed` CTE deleted for that batch, in the same order (the same ORDER BY in both aggregates),
+ * with the batch's cutoff from the statement's `b` CTE. A no-op, a held row or a renewed row is not
+ * in `removed`, so it has no event; a batch that deleted nothing gets no row. A key is in `removed` at
+ * most once (a DELETE removes a row once, even when two batches of the group name it), so the event
+ * id policy:key:expiry:outbox_id stays unique within the row.
  */
 export function outboxInsertForRemovedSql(parameters: { policy: string; policyVersion: string }): string {
   return `, outboxed AS (
-       INSERT INTO cleanup_outbox (policy, key, observed_expiry, cutoff, run_id, batch_id, policy_version)
-       SELECT ${parameters.policy}, r.key, r.expiry, b.cutoff, r.run_id, r.batch_id, ${parameters.policyVersion}
+       INSERT INTO cleanup_outbox (policy, keys, observed_expiries, event_count, cutoff, run_id, batch_id, policy_version)
+       SELECT ${parameters.policy}, array_agg(r.key ORDER BY r.expiry, r.key), array_agg(r.expiry ORDER BY r.expiry, r.key), count(*),
+         b.cutoff, r.run_id, r.batch_id, ${parameters.policyVersion}
        FROM removed r JOIN b ON b.ord = r.ord
+       GROUP BY r.ord, b.cutoff, r.run_id, r.batch_id
      )`;
 }
 
 /**
- * remote-delete: the outbox CTE of targetSettleConfirmed, one row when its `settled` CTE deleted
- * (or marked) the policy's row after the remote confirmed; run and batch id come from the ledger
+ * remote-delete, one key settled (ledger.targetSettleConfirmed): the outbox CTE writes one row of one
+ * event (key, observed_expiry: the layout of migration 0019) when its `settled` CTE deleted (or
+ * marked) the policy's row after the remote confirmed; run and batch id come from the ledger
  * operation (the row's canonical key makes its operation key). A held or changed row is not in
  * `settled`, so it gets none.
  */
@@ -31,12 +38,44 @@ export function outboxInsertForSettledSql(parameters: { policy: string; policyVe
   return `, outboxed AS (
        INSERT INTO cleanup_outbox (policy, key, observed_expiry, cutoff, run_id, batch_id, policy_version)
        SELECT ${parameters.policy}, s.key, s.expiry, NULL, l.run_id, l.claim_batch_id, ${parameters.policyVersion}
-       FROM settled s LEFT JOIN cleanup_ledger l ON l.operation_key = ${parameters.policy} || ':' || s.key || ':' || reaper_iso(s.expiry)
+       FROM settled s LEFT JOIN ${settledOperationSql(parameters.policy)}
      )`;
 }
 
-/** An outbox row as the relay publishes it: a row's expiry event, or a retired partition's (kind). */
-export type OutboxEntry = { outboxId: string; kind: 'expired'; event: ExpiryEventV2 } | { outboxId: string; kind: 'partition-retired'; event: PartitionRetiredEventV1 };
+/**
+ * remote-delete, the keys of one request settled in one statement (ledger-s3.targetSettleConfirmedMany):
+ * one row per (run, batch) of their ledger operations, carrying the events of its settled keys as
+ * arrays (as outboxInsertForRemovedSql). A key is settled once per statement (an UPDATE or DELETE
+ * changes a row once), so it is in a row at most once.
+ */
+export function outboxInsertForSettledManySql(parameters: { policy: string; policyVersion: string }): string {
+  return `, outboxed AS (
+       INSERT INTO cleanup_outbox (policy, keys, observed_expiries, event_count, cutoff, run_id, batch_id, policy_version)
+       SELECT ${parameters.policy}, array_agg(s.key ORDER BY s.expiry, s.key), array_agg(s.expiry ORDER BY s.expiry, s.key), count(*),
+         NULL, l.run_id, l.claim_batch_id, ${parameters.policyVersion}
+       FROM settled s LEFT JOIN ${settledOperationSql(parameters.policy)}
+       GROUP BY l.run_id, l.claim_batch_id
+     )`;
+}
+
+/** The ledger operation of a settled key (its operation key: policy:key:observed expiry), joined as `l`. */
+function settledOperationSql(policy: string): string {
+  return `cleanup_ledger l ON l.operation_key = ${policy} || ':' || s.key || ':' || reaper_iso(s.expiry)`;
+}
+
+/**
+ * An outbox row as the relay publishes it: the expiry events of one row (one per key: all the rows
+ * one batch of a statement deleted, or one for a row of the older layout), or a retired partition's
+ * event. The row is deleted only once every one of its events was confirmed.
+ */
+export type OutboxEntry =
+  | { outboxId: string; policy: string; kind: 'expired'; events: ExpiryEventV2[] }
+  | { outboxId: string; policy: string; kind: 'partition-retired'; event: PartitionRetiredEventV1 };
+
+/** How many events (messages) an outbox entry publishes. */
+export function outboxEntryEvents(entry: OutboxEntry): number {
+  return entry.kind === 'expired' ? entry.events.length : 1;
+}
 
 /**
  * The outbox row of a retired partition (issue 44), in the retiring transaction: key
@@ -55,27 +94,33 @@ export async function outboxInsertPartitionRetired(
 }
 
 /**
- * The relay's claim: the oldest `limit` rows that no live claim holds, claimed by `owner` for
- * `leaseMs`, in one short statement (autocommit: no transaction stays open while the caller waits
- * for the broker). Always from the oldest row: a row that committed after a row with a higher id
- * (ids are taken at insert, commits land in any order) is never left behind a pass. SKIP LOCKED
- * keeps two relays that claim at the same moment apart; the lease keeps them apart afterwards.
- * A claim that outlives its lease (a relay killed or stalled) is taken again by any relay; the
- * owner's own claims are taken again at once (its passes run one at a time: a claim of its own
- * seen at the start of a pass is left by a pass that failed before its delete). Rows of a (policy,
- * kind) in `skip` are left out: a routing key the relay found unroutable waits for its own retry
- * time without holding back the rows behind it.
+ * The relay's claim: the oldest unclaimed rows while the events of the rows before each one add up
+ * to less than `eventLimit` (always at least one row, however many events it holds: a pass carries
+ * at most eventLimit - 1 + the largest row's events), claimed by `owner` for `leaseMs`, in one short
+ * statement (autocommit: no transaction stays open while the caller waits for the broker). Always
+ * from the oldest row: a row that committed after a row with a higher id (ids are taken at insert,
+ * commits land in any order) is never left behind a pass. SKIP LOCKED keeps two relays that claim at
+ * the same moment apart; the lease keeps them apart afterwards. The rows are locked in the inner
+ * subquery (FOR UPDATE does not go with a window function in one SELECT) and counted in the outer
+ * one: at most eventLimit rows are locked (each holds at least one event), those past the limit only
+ * for this statement. A claim that outlives its lease (a relay killed or stalled) is taken again by
+ * any relay; the owner's own claims are taken again at once (its passes run one at a time: a claim of
+ * its own seen at the start of a pass is left by a pass that failed before its delete). Rows of a
+ * (policy, kind) in `skip` are left out: a routing key the relay found unroutable waits for its own
+ * retry time without holding back the rows behind it.
  */
 export async function outboxClaimOldest(
   db: Db,
-  claim: { limit: number; owner: string; leaseMs: number; skip?: ReadonlyArray<{ policy: string; kind: OutboxEntry['kind'] }> },
+  claim: { eventLimit: number; owner: string; leaseMs: number; skip?: ReadonlyArray<{ policy: string; kind: OutboxEntry['kind'] }> },
 ): Promise<OutboxEntry[]> {
   const skip = claim.skip ?? [];
   const result = await db.query<{
     outbox_id: string;
     policy: string;
-    key: string;
-    observed_expiry: string;
+    key: string | null;
+    observed_expiry: string | null;
+    keys: string[] | null;
+    observed_expiries: string[] | null;
     cutoff: string | null;
     run_id: string | null;
     batch_id: string | null;
@@ -87,28 +132,39 @@ export async function outboxClaimOldest(
     key_checksum: string | null;
   }>(
     `UPDATE cleanup_outbox o SET claimed_by = $2, claimed_until = clock_timestamp() + $3 * interval '1 millisecond'
-     FROM (SELECT outbox_id FROM cleanup_outbox WHERE (claimed_until IS NULL OR claimed_until < clock_timestamp() OR claimed_by = $2)
-             AND (policy, kind) NOT IN (SELECT * FROM unnest($4::text[], $5::text[]))
-           ORDER BY outbox_id LIMIT $1 FOR UPDATE SKIP LOCKED) picked
+     FROM (
+       SELECT outbox_id FROM (
+         SELECT outbox_id, sum(event_count) OVER (ORDER BY outbox_id) - event_count AS events_before
+         FROM (SELECT outbox_id, event_count FROM cleanup_outbox
+               WHERE (claimed_until IS NULL OR claimed_until < clock_timestamp() OR claimed_by = $2)
+                 AND (policy, kind) NOT IN (SELECT * FROM unnest($4::text[], $5::text[]))
+               ORDER BY outbox_id LIMIT $1 FOR UPDATE SKIP LOCKED) locked
+       ) counted
+       WHERE events_before < $1
+     ) picked
      WHERE o.outbox_id = picked.outbox_id
-     RETURNING o.outbox_id::text, o.policy, o.key, reaper_iso(o.observed_expiry) AS observed_expiry, reaper_iso(o.cutoff) AS cutoff,
-       o.run_id::text, o.batch_id, reaper_iso(o.deleted_at) AS deleted_at, o.policy_version, o.kind, o.row_count::text, o.partition_bound, o.key_checksum`,
-    [claim.limit, claim.owner, claim.leaseMs, skip.map((entry) => entry.policy), skip.map((entry) => entry.kind)],
+     RETURNING o.outbox_id::text, o.policy, o.key, reaper_iso(o.observed_expiry) AS observed_expiry,
+       o.keys, ARRAY(SELECT reaper_iso(e) FROM unnest(o.observed_expiries) WITH ORDINALITY AS u(e, n) ORDER BY n) AS observed_expiries,
+       reaper_iso(o.cutoff) AS cutoff, o.run_id::text, o.batch_id, reaper_iso(o.deleted_at) AS deleted_at, o.policy_version, o.kind,
+       o.row_count::text, o.partition_bound, o.key_checksum`,
+    [claim.eventLimit, claim.owner, claim.leaseMs, skip.map((entry) => entry.policy), skip.map((entry) => entry.kind)],
   );
   return result.rows
     .sort((a, b) => (BigInt(a.outbox_id) < BigInt(b.outbox_id) ? -1 : 1))
     .map((row): OutboxEntry => {
       if (row.kind === 'partition-retired') {
+        const key = row.key ?? '';
         return {
           outboxId: row.outbox_id,
+          policy: row.policy,
           kind: 'partition-retired',
           event: {
             version: 1,
-            eventId: `${row.policy}:${row.key}:${row.outbox_id}`,
+            eventId: `${row.policy}:${key}:${row.outbox_id}`,
             policy: row.policy,
-            partition: row.key.replace(/^partition:/, ''),
+            partition: key.replace(/^partition:/, ''),
             bound: row.partition_bound ?? '',
-            upperBound: row.observed_expiry,
+            upperBound: row.observed_expiry ?? '',
             rowCount: Number(row.row_count ?? 0),
             keyChecksum: row.key_checksum ?? '',
             runId: row.run_id,
@@ -117,21 +173,28 @@ export async function outboxClaimOldest(
           },
         };
       }
+      // Either layout (migration 0031): the arrays, or the one key of a row written before them.
+      const keys = row.keys ?? [row.key ?? ''];
+      const expiries = row.keys ? (row.observed_expiries ?? []) : [row.observed_expiry ?? ''];
       return {
         outboxId: row.outbox_id,
+        policy: row.policy,
         kind: 'expired',
-        event: {
-          version: 2,
-          eventId: expiryEventId({ policy: row.policy, key: row.key, observedExpiry: row.observed_expiry }, row.outbox_id),
-          policy: row.policy,
-          key: row.key,
-          observedExpiry: row.observed_expiry,
-          cutoff: row.cutoff,
-          runId: row.run_id,
-          batchId: row.batch_id,
-          deletedAt: row.deleted_at,
-          policyVersion: row.policy_version,
-        },
+        events: keys.map((key, index) => {
+          const observedExpiry = expiries[index]!;
+          return {
+            version: 2,
+            eventId: expiryEventId({ policy: row.policy, key, observedExpiry }, row.outbox_id),
+            policy: row.policy,
+            key,
+            observedExpiry,
+            cutoff: row.cutoff,
+            runId: row.run_id,
+            batchId: row.batch_id,
+            deletedAt: row.deleted_at,
+            policyVersion: row.policy_version,
+          };
+        }),
       };
     });
 }
@@ -175,15 +238,30 @@ export async function outboxOldestAges(db: Db, policies: readonly string[]): Pro
 }
 
 /**
- * The policy's unpublished events, counted up to `cap` (a bounded index-only walk: the worker's
- * limit check and `reaper status` must not get slower as the outbox grows past its limit).
+ * The policy's unpublished events (the sum of its rows' event_count, migration 0031), counted up to
+ * `cap`: a bounded walk of at most `cap` rows in insertion order (each holds at least one event), so
+ * the worker's limit check and `reaper status` do not get slower as the outbox grows past its limit.
  */
 export async function outboxCountUpTo(db: Db, policy: string, cap: number): Promise<number> {
   const result = await db.query<{ n: number }>(
-    `SELECT count(*)::int AS n FROM (SELECT 1 FROM cleanup_outbox WHERE policy = $1 ORDER BY outbox_id LIMIT $2) o`,
+    `SELECT least(coalesce(sum(event_count), 0), $2)::int AS n FROM (SELECT event_count FROM cleanup_outbox WHERE policy = $1 ORDER BY outbox_id LIMIT $2) o`,
     [policy, cap],
   );
   return result.rows[0]!.n;
+}
+
+/** Every unpublished event in the outbox, of one policy or all (a whole-table sum: tests, the bench, the checker's end-of-run count). */
+export async function outboxEventCount(db: Db, policy?: string): Promise<number> {
+  const result = await db.query<{ n: number }>(`SELECT coalesce(sum(event_count), 0)::int AS n FROM cleanup_outbox WHERE $1::text IS NULL OR policy = $1`, [policy ?? null]);
+  return result.rows[0]!.n;
+}
+
+/** The keys of every unpublished row event in the outbox, sorted, of either layout (tests). */
+export async function outboxEventKeys(db: Db): Promise<string[]> {
+  const result = await db.query<{ key: string }>(
+    `SELECT k AS key FROM cleanup_outbox o, unnest(coalesce(o.keys, ARRAY[o.key])) AS k WHERE o.kind = 'expired' ORDER BY k`,
+  );
+  return result.rows.map((row) => row.key);
 }
 
 /** Connections of `reaper relay` processes to this database now (their pool's application_name): for `reaper events status`. */
