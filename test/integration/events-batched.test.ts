@@ -188,6 +188,25 @@ describe('expiry events: one outbox row per statement and batch, one message per
     assert.equal(await outboxEventCount(bed.pool), 0);
   });
 
+  test("an earlier release's relay cannot claim (so cannot publish as one bogus event and delete) a row of the new layout: its claim statement fails", async () => {
+    await insertBatchedRow('earlier-relay', 2);
+    // The claim statement of the release before migration 0031 (shared/db/queries/outbox.ts at
+    // 00c85a7), word for word: it would read the row as one event with key NULL.
+    const earlierReleaseClaim = `UPDATE cleanup_outbox o SET claimed_by = $2, claimed_until = clock_timestamp() + $3 * interval '1 millisecond'
+     FROM (SELECT outbox_id FROM cleanup_outbox WHERE (claimed_until IS NULL OR claimed_until < clock_timestamp() OR claimed_by = $2)
+             AND (policy, kind) NOT IN (SELECT * FROM unnest($4::text[], $5::text[]))
+           ORDER BY outbox_id LIMIT $1 FOR UPDATE SKIP LOCKED) picked
+     WHERE o.outbox_id = picked.outbox_id
+     RETURNING o.outbox_id::text, o.policy, o.key, reaper_iso(o.observed_expiry) AS observed_expiry, reaper_iso(o.cutoff) AS cutoff,
+       o.run_id::text, o.batch_id, reaper_iso(o.deleted_at) AS deleted_at, o.policy_version, o.kind, o.row_count::text, o.partition_bound, o.key_checksum`;
+    await assert.rejects(bed.pool.query(earlierReleaseClaim, [200, 'old-relay:1', 15_000, [], []]), /claimed_until/);
+    assert.equal(await outboxEventCount(bed.pool), 2, 'the row is still there, unclaimed');
+    // This release's relay publishes both events.
+    assert.equal((await pass(200)).published, 2);
+    assert.deepEqual((await arriving(2)).map((message) => bodyOf(message).key).sort(), ['earlier-relay-1', 'earlier-relay-2']);
+    assert.equal(await outboxEventCount(bed.pool), 0);
+  });
+
   test('S3 remote-delete: one settle statement of several keys writes one outbox row per run and batch', async () => {
     const media = parsePolicies(mediaPolicyYaml({ baseUrl: 'http://127.0.0.1:9', ratePerSecond: 10, burst: 5, concurrency: 4 }), 'test.yaml', {}).get(MEDIA_POLICY) as RemoteDeletePolicy;
     const target = await targetResolve(bed.pool, media);

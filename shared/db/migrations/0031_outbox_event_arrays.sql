@@ -14,8 +14,11 @@
 --                     single HTTP remote-delete settle, a retired partition): as before.
 --   keys IS NOT NULL  event_count events in keys / observed_expiries; key and observed_expiry NULL
 --                     (no key of the row stands for the others). Only row events (kind 'expired').
--- A relay of this release reads both. A relay of an earlier release reads only the first: relays are
--- upgraded before (or with) the workers (docs/guardrails.md "Expiry events").
+-- A relay of this release reads both. A relay of an earlier release would read a row of the second
+-- as one event with no key, publish that and delete the row: the lease column is renamed below so
+-- that such a relay's claim statement fails instead (it logs "relay pass failed" and publishes
+-- nothing; the rows wait for a relay of this release). Workers and schedulers of an earlier release
+-- never touch the lease column: they go on during a rolling upgrade, in any order.
 ALTER TABLE cleanup_outbox ADD COLUMN IF NOT EXISTS keys text[];
 ALTER TABLE cleanup_outbox ADD COLUMN IF NOT EXISTS observed_expiries timestamptz[];
 -- What the relay's per-pass limit, the worker's events.maxOutbox check and `reaper status` add up.
@@ -31,3 +34,11 @@ ALTER TABLE cleanup_outbox ADD CONSTRAINT cleanup_outbox_one_layout CHECK (
       AND cardinality(keys) = event_count AND cardinality(observed_expiries) = event_count
   END
 );
+-- The lease (migration 0026) under a new name: see above. Renamed once (a re-run finds it done).
+DO $$
+BEGIN
+  IF EXISTS (SELECT 1 FROM information_schema.columns
+             WHERE table_schema = current_schema() AND table_name = 'cleanup_outbox' AND column_name = 'claimed_until') THEN
+    ALTER TABLE cleanup_outbox RENAME COLUMN claimed_until TO claim_expires_at;
+  END IF;
+END $$;

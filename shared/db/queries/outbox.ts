@@ -131,12 +131,12 @@ export async function outboxClaimOldest(
     partition_bound: string | null;
     key_checksum: string | null;
   }>(
-    `UPDATE cleanup_outbox o SET claimed_by = $2, claimed_until = clock_timestamp() + $3 * interval '1 millisecond'
+    `UPDATE cleanup_outbox o SET claimed_by = $2, claim_expires_at = clock_timestamp() + $3 * interval '1 millisecond'
      FROM (
        SELECT outbox_id FROM (
          SELECT outbox_id, sum(event_count) OVER (ORDER BY outbox_id) - event_count AS events_before
          FROM (SELECT outbox_id, event_count FROM cleanup_outbox
-               WHERE (claimed_until IS NULL OR claimed_until < clock_timestamp() OR claimed_by = $2)
+               WHERE (claim_expires_at IS NULL OR claim_expires_at < clock_timestamp() OR claimed_by = $2)
                  AND (policy, kind) NOT IN (SELECT * FROM unnest($4::text[], $5::text[]))
                ORDER BY outbox_id LIMIT $1 FOR UPDATE SKIP LOCKED) locked
        ) counted
@@ -212,7 +212,7 @@ export async function outboxDeletePublished(db: Db, outboxIds: readonly string[]
 /** Gives back every claim whose owner starts with `ownerPrefix` (a relay's earlier life). Returns how many. */
 export async function outboxReleaseClaimsOf(db: Db, ownerPrefix: string): Promise<number> {
   const result = await db.query(
-    `UPDATE cleanup_outbox SET claimed_by = NULL, claimed_until = NULL WHERE claimed_by IS NOT NULL AND left(claimed_by, length($1)) = $1`,
+    `UPDATE cleanup_outbox SET claimed_by = NULL, claim_expires_at = NULL WHERE claimed_by IS NOT NULL AND left(claimed_by, length($1)) = $1`,
     [ownerPrefix],
   );
   return result.rowCount ?? 0;
@@ -220,7 +220,7 @@ export async function outboxReleaseClaimsOf(db: Db, ownerPrefix: string): Promis
 
 /** Gives back claims that were not published (a refused or unconfirmed publish): taken again at the next pass. */
 export async function outboxReleaseClaims(db: Db, outboxIds: readonly string[], owner: string): Promise<void> {
-  await db.query('UPDATE cleanup_outbox SET claimed_by = NULL, claimed_until = NULL WHERE outbox_id = ANY($1::bigint[]) AND claimed_by = $2', [outboxIds, owner]);
+  await db.query('UPDATE cleanup_outbox SET claimed_by = NULL, claim_expires_at = NULL WHERE outbox_id = ANY($1::bigint[]) AND claimed_by = $2', [outboxIds, owner]);
 }
 
 /**
