@@ -244,11 +244,12 @@ describe('remote-delete ledger: canonical keys, re-opened decisions, complete au
     await bed.pool.query(`UPDATE media_assets SET status = 'archived' WHERE asset_id = $1`, [assetId]);
     await bed.pool.query(`UPDATE cleanup_ledger SET lease_expires_at = clock_timestamp() - interval '1 millisecond' WHERE operation_key = $1`, [key]);
     // The operation must end superseded by a newer claim. In a whole npm test under load
-    // (2026-12-06) this claim itself read superseded 0: another claim of the batch's due operations
-    // (the frozen worker's own loop asks again for the operations of its batch, SKIP LOCKED) can
-    // come first, or hold the row locked so this one skips it. Not reproduced alone, nor with 500 ms
-    // between the lease's end and this claim; so the assertion is on the ledger's outcome, whichever
-    // claim wrote it, and it still fails if none does.
+    // (2026-12-06) this claim itself read superseded 0: the frozen worker asks again for its batch's
+    // due operations a moment after its first claim (after its next token's wait, to learn that
+    // nothing more is due), and on a loaded machine that ask can land after the lease's end above;
+    // it then supersedes the operation itself, or holds it locked so this claim skips it. (500 ms
+    // between the lease's end and this claim did not reproduce it: the worker's ask is the late
+    // one.) So the assertion is on the ledger's outcome, whichever claim wrote it; it fails if none does.
     await admitAndClaim(bed.pool, media, targets.get(MEDIA_POLICY)!, { keys: [key], owner: 'other-worker', cutoff: batch.cutoff, batchId: 'other-batch' });
     await eventually('the operation superseded by a newer claim', async () => (await ledgerOf(MEDIA_POLICY)).find((row) => row.operation_key === key)?.outcome === 'superseded');
     api.configure({ hold: false });
