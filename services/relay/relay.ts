@@ -16,7 +16,7 @@ import {
   partitionRetiredRoutingKey,
 } from '../../shared/contracts/expiry-event';
 import { makePool, type Pool } from '../../shared/db/pool';
-import { outboxClaimOldest, outboxDeletePublished, outboxEntryEvents, outboxReleaseClaims, outboxReleaseClaimsOf, type OutboxEntry } from '../../shared/db/queries/outbox';
+import { outboxClaimOldest, outboxDeletePublished, outboxEntryEvents, outboxKeepRefused, outboxReleaseClaims, outboxReleaseClaimsOf, type OutboxEntry } from '../../shared/db/queries/outbox';
 import { failpoint } from '../../shared/observability/failpoint-hook';
 import { testTimings } from '../../shared/config/test-timings';
 
@@ -29,8 +29,8 @@ import { testTimings } from '../../shared/config/test-timings';
  * with a lease (one short statement, outboxClaimOldest), publishes every event with publisher
  * confirms and `mandatory` with no transaction open, then deletes the rows ALL of whose events the
  * broker confirmed AND routed, where it still holds the claim, and gives back the claims of the rest
- * (a row with one refused event is published again whole). What must stay true: an outbox row is
- * deleted only after the confirm of each of its events, so a crash, a lost database connection or a
+ * (a row with some events refused keeps only those: outboxKeepRefused). What must stay true: an
+ * event leaves the outbox only after its confirm, so a crash, a lost database connection or a
  * broker outage at any point leaves the row to be published again (at-least-once; consumers dedupe
  * on the message id, the same on every retry); and no transaction or row lock is held while the
  * relay waits on the broker (invariant 18). A broker outage, or no queue bound for a policy's
@@ -70,7 +70,7 @@ export interface RelayPass {
   /** Events claimed (of `rows` rows). */
   taken: number;
   rows: number;
-  /** Events of the rows deleted: every event of each confirmed. */
+  /** Events confirmed, which so left the outbox: every event of a row deleted, and the confirmed part of a row refused in part. */
   published: number;
   /** The first refusal of the pass other than unroutable (nacked, no confirm, channel closed), when some publish failed so. */
   failure: string | null;
@@ -157,21 +157,29 @@ export async function relayOnce(deps: {
   });
   if (entries.length === 0) return { taken: 0, rows: 0, published: 0, failure: null, unroutable: [] };
   failpoint('relay-before-publish');
-  // All events of all rows in flight at once; a row's outcome is its first refusal, if any.
+  // All events of all rows in flight at once; a row's outcome is its first refusal, if any, and
+  // which of its events were refused (1-based, as in its arrays).
   const outcomes = await Promise.all(
     entries.map(async (entry) => {
       const settled = await Promise.allSettled(publishEntry(deps.publisher, deps.exchange, entry));
+      const refusedAt = settled.flatMap((outcome, index) => (outcome.status === 'rejected' ? [index + 1] : []));
       const refused = settled.find((outcome): outcome is PromiseRejectedResult => outcome.status === 'rejected');
-      return refused ? { entry, refused: true as const, reason: refused.reason as unknown } : { entry, refused: false as const };
+      return refused
+        ? { entry, refused: true as const, reason: refused.reason as unknown, refusedAt, confirmedEvents: settled.length - refusedAt.length }
+        : { entry, refused: false as const, confirmedEvents: settled.length };
     }),
   );
   const confirmed = outcomes.filter((outcome) => !outcome.refused).map(({ entry }) => entry);
   failpoint('relay-after-confirm');
   await outboxDeletePublished(deps.pool, confirmed.map((entry) => entry.outboxId), deps.owner);
-  const rejected = outcomes.flatMap((outcome) => (outcome.refused ? [{ entry: outcome.entry, reason: outcome.reason }] : []));
-  // Given back whole at once for any relay (this one takes its own claims again at its next pass
-  // anyway): its confirmed events are published again with it, under the same ids.
-  if (rejected.length > 0) await outboxReleaseClaims(deps.pool, rejected.map(({ entry }) => entry.outboxId), deps.owner);
+  const rejected = outcomes.flatMap((outcome) => (outcome.refused ? [outcome] : []));
+  // A row refused in part keeps only its refused events (outboxKeepRefused); one refused whole is
+  // given back whole. Either way at once, for any relay (this one takes its own claims again at
+  // its next pass anyway), and under the same message ids.
+  const partly = rejected.filter(({ entry, confirmedEvents }) => entry.kind === 'expired' && confirmedEvents > 0);
+  for (const { entry, refusedAt } of partly) await outboxKeepRefused(deps.pool, entry.outboxId, deps.owner, refusedAt);
+  const wholly = rejected.filter((outcome) => !partly.includes(outcome));
+  if (wholly.length > 0) await outboxReleaseClaims(deps.pool, wholly.map(({ entry }) => entry.outboxId), deps.owner);
   for (const entry of confirmed) deps.unroutable?.routed(entry.policy, entry.kind);
   const unroutable = new Map<string, OutboxEntry>();
   for (const { entry, reason } of rejected) if (reason instanceof UnroutableError) unroutable.set(routingKeyOf(entry), entry);
@@ -182,7 +190,7 @@ export async function relayOnce(deps: {
   return {
     taken: events(entries),
     rows: entries.length,
-    published: events(confirmed),
+    published: outcomes.reduce((sum, outcome) => sum + outcome.confirmedEvents, 0),
     failure: failed ? String((failed.reason as Error).message ?? failed.reason) : null,
     unroutable: [...unroutable.keys()],
   };

@@ -9,8 +9,9 @@
  * Version 2 (issue 40) added `eventId`, which is also the message id: `<policy>:<key>:<observed
  * expiry>:<deletion>`, where the deletion is the outbox row's id. Version 1's id was the operation
  * key alone, the same for a row deleted, restored and deleted again: a consumer deduping on it
- * dropped the second, real deletion. The outbox row lives until its confirm, so the id is the same
- * on every retry of one deletion and differs between two deletions.
+ * dropped the second, real deletion. An event stays in its outbox row until its confirm (a row of
+ * several events keeps those not yet confirmed, under the same row id), so the id is the same on
+ * every retry of one deletion and differs between two deletions.
  */
 export const EXPIRY_EVENT_VERSION = 2;
 

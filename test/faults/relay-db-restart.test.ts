@@ -88,7 +88,10 @@ describe('expiry events: the database restarts while the relay publishes', () =>
       messages.push(message);
       channel.ack(message);
     });
-    let relay: ReaperProcess | null = startReaper('relay-db-restart', ['relay'], bed.processEnv());
+    // Passes of 200 events (production 2,000): the relay's statements come about every 50 ms rather
+    // than every 0.4 s, so the restart meets one (with 2,000 it fell between two passes' statements
+    // once under load, the pool replaced its dead idle connections, and the relay never saw it).
+    let relay: ReaperProcess | null = startReaper('relay-db-restart', ['relay'], bed.processEnv({ REAPER_TEST_RELAY_EVENTS_PER_PASS: '200' }));
     try {
       // Mid-relay: some events published, most still in the outbox, a pass in progress.
       await eventually('the relay to be part way through the outbox', async () => {

@@ -163,7 +163,7 @@ describe('expiry events: one outbox row per statement and batch, one message per
     assert.equal((await pass(10)).taken, 0, 'the outbox is empty');
   });
 
-  test('a row whose publish the broker partly refuses stays whole, is given back, and is published again whole with the same ids', async () => {
+  test('a row whose publish the broker partly refuses keeps only its refused events, is given back, and they are published again under the same ids', async () => {
     const outboxId = await insertBatchedRow('partial', 20);
     // A second consumer's queue that takes 5 messages and refuses (nacks) the rest: the broker
     // confirms 5 of the row's 20 events and refuses 15.
@@ -172,19 +172,49 @@ describe('expiry events: one outbox row per statement and batch, one message per
     await channel.bindQueue(small, exchange, '#.expired');
     const refused = await pass(2_000);
     assert.equal(refused.taken, 20);
-    assert.equal(refused.published, 0, 'no event of a partly refused row counts as published');
+    assert.equal(refused.published, 5, 'the 5 confirmed events count as published');
     assert.ok(refused.failure, 'the refusal is reported');
     assert.equal((await channel.checkQueue(small)).messageCount, 5, 'the broker took 5 of the row\'s events');
-    const row = await bed.pool.query<{ event_count: number; claimed_by: string | null }>('SELECT event_count, claimed_by FROM cleanup_outbox WHERE outbox_id = $1', [outboxId]);
-    assert.deepEqual(row.rows, [{ event_count: 20, claimed_by: null }], 'the row stays, whole, and its claim is given back');
     const firstTry = await arriving(20);
+    const row = await bed.pool.query<{ event_count: number; keys: string[]; claimed_by: string | null }>('SELECT event_count, keys, claimed_by FROM cleanup_outbox WHERE outbox_id = $1', [outboxId]);
+    assert.equal(row.rows.length, 1, 'the row stays');
+    assert.equal(row.rows[0]!.claimed_by, null, 'its claim is given back');
+    assert.equal(row.rows[0]!.event_count, 15, 'it keeps the 15 refused events only');
+    assert.equal(row.rows[0]!.keys.length, 15);
 
+    // The queue still has no room: the next pass is refused whole, and nothing confirmed is published again.
+    const stillFull = await pass(2_000);
+    assert.deepEqual({ taken: stillFull.taken, published: stillFull.published }, { taken: 15, published: 0 });
+    await arriving(15);
     await channel.deleteQueue(small);
     const again = await pass(2_000);
-    assert.deepEqual({ taken: again.taken, published: again.published, failure: again.failure }, { taken: 20, published: 20, failure: null });
-    const secondTry = await arriving(20);
-    assert.deepEqual(secondTry.map(idOf).sort(), firstTry.map(idOf).sort(), 'published again whole, under the same message ids');
-    assert.equal(new Set(secondTry.map(idOf)).size, 20);
+    assert.deepEqual({ taken: again.taken, published: again.published, failure: again.failure }, { taken: 15, published: 15, failure: null });
+    const secondTry = await arriving(15);
+    const firstIds = new Set(firstTry.map(idOf));
+    assert.ok(secondTry.every((message) => firstIds.has(idOf(message))), 'the refused events are published again under their own message ids');
+    assert.equal(new Set(secondTry.map(idOf)).size, 15);
+    assert.deepEqual(
+      secondTry.map((message) => bodyOf(message).key).sort(),
+      row.rows[0]!.keys.slice().sort(),
+      'exactly the kept events',
+    );
+    assert.equal(await outboxEventCount(bed.pool), 0);
+  });
+
+  test('the outbox refuses a row of the new layout whose arrays do not carry its events (no expiries, a NULL key, a count that differs)', async () => {
+    const bad = [
+      `ARRAY['a'], NULL, 1`,
+      `ARRAY['a', NULL], ARRAY[now(), now()], 2`,
+      `ARRAY['a', 'b'], ARRAY[now(), NULL::timestamptz], 2`,
+      `ARRAY['a', 'b'], ARRAY[now(), now()], 3`,
+    ];
+    for (const values of bad) {
+      await assert.rejects(
+        bed.pool.query(`INSERT INTO cleanup_outbox (policy, keys, observed_expiries, event_count, policy_version) VALUES ($1, ${values}, 'v')`, [POLICY]),
+        /cleanup_outbox_one_layout/,
+        values,
+      );
+    }
     assert.equal(await outboxEventCount(bed.pool), 0);
   });
 

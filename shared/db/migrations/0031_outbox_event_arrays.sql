@@ -25,20 +25,30 @@ ALTER TABLE cleanup_outbox ADD COLUMN IF NOT EXISTS observed_expiries timestampt
 ALTER TABLE cleanup_outbox ADD COLUMN IF NOT EXISTS event_count integer NOT NULL DEFAULT 1;
 ALTER TABLE cleanup_outbox ALTER COLUMN key DROP NOT NULL;
 ALTER TABLE cleanup_outbox ALTER COLUMN observed_expiry DROP NOT NULL;
--- Exactly one layout per row, and the arrays as long as the count the limits sum: a row that broke
--- this would publish other events than it counts.
-ALTER TABLE cleanup_outbox ADD CONSTRAINT cleanup_outbox_one_layout CHECK (
-  CASE WHEN keys IS NULL
-    THEN key IS NOT NULL AND observed_expiry IS NOT NULL AND observed_expiries IS NULL AND event_count = 1
-    ELSE key IS NULL AND observed_expiry IS NULL AND kind = 'expired' AND event_count >= 1
-      AND cardinality(keys) = event_count AND cardinality(observed_expiries) = event_count
-  END
-);
--- The lease (migration 0026) under a new name: see above. Renamed once (a re-run finds it done).
+-- Exactly one layout per row, the arrays as long as the count the limits sum and without NULLs: a
+-- row that broke this would publish other events than it counts (or events with no key or expiry).
+-- NOT VALID: the rows written before this migration meet it by construction (key and expiry were
+-- NOT NULL), and validating would read a possibly large outbox (a broker outage's backlog) under
+-- the ACCESS EXCLUSIVE lock, holding every deleting statement back; every new or changed row is
+-- checked. Added once (a re-run finds it).
 DO $$
 BEGIN
-  IF EXISTS (SELECT 1 FROM information_schema.columns
-             WHERE table_schema = current_schema() AND table_name = 'cleanup_outbox' AND column_name = 'claimed_until') THEN
+  IF NOT EXISTS (SELECT 1 FROM pg_constraint WHERE conrelid = 'cleanup_outbox'::regclass AND conname = 'cleanup_outbox_one_layout') THEN
+    ALTER TABLE cleanup_outbox ADD CONSTRAINT cleanup_outbox_one_layout CHECK (
+      CASE WHEN keys IS NULL
+        THEN key IS NOT NULL AND observed_expiry IS NOT NULL AND observed_expiries IS NULL AND event_count = 1
+        ELSE key IS NULL AND observed_expiry IS NULL AND kind = 'expired' AND event_count >= 1 AND observed_expiries IS NOT NULL
+          AND cardinality(keys) = event_count AND cardinality(observed_expiries) = event_count
+          AND array_position(keys, NULL) IS NULL AND array_position(observed_expiries, NULL) IS NULL
+      END
+    ) NOT VALID;
+  END IF;
+END $$;
+-- The lease (migration 0026) under a new name: see above. Renamed once (a re-run finds it done);
+-- the table as the statement resolves it (search_path), not as current_schema() names it.
+DO $$
+BEGIN
+  IF EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = 'cleanup_outbox'::regclass AND attname = 'claimed_until' AND NOT attisdropped) THEN
     ALTER TABLE cleanup_outbox RENAME COLUMN claimed_until TO claim_expires_at;
   END IF;
 END $$;

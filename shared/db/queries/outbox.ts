@@ -218,6 +218,26 @@ export async function outboxReleaseClaimsOf(db: Db, ownerPrefix: string): Promis
   return result.rowCount ?? 0;
 }
 
+/**
+ * A row of several events (migration 0031) of which the broker confirmed some and refused others:
+ * it keeps only the refused ones (`refused`: 1-based positions in its arrays), in one statement that
+ * also gives its claim back, so the confirmed ones are not published again and the relay keeps pace
+ * with a consumer that takes fewer than a row's events at a time (a queue with x-max-length and
+ * reject-publish: given back whole, a row of more events than the queue's room would be refused in
+ * part at every pass, for ever, and its first events duplicated each time). The outbox id, and so
+ * every kept event's message id, stays the same. Only where `owner` still holds the claim.
+ */
+export async function outboxKeepRefused(db: Db, outboxId: string, owner: string, refused: readonly number[]): Promise<void> {
+  await db.query(
+    `UPDATE cleanup_outbox o SET keys = k.keys, observed_expiries = k.expiries, event_count = k.n, claimed_by = NULL, claim_expires_at = NULL
+     FROM (SELECT array_agg(r.keys[i] ORDER BY i) AS keys, array_agg(r.observed_expiries[i] ORDER BY i) AS expiries, count(*)::int AS n
+           FROM cleanup_outbox r, unnest($3::int[]) AS i
+           WHERE r.outbox_id = $1 AND i BETWEEN 1 AND r.event_count) k
+     WHERE o.outbox_id = $1 AND o.claimed_by = $2 AND o.keys IS NOT NULL AND k.n > 0`,
+    [outboxId, owner, refused],
+  );
+}
+
 /** Gives back claims that were not published (a refused or unconfirmed publish): taken again at the next pass. */
 export async function outboxReleaseClaims(db: Db, outboxIds: readonly string[], owner: string): Promise<void> {
   await db.query('UPDATE cleanup_outbox SET claimed_by = NULL, claim_expires_at = NULL WHERE outbox_id = ANY($1::bigint[]) AND claimed_by = $2', [outboxIds, owner]);
