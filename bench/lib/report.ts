@@ -6,7 +6,8 @@ import { partitionsRows, type PartitionsFigure } from '../figures/partitions';
 import type { RemoteBacklogFigure, RemoteFigure } from '../figures/remote-delete';
 import type { ReaperRun, StageSplit } from '../figures/row-delete';
 import type { S3Figure } from '../figures/s3-delete';
-import type { ShapeResult, ShapeSummary, ShapesFigure } from '../figures/shapes';
+import type { ShapeResult, ShapeSummary, ShapesFigure, ShapeWindow, TargetVerdict } from '../figures/shapes';
+import type { RatioInterval } from './bootstrap';
 import type { CountCheck, Measured, Throughput } from './context';
 import type { CpuSplit } from './cpu';
 import type { Mode } from './modes';
@@ -190,27 +191,59 @@ function shapeRateTarget(summary: ShapeSummary): { ratio: number | null; least: 
 const kneeText = (summary: ShapeSummary): string =>
   summary.knee === null ? 'none' : `${summary.kneeIsUnthrottled ? 'unthrottled ' : ''}${number(summary.knee)}${summary.nonMonotone ? '*' : ''}`;
 
+/** A 90% interval as "low–high"; '-' when there is none. */
+const intervalText = (interval: RatioInterval | null): string => (interval === null ? '-' : `${ratio(interval.low)}–${ratio(interval.high)}`);
+
+/** The knee with the noise: [highest rate surely under, lowest surely over] ('-' where there is none). */
+const kneeRangeText = (summary: ShapeSummary): string => {
+  const r = summary.kneeRange;
+  const rate = (value: number | null, unthrottled: boolean): string => (value === null ? '-' : `${unthrottled ? 'unthrottled ' : ''}${number(value)}`);
+  return `[${rate(r.surelyUnder, r.surelyUnderIsUnthrottled)}, ${rate(r.surelyOver, r.surelyOverIsUnthrottled)}]`;
+};
+
+/** The met column of a target read with its interval: yes, NO, or cannot tell. */
+const targetVerdict = (v: TargetVerdict | 'no knee'): string => (v === 'met' ? 'yes' : v === 'missed' ? 'NO' : v);
+
+/** A window's ratio with its interval and where it stands against the line: under, over, or ? (cannot tell). */
+const windowWithInterval = (w: ShapeWindow): string => `${ratio(w.p99Ratio)} (${intervalText(w.p99RatioInterval)}) ${w.p99Verdict === 'cannot tell' ? '?' : w.p99Verdict}`;
+
 /** Figure 7b: per shape, the knee and the adaptive contender against its targets (the per-rate table is renderShapesTable). */
 function shapesRows(f: ShapesFigure, add: (figure: string, measure: string, value: string, r?: string, target?: string, met?: string) => void): void {
   for (const result of f.shapes) {
     const head = `${result.shape.label}, alone p99 ${number(result.alone.p99Ms, 2)} ms (control ${ratio(result.control.short.p99Ratio)} / ${ratio(result.control.long.p99Ratio)})`;
+    const n = result.noise;
+    add(
+      '7b',
+      `${result.shape.label}, noise floor: alone windows' p99 max ÷ min (each ÷ median); ratio: the control's 90% interval short / long; alone-window intervals holding 1`,
+      `${ratio(n.aloneMaxOverMin)} (${n.aloneOverMedian.map(ratio).join(' ')})`,
+      `${intervalText(result.control.short.p99RatioInterval)} / ${intervalText(result.control.long.p99RatioInterval)}`,
+      '',
+      `${n.aloneIntervalsHoldingOne} of ${n.aloneWindowIntervals.length}`,
+    );
     for (const which of ['short', 'long'] as const) {
       const summary = result[which];
       const target = shapeRateTarget(summary);
-      add('7b', `${head}, ${which}: knee (rows/s, p99 ÷ alone ≤ ${f.options.kneeRatio})`, kneeText(summary));
-      add('7b', `  adaptive ${number(summary.adaptiveRowsPerSecond)} rows/s ÷ ${summary.kneeIsUnthrottled ? 'unthrottled' : 'knee'}`, '', target.ratio === null ? '-' : ratio(target.ratio), `>= ${target.least}`, target.ratio === null ? 'no knee' : verdict(target.ratio >= target.least));
-      add('7b', '  adaptive p99 ÷ alone', `${number(result.contenders.find((c) => c.kind === 'adaptive')![which].foreground.p99Ms, 2)} ms`, ratio(summary.adaptiveP99Ratio), `<= ${f.options.kneeRatio}`, verdict(summary.adaptiveP99Ratio <= f.options.kneeRatio));
+      add('7b', `${head}, ${which}: knee (rows/s, p99 ÷ alone ≤ ${f.options.kneeRatio}); range [surely under, surely over]`, `${kneeText(summary)} ${kneeRangeText(summary)}`);
+      // The met columns read the intervals: the rate target against the knee range, the p99 target against the adaptive ratio's interval.
+      add('7b', `  adaptive ${number(summary.adaptiveRowsPerSecond)} rows/s ÷ ${summary.kneeIsUnthrottled ? 'unthrottled' : 'knee'}`, '', target.ratio === null ? '-' : ratio(target.ratio), `>= ${target.least} (over the knee range)`, targetVerdict(summary.adaptiveRateVerdict));
+      const p99Ms = `${number(result.contenders.find((c) => c.kind === 'adaptive')![which].foreground.p99Ms, 2)} ms`;
+      add('7b', '  adaptive p99 ÷ alone (90% interval)', p99Ms, `${ratio(summary.adaptiveP99Ratio)} (${intervalText(summary.adaptiveP99Interval)})`, `<= ${f.options.kneeRatio}`, targetVerdict(summary.adaptiveP99Verdict));
     }
   }
 }
 
 /**
  * Figure 7b as one table: per shape and window, the foreground's p99 ÷ alone at each fixed rate,
- * unthrottled (and its rows/s), the knee, and the adaptive contender's rate and p99.
+ * unthrottled (and its rows/s), the knee, and the adaptive contender's rate and p99 (the columns of
+ * the first result files, so they still compare), then the knee range and the adaptive p99's
+ * interval and verdict; below it, every ratio's interval and the noise floor of each shape.
  */
 export function renderShapesTable(f: ShapesFigure): string[] {
   const rates = f.options.rates;
-  const head = ['shape (alone p99)', 'window', ...rates.map((r) => count(r)), 'unthrottled', 'control (no cleanup)', 'knee rows/s', 'adaptive rows/s', 'adaptive ÷ knee', 'adaptive p99 ÷ alone'];
+  const head = [
+    'shape (alone p99)', 'window', ...rates.map((r) => count(r)), 'unthrottled', 'control (no cleanup)', 'knee rows/s', 'adaptive rows/s', 'adaptive ÷ knee', 'adaptive p99 ÷ alone',
+    'knee range [surely under, surely over]', 'adaptive p99 ÷ alone, 90% interval', `adaptive p99 ≤ ${f.options.kneeRatio} met`, 'adaptive rate met',
+  ];
   const lines = [`| ${head.join(' | ')} |`, `|${head.map(() => '---').join('|')}|`];
   const cell = (result: ShapeResult, which: 'short' | 'long', rate: number): string => {
     const c = result.contenders.find((x) => x.kind === 'fixed' && x.rowsPerSecond === rate);
@@ -226,13 +259,41 @@ export function renderShapesTable(f: ShapesFigure): string[] {
       const target = shapeRateTarget(summary);
       const w = result.contenders[0]![which];
       lines.push(
-        `| ${which === 'short' ? `${result.shape.label} (${number(result.alone.p99Ms, 2)} ms)` : ''} | ${which} ${number(w.fromSeconds, 1)}–${number(w.toSeconds, 1)} s | ${rates.map((rate) => cell(result, which, rate)).join(' | ')} | ${ratio(unthrottled[which].p99Ratio)} (${count(Math.round(unthrottled[which].rowsPerSecond / 1000) * 1000)}) | ${ratio(result.control[which].p99Ratio)} | ${kneeText(summary)} | ${number(summary.adaptiveRowsPerSecond)} | ${target.ratio === null ? '-' : `${ratio(target.ratio)}${summary.kneeIsUnthrottled ? ' (÷ unthrottled)' : ''}`} | ${ratio(summary.adaptiveP99Ratio)} |`,
+        `| ${which === 'short' ? `${result.shape.label} (${number(result.alone.p99Ms, 2)} ms)` : ''} | ${which} ${number(w.fromSeconds, 1)}–${number(w.toSeconds, 1)} s | ${rates.map((rate) => cell(result, which, rate)).join(' | ')} | ${ratio(unthrottled[which].p99Ratio)} (${count(Math.round(unthrottled[which].rowsPerSecond / 1000) * 1000)}) | ${ratio(result.control[which].p99Ratio)} | ${kneeText(summary)} | ${number(summary.adaptiveRowsPerSecond)} | ${target.ratio === null ? '-' : `${ratio(target.ratio)}${summary.kneeIsUnthrottled ? ' (÷ unthrottled)' : ''}`} | ${ratio(summary.adaptiveP99Ratio)} | ${kneeRangeText(summary)} | ${intervalText(summary.adaptiveP99Interval)} | ${targetVerdict(summary.adaptiveP99Verdict)} | ${targetVerdict(summary.adaptiveRateVerdict)} |`,
       );
     }
   }
+  const intervalHead = ['shape', 'window', ...rates.map((r) => count(r)), 'unthrottled', 'control (no cleanup)', 'adaptive'];
+  const intervals = [`| ${intervalHead.join(' | ')} |`, `|${intervalHead.map(() => '---').join('|')}|`];
+  const noiseHead = ["shape", "alone windows' p99 (ms)", 'max ÷ min', 'each ÷ median', 'alone windows: p99 ÷ the others (90% interval)', 'intervals holding 1', 'bootstrap CPU'];
+  const noise = [`| ${noiseHead.join(' | ')} |`, `|${noiseHead.map(() => '---').join('|')}|`];
+  for (const result of f.shapes) {
+    const unthrottled = result.contenders.find((c) => c.kind === 'unthrottled')!;
+    const adaptive = result.contenders.find((c) => c.kind === 'adaptive')!;
+    for (const which of ['short', 'long'] as const) {
+      const fixed = rates.map((rate) => result.contenders.find((c) => c.kind === 'fixed' && c.rowsPerSecond === rate));
+      const cells = [...fixed.map((c) => (c ? windowWithInterval(c[which]) : '-')), windowWithInterval(unthrottled[which]), windowWithInterval(result.control[which]), windowWithInterval(adaptive[which])];
+      intervals.push(`| ${which === 'short' ? result.shape.label : ''} | ${which} | ${cells.join(' | ')} |`);
+    }
+    const n = result.noise;
+    noise.push(
+      `| ${result.shape.label} | ${result.aloneWindowP99Ms.map((ms) => number(ms, 2)).join(' ')} | ${ratio(n.aloneMaxOverMin)} | ${n.aloneOverMedian.map(ratio).join(' ')} | ${n.aloneWindowIntervals.map((w) => `${ratio(w.ratio)} (${intervalText(w.interval)})`).join(', ')} | ${n.aloneIntervalsHoldingOne} of ${n.aloneWindowIntervals.length} | ${number(n.bootstrapCpuMs)} ms for ${n.bootstraps} samples |`,
+    );
+  }
   lines.push(
     '',
-    `Cells: the foreground's p99 in the window ÷ its p99 over all the shape's alone windows (${f.options.aloneSeconds} s before each run); in brackets, rows/s the run reached when under 0.8 × its rate (unthrottled: always). Control: the same windows with no cleanup (the ratio's noise). The short window runs from the trigger until ${count(f.options.shortRows)} rows are deleted, at most ${f.options.shortSeconds} s (at least 1 s); the long one from min(${f.options.longFromSeconds} s, the short window's end) for ${f.options.longSeconds} s or to the run's end; the window column shows the first contender's. Knee: the highest rate whose ratio ≤ ${f.options.kneeRatio} (* a lower rate read over it). Load average ${f.loadAverage.before.map((l) => l.toFixed(2)).join(' ')} before, ${f.loadAverage.after.map((l) => l.toFixed(2)).join(' ')} after.`,
+    `Cells: the foreground's p99 in the window ÷ its p99 over all the shape's alone windows (${f.options.aloneSeconds} s before each run); in brackets, rows/s the run reached when under 0.8 × its rate (unthrottled: always). Control: the same windows with no cleanup (the ratio's noise). The short window runs from the trigger until ${count(f.options.shortRows)} rows are deleted, at most ${f.options.shortSeconds} s (at least 1 s); the long one from min(${f.options.longFromSeconds} s, the short window's end) for ${f.options.longSeconds} s or to the run's end; the window column shows the first contender's. Knee: the highest rate whose ratio ≤ ${f.options.kneeRatio} (* a lower rate read over it). Knee range: the highest rate whose ${f.bootstrap.level * 100}% interval lies wholly at or under ${f.options.kneeRatio}, and the lowest whose interval lies wholly above it (- where none does); where harm grows with the rate the knee lies between them. Met columns: yes / NO only when the interval (p99) or the knee range (rate: the target against the highest and the lowest the knee can be) decides it, else cannot tell. Load average ${f.loadAverage.before.map((l) => l.toFixed(2)).join(' ')} before, ${f.loadAverage.after.map((l) => l.toFixed(2)).join(' ')} after.`,
+  );
+  const b = f.bootstrap;
+  lines.push(
+    '',
+    `Each p99 ÷ alone with its ${b.level * 100}% bootstrap interval (${count(b.resamples)} resamples of each window and of the pooled alone windows, independently, in blocks of ${b.blockMs} ms of consecutive transactions; seed ${b.seed}) and where it stands against ${f.options.kneeRatio}: over (the whole interval above), under (the whole interval at or below), ? (cannot tell).`,
+    '',
+    ...intervals,
+    '',
+    "Noise floor: the p99 of each alone window (the control's first, then each contender's in order) and each alone window's p99 ÷ the pooled p99 of the other alone windows, with its interval: no cleanup on either side, so the truth is about 1, and an interval that misses it is noise slower than a window (the machine between one window and the next), which no interval inside one window sees.",
+    '',
+    ...noise,
   );
   return lines;
 }
