@@ -600,8 +600,9 @@ export async function runShapes(context: BenchContext, seed: Seed, options: Shap
     const result = await runShape(context, seed, options, shape);
     shapes.push(result);
     const s = (summary: ShapeSummary): string =>
-      `knee ${summary.knee === null ? 'none' : Math.round(summary.knee)}, adaptive ${Math.round(summary.adaptiveRowsPerSecond)} rows/s p99 ÷ alone ${summary.adaptiveP99Ratio.toFixed(2)}`;
+      `knee ${summary.knee === null ? 'none' : Math.round(summary.knee)} [${summary.kneeRange.surelyUnder === null ? '-' : Math.round(summary.kneeRange.surelyUnder)}, ${summary.kneeRange.surelyOver === null ? '-' : Math.round(summary.kneeRange.surelyOver)}], adaptive ${Math.round(summary.adaptiveRowsPerSecond)} rows/s p99 ÷ alone ${summary.adaptiveP99Ratio.toFixed(2)}${summary.adaptiveP99Interval ? ` (${summary.adaptiveP99Interval.low.toFixed(2)}–${summary.adaptiveP99Interval.high.toFixed(2)}: ${summary.adaptiveP99Verdict})` : ''}`;
     context.progress(`    ${shape.label}: alone p99 ${result.alone.p99Ms.toFixed(1)} ms; short: ${s(result.short)}; long: ${s(result.long)} (${result.seconds.toFixed(0)} s)`);
+    context.progress(`    ${shape.label}: alone windows' p99 max ÷ min ${result.noise.aloneMaxOverMin.toFixed(2)}, ${result.noise.aloneIntervalsHoldingOne} of ${result.noise.aloneWindowIntervals.length} alone-window intervals hold 1; bootstrap ${result.noise.bootstrapCpuMs.toFixed(0)} ms CPU`);
   }
   return { options, bootstrap: BOOTSTRAP, candidates: seed.candidates, shapes, loadAverage: { before, after: loadAverage() } };
 }
