@@ -105,10 +105,17 @@ export interface ShapeWindow {
   p99Ratio: number;
   /** p99 ÷ the p99 of the alone window just before this contender. */
   p99RatioJustBefore: number;
-  /** The bootstrap interval of p99Ratio (BOOTSTRAP); null when a sample was empty. */
+  /** The bootstrap interval of p99Ratio (BOOTSTRAP), sampling inside the windows only; null when a sample was empty. */
   p99RatioInterval: RatioInterval | null;
-  /** p99Ratio against the knee's line, with the interval: over, under, or cannot tell. */
+  /**
+   * The same with the noise between windows folded in (each resampled ratio ÷ one of the ratios the
+   * alone windows read against each other, ShapeNoise): the interval the verdicts use.
+   */
+  p99RatioNoiseInterval: RatioInterval | null;
+  /** p99Ratio against the knee's line, with p99RatioNoiseInterval: over, under, or cannot tell. */
   p99Verdict: Verdict;
+  /** The same with p99RatioInterval (sampling only). */
+  p99VerdictSamplingOnly: Verdict;
 }
 
 export interface ShapeContender {
@@ -132,7 +139,8 @@ export interface ShapeContender {
   adaptiveRate: { shortMedian: number | null; longMedian: number | null; series: Array<[number, number]> } | null;
 }
 
-export interface ShapeSummary {
+/** The knee and the adaptive contender read from the point ratios (the first result files' columns). */
+export interface PointSummary {
   /** Highest rate (fixed, or unthrottled's achieved rate) whose window p99 ÷ alone ≤ kneeRatio; null when none. */
   knee: number | null;
   kneeIsUnthrottled: boolean;
@@ -142,6 +150,10 @@ export interface ShapeSummary {
   adaptiveOverKnee: number | null;
   adaptiveOverUnthrottled: number;
   adaptiveP99Ratio: number;
+}
+
+/** The knee and the targets read with one kind of interval. */
+export interface IntervalVerdicts {
   /**
    * The knee with the noise: the highest rate (fixed, or unthrottled's achieved rate) whose interval
    * is wholly at or under the line, and the lowest whose interval is wholly above it; null when
@@ -158,6 +170,15 @@ export interface ShapeSummary {
    * knee' when the lowest rate is surely over.
    */
   adaptiveRateVerdict: TargetVerdict | 'no knee';
+}
+
+/**
+ * The knee range and the verdicts with the intervals that hold the noise between windows (the
+ * fields), and with the sampling-only intervals (`samplingOnly`: too narrow on a machine whose p99
+ * moves from one window to the next; kept to show what they would have claimed).
+ */
+export interface ShapeSummary extends PointSummary, IntervalVerdicts {
+  samplingOnly: IntervalVerdicts;
 }
 
 export type TargetVerdict = 'met' | 'missed' | 'cannot tell';
@@ -394,11 +415,16 @@ class ShapeBootstrap {
   p99s(transactions: ReadonlyArray<{ ms: number }>, windowMs: number): Float64Array {
     const started = process.cpuUsage();
     const values = transactions.map((t) => t.ms);
-    const out = bootstrapQuantiles(values, blockLengthFor(values.length, windowMs, BOOTSTRAP.blockMs), { resamples: BOOTSTRAP.resamples, quantile: 0.99, seed: this.nextSeed++ });
+    const out = bootstrapQuantiles(values, blockLengthFor(values.length, windowMs, BOOTSTRAP.blockMs), { resamples: BOOTSTRAP.resamples, quantile: 0.99, seed: this.seed() });
     const used = process.cpuUsage(started);
     this.cpuMs += (used.user + used.system) / 1000;
     this.count++;
     return out;
+  }
+
+  /** A seed no other draw of this shape uses. */
+  seed(): number {
+    return this.nextSeed++;
   }
 }
 
@@ -410,20 +436,37 @@ export function summarise(contenders: readonly ShapeContender[], which: 'short' 
   const ladder = [
     ...fixed.map((c) => ({ rate: c.rowsPerSecond!, window: c[which], unthrottled: false })),
     { rate: unthrottled[which].rowsPerSecond, window: unthrottled[which], unthrottled: true },
-  ].map((step) => ({ ...step, ratio: step.window.p99Ratio, verdict: verdictOf(step.window.p99RatioInterval, kneeRatio) }));
+  ].map((step) => ({ ...step, ratio: step.window.p99Ratio }));
   const passing = ladder.filter((step) => step.ratio <= kneeRatio);
   const top = passing.at(-1) ?? null;
   const firstFail = ladder.findIndex((step) => step.ratio > kneeRatio);
-  const surelyUnder = ladder.filter((step) => step.verdict === 'under').at(-1) ?? null;
-  const surelyOverIndex = ladder.findIndex((step) => step.verdict === 'over');
   const adaptiveRowsPerSecond = adaptive[which].rowsPerSecond;
-  const adaptiveP99Verdict = verdictOf(adaptive[which].p99RatioInterval, kneeRatio);
   // The rate target of a knee at `step` (issue 41): 0.8 × unthrottled's rate, else 0.7 × the rate.
   const rateTargetMet = (step: { rate: number; unthrottled: boolean }): boolean => adaptiveRowsPerSecond >= (step.unthrottled ? 0.8 : 0.7) * step.rate;
-  // The highest the knee can be: the step below the lowest surely over (every step when none is).
-  const kneeAtMost = surelyOverIndex < 0 ? ladder.at(-1)! : surelyOverIndex > 0 ? ladder[surelyOverIndex - 1]! : null;
-  const metAtMost = kneeAtMost !== null && rateTargetMet(kneeAtMost);
-  const missedAtLeast = surelyUnder !== null && !rateTargetMet(surelyUnder);
+  const withIntervals = (intervalOf: (w: ShapeWindow) => RatioInterval | null): IntervalVerdicts => {
+    const verdicts = ladder.map((step) => verdictOf(intervalOf(step.window), kneeRatio));
+    const surelyUnderIndex = verdicts.lastIndexOf('under');
+    const surelyOverIndex = verdicts.indexOf('over');
+    const surelyUnder = surelyUnderIndex >= 0 ? ladder[surelyUnderIndex]! : null;
+    const surelyOver = surelyOverIndex >= 0 ? ladder[surelyOverIndex]! : null;
+    // The highest the knee can be: the step below the lowest surely over (every step when none is).
+    const kneeAtMost = surelyOverIndex < 0 ? ladder.at(-1)! : surelyOverIndex > 0 ? ladder[surelyOverIndex - 1]! : null;
+    const metAtMost = kneeAtMost !== null && rateTargetMet(kneeAtMost);
+    const missedAtLeast = surelyUnder !== null && !rateTargetMet(surelyUnder);
+    const adaptiveP99 = verdictOf(intervalOf(adaptive[which]), kneeRatio);
+    return {
+      kneeRange: {
+        surelyUnder: surelyUnder?.rate ?? null,
+        surelyUnderIsUnthrottled: surelyUnder?.unthrottled ?? false,
+        surelyOver: surelyOver?.rate ?? null,
+        surelyOverIsUnthrottled: surelyOver?.unthrottled ?? false,
+      },
+      adaptiveP99Interval: intervalOf(adaptive[which]),
+      adaptiveP99Verdict: adaptiveP99 === 'under' ? 'met' : adaptiveP99 === 'over' ? 'missed' : 'cannot tell',
+      // Both at once: a lower rate surely over and a higher one surely under (harm not growing with the rate): undecided.
+      adaptiveRateVerdict: kneeAtMost === null ? 'no knee' : metAtMost === missedAtLeast ? 'cannot tell' : metAtMost ? 'met' : 'missed',
+    };
+  };
   return {
     knee: top?.rate ?? null,
     kneeIsUnthrottled: top?.unthrottled ?? false,
@@ -432,16 +475,8 @@ export function summarise(contenders: readonly ShapeContender[], which: 'short' 
     adaptiveOverKnee: top ? adaptiveRowsPerSecond / top.rate : null,
     adaptiveOverUnthrottled: unthrottled[which].rowsPerSecond > 0 ? adaptiveRowsPerSecond / unthrottled[which].rowsPerSecond : 0,
     adaptiveP99Ratio: adaptive[which].p99Ratio,
-    kneeRange: {
-      surelyUnder: surelyUnder?.rate ?? null,
-      surelyUnderIsUnthrottled: surelyUnder?.unthrottled ?? false,
-      surelyOver: surelyOverIndex >= 0 ? ladder[surelyOverIndex]!.rate : null,
-      surelyOverIsUnthrottled: surelyOverIndex >= 0 && ladder[surelyOverIndex]!.unthrottled,
-    },
-    adaptiveP99Interval: adaptive[which].p99RatioInterval,
-    adaptiveP99Verdict: adaptiveP99Verdict === 'under' ? 'met' : adaptiveP99Verdict === 'over' ? 'missed' : 'cannot tell',
-    // Both at once: a lower rate surely over and a higher one surely under (harm not growing with the rate): undecided.
-    adaptiveRateVerdict: kneeAtMost === null ? 'no knee' : metAtMost === missedAtLeast ? 'cannot tell' : metAtMost ? 'met' : 'missed',
+    ...withIntervals((w) => w.p99RatioNoiseInterval),
+    samplingOnly: withIntervals((w) => w.p99RatioInterval),
   };
 }
 
@@ -491,11 +526,23 @@ async function runShape(context: BenchContext, seed: Seed, options: ShapesOption
     const alone = latencyOf(aloneAll);
     const bootstrap = new ShapeBootstrap();
     const aloneResampled = bootstrap.p99s(aloneAll, aloneWindows.reduce((sum, w) => sum + w.ms, 0));
+    const aloneWindowP99Ms = aloneWindows.map((w) => latencyOf(w.transactions).p99Ms);
+    // Each alone window against the others pooled: no cleanup on either side, so an interval that
+    // misses 1 is noise the interval did not see, and the ratios are that noise (windowNoise below).
+    const aloneWindowIntervals = aloneWindows.map((w, i) => {
+      const others = aloneWindows.filter((_, j) => j !== i);
+      const othersAll = others.flatMap((o) => o.transactions);
+      const interval = ratioInterval(bootstrap.p99s(w.transactions, w.ms), bootstrap.p99s(othersAll, others.reduce((sum, o) => sum + o.ms, 0)), BOOTSTRAP.level);
+      return { ratio: aloneWindowP99Ms[i]! / latencyOf(othersAll).p99Ms, interval };
+    });
+    const windowNoise = aloneWindowIntervals.map((w) => w.ratio);
     const window = (m: { series: readonly Progress[]; startMs: number }, fromMs: number, toMs: number, justBefore: ForegroundLatency): ShapeWindow => {
       const rows = deletedAt(m.series, toMs) - deletedAt(m.series, fromMs);
       const transactions = p.transactions(fromMs, toMs);
       const foreground = latencyOf(transactions);
-      const p99RatioInterval = ratioInterval(bootstrap.p99s(transactions, toMs - fromMs), aloneResampled, BOOTSTRAP.level);
+      const resampled = bootstrap.p99s(transactions, toMs - fromMs);
+      const p99RatioInterval = ratioInterval(resampled, aloneResampled, BOOTSTRAP.level);
+      const p99RatioNoiseInterval = ratioInterval(resampled, aloneResampled, BOOTSTRAP.level, { ratios: windowNoise, seed: bootstrap.seed() });
       return {
         fromSeconds: (fromMs - m.startMs) / 1000,
         toSeconds: (toMs - m.startMs) / 1000,
@@ -505,7 +552,9 @@ async function runShape(context: BenchContext, seed: Seed, options: ShapesOption
         p99Ratio: foreground.p99Ms / alone.p99Ms,
         p99RatioJustBefore: foreground.p99Ms / justBefore.p99Ms,
         p99RatioInterval,
-        p99Verdict: verdictOf(p99RatioInterval, options.kneeRatio),
+        p99RatioNoiseInterval,
+        p99Verdict: verdictOf(p99RatioNoiseInterval, options.kneeRatio),
+        p99VerdictSamplingOnly: verdictOf(p99RatioInterval, options.kneeRatio),
       };
     };
     const results: ShapeContender[] = measured.map((m) => {
@@ -540,14 +589,6 @@ async function runShape(context: BenchContext, seed: Seed, options: ShapesOption
     const controlAlone = latencyOf(p.transactions(control.aloneFromMs, control.aloneToMs));
     const controlRun = { series: [] as Progress[], startMs: control.startMs };
     const controlWindows = { short: window(controlRun, control.startMs, control.shortEndMs, controlAlone), long: window(controlRun, control.longFromMs, control.longEndMs, controlAlone) };
-    const aloneWindowP99Ms = [controlAlone, ...results.map((c) => c.aloneJustBefore)].map((l) => l.p99Ms);
-    // Each alone window against the others pooled: no cleanup on either side, so an interval that misses 1 is noise the interval did not see.
-    const aloneWindowIntervals = aloneWindows.map((w, i) => {
-      const others = aloneWindows.filter((_, j) => j !== i);
-      const othersP99 = latencyOf(others.flatMap((o) => o.transactions)).p99Ms;
-      const interval = ratioInterval(bootstrap.p99s(w.transactions, w.ms), bootstrap.p99s(others.flatMap((o) => o.transactions), others.reduce((sum, o) => sum + o.ms, 0)), BOOTSTRAP.level);
-      return { ratio: aloneWindowP99Ms[i]! / othersP99, interval };
-    });
     const aloneMedian = median(aloneWindowP99Ms);
     const noise: ShapeNoise = {
       aloneMaxOverMin: Math.max(...aloneWindowP99Ms) / Math.min(...aloneWindowP99Ms),

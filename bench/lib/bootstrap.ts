@@ -12,9 +12,11 @@ import { prng } from '../../test/support/prng';
  * one stall as if its slow transactions were independent (too narrow an interval). Both samples are
  * resampled independently; the interval is the percentile interval of the resampled ratios.
  *
- * What it cannot see: noise slower than one window (the machine's other load changing between an
- * alone window and the next) — the alone windows' spread and the control show that, see
- * docs/performance.md.
+ * What a resample inside one window cannot see: noise slower than a window (the machine's other
+ * load changing between an alone window and the next). On figure 7b's 2-core machine it dominates
+ * (2026-12-06: each alone window's interval against the other alone windows held 1 in about half
+ * the windows, not 90%), so ratioInterval can fold in the ratios the alone windows read against
+ * each other (`windowNoise`).
  */
 
 /** The index of the q-quantile in n sorted values (the nearest-rank rule every bench percentile uses). */
@@ -85,14 +87,21 @@ export function bootstrapQuantiles(values: readonly number[], blockLength: numbe
  * The percentile interval of numerator ÷ denominator from two independent sets of resampled
  * quantiles (the b-th of each paired; their lengths must match). Null when either is empty or a
  * resampled denominator is 0 (no ratio to bound).
+ *
+ * `windowNoise` (optional): ratios that the same measurement read where the truth is 1 (each alone
+ * window's p99 ÷ the other alone windows'); each resampled ratio is divided by one of them drawn at
+ * random (`seed`), so the interval also holds the noise between one window and the next, which a
+ * resample inside one window cannot see.
  */
-export function ratioInterval(numerator: Float64Array, denominator: Float64Array, level: number): RatioInterval | null {
+export function ratioInterval(numerator: Float64Array, denominator: Float64Array, level: number, windowNoise?: { ratios: readonly number[]; seed: number }): RatioInterval | null {
   if (numerator.length === 0 || denominator.length === 0) return null;
   if (numerator.length !== denominator.length) throw new Error(`ratioInterval: ${numerator.length} resamples against ${denominator.length}`);
+  const noise = windowNoise?.ratios.filter((r) => Number.isFinite(r) && r > 0) ?? [];
+  const random = prng(windowNoise?.seed ?? 0);
   const ratios = new Float64Array(numerator.length);
   for (let b = 0; b < ratios.length; b++) {
     if (!(denominator[b]! > 0)) return null;
-    ratios[b] = numerator[b]! / denominator[b]!;
+    ratios[b] = numerator[b]! / denominator[b]! / (noise.length > 0 ? noise[Math.floor(random() * noise.length)]! : 1);
   }
   ratios.sort();
   const tail = (1 - level) / 2;

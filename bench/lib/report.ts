@@ -6,7 +6,7 @@ import { partitionsRows, type PartitionsFigure } from '../figures/partitions';
 import type { RemoteBacklogFigure, RemoteFigure } from '../figures/remote-delete';
 import type { ReaperRun, StageSplit } from '../figures/row-delete';
 import type { S3Figure } from '../figures/s3-delete';
-import type { ShapeResult, ShapeSummary, ShapesFigure, ShapeWindow, TargetVerdict } from '../figures/shapes';
+import type { IntervalVerdicts, ShapeResult, ShapeSummary, ShapesFigure, ShapeWindow, TargetVerdict } from '../figures/shapes';
 import type { RatioInterval } from './bootstrap';
 import type { CountCheck, Measured, Throughput } from './context';
 import type { CpuSplit } from './cpu';
@@ -195,7 +195,7 @@ const kneeText = (summary: ShapeSummary): string =>
 const intervalText = (interval: RatioInterval | null): string => (interval === null ? '-' : `${ratio(interval.low)}–${ratio(interval.high)}`);
 
 /** The knee with the noise: [highest rate surely under, lowest surely over] ('-' where there is none). */
-const kneeRangeText = (summary: ShapeSummary): string => {
+const kneeRangeText = (summary: IntervalVerdicts): string => {
   const r = summary.kneeRange;
   const rate = (value: number | null, unthrottled: boolean): string => (value === null ? '-' : `${unthrottled ? 'unthrottled ' : ''}${number(value)}`);
   return `[${rate(r.surelyUnder, r.surelyUnderIsUnthrottled)}, ${rate(r.surelyOver, r.surelyOverIsUnthrottled)}]`;
@@ -204,8 +204,12 @@ const kneeRangeText = (summary: ShapeSummary): string => {
 /** The met column of a target read with its interval: yes, NO, or cannot tell. */
 const targetVerdict = (v: TargetVerdict | 'no knee'): string => (v === 'met' ? 'yes' : v === 'missed' ? 'NO' : v);
 
-/** A window's ratio with its interval and where it stands against the line: under, over, or ? (cannot tell). */
-const windowWithInterval = (w: ShapeWindow): string => `${ratio(w.p99Ratio)} (${intervalText(w.p99RatioInterval)}) ${w.p99Verdict === 'cannot tell' ? '?' : w.p99Verdict}`;
+/** A window's ratio with both intervals (sampling only; with the noise between windows) and where the second stands against the line: under, over, or ? (cannot tell). */
+const windowWithInterval = (w: ShapeWindow): string =>
+  `${ratio(w.p99Ratio)} (${intervalText(w.p99RatioInterval)}; ${intervalText(w.p99RatioNoiseInterval)}) ${w.p99Verdict === 'cannot tell' ? '?' : w.p99Verdict}`;
+
+/** Both intervals of a ratio: with the noise between windows (the verdicts'), then sampling only. */
+const bothIntervals = (withNoise: RatioInterval | null, samplingOnly: RatioInterval | null): string => `${intervalText(withNoise)} (sampling only ${intervalText(samplingOnly)})`;
 
 /** Figure 7b: per shape, the knee and the adaptive contender against its targets (the per-rate table is renderShapesTable). */
 function shapesRows(f: ShapesFigure, add: (figure: string, measure: string, value: string, r?: string, target?: string, met?: string) => void): void {
@@ -214,20 +218,20 @@ function shapesRows(f: ShapesFigure, add: (figure: string, measure: string, valu
     const n = result.noise;
     add(
       '7b',
-      `${result.shape.label}, noise floor: alone windows' p99 max ÷ min (each ÷ median); ratio: the control's 90% interval short / long; alone-window intervals holding 1`,
+      `${result.shape.label}, noise floor: alone windows' p99 max ÷ min (each ÷ median); ratio: the control's 90% intervals short / long; alone windows whose sampling-only interval against the others holds 1`,
       `${ratio(n.aloneMaxOverMin)} (${n.aloneOverMedian.map(ratio).join(' ')})`,
-      `${intervalText(result.control.short.p99RatioInterval)} / ${intervalText(result.control.long.p99RatioInterval)}`,
+      `${bothIntervals(result.control.short.p99RatioNoiseInterval, result.control.short.p99RatioInterval)} / ${bothIntervals(result.control.long.p99RatioNoiseInterval, result.control.long.p99RatioInterval)}`,
       '',
       `${n.aloneIntervalsHoldingOne} of ${n.aloneWindowIntervals.length}`,
     );
     for (const which of ['short', 'long'] as const) {
       const summary = result[which];
       const target = shapeRateTarget(summary);
-      add('7b', `${head}, ${which}: knee (rows/s, p99 ÷ alone ≤ ${f.options.kneeRatio}); range [surely under, surely over]`, `${kneeText(summary)} ${kneeRangeText(summary)}`);
+      add('7b', `${head}, ${which}: knee (rows/s, p99 ÷ alone ≤ ${f.options.kneeRatio}); range [surely under, surely over] (sampling only)`, `${kneeText(summary)} ${kneeRangeText(summary)} (${kneeRangeText(summary.samplingOnly)})`);
       // The met columns read the intervals: the rate target against the knee range, the p99 target against the adaptive ratio's interval.
       add('7b', `  adaptive ${number(summary.adaptiveRowsPerSecond)} rows/s ÷ ${summary.kneeIsUnthrottled ? 'unthrottled' : 'knee'}`, '', target.ratio === null ? '-' : ratio(target.ratio), `>= ${target.least} (over the knee range)`, targetVerdict(summary.adaptiveRateVerdict));
       const p99Ms = `${number(result.contenders.find((c) => c.kind === 'adaptive')![which].foreground.p99Ms, 2)} ms`;
-      add('7b', '  adaptive p99 ÷ alone (90% interval)', p99Ms, `${ratio(summary.adaptiveP99Ratio)} (${intervalText(summary.adaptiveP99Interval)})`, `<= ${f.options.kneeRatio}`, targetVerdict(summary.adaptiveP99Verdict));
+      add('7b', '  adaptive p99 ÷ alone (90% interval)', p99Ms, `${ratio(summary.adaptiveP99Ratio)} (${bothIntervals(summary.adaptiveP99Interval, summary.samplingOnly.adaptiveP99Interval)})`, `<= ${f.options.kneeRatio}`, targetVerdict(summary.adaptiveP99Verdict));
     }
   }
 }
@@ -242,7 +246,7 @@ export function renderShapesTable(f: ShapesFigure): string[] {
   const rates = f.options.rates;
   const head = [
     'shape (alone p99)', 'window', ...rates.map((r) => count(r)), 'unthrottled', 'control (no cleanup)', 'knee rows/s', 'adaptive rows/s', 'adaptive ÷ knee', 'adaptive p99 ÷ alone',
-    'knee range [surely under, surely over]', 'adaptive p99 ÷ alone, 90% interval', `adaptive p99 ≤ ${f.options.kneeRatio} met`, 'adaptive rate met',
+    'knee range [surely under, surely over] (sampling only)', 'adaptive p99 ÷ alone, 90% interval (sampling only)', `adaptive p99 ≤ ${f.options.kneeRatio} met`, 'adaptive rate met',
   ];
   const lines = [`| ${head.join(' | ')} |`, `|${head.map(() => '---').join('|')}|`];
   const cell = (result: ShapeResult, which: 'short' | 'long', rate: number): string => {
@@ -259,7 +263,7 @@ export function renderShapesTable(f: ShapesFigure): string[] {
       const target = shapeRateTarget(summary);
       const w = result.contenders[0]![which];
       lines.push(
-        `| ${which === 'short' ? `${result.shape.label} (${number(result.alone.p99Ms, 2)} ms)` : ''} | ${which} ${number(w.fromSeconds, 1)}–${number(w.toSeconds, 1)} s | ${rates.map((rate) => cell(result, which, rate)).join(' | ')} | ${ratio(unthrottled[which].p99Ratio)} (${count(Math.round(unthrottled[which].rowsPerSecond / 1000) * 1000)}) | ${ratio(result.control[which].p99Ratio)} | ${kneeText(summary)} | ${number(summary.adaptiveRowsPerSecond)} | ${target.ratio === null ? '-' : `${ratio(target.ratio)}${summary.kneeIsUnthrottled ? ' (÷ unthrottled)' : ''}`} | ${ratio(summary.adaptiveP99Ratio)} | ${kneeRangeText(summary)} | ${intervalText(summary.adaptiveP99Interval)} | ${targetVerdict(summary.adaptiveP99Verdict)} | ${targetVerdict(summary.adaptiveRateVerdict)} |`,
+        `| ${which === 'short' ? `${result.shape.label} (${number(result.alone.p99Ms, 2)} ms)` : ''} | ${which} ${number(w.fromSeconds, 1)}–${number(w.toSeconds, 1)} s | ${rates.map((rate) => cell(result, which, rate)).join(' | ')} | ${ratio(unthrottled[which].p99Ratio)} (${count(Math.round(unthrottled[which].rowsPerSecond / 1000) * 1000)}) | ${ratio(result.control[which].p99Ratio)} | ${kneeText(summary)} | ${number(summary.adaptiveRowsPerSecond)} | ${target.ratio === null ? '-' : `${ratio(target.ratio)}${summary.kneeIsUnthrottled ? ' (÷ unthrottled)' : ''}`} | ${ratio(summary.adaptiveP99Ratio)} | ${kneeRangeText(summary)} (${kneeRangeText(summary.samplingOnly)}) | ${bothIntervals(summary.adaptiveP99Interval, summary.samplingOnly.adaptiveP99Interval)} | ${targetVerdict(summary.adaptiveP99Verdict)} | ${targetVerdict(summary.adaptiveRateVerdict)} |`,
       );
     }
   }
@@ -287,7 +291,7 @@ export function renderShapesTable(f: ShapesFigure): string[] {
   const b = f.bootstrap;
   lines.push(
     '',
-    `Each p99 ÷ alone with its ${b.level * 100}% bootstrap interval (${count(b.resamples)} resamples of each window and of the pooled alone windows, independently, in blocks of ${b.blockMs} ms of consecutive transactions; seed ${b.seed}) and where it stands against ${f.options.kneeRatio}: over (the whole interval above), under (the whole interval at or below), ? (cannot tell).`,
+    `Each p99 ÷ alone with two ${b.level * 100}% bootstrap intervals (${count(b.resamples)} resamples of each window and of the pooled alone windows, independently, in blocks of ${b.blockMs} ms of consecutive transactions; seed ${b.seed}): sampling only, then with the noise between windows (each resampled ratio divided by one of the ratios the alone windows read against the others, drawn at random), and where the second stands against ${f.options.kneeRatio}: over (the whole interval above), under (the whole interval at or below), ? (cannot tell). The knee range and the met columns read the second; in brackets, what the sampling-only intervals would say.`,
     '',
     ...intervals,
     '',

@@ -91,3 +91,16 @@ test('the same samples and seed give the same interval; an empty sample gives no
   assert.equal(bootstrapQuantiles([], 1, OPTIONS).length, 0);
   assert.equal(ratioInterval(new Float64Array(0), bootstrapQuantiles(values, 1, OPTIONS), 0.9), null);
 });
+
+test('the noise between windows widens the interval by what the alone windows read against each other', () => {
+  const during = bootstrapQuantiles(latencies(1500, 41, 2), 1, { ...OPTIONS, seed: 11 });
+  const alone = bootstrapQuantiles(latencies(6000, 42), 1, { ...OPTIONS, seed: 12 });
+  const sampling = ratioInterval(during, alone, 0.9)!;
+  assert.equal(verdictOf(sampling, 1.25), 'over', `sampling only: ${sampling.low.toFixed(2)}–${sampling.high.toFixed(2)}`);
+  // Alone windows that read 1 against each other add nothing.
+  assert.deepEqual(ratioInterval(during, alone, 0.9, { ratios: [1, 1, 1], seed: 13 }), sampling);
+  // Alone windows that read 0.6–2.2 against each other: a ratio of 2 may be one of them.
+  const withNoise = ratioInterval(during, alone, 0.9, { ratios: [0.6, 0.8, 1, 1.1, 1.3, 1.8, 2.2], seed: 13 })!;
+  assert.ok(withNoise.low < 1.25 && withNoise.high > sampling.high, `with the noise: ${withNoise.low.toFixed(2)}–${withNoise.high.toFixed(2)}`);
+  assert.equal(verdictOf(withNoise, 1.25), 'cannot tell');
+});
