@@ -231,7 +231,7 @@ function shapesRows(f: ShapesFigure, add: (figure: string, measure: string, valu
       // The met columns read the intervals: the rate target against the knee range, the p99 target against the adaptive ratio's interval.
       add('7b', `  adaptive ${number(summary.adaptiveRowsPerSecond)} rows/s ÷ ${summary.kneeIsUnthrottled ? 'unthrottled' : 'knee'}`, '', target.ratio === null ? '-' : ratio(target.ratio), `>= ${target.least} (over the knee range)`, targetVerdict(summary.adaptiveRateVerdict));
       const p99Ms = `${number(result.contenders.find((c) => c.kind === 'adaptive')![which].foreground.p99Ms, 2)} ms`;
-      add('7b', '  adaptive p99 ÷ alone (90% interval)', p99Ms, `${ratio(summary.adaptiveP99Ratio)} (${bothIntervals(summary.adaptiveP99Interval, summary.samplingOnly.adaptiveP99Interval)})`, `<= ${f.options.kneeRatio}`, targetVerdict(summary.adaptiveP99Verdict));
+      add('7b', '  adaptive p99 ÷ alone (90% interval)', p99Ms, `${ratio(summary.adaptiveP99Ratio)}: ${bothIntervals(summary.adaptiveP99Interval, summary.samplingOnly.adaptiveP99Interval)}`, `<= ${f.options.kneeRatio}`, targetVerdict(summary.adaptiveP99Verdict));
     }
   }
 }
