@@ -8,6 +8,7 @@ import { runsInsertIfAbsent, type RunState } from '../../shared/db/queries/runs'
 import { check, checkFinished, reaperEnvironment, type BenchContext } from '../lib/context';
 import { cutoffAfterCandidates, withAdmin, type Seed, OBSERVER_APPLICATION, SAMPLER_APPLICATION } from '../lib/database';
 import { seatHoldsPolicy, writePolicies } from '../lib/policies';
+import { quantileRank } from '../lib/bootstrap';
 import { CpuMeter, type CpuSplit } from '../lib/cpu';
 import { onDatabaseCpu } from '../lib/pin';
 import { median } from '../lib/stats';
@@ -141,7 +142,7 @@ export interface ForegroundFigure {
 
 export function percentile(sorted: readonly number[], q: number): number {
   if (sorted.length === 0) return 0;
-  return sorted[Math.min(sorted.length - 1, Math.max(0, Math.ceil(q * sorted.length) - 1))]!;
+  return sorted[quantileRank(sorted.length, q)]!;
 }
 
 /** pgbench's connection options from the bench database's URL. */

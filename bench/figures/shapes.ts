@@ -8,6 +8,7 @@ import { reaperEnvironment, type BenchContext } from '../lib/context';
 import { cutoffAfterCandidates, OBSERVER_APPLICATION, type Seed } from '../lib/database';
 import { seatHoldsPolicy, writePolicies, type RowDeletePolicyInput } from '../lib/policies';
 import { startServices, stopServices, type ReaperService } from '../lib/services';
+import { blockLengthFor, bootstrapQuantiles, ratioInterval, verdictOf, type RatioInterval, type Verdict } from '../lib/bootstrap';
 import { median } from '../lib/stats';
 import { sleep } from '../lib/wait';
 import { checkCounts, latencyOf, Pgbench, settleWrites, TAIL_MS, WARM_UP_MS, writeScripts, type ForegroundLatency } from './foreground';
@@ -35,7 +36,22 @@ import { checkCounts, latencyOf, Pgbench, settleWrites, TAIL_MS, WARM_UP_MS, wri
  * contender starts as this one did. The foreground's p99 in each window is compared with its p99
  * over every alone window of the shape (pooled: ~8x the transactions of one window), and with the
  * alone window just before (in the JSON).
+ *
+ * Each ratio to the pooled alone p99 carries a 90% bootstrap interval (bench/lib/bootstrap.ts,
+ * BOOTSTRAP below): a window of a few seconds holds 100–10,000 transactions, its p99 rests on 1–100
+ * of them, and on a shared 2-core machine the alone windows' own p99 spread 2.5x with no cleanup
+ * (2026-12-06). A rate is over the knee's line only when its whole interval is above it, under only
+ * when its whole interval is at or below it; otherwise the figure cannot tell. The noise slower than
+ * a window, which no interval inside one window sees, is reported beside it: the alone windows'
+ * spread, and each alone window's interval against the others (they should hold 1).
  */
+
+/**
+ * The bootstrap of every p99 ratio: 1,000 resamples (the 5th and 95th percentiles rest on 50 each),
+ * a 90% interval, blocks of 100 ms of consecutive transactions (one stall delays all of them under
+ * -R), a fixed seed so a result file's intervals are reproduced from the same log.
+ */
+export const BOOTSTRAP = { resamples: 1000, level: 0.9, blockMs: 100, seed: 41 } as const;
 
 export type ShapeScripts = 'mixed' | 'read' | 'write';
 
@@ -89,6 +105,17 @@ export interface ShapeWindow {
   p99Ratio: number;
   /** p99 ÷ the p99 of the alone window just before this contender. */
   p99RatioJustBefore: number;
+  /** The bootstrap interval of p99Ratio (BOOTSTRAP), sampling inside the windows only; null when a sample was empty. */
+  p99RatioInterval: RatioInterval | null;
+  /**
+   * The same with the noise between windows folded in (each resampled ratio ÷ one of the ratios the
+   * alone windows read against each other, ShapeNoise): the interval the verdicts use.
+   */
+  p99RatioNoiseInterval: RatioInterval | null;
+  /** p99Ratio against the knee's line, with p99RatioNoiseInterval: over, under, or cannot tell. */
+  p99Verdict: Verdict;
+  /** The same with p99RatioInterval (sampling only). */
+  p99VerdictSamplingOnly: Verdict;
 }
 
 export interface ShapeContender {
@@ -112,7 +139,8 @@ export interface ShapeContender {
   adaptiveRate: { shortMedian: number | null; longMedian: number | null; series: Array<[number, number]> } | null;
 }
 
-export interface ShapeSummary {
+/** The knee and the adaptive contender read from the point ratios (the first result files' columns). */
+export interface PointSummary {
   /** Highest rate (fixed, or unthrottled's achieved rate) whose window p99 ÷ alone ≤ kneeRatio; null when none. */
   knee: number | null;
   kneeIsUnthrottled: boolean;
@@ -122,6 +150,55 @@ export interface ShapeSummary {
   adaptiveOverKnee: number | null;
   adaptiveOverUnthrottled: number;
   adaptiveP99Ratio: number;
+}
+
+/** The knee and the targets read with one kind of interval. */
+export interface IntervalVerdicts {
+  /**
+   * The knee with the noise: the highest rate (fixed, or unthrottled's achieved rate) whose interval
+   * is wholly at or under the line, and the lowest whose interval is wholly above it; null when
+   * there is none. The knee lies between them where harm grows with the rate.
+   */
+  kneeRange: { surelyUnder: number | null; surelyUnderIsUnthrottled: boolean; surelyOver: number | null; surelyOverIsUnthrottled: boolean };
+  adaptiveP99Interval: RatioInterval | null;
+  /** The adaptive p99 target (≤ kneeRatio) with its interval. */
+  adaptiveP99Verdict: TargetVerdict;
+  /**
+   * The rate target (≥ 0.7 × the knee, ≥ 0.8 × unthrottled where the knee is unthrottled) against
+   * the knee range: met when it holds against the highest rate the knee can be (the step below the
+   * lowest surely over), missed when it fails against the lowest (the highest surely under); 'no
+   * knee' when the lowest rate is surely over.
+   */
+  adaptiveRateVerdict: TargetVerdict | 'no knee';
+}
+
+/**
+ * The knee range and the verdicts with the intervals that hold the noise between windows (the
+ * fields), and with the sampling-only intervals (`samplingOnly`: too narrow on a machine whose p99
+ * moves from one window to the next; kept to show what they would have claimed).
+ */
+export interface ShapeSummary extends PointSummary, IntervalVerdicts {
+  samplingOnly: IntervalVerdicts;
+}
+
+export type TargetVerdict = 'met' | 'missed' | 'cannot tell';
+
+/** The noise floor of one shape: what the p99 ratio reads with no cleanup at all. */
+export interface ShapeNoise {
+  /** The alone windows' p99: the highest ÷ the lowest. */
+  aloneMaxOverMin: number;
+  /** Each alone window's p99 ÷ their median, in order. */
+  aloneOverMedian: number[];
+  /**
+   * Each alone window's p99 ÷ the pooled p99 of the other alone windows, with its interval: the
+   * truth is about 1, so the share of intervals holding 1 says whether the intervals can be
+   * trusted (about 90% if the noise were only sampling within a window).
+   */
+  aloneWindowIntervals: Array<{ ratio: number; interval: RatioInterval | null }>;
+  aloneIntervalsHoldingOne: number;
+  /** CPU the bootstrap took for this shape (ms), and how many samples it resampled. */
+  bootstrapCpuMs: number;
+  bootstraps: number;
 }
 
 export interface ShapeResult {
@@ -137,6 +214,7 @@ export interface ShapeResult {
   adaptiveP99BySecond: number[];
   /** The p99 of each alone window, in order (their spread is the ratio's noise). */
   aloneWindowP99Ms: number[];
+  noise: ShapeNoise;
   contenders: ShapeContender[];
   short: ShapeSummary;
   long: ShapeSummary;
@@ -145,6 +223,7 @@ export interface ShapeResult {
 
 export interface ShapesFigure {
   options: ShapesOptions;
+  bootstrap: typeof BOOTSTRAP;
   candidates: number;
   shapes: ShapeResult[];
   loadAverage: { before: number[]; after: number[] };
@@ -323,16 +402,71 @@ async function runControl(options: ShapesOptions): Promise<{ aloneFromMs: number
   return { aloneFromMs, aloneToMs, startMs, shortEndMs: startMs + options.shortSeconds * 1000, longFromMs, longEndMs };
 }
 
+/**
+ * Resampled p99s of the windows of one shape, each sample with a seed of its own (a numerator and
+ * its denominator must not draw the same random sequence), and the CPU they took.
+ */
+class ShapeBootstrap {
+  private nextSeed: number = BOOTSTRAP.seed;
+  cpuMs = 0;
+  count = 0;
+
+  /** Transactions in the order they ended (the log's order: pgbench runs one thread), observed over `windowMs`. */
+  p99s(transactions: ReadonlyArray<{ ms: number }>, windowMs: number): Float64Array {
+    const started = process.cpuUsage();
+    const values = transactions.map((t) => t.ms);
+    const out = bootstrapQuantiles(values, blockLengthFor(values.length, windowMs, BOOTSTRAP.blockMs), { resamples: BOOTSTRAP.resamples, quantile: 0.99, seed: this.seed() });
+    const used = process.cpuUsage(started);
+    this.cpuMs += (used.user + used.system) / 1000;
+    this.count++;
+    return out;
+  }
+
+  /** A seed no other draw of this shape uses. */
+  seed(): number {
+    return this.nextSeed++;
+  }
+}
+
 /** The knee of one window (short or long) and the adaptive contender against it. */
 export function summarise(contenders: readonly ShapeContender[], which: 'short' | 'long', kneeRatio: number): ShapeSummary {
   const fixed = contenders.filter((c) => c.kind === 'fixed').sort((a, b) => a.rowsPerSecond! - b.rowsPerSecond!);
   const unthrottled = contenders.find((c) => c.kind === 'unthrottled')!;
   const adaptive = contenders.find((c) => c.kind === 'adaptive')!;
-  const ladder = [...fixed.map((c) => ({ rate: c.rowsPerSecond!, ratio: c[which].p99Ratio, unthrottled: false })), { rate: unthrottled[which].rowsPerSecond, ratio: unthrottled[which].p99Ratio, unthrottled: true }];
+  const ladder = [
+    ...fixed.map((c) => ({ rate: c.rowsPerSecond!, window: c[which], unthrottled: false })),
+    { rate: unthrottled[which].rowsPerSecond, window: unthrottled[which], unthrottled: true },
+  ].map((step) => ({ ...step, ratio: step.window.p99Ratio }));
   const passing = ladder.filter((step) => step.ratio <= kneeRatio);
   const top = passing.at(-1) ?? null;
   const firstFail = ladder.findIndex((step) => step.ratio > kneeRatio);
   const adaptiveRowsPerSecond = adaptive[which].rowsPerSecond;
+  // The rate target of a knee at `step` (issue 41): 0.8 × unthrottled's rate, else 0.7 × the rate.
+  const rateTargetMet = (step: { rate: number; unthrottled: boolean }): boolean => adaptiveRowsPerSecond >= (step.unthrottled ? 0.8 : 0.7) * step.rate;
+  const withIntervals = (intervalOf: (w: ShapeWindow) => RatioInterval | null): IntervalVerdicts => {
+    const verdicts = ladder.map((step) => verdictOf(intervalOf(step.window), kneeRatio));
+    const surelyUnderIndex = verdicts.lastIndexOf('under');
+    const surelyOverIndex = verdicts.indexOf('over');
+    const surelyUnder = surelyUnderIndex >= 0 ? ladder[surelyUnderIndex]! : null;
+    const surelyOver = surelyOverIndex >= 0 ? ladder[surelyOverIndex]! : null;
+    // The highest the knee can be: the step below the lowest surely over (every step when none is).
+    const kneeAtMost = surelyOverIndex < 0 ? ladder.at(-1)! : surelyOverIndex > 0 ? ladder[surelyOverIndex - 1]! : null;
+    const metAtMost = kneeAtMost !== null && rateTargetMet(kneeAtMost);
+    const missedAtLeast = surelyUnder !== null && !rateTargetMet(surelyUnder);
+    const adaptiveP99 = verdictOf(intervalOf(adaptive[which]), kneeRatio);
+    return {
+      kneeRange: {
+        surelyUnder: surelyUnder?.rate ?? null,
+        surelyUnderIsUnthrottled: surelyUnder?.unthrottled ?? false,
+        surelyOver: surelyOver?.rate ?? null,
+        surelyOverIsUnthrottled: surelyOver?.unthrottled ?? false,
+      },
+      adaptiveP99Interval: intervalOf(adaptive[which]),
+      adaptiveP99Verdict: adaptiveP99 === 'under' ? 'met' : adaptiveP99 === 'over' ? 'missed' : 'cannot tell',
+      // Both at once: a lower rate surely over and a higher one surely under (harm not growing with the rate): undecided.
+      adaptiveRateVerdict: kneeAtMost === null ? 'no knee' : metAtMost === missedAtLeast ? 'cannot tell' : metAtMost ? 'met' : 'missed',
+    };
+  };
   return {
     knee: top?.rate ?? null,
     kneeIsUnthrottled: top?.unthrottled ?? false,
@@ -341,6 +475,8 @@ export function summarise(contenders: readonly ShapeContender[], which: 'short' 
     adaptiveOverKnee: top ? adaptiveRowsPerSecond / top.rate : null,
     adaptiveOverUnthrottled: unthrottled[which].rowsPerSecond > 0 ? adaptiveRowsPerSecond / unthrottled[which].rowsPerSecond : 0,
     adaptiveP99Ratio: adaptive[which].p99Ratio,
+    ...withIntervals((w) => w.p99RatioNoiseInterval),
+    samplingOnly: withIntervals((w) => w.p99RatioInterval),
   };
 }
 
@@ -385,11 +521,28 @@ async function runShape(context: BenchContext, seed: Seed, options: ShapesOption
     await sleep(TAIL_MS);
     await pgbench.stop();
     const p = pgbench;
-    const aloneAll = [control, ...measured].flatMap((m) => p.transactions(m.aloneFromMs, m.aloneToMs));
+    const aloneWindows = [control, ...measured].map((m) => ({ transactions: p.transactions(m.aloneFromMs, m.aloneToMs), ms: m.aloneToMs - m.aloneFromMs }));
+    const aloneAll = aloneWindows.flatMap((w) => w.transactions);
     const alone = latencyOf(aloneAll);
+    const bootstrap = new ShapeBootstrap();
+    const aloneResampled = bootstrap.p99s(aloneAll, aloneWindows.reduce((sum, w) => sum + w.ms, 0));
+    const aloneWindowP99Ms = aloneWindows.map((w) => latencyOf(w.transactions).p99Ms);
+    // Each alone window against the others pooled: no cleanup on either side, so an interval that
+    // misses 1 is noise the interval did not see, and the ratios are that noise (windowNoise below).
+    const aloneWindowIntervals = aloneWindows.map((w, i) => {
+      const others = aloneWindows.filter((_, j) => j !== i);
+      const othersAll = others.flatMap((o) => o.transactions);
+      const interval = ratioInterval(bootstrap.p99s(w.transactions, w.ms), bootstrap.p99s(othersAll, others.reduce((sum, o) => sum + o.ms, 0)), BOOTSTRAP.level);
+      return { ratio: aloneWindowP99Ms[i]! / latencyOf(othersAll).p99Ms, interval };
+    });
+    const windowNoise = aloneWindowIntervals.map((w) => w.ratio);
     const window = (m: { series: readonly Progress[]; startMs: number }, fromMs: number, toMs: number, justBefore: ForegroundLatency): ShapeWindow => {
       const rows = deletedAt(m.series, toMs) - deletedAt(m.series, fromMs);
-      const foreground = latencyOf(p.transactions(fromMs, toMs));
+      const transactions = p.transactions(fromMs, toMs);
+      const foreground = latencyOf(transactions);
+      const resampled = bootstrap.p99s(transactions, toMs - fromMs);
+      const p99RatioInterval = ratioInterval(resampled, aloneResampled, BOOTSTRAP.level);
+      const p99RatioNoiseInterval = ratioInterval(resampled, aloneResampled, BOOTSTRAP.level, { ratios: windowNoise, seed: bootstrap.seed() });
       return {
         fromSeconds: (fromMs - m.startMs) / 1000,
         toSeconds: (toMs - m.startMs) / 1000,
@@ -398,6 +551,10 @@ async function runShape(context: BenchContext, seed: Seed, options: ShapesOption
         foreground,
         p99Ratio: foreground.p99Ms / alone.p99Ms,
         p99RatioJustBefore: foreground.p99Ms / justBefore.p99Ms,
+        p99RatioInterval,
+        p99RatioNoiseInterval,
+        p99Verdict: verdictOf(p99RatioNoiseInterval, options.kneeRatio),
+        p99VerdictSamplingOnly: verdictOf(p99RatioInterval, options.kneeRatio),
       };
     };
     const results: ShapeContender[] = measured.map((m) => {
@@ -431,6 +588,16 @@ async function runShape(context: BenchContext, seed: Seed, options: ShapesOption
     });
     const controlAlone = latencyOf(p.transactions(control.aloneFromMs, control.aloneToMs));
     const controlRun = { series: [] as Progress[], startMs: control.startMs };
+    const controlWindows = { short: window(controlRun, control.startMs, control.shortEndMs, controlAlone), long: window(controlRun, control.longFromMs, control.longEndMs, controlAlone) };
+    const aloneMedian = median(aloneWindowP99Ms);
+    const noise: ShapeNoise = {
+      aloneMaxOverMin: Math.max(...aloneWindowP99Ms) / Math.min(...aloneWindowP99Ms),
+      aloneOverMedian: aloneWindowP99Ms.map((ms) => ms / aloneMedian),
+      aloneWindowIntervals,
+      aloneIntervalsHoldingOne: aloneWindowIntervals.filter((w) => w.interval !== null && w.interval.low <= 1 && 1 <= w.interval.high).length,
+      bootstrapCpuMs: bootstrap.cpuMs,
+      bootstraps: bootstrap.count,
+    };
     const adaptive = measured.find((m) => m.kind === 'adaptive')!;
     const adaptiveP99BySecond: number[] = [];
     for (let from = adaptive.startMs; from + 1000 <= adaptive.longEndMs; from += 1000) adaptiveP99BySecond.push(Number(latencyOf(p.transactions(from, from + 1000)).p99Ms.toFixed(2)));
@@ -445,8 +612,9 @@ async function runShape(context: BenchContext, seed: Seed, options: ShapesOption
     return {
       shape,
       alone,
-      aloneWindowP99Ms: [controlAlone, ...results.map((c) => c.aloneJustBefore)].map((l) => l.p99Ms),
-      control: { short: window(controlRun, control.startMs, control.shortEndMs, controlAlone), long: window(controlRun, control.longFromMs, control.longEndMs, controlAlone) },
+      aloneWindowP99Ms,
+      noise,
+      control: controlWindows,
       adaptiveP99BySecond,
       contenders: results,
       short: summarise(results, 'short', options.kneeRatio),
@@ -473,8 +641,9 @@ export async function runShapes(context: BenchContext, seed: Seed, options: Shap
     const result = await runShape(context, seed, options, shape);
     shapes.push(result);
     const s = (summary: ShapeSummary): string =>
-      `knee ${summary.knee === null ? 'none' : Math.round(summary.knee)}, adaptive ${Math.round(summary.adaptiveRowsPerSecond)} rows/s p99 ÷ alone ${summary.adaptiveP99Ratio.toFixed(2)}`;
+      `knee ${summary.knee === null ? 'none' : Math.round(summary.knee)} [${summary.kneeRange.surelyUnder === null ? '-' : Math.round(summary.kneeRange.surelyUnder)}, ${summary.kneeRange.surelyOver === null ? '-' : Math.round(summary.kneeRange.surelyOver)}], adaptive ${Math.round(summary.adaptiveRowsPerSecond)} rows/s p99 ÷ alone ${summary.adaptiveP99Ratio.toFixed(2)}${summary.adaptiveP99Interval ? ` (${summary.adaptiveP99Interval.low.toFixed(2)}–${summary.adaptiveP99Interval.high.toFixed(2)}: ${summary.adaptiveP99Verdict})` : ''}`;
     context.progress(`    ${shape.label}: alone p99 ${result.alone.p99Ms.toFixed(1)} ms; short: ${s(result.short)}; long: ${s(result.long)} (${result.seconds.toFixed(0)} s)`);
+    context.progress(`    ${shape.label}: alone windows' p99 max ÷ min ${result.noise.aloneMaxOverMin.toFixed(2)}, ${result.noise.aloneIntervalsHoldingOne} of ${result.noise.aloneWindowIntervals.length} alone-window intervals hold 1; bootstrap ${result.noise.bootstrapCpuMs.toFixed(0)} ms CPU`);
   }
-  return { options, candidates: seed.candidates, shapes, loadAverage: { before, after: loadAverage() } };
+  return { options, bootstrap: BOOTSTRAP, candidates: seed.candidates, shapes, loadAverage: { before, after: loadAverage() } };
 }

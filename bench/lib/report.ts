@@ -6,7 +6,8 @@ import { partitionsRows, type PartitionsFigure } from '../figures/partitions';
 import type { RemoteBacklogFigure, RemoteFigure } from '../figures/remote-delete';
 import type { ReaperRun, StageSplit } from '../figures/row-delete';
 import type { S3Figure } from '../figures/s3-delete';
-import type { ShapeResult, ShapeSummary, ShapesFigure } from '../figures/shapes';
+import type { IntervalVerdicts, ShapeResult, ShapeSummary, ShapesFigure, ShapeWindow, TargetVerdict } from '../figures/shapes';
+import type { RatioInterval } from './bootstrap';
 import type { CountCheck, Measured, Throughput } from './context';
 import type { CpuSplit } from './cpu';
 import type { Mode } from './modes';
@@ -190,27 +191,63 @@ function shapeRateTarget(summary: ShapeSummary): { ratio: number | null; least: 
 const kneeText = (summary: ShapeSummary): string =>
   summary.knee === null ? 'none' : `${summary.kneeIsUnthrottled ? 'unthrottled ' : ''}${number(summary.knee)}${summary.nonMonotone ? '*' : ''}`;
 
+/** A 90% interval as "low–high"; '-' when there is none. */
+const intervalText = (interval: RatioInterval | null): string => (interval === null ? '-' : `${ratio(interval.low)}–${ratio(interval.high)}`);
+
+/** The knee with the noise: [highest rate surely under, lowest surely over] ('-' where there is none). */
+const kneeRangeText = (summary: IntervalVerdicts): string => {
+  const r = summary.kneeRange;
+  const rate = (value: number | null, unthrottled: boolean): string => (value === null ? '-' : `${unthrottled ? 'unthrottled ' : ''}${number(value)}`);
+  return `[${rate(r.surelyUnder, r.surelyUnderIsUnthrottled)}, ${rate(r.surelyOver, r.surelyOverIsUnthrottled)}]`;
+};
+
+/** The met column of a target read with its interval: yes, NO, or cannot tell. */
+const targetVerdict = (v: TargetVerdict | 'no knee'): string => (v === 'met' ? 'yes' : v === 'missed' ? 'NO' : v);
+
+/** A window's ratio with both intervals (sampling only; with the noise between windows) and where the second stands against the line: under, over, or ? (cannot tell). */
+const windowWithInterval = (w: ShapeWindow): string =>
+  `${ratio(w.p99Ratio)} (${intervalText(w.p99RatioInterval)}; ${intervalText(w.p99RatioNoiseInterval)}) ${w.p99Verdict === 'cannot tell' ? '?' : w.p99Verdict}`;
+
+/** Both intervals of a ratio: with the noise between windows (the verdicts'), then sampling only. */
+const bothIntervals = (withNoise: RatioInterval | null, samplingOnly: RatioInterval | null): string => `${intervalText(withNoise)} (sampling only ${intervalText(samplingOnly)})`;
+
 /** Figure 7b: per shape, the knee and the adaptive contender against its targets (the per-rate table is renderShapesTable). */
 function shapesRows(f: ShapesFigure, add: (figure: string, measure: string, value: string, r?: string, target?: string, met?: string) => void): void {
   for (const result of f.shapes) {
     const head = `${result.shape.label}, alone p99 ${number(result.alone.p99Ms, 2)} ms (control ${ratio(result.control.short.p99Ratio)} / ${ratio(result.control.long.p99Ratio)})`;
+    const n = result.noise;
+    add(
+      '7b',
+      `${result.shape.label}, noise floor: alone windows' p99 max ÷ min (each ÷ median); ratio: the control's 90% intervals short / long; alone windows whose sampling-only interval against the others holds 1`,
+      `${ratio(n.aloneMaxOverMin)} (${n.aloneOverMedian.map(ratio).join(' ')})`,
+      `${bothIntervals(result.control.short.p99RatioNoiseInterval, result.control.short.p99RatioInterval)} / ${bothIntervals(result.control.long.p99RatioNoiseInterval, result.control.long.p99RatioInterval)}`,
+      '',
+      `${n.aloneIntervalsHoldingOne} of ${n.aloneWindowIntervals.length}`,
+    );
     for (const which of ['short', 'long'] as const) {
       const summary = result[which];
       const target = shapeRateTarget(summary);
-      add('7b', `${head}, ${which}: knee (rows/s, p99 ÷ alone ≤ ${f.options.kneeRatio})`, kneeText(summary));
-      add('7b', `  adaptive ${number(summary.adaptiveRowsPerSecond)} rows/s ÷ ${summary.kneeIsUnthrottled ? 'unthrottled' : 'knee'}`, '', target.ratio === null ? '-' : ratio(target.ratio), `>= ${target.least}`, target.ratio === null ? 'no knee' : verdict(target.ratio >= target.least));
-      add('7b', '  adaptive p99 ÷ alone', `${number(result.contenders.find((c) => c.kind === 'adaptive')![which].foreground.p99Ms, 2)} ms`, ratio(summary.adaptiveP99Ratio), `<= ${f.options.kneeRatio}`, verdict(summary.adaptiveP99Ratio <= f.options.kneeRatio));
+      add('7b', `${head}, ${which}: knee (rows/s, p99 ÷ alone ≤ ${f.options.kneeRatio}); range [surely under, surely over] (sampling only)`, `${kneeText(summary)} ${kneeRangeText(summary)} (${kneeRangeText(summary.samplingOnly)})`);
+      // The met columns read the intervals: the rate target against the knee range, the p99 target against the adaptive ratio's interval.
+      add('7b', `  adaptive ${number(summary.adaptiveRowsPerSecond)} rows/s ÷ ${summary.kneeIsUnthrottled ? 'unthrottled' : 'knee'}`, '', target.ratio === null ? '-' : ratio(target.ratio), `>= ${target.least} (over the knee range)`, targetVerdict(summary.adaptiveRateVerdict));
+      const p99Ms = `${number(result.contenders.find((c) => c.kind === 'adaptive')![which].foreground.p99Ms, 2)} ms`;
+      add('7b', '  adaptive p99 ÷ alone (90% interval)', p99Ms, `${ratio(summary.adaptiveP99Ratio)}: ${bothIntervals(summary.adaptiveP99Interval, summary.samplingOnly.adaptiveP99Interval)}`, `<= ${f.options.kneeRatio}`, targetVerdict(summary.adaptiveP99Verdict));
     }
   }
 }
 
 /**
  * Figure 7b as one table: per shape and window, the foreground's p99 ÷ alone at each fixed rate,
- * unthrottled (and its rows/s), the knee, and the adaptive contender's rate and p99.
+ * unthrottled (and its rows/s), the knee, and the adaptive contender's rate and p99 (the columns of
+ * the first result files, so they still compare), then the knee range and the adaptive p99's
+ * interval and verdict; below it, every ratio's interval and the noise floor of each shape.
  */
 export function renderShapesTable(f: ShapesFigure): string[] {
   const rates = f.options.rates;
-  const head = ['shape (alone p99)', 'window', ...rates.map((r) => count(r)), 'unthrottled', 'control (no cleanup)', 'knee rows/s', 'adaptive rows/s', 'adaptive ÷ knee', 'adaptive p99 ÷ alone'];
+  const head = [
+    'shape (alone p99)', 'window', ...rates.map((r) => count(r)), 'unthrottled', 'control (no cleanup)', 'knee rows/s', 'adaptive rows/s', 'adaptive ÷ knee', 'adaptive p99 ÷ alone',
+    'knee range [surely under, surely over] (sampling only)', 'adaptive p99 ÷ alone, 90% interval (sampling only)', `adaptive p99 ≤ ${f.options.kneeRatio} met`, 'adaptive rate met',
+  ];
   const lines = [`| ${head.join(' | ')} |`, `|${head.map(() => '---').join('|')}|`];
   const cell = (result: ShapeResult, which: 'short' | 'long', rate: number): string => {
     const c = result.contenders.find((x) => x.kind === 'fixed' && x.rowsPerSecond === rate);
@@ -226,13 +263,41 @@ export function renderShapesTable(f: ShapesFigure): string[] {
       const target = shapeRateTarget(summary);
       const w = result.contenders[0]![which];
       lines.push(
-        `| ${which === 'short' ? `${result.shape.label} (${number(result.alone.p99Ms, 2)} ms)` : ''} | ${which} ${number(w.fromSeconds, 1)}–${number(w.toSeconds, 1)} s | ${rates.map((rate) => cell(result, which, rate)).join(' | ')} | ${ratio(unthrottled[which].p99Ratio)} (${count(Math.round(unthrottled[which].rowsPerSecond / 1000) * 1000)}) | ${ratio(result.control[which].p99Ratio)} | ${kneeText(summary)} | ${number(summary.adaptiveRowsPerSecond)} | ${target.ratio === null ? '-' : `${ratio(target.ratio)}${summary.kneeIsUnthrottled ? ' (÷ unthrottled)' : ''}`} | ${ratio(summary.adaptiveP99Ratio)} |`,
+        `| ${which === 'short' ? `${result.shape.label} (${number(result.alone.p99Ms, 2)} ms)` : ''} | ${which} ${number(w.fromSeconds, 1)}–${number(w.toSeconds, 1)} s | ${rates.map((rate) => cell(result, which, rate)).join(' | ')} | ${ratio(unthrottled[which].p99Ratio)} (${count(Math.round(unthrottled[which].rowsPerSecond / 1000) * 1000)}) | ${ratio(result.control[which].p99Ratio)} | ${kneeText(summary)} | ${number(summary.adaptiveRowsPerSecond)} | ${target.ratio === null ? '-' : `${ratio(target.ratio)}${summary.kneeIsUnthrottled ? ' (÷ unthrottled)' : ''}`} | ${ratio(summary.adaptiveP99Ratio)} | ${kneeRangeText(summary)} (${kneeRangeText(summary.samplingOnly)}) | ${bothIntervals(summary.adaptiveP99Interval, summary.samplingOnly.adaptiveP99Interval)} | ${targetVerdict(summary.adaptiveP99Verdict)} | ${targetVerdict(summary.adaptiveRateVerdict)} |`,
       );
     }
   }
+  const intervalHead = ['shape', 'window', ...rates.map((r) => count(r)), 'unthrottled', 'control (no cleanup)', 'adaptive'];
+  const intervals = [`| ${intervalHead.join(' | ')} |`, `|${intervalHead.map(() => '---').join('|')}|`];
+  const noiseHead = ["shape", "alone windows' p99 (ms)", 'max ÷ min', 'each ÷ median', 'alone windows: p99 ÷ the others (90% interval)', 'intervals holding 1', 'bootstrap CPU'];
+  const noise = [`| ${noiseHead.join(' | ')} |`, `|${noiseHead.map(() => '---').join('|')}|`];
+  for (const result of f.shapes) {
+    const unthrottled = result.contenders.find((c) => c.kind === 'unthrottled')!;
+    const adaptive = result.contenders.find((c) => c.kind === 'adaptive')!;
+    for (const which of ['short', 'long'] as const) {
+      const fixed = rates.map((rate) => result.contenders.find((c) => c.kind === 'fixed' && c.rowsPerSecond === rate));
+      const cells = [...fixed.map((c) => (c ? windowWithInterval(c[which]) : '-')), windowWithInterval(unthrottled[which]), windowWithInterval(result.control[which]), windowWithInterval(adaptive[which])];
+      intervals.push(`| ${which === 'short' ? result.shape.label : ''} | ${which} | ${cells.join(' | ')} |`);
+    }
+    const n = result.noise;
+    noise.push(
+      `| ${result.shape.label} | ${result.aloneWindowP99Ms.map((ms) => number(ms, 2)).join(' ')} | ${ratio(n.aloneMaxOverMin)} | ${n.aloneOverMedian.map(ratio).join(' ')} | ${n.aloneWindowIntervals.map((w) => `${ratio(w.ratio)} (${intervalText(w.interval)})`).join(', ')} | ${n.aloneIntervalsHoldingOne} of ${n.aloneWindowIntervals.length} | ${number(n.bootstrapCpuMs)} ms for ${n.bootstraps} samples |`,
+    );
+  }
   lines.push(
     '',
-    `Cells: the foreground's p99 in the window ÷ its p99 over all the shape's alone windows (${f.options.aloneSeconds} s before each run); in brackets, rows/s the run reached when under 0.8 × its rate (unthrottled: always). Control: the same windows with no cleanup (the ratio's noise). The short window runs from the trigger until ${count(f.options.shortRows)} rows are deleted, at most ${f.options.shortSeconds} s (at least 1 s); the long one from min(${f.options.longFromSeconds} s, the short window's end) for ${f.options.longSeconds} s or to the run's end; the window column shows the first contender's. Knee: the highest rate whose ratio ≤ ${f.options.kneeRatio} (* a lower rate read over it). Load average ${f.loadAverage.before.map((l) => l.toFixed(2)).join(' ')} before, ${f.loadAverage.after.map((l) => l.toFixed(2)).join(' ')} after.`,
+    `Cells: the foreground's p99 in the window ÷ its p99 over all the shape's alone windows (${f.options.aloneSeconds} s before each run); in brackets, rows/s the run reached when under 0.8 × its rate (unthrottled: always). Control: the same windows with no cleanup (the ratio's noise). The short window runs from the trigger until ${count(f.options.shortRows)} rows are deleted, at most ${f.options.shortSeconds} s (at least 1 s); the long one from min(${f.options.longFromSeconds} s, the short window's end) for ${f.options.longSeconds} s or to the run's end; the window column shows the first contender's. Knee: the highest rate whose ratio ≤ ${f.options.kneeRatio} (* a lower rate read over it). Knee range: the highest rate whose ${f.bootstrap.level * 100}% interval lies wholly at or under ${f.options.kneeRatio}, and the lowest whose interval lies wholly above it (- where none does); where harm grows with the rate the knee lies between them. Met columns: yes / NO only when the interval (p99) or the knee range (rate: the target against the highest and the lowest the knee can be) decides it, else cannot tell. Load average ${f.loadAverage.before.map((l) => l.toFixed(2)).join(' ')} before, ${f.loadAverage.after.map((l) => l.toFixed(2)).join(' ')} after.`,
+  );
+  const b = f.bootstrap;
+  lines.push(
+    '',
+    `Each p99 ÷ alone with two ${b.level * 100}% bootstrap intervals (${count(b.resamples)} resamples of each window and of the pooled alone windows, independently, in blocks of ${b.blockMs} ms of consecutive transactions; seed ${b.seed}): sampling only, then with the noise between windows (each resampled ratio divided by one of the ratios the alone windows read against the others, drawn at random), and where the second stands against ${f.options.kneeRatio}: over (the whole interval above), under (the whole interval at or below), ? (cannot tell). The knee range and the met columns read the second; in brackets, what the sampling-only intervals would say.`,
+    '',
+    ...intervals,
+    '',
+    "Noise floor: the p99 of each alone window (the control's first, then each contender's in order) and each alone window's p99 ÷ the pooled p99 of the other alone windows, with its interval: no cleanup on either side, so the truth is about 1, and an interval that misses it is noise slower than a window (the machine between one window and the next), which no interval inside one window sees.",
+    '',
+    ...noise,
   );
   return lines;
 }
@@ -392,7 +457,7 @@ export function renderMarkdown(report: BenchReport): string {
     '- Latency: rows expiring over the next seconds while the policy runs on the seconds cron shown; an AFTER DELETE statement trigger in the bench database stamps each deletion with clock_timestamp().',
     '- Audit cost (issue 9): in every round, right after reaper end to end, the same run again on the same data with `audit: { enabled: true, retainDays: 30 }` on the policy (one cleanup_audit row per deleted row, written by the deleting statement; the count is checked); the ratio compares the fastest round of each.',
     '- Foreground impact (figure 7, issue 12): pgbench (custom scripts, `-R` fixed rate, per-transaction `--log`; with -R each latency runs from the scheduled start, so a stall counts for every transaction it delays) runs 40% renewals of unexpired holds (UPDATE by key), 10% confirmations (UPDATE by key, only of an unexpired hold) and 50% point reads (SELECT by key) of random rows of the same seed, alone for the seconds just before each cleanup (baseline: whatever that cleanup needs, reaper\'s idle processes included, already started, so each ratio compares one moment of the shared machine with the next) and then during each cleanup of the same first n candidates (a cutoff at the n-th expiry, each on a fresh copy): reaper (scheduler + 2 workers, batch 500) unthrottled and at a fixed admission rate (both `adaptive: false`) and with its default adaptive admission and no rate set (issue 18; it and unthrottled reaper run once more with the foreground at the quiet rate, 30 statements/s), one `DELETE ... WHERE expires_at <= cutoff AND status = \'held\'` (what a pg_cron job runs; pg_cron itself is not installed: it needs shared_preload_libraries and a restart of a shared server), and a loop of `DELETE ... WHERE key IN (SELECT ... LIMIT 1000)` on one connection. Percentiles are over the transactions that ended while the cleanup ran. The contenders with a target at the busy rate (fixed and adaptive reaper) and the control are compared with the foreground alone for as long as they ran, just before (the alone window is as long as the cleanup can take: its rows at the fixed rate, or at the adaptive floor within the time bound; its last that-many seconds count), since 2026-12-03 evening: a p99 over 60 s against one over the 4 s before compared about 180 slowest transactions with about 12; the ratio against the last 4 s stays beside it. Beside each: every client\'s share of the database\'s CPU (backend CPU seconds per second, by application_name, alone → during) and the foreground\'s wait events, share of 50 ms samples alone → during. Lock wait: pg_locks.waitstart of the foreground\'s backends sampled every 50 ms (heavyweight locks), next to the longest renewal (an UPDATE by key: any row-lock wait is inside it). The sampler (its pg_locks and adaptive-state reads and the run-state poll, one round every 50 ms) runs from the foreground\'s warm-up to the end of each phase and counts only inside the cleanup\'s window, so the window just before has the bench\'s own statements on the database as the cleanup\'s has them (before 2026-12-03 they ran only during the cleanup). The benchmark\'s own watching connections (this sampler, CPU meters) are named `reaper bench ...`, so reaper\'s adaptive admission leaves them out of the application\'s load as it leaves out its own sessions (before, the 20 Hz sampler\'s statements read as load). WAL: a CHECKPOINT before each cleanup, then pg_walinspect over the cleanup\'s LSN range, counting the bench database\'s records on every relation but seat_reservations, and only heap DELETE records there (the foreground writes only UPDATEs); full-page images included (also shown without). Rows/s: rows deleted ÷ the cleanup\'s wall time (reaper: trigger to completed).',
-    ...(report.shapes ? ['- Foreground shapes (figure 7b, issue 41): see bench/figures/shapes.ts and docs/performance.md "Foreground shapes".', '', '## Figure 7b: foreground shapes', '', ...renderShapesTable(report.shapes), ''] : []),
+    ...(report.shapes ? ['- Foreground shapes (figure 7b, issue 41): see bench/figures/shapes.ts and docs/performance.md "Foreground shapes". Every p99 ratio carries two 90% bootstrap intervals (bench/lib/bootstrap.ts: 1,000 resamples of the window\'s transactions and of the pooled alone windows\', independently, in blocks of 100 ms of consecutive transactions, a fixed seed): sampling only, and with the noise between windows folded in (each resampled ratio divided by one of the ratios the alone windows read against the other alone windows pooled, drawn at random), because on a shared 2-core machine a window\'s p99 moves more from one window to the next than sampling inside it explains. A rate is over the knee\'s line only when the second interval lies wholly above it, under only when wholly at or below it; otherwise the figure cannot tell, and the met columns say so.', '', '## Figure 7b: foreground shapes', '', ...renderShapesTable(report.shapes), ''] : []),
     ...(report.eventsArchive
       ? ['- Events and archive (figure 8, issue 19): on a seed of its own size, each round runs reaper end to end three times on fresh copies: the policy as is, with `events: { enabled: true }` and one `reaper relay` running beside it (publishing to a queue bound to `<prefix>.events`; its CPU competes with the deletion), and with `archive: { enabled: true, retainDays: 30 }`; each reports its fastest round. Relay throughput: the events run once more without a relay, then one relay started on the full outbox, events ÷ seconds until the outbox is empty. Outbox oldest age: the gauge\'s query sampled every 250 ms from the trigger until the relay drained the outbox.']
       : []),

@@ -1,7 +1,9 @@
 /**
  * Unit tests for figure 7b's knee (bench/figures/shapes.ts, issue 41): the highest rate whose
  * foreground p99 ÷ alone is at most 1.25, unthrottled counted at the rate it reached, a lower rate
- * over the line marked, and the adaptive contender's rate and p99 against it.
+ * over the line marked, and the adaptive contender's rate and p99 against it; with the bootstrap
+ * intervals, the knee range (highest rate surely under, lowest surely over) and the verdicts met /
+ * missed / cannot tell.
  */
 import { test } from 'node:test';
 import assert from 'node:assert/strict';
@@ -9,21 +11,24 @@ import { summarise, type ShapeContender, type ShapeWindow } from '../../bench/fi
 
 const latency = { transactions: 100, p50Ms: 1, p99Ms: 2, maxMs: 3, renewalMaxMs: 3 };
 
-function window(p99Ratio: number, rowsPerSecond: number): ShapeWindow {
-  return { fromSeconds: 0, toSeconds: 4, rows: rowsPerSecond * 4, rowsPerSecond, foreground: latency, p99Ratio, p99RatioJustBefore: p99Ratio };
+/** A window whose ratio's interval is ratio × [1 - spread, 1 + spread]. */
+function window(p99Ratio: number, rowsPerSecond: number, spread: number): ShapeWindow {
+  const p99RatioInterval = { level: 0.9, low: p99Ratio * (1 - spread), high: p99Ratio * (1 + spread) };
+  return { fromSeconds: 0, toSeconds: 4, rows: rowsPerSecond * 4, rowsPerSecond, foreground: latency, p99Ratio, p99RatioJustBefore: p99Ratio, p99RatioInterval, p99RatioNoiseInterval: p99RatioInterval, p99Verdict: 'cannot tell', p99VerdictSamplingOnly: 'cannot tell' };
 }
 
-function contender(kind: ShapeContender['kind'], rate: number | null, p99Ratio: number, achieved: number): ShapeContender {
-  const w = window(p99Ratio, achieved);
+function contender(kind: ShapeContender['kind'], rate: number | null, p99Ratio: number, achieved: number, spread = 0.01): ShapeContender {
+  const w = window(p99Ratio, achieved, spread);
   return { kind, rowsPerSecond: rate, policy: 'p', runRows: 1, aloneJustBefore: latency, short: w, long: w, firstRowSeconds: 0.1, finishedInWindow: false, finishedOffRows: 0, deletedSeries: [], adaptiveRate: null };
 }
 
-function ladder(ratios: number[], unthrottled: number, adaptive: { ratio: number; rate: number }): ShapeContender[] {
+/** Fixed rates 500 … 16k at `ratios`, unthrottled at 40k; each interval ± `spreads[i]` (1% unless given; the last two: unthrottled, adaptive). */
+function ladder(ratios: number[], unthrottled: number, adaptive: { ratio: number; rate: number }, spreads: number[] = []): ShapeContender[] {
   const rates = [500, 1000, 2000, 4000, 8000, 16000];
   return [
-    ...rates.map((rate, i) => contender('fixed', rate, ratios[i]!, rate)),
-    contender('unthrottled', null, unthrottled, 40000),
-    contender('adaptive', null, adaptive.ratio, adaptive.rate),
+    ...rates.map((rate, i) => contender('fixed', rate, ratios[i]!, rate, spreads[i])),
+    contender('unthrottled', null, unthrottled, 40000, spreads[6]),
+    contender('adaptive', null, adaptive.ratio, adaptive.rate, spreads[7]),
   ];
 }
 
@@ -50,4 +55,35 @@ test('no rate under the line: no knee', () => {
   assert.equal(summary.knee, null);
   assert.equal(summary.adaptiveOverKnee, null);
   assert.equal(summary.nonMonotone, false);
+});
+
+test('with the intervals: the knee range, and cannot tell where an interval straddles the line', () => {
+  // 500 and 1k surely under; 2k reads 1.3 but its interval (0.98–1.62) holds 1.25; 4k surely over (1.6–2.4).
+  const summary = summarise(ladder([1.0, 1.1, 1.3, 2.0, 2.5, 3.0], 4.0, { ratio: 1.33, rate: 1000 }, [0.05, 0.05, 0.25, 0.2, 0.05, 0.05, 0.05, 0.3]), 'short', 1.25);
+  assert.equal(summary.knee, 1000);
+  assert.deepEqual(summary.kneeRange, { surelyUnder: 1000, surelyUnderIsUnthrottled: false, surelyOver: 4000, surelyOverIsUnthrottled: false });
+  assert.equal(summary.adaptiveP99Verdict, 'cannot tell', 'a p99 ratio of 1.33 whose interval reaches 0.93 is not a miss');
+  // The knee is 1k or 2k: 1,000 rows/s is 0.5 × 2k and 1 × 1k.
+  assert.equal(summary.adaptiveRateVerdict, 'cannot tell');
+});
+
+test('with the intervals: met and missed when the intervals are clear of the line', () => {
+  const over = summarise(ladder([1.0, 1.1, 1.3, 2.0, 2.5, 3.0], 4.0, { ratio: 1.6, rate: 1500 }, [0.05, 0.05, 0.01]), 'long', 1.25);
+  assert.equal(over.adaptiveP99Verdict, 'missed');
+  assert.equal(over.adaptiveP99Interval!.low > 1.25, true);
+  assert.deepEqual(over.kneeRange, { surelyUnder: 1000, surelyUnderIsUnthrottled: false, surelyOver: 2000, surelyOverIsUnthrottled: false });
+  assert.equal(over.adaptiveRateVerdict, 'met', 'the knee is at most 1k: 1,500 rows/s is over 0.7 × it');
+  const under = summarise(ladder([1.0, 1.1, 1.2, 2.0, 2.5, 3.0], 4.0, { ratio: 1.0, rate: 500 }), 'long', 1.25);
+  assert.equal(under.adaptiveP99Verdict, 'met');
+  assert.equal(under.adaptiveRateVerdict, 'missed', 'the knee is at least 2k: 500 rows/s is under 0.7 × it');
+});
+
+test('with the intervals: the lowest rate surely over leaves no knee; nothing surely over lets unthrottled be the knee', () => {
+  const none = summarise(ladder([1.6, 2, 2, 2, 2, 2], 3, { ratio: 1.0, rate: 500 }), 'short', 1.25);
+  assert.equal(none.adaptiveRateVerdict, 'no knee');
+  assert.equal(none.kneeRange.surelyOver, 500);
+  const open = summarise(ladder([1.0, 1.0, 1.0, 1.0, 1.2, 1.2], 1.3, { ratio: 1.0, rate: 20000 }, [0.01, 0.01, 0.01, 0.01, 0.1, 0.1, 0.1]), 'short', 1.25);
+  assert.deepEqual(open.kneeRange, { surelyUnder: 4000, surelyUnderIsUnthrottled: false, surelyOver: null, surelyOverIsUnthrottled: false });
+  // The knee may be unthrottled at 40k: 20,000 is under 0.8 × 40k, and over 0.7 × 4k.
+  assert.equal(open.adaptiveRateVerdict, 'cannot tell');
 });
