@@ -200,10 +200,11 @@ function underUsedTail(spans, atOnce) {
   // Node 20's runner starts the files in alphabetical order whatever order they are given in (the
   // longest first would shorten this tail; measured 8-11 s in whole runs on 2026-12-06).
   const end = Math.max(...spans.map((span) => span.end));
+  const length = end - Math.min(...spans.map((span) => span.start));
   const running = (at) => spans.filter((span) => span.start <= at && span.end > at).length;
   // From the end backwards, second by second, while fewer than atOnce ran.
   let tail = 0;
-  while (tail < end - Math.min(...spans.map((span) => span.start)) && running(end - tail - 1_000) < atOnce) tail += 1_000;
+  while (tail < length && running(end - tail - 1_000) < atOnce) tail += 1_000;
   const last = spans.reduce((a, b) => (b.end > a.end ? b : a));
   return `${(tail / 1000).toFixed(0)} s at the end below ${atOnce} files at once (the last to end: ${path.relative(dist, last.file)}, ${((last.end - last.start) / 1000).toFixed(0)} s long)`;
 }

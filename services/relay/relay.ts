@@ -157,28 +157,25 @@ export async function relayOnce(deps: {
   });
   if (entries.length === 0) return { taken: 0, rows: 0, published: 0, failure: null, unroutable: [] };
   failpoint('relay-before-publish');
-  // All events of all rows in flight at once; a row's outcome is its first refusal, if any, and
-  // which of its events were refused (1-based, as in its arrays).
+  // All events of all rows in flight at once; a row's outcome is which of its events were refused
+  // (1-based, as in its arrays) and the first refusal's reason.
   const outcomes = await Promise.all(
     entries.map(async (entry) => {
       const settled = await Promise.allSettled(publishEntry(deps.publisher, deps.exchange, entry));
       const refusedAt = settled.flatMap((outcome, index) => (outcome.status === 'rejected' ? [index + 1] : []));
-      const refused = settled.find((outcome): outcome is PromiseRejectedResult => outcome.status === 'rejected');
-      return refused
-        ? { entry, refused: true as const, reason: refused.reason as unknown, refusedAt, confirmedEvents: settled.length - refusedAt.length }
-        : { entry, refused: false as const, confirmedEvents: settled.length };
+      const reason = settled.find((outcome): outcome is PromiseRejectedResult => outcome.status === 'rejected')?.reason as unknown;
+      return { entry, refusedAt, reason, confirmedEvents: settled.length - refusedAt.length };
     }),
   );
-  const confirmed = outcomes.filter((outcome) => !outcome.refused).map(({ entry }) => entry);
+  const confirmed = outcomes.filter(({ refusedAt }) => refusedAt.length === 0).map(({ entry }) => entry);
   failpoint('relay-after-confirm');
   await outboxDeletePublished(deps.pool, confirmed.map((entry) => entry.outboxId), deps.owner);
-  const rejected = outcomes.flatMap((outcome) => (outcome.refused ? [outcome] : []));
-  // A row refused in part keeps only its refused events (outboxKeepRefused); one refused whole is
-  // given back whole. Either way at once, for any relay (this one takes its own claims again at
-  // its next pass anyway), and under the same message ids.
-  const partly = rejected.filter(({ entry, confirmedEvents }) => entry.kind === 'expired' && confirmedEvents > 0);
-  for (const { entry, refusedAt } of partly) await outboxKeepRefused(deps.pool, entry.outboxId, deps.owner, refusedAt);
-  const wholly = rejected.filter((outcome) => !partly.includes(outcome));
+  const rejected = outcomes.filter(({ refusedAt }) => refusedAt.length > 0);
+  // A row refused in part (only a row of several events can be) keeps only its refused events
+  // (outboxKeepRefused); one refused whole is given back whole. Either way at once, for any relay
+  // (this one takes its own claims again at its next pass anyway), under the same message ids.
+  for (const { entry, refusedAt, confirmedEvents } of rejected) if (confirmedEvents > 0) await outboxKeepRefused(deps.pool, entry.outboxId, deps.owner, refusedAt);
+  const wholly = rejected.filter(({ confirmedEvents }) => confirmedEvents === 0);
   if (wholly.length > 0) await outboxReleaseClaims(deps.pool, wholly.map(({ entry }) => entry.outboxId), deps.owner);
   for (const entry of confirmed) deps.unroutable?.routed(entry.policy, entry.kind);
   const unroutable = new Map<string, OutboxEntry>();
@@ -186,9 +183,8 @@ export async function relayOnce(deps: {
   for (const entry of unroutable.values()) deps.unroutable?.unroutable(entry.policy, entry.kind);
   // Without a key list to wait in, an unroutable event is a failure of the pass (the whole relay waits).
   const failed = rejected.find(({ reason }) => !(reason instanceof UnroutableError) || deps.unroutable === undefined);
-  const events = (list: readonly OutboxEntry[]) => list.reduce((sum, entry) => sum + outboxEntryEvents(entry), 0);
   return {
-    taken: events(entries),
+    taken: entries.reduce((sum, entry) => sum + outboxEntryEvents(entry), 0),
     rows: entries.length,
     published: outcomes.reduce((sum, outcome) => sum + outcome.confirmedEvents, 0),
     failure: failed ? String((failed.reason as Error).message ?? failed.reason) : null,
