@@ -11,8 +11,6 @@
 const { existsSync, readdirSync, rmSync } = require('node:fs');
 const path = require('node:path');
 
-const root = path.resolve(__dirname, '..');
-const dist = path.join(root, 'dist');
 const SOURCE_DIRS = ['services', 'shared', 'tools', 'test', 'bench']; // tsconfig.json "include"
 
 function walk(dir, keep) {
@@ -24,17 +22,28 @@ function walk(dir, keep) {
   });
 }
 
-let pruned = 0;
-for (const output of walk(dist, (name) => name.endsWith('.js') || name.endsWith('.js.map'))) {
-  const source = path.join(root, path.relative(dist, output)).replace(/\.js(\.map)?$/, '.ts');
-  if (!existsSync(source)) {
-    rmSync(output);
-    pruned += 1;
+/** Prunes `<root>/dist` as said above; returns what it did (test/unit/prune-dist.test.ts). */
+function pruneDist(root) {
+  const dist = path.join(root, 'dist');
+  let pruned = 0;
+  for (const output of walk(dist, (name) => name.endsWith('.js') || name.endsWith('.js.map'))) {
+    const source = path.join(root, path.relative(dist, output)).replace(/\.js(\.map)?$/, '.ts');
+    if (!existsSync(source)) {
+      rmSync(output);
+      pruned += 1;
+    }
   }
+  const sources = SOURCE_DIRS.flatMap((dir) => walk(path.join(root, dir), (name) => name.endsWith('.ts') && !name.endsWith('.d.ts')));
+  const missing = sources.filter((source) => !existsSync(path.join(dist, path.relative(root, source)).replace(/\.ts$/, '.js')));
+  if (missing.length > 0) rmSync(path.join(dist, '.tsbuildinfo'), { force: true });
+  return { pruned, missing: missing.length, sources: sources.length };
 }
-const sources = SOURCE_DIRS.flatMap((dir) => walk(path.join(root, dir), (name) => name.endsWith('.ts') && !name.endsWith('.d.ts')));
-const missing = sources.filter((source) => !existsSync(path.join(dist, path.relative(root, source)).replace(/\.ts$/, '.js')));
-if (missing.length > 0) rmSync(path.join(dist, '.tsbuildinfo'), { force: true });
-if (pruned > 0 || (missing.length > 0 && missing.length < sources.length)) {
-  console.log(`prune-dist: ${pruned} output(s) of deleted sources removed; ${missing.length} output(s) missing${missing.length > 0 ? ': a full build' : ''}`);
+
+module.exports = { pruneDist };
+
+if (require.main === module) {
+  const { pruned, missing, sources } = pruneDist(path.resolve(__dirname, '..'));
+  if (pruned > 0 || (missing > 0 && missing < sources)) {
+    console.log(`prune-dist: ${pruned} output(s) of deleted sources removed; ${missing} output(s) missing${missing > 0 ? ': a full build' : ''}`);
+  }
 }
