@@ -2,6 +2,8 @@ import assert from 'node:assert/strict';
 import { after, before, beforeEach, describe, test } from 'node:test';
 import { recordRemoteBatch } from '../../services/worker/handlers/remote-delivery';
 import { makeS3DeleteHandler } from '../../services/worker/handlers/s3-delete';
+import { OUTBOX_FULL_REASON } from '../../services/worker/outbox-limit';
+import { outboxEventCount } from '../../shared/db/queries/outbox';
 import { admitAndClaimS3, S3_KEY_PACE, S3_SEND_LEAD_MS, S3_SEND_MIN_LEAD_MS, type S3Grant } from '../../shared/admission/s3';
 import type { BatchHandler } from '../../services/worker/handlers/types';
 import { parsePolicies, type S3DeletePolicy } from '../../shared/config/policies';
@@ -337,5 +339,28 @@ describe('object storage remote (s3rver)', () => {
     for (const id of ids) assert.equal(await objectExists(stand, id), false);
     const audits = await auditCounts(bed.pool);
     assert.deepEqual(ids.map((id) => audits.get(id)), [1, 1, 1], 'every deleted object audited once');
+  });
+  test('events.maxOutbox: a worker counts its own confirmed keys against the limit between two readings of the outbox, so it pauses without waiting for the next reading', async () => {
+    const limited = parsePolicies(
+      s3PolicyYaml({ endpoint: stand.endpoint, requestsPerSecond: 200, keysPerSecond: 5000, concurrency: 4, maxKeysPerRequest: 10, batchSize: 25, maxAttempts: 3, events: { maxOutbox: 3 } }),
+      'test-policies.yaml',
+      {},
+    ).get(MEDIA_POLICY) as S3DeletePolicy;
+    const limitedHandle = makeS3DeleteHandler(limited, target, makeObjectStorageClient(limited.remote));
+    await bed.pool.query(`DELETE FROM cleanup_outbox WHERE policy = $1`, [MEDIA_POLICY]);
+    const ids = await seedAssets(bed.pool, 'outbox-limit', 6);
+    await putObjects(stand, ids);
+    // Three deliveries of two keys, back to back: the first reads the outbox (empty) and the
+    // reading is trusted for OUTBOX_CHECK_TTL_MS (2 s) unless the worker's own deletions since
+    // would reach the limit. After two deliveries the worker has added 4 events >= 3: the third
+    // must read the outbox again and pause. Without counting its own deletions it would go on
+    // deleting for the rest of the 2 s.
+    const results = [];
+    for (const pair of [ids.slice(0, 2), ids.slice(2, 4), ids.slice(4, 6)]) results.push(await limitedHandle(await batchFor(bed.pool, pair), handlerContext(bed.pool)));
+    assert.deepEqual(results.map((result) => result.kind), ['done', 'done', 'retry'], JSON.stringify(results));
+    assert.equal((results[2] as { reason?: string }).reason, OUTBOX_FULL_REASON);
+    assert.equal(await outboxEventCount(bed.pool, MEDIA_POLICY), 4, 'two deliveries\' events, none of the third');
+    assert.deepEqual([...(await assetStatuses(bed.pool, ids.slice(4))).values()], ['active', 'active'], 'the paused delivery deleted nothing');
+    await bed.pool.query(`DELETE FROM cleanup_outbox WHERE policy = $1`, [MEDIA_POLICY]);
   });
 });

@@ -27,6 +27,8 @@ export interface S3PolicyOptions {
   leaseMs?: number;
   maxAttempts?: number;
   versions?: 'current' | 'all';
+  /** Turn expiry events on with this outbox limit. */
+  events?: { maxOutbox: number };
 }
 
 /** The media-assets policy against the stand-in bucket, keys "media/{id}"; audit on; the schedule never fires. */
@@ -46,7 +48,7 @@ export function s3PolicyYaml(options: S3PolicyOptions): string {
     admission: { requestsPerSecond: ${options.requestsPerSecond}, keysPerSecond: ${options.keysPerSecond}, concurrency: ${options.concurrency} }
     retry: { maxAttempts: ${options.maxAttempts ?? 10} }
     leaseMs: ${options.leaseMs ?? 13000}
-`;
+${options.events ? `    events: { enabled: true, maxOutbox: ${options.events.maxOutbox} }\n` : ''}`;
 }
 
 /** What a process (or this one) needs to reach the stand-in through the SDK's default credential chain. */

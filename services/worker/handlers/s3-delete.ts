@@ -73,6 +73,8 @@ export function makeS3DeleteHandler(policy: S3DeletePolicy, target: ResolvedTarg
       waitedInWorker += 1;
       await sleep(napMs);
     }
+    // Each confirmed key wrote an outbox event (events on): the limit check counts them before its next reading.
+    outboxLimit.deleted(tally.confirmed ?? 0);
     for (const [result, count] of Object.entries(tally)) context.metrics.operationsTotal.inc({ policy: policy.name, result }, count);
     const remaining = await ledgerDueSummary(context.pool, {
       policy: policy.name,
