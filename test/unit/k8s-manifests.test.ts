@@ -16,6 +16,7 @@ import path from 'node:path';
 import { parse as parseYaml } from 'yaml';
 import { brokerNames, kedaTriggers, kedaTriggersPatch } from '../../shared/amqp/topology';
 import { loadEnv, type Env } from '../../shared/config/env';
+import { RELAY_CLAIM_MS } from '../../services/relay/relay';
 import { type PolicySet } from '../../shared/config/policies';
 import {
   DEFINITIONS_DELIVERY_LIMIT,
@@ -84,23 +85,39 @@ function reaperCli(args: string[], env: Record<string, string>): string {
  * policies (the demo ones here) and the KEDA triggers `reaper topology --keda-triggers` generates
  * from them (run here, the real command, on the same file).
  */
-function operatorOverlay(name: string): string {
-  const dir = scratchOverlay(name, 'resources: [k8s/overlays/prod]\nconfigMapGenerator:\n  - name: reaper-policies\n    behavior: replace\n    files: [policies.yaml]\npatches:\n  - path: keda-triggers.yaml\n', true);
+function operatorOverlay(name: string, components: string[] = []): string {
+  const withComponents = components.length > 0 ? `components: [${components.join(', ')}]\n` : '';
+  const dir = scratchOverlay(name, 'resources: [k8s/overlays/prod]\n' + withComponents + 'configMapGenerator:\n  - name: reaper-policies\n    behavior: replace\n    files: [policies.yaml]\npatches:\n  - path: keda-triggers.yaml\n', true);
   writeFileSync(path.join(dir, 'keda-triggers.yaml'), reaperCli(['topology', '--keda-triggers'], { REAPER_POLICIES: path.join(dir, 'policies.yaml'), REAPER_AMQP_PREFIX: DEFINITIONS_PREFIX }));
   return dir;
 }
+
+/** The optional `reaper relay` Deployment (components/events-relay), next to an overlay as its header says. */
+const EVENTS_RELAY = 'k8s/components/events-relay';
 
 const TARGETS: [string, string][] = [
   ['base', scratchOverlay('base', 'resources: [k8s/base]\ncomponents: [k8s/components/demo-policies]\n')],
   ['dev', path.join(K8S, 'overlays', 'dev')],
   ['prod', operatorOverlay('prod')],
+  // The same rules below run on the relay as on the scheduler and the workers wherever it is deployed.
+  ['dev+events-relay', scratchOverlay('dev-relay', `resources: [k8s/overlays/dev]\ncomponents: [${EVENTS_RELAY}]\n`)],
+  ['prod+events-relay', operatorOverlay('prod-relay', [EVENTS_RELAY])],
 ];
 const rendered = new Map(TARGETS.map(([name, dir]) => [name, kustomize(dir)]));
-const OVERLAYS = ['dev', 'prod'];
+const OVERLAYS = [...rendered.keys()].filter((name) => name !== 'base');
+const WITH_RELAY = OVERLAYS.filter((name) => name.endsWith('+events-relay'));
+/** prod, or an overlay on it: every egress destination named. */
+const isProd = (name: string) => name === 'prod' || name.startsWith('prod+');
 
 const SCHEDULER = 'reaper-scheduler';
 const WORKER = 'reaper-worker';
+const RELAY = 'reaper-relay';
 const MIGRATE = 'reaper-migrate';
+/**
+ * Deployments whose process serves no HTTP at all, so no port, probe or scrape may name one: the
+ * relay (services/relay/relay.ts starts no server; a test below keeps this true to the code).
+ */
+const SERVES_NO_HTTP = new Set([RELAY]);
 
 function find(manifests: Obj[], kind: string, name: string | RegExp): Obj {
   const found = manifests.find((m) => m.kind === kind && (typeof name === 'string' ? m.metadata?.name === name : name.test(m.metadata?.name)));
@@ -110,6 +127,11 @@ function find(manifests: Obj[], kind: string, name: string | RegExp): Obj {
 
 function ofKind(manifests: Obj[], kind: string): Obj[] {
   return manifests.filter((m) => m.kind === kind);
+}
+
+/** The long-running services: the scheduler, the workers, and the relay where it is deployed. */
+function deployments(manifests: Obj[]): Obj[] {
+  return ofKind(manifests, 'Deployment');
 }
 
 /** Deployments and Jobs: everything that runs pods. */
@@ -231,7 +253,12 @@ test('the schema check catches a wrong field type (it is not a no-op)', async ()
 // ------------------------------------------------------------------------------------------------
 
 /** Checks a container's environment and returns what loadEnv makes of it, plus its policies. */
-function checkContainerEnv(where: string, podSpec: Obj, container: Obj, manifests: Obj[]): { env: Env; policies: PolicySet | undefined; raw: Map<string, string>; secretKeys: string[] } {
+function checkContainerEnv(
+  where: string,
+  podSpec: Obj,
+  container: Obj,
+  manifests: Obj[],
+): { env: Env; policies: PolicySet | undefined; raw: Map<string, string>; secretKeys: string[]; secretFiles: Map<string, string> } {
   const configMap = (configMapName: string) => find(manifests, 'ConfigMap', configMapName).data as Record<string, string>;
   const raw = new Map<string, string>();
   const resolved: NodeJS.ProcessEnv = {};
@@ -315,6 +342,8 @@ function checkContainerEnv(where: string, podSpec: Obj, container: Obj, manifest
     assert.ok(ENV_NAMES.has(name) || policyVariables.has(name), `${where}: ${name} is read by shared/config/env.ts or by the mounted policies file`);
     assert.ok(!TEST_ONLY_NAMES.has(name), `${where}: test-only ${name} is not deployed`);
   }
+  /** Each secret read through <NAME>_FILE, with the key of reaper-secrets its file is. */
+  const secretFiles = new Map<string, string>();
   for (const name of SECRET_NAMES) {
     assert.ok(!raw.has(name), `${where}: secret ${name} is not an environment value; use ${name}_FILE`);
     const file = raw.get(`${name}_FILE`);
@@ -322,9 +351,10 @@ function checkContainerEnv(where: string, podSpec: Obj, container: Obj, manifest
     const { volume, key } = sourceOf(file);
     assert.ok(volume.secret, `${where}: ${name}_FILE=${file} is on a Secret volume`);
     assert.match(key, /^[-._a-zA-Z0-9]+$/, `${where}: ${name}_FILE names a valid key of Secret ${volume.secret.secretName}`);
+    secretFiles.set(name, key);
     resolved[`${name}_FILE`] = writeSecret(tmp, dummySecret(name));
   }
-  return { env: loadEnv(resolved), policies, raw, secretKeys };
+  return { env: loadEnv(resolved), policies, raw, secretKeys, secretFiles };
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -383,13 +413,25 @@ function checkRestricted(where: string, podSpec: Obj): void {
 for (const [name, manifests] of rendered) {
   test(`k8s ${name}: restricted pods, probes, ports, worker id, grace periods, resources`, () => {
     for (const workload of workloads(manifests)) checkRestricted(`${name} ${workload.kind}/${workload.metadata.name}`, workload.spec.template.spec);
-    for (const deploymentName of [SCHEDULER, WORKER]) {
-      const deployment = find(manifests, 'Deployment', deploymentName);
+    for (const deployment of deployments(manifests)) {
+      const deploymentName = deployment.metadata.name as string;
       const podSpec = deployment.spec.template.spec;
       const where = `${name} ${deploymentName}`;
-      assert.ok(podSpec.terminationGracePeriodSeconds >= 45, `${where}: terminationGracePeriodSeconds ${podSpec.terminationGracePeriodSeconds} leaves time to drain`);
       const container = containersOf(deployment)[0]!;
       const { env } = checkContainerEnv(where, podSpec, container, manifests);
+      const workerId = ((container.env ?? []) as Obj[]).find((entry) => entry.name === 'REAPER_WORKER_ID');
+      assert.equal(workerId?.valueFrom?.fieldRef?.fieldPath, 'metadata.name', `${where}: REAPER_WORKER_ID is the pod name`);
+      if (SERVES_NO_HTTP.has(deploymentName)) {
+        // Nothing to probe or scrape: a probe at a path the process never serves would fail forever.
+        assert.deepEqual(container.ports ?? [], [], `${where}: no port (the process serves no HTTP)`);
+        for (const probe of ['livenessProbe', 'readinessProbe', 'startupProbe']) assert.equal(container[probe], undefined, `${where}: no ${probe} (the process serves no health endpoint)`);
+        assert.equal(deployment.spec.template.metadata.annotations?.['prometheus.io/scrape'], undefined, `${where}: no scrape annotation (no /metrics)`);
+        assert.ok(deployment.spec.minReadySeconds > 0, `${where}: without a readiness probe, minReadySeconds keeps a pod that exits at start from counting as available`);
+        // SIGTERM ends the relay after its current pass, which ends within its claim's lease.
+        assert.ok(podSpec.terminationGracePeriodSeconds * 1000 >= RELAY_CLAIM_MS, `${where}: terminationGracePeriodSeconds ${podSpec.terminationGracePeriodSeconds} covers a pass (its ${RELAY_CLAIM_MS} ms claim)`);
+        continue;
+      }
+      assert.ok(podSpec.terminationGracePeriodSeconds >= 45, `${where}: terminationGracePeriodSeconds ${podSpec.terminationGracePeriodSeconds} leaves time to drain`);
       assert.equal(env.httpPort, 8080, `${where}: HTTP_PORT`);
       const portByName = new Map(((container.ports ?? []) as Obj[]).map((port) => [port.name, port.containerPort]));
       const probePort = (probe: Obj) => (typeof probe.httpGet.port === 'string' ? portByName.get(probe.httpGet.port) : probe.httpGet.port);
@@ -399,8 +441,6 @@ for (const [name, manifests] of rendered) {
       for (const probe of [container.livenessProbe, container.readinessProbe, container.startupProbe]) {
         assert.equal(probePort(probe), env.httpPort, `${where}: probes hit HTTP_PORT`);
       }
-      const workerId = ((container.env ?? []) as Obj[]).find((entry) => entry.name === 'REAPER_WORKER_ID');
-      assert.equal(workerId?.valueFrom?.fieldRef?.fieldPath, 'metadata.name', `${where}: REAPER_WORKER_ID is the pod name`);
       if (deploymentName === WORKER) {
         const memory = bytes(container.resources.requests.memory);
         assert.ok(memory >= 128 * 1024 ** 2 && memory <= 256 * 1024 ** 2, `${where}: worker memory request ~150Mi (${container.resources.requests.memory})`);
@@ -410,10 +450,12 @@ for (const [name, manifests] of rendered) {
 
   test(`k8s ${name}: one credential per workload, secrets as files, policies equal to the demo but for the media API`, () => {
     const keysOf = new Map<string, string[]>();
+    const secretsOf = new Map<string, Map<string, string>>();
     for (const workload of workloads(manifests)) {
       const where = `${name} ${workload.metadata.name}`;
-      const { env, policies, raw, secretKeys } = checkContainerEnv(where, workload.spec.template.spec, containersOf(workload)[0]!, manifests);
+      const { env, policies, raw, secretKeys, secretFiles } = checkContainerEnv(where, workload.spec.template.spec, containersOf(workload)[0]!, manifests);
       keysOf.set(workload.metadata.labels['app.kubernetes.io/component'], secretKeys);
+      secretsOf.set(workload.metadata.labels['app.kubernetes.io/component'], secretFiles);
       assert.ok(raw.has('DATABASE_URL_FILE'), `${where}: DATABASE_URL_FILE`);
       if (workload.kind === 'Job') continue;
       assert.ok(raw.has('AMQP_URL_FILE'), `${where}: AMQP_URL_FILE`);
@@ -426,10 +468,18 @@ for (const [name, manifests] of rendered) {
     assert.deepEqual(keysOf.get('migrate'), ['migrate-database-url'], `${name}: the migrate Job gets only its own key`);
     assert.deepEqual(new Set(keysOf.get('scheduler')), new Set(['scheduler-database-url', 'scheduler-amqp-url', 'webhook-secret']), `${name}: scheduler keys (not the media API token: it never calls the API)`);
     assert.deepEqual(new Set(keysOf.get('worker')), new Set(['worker-database-url', 'worker-amqp-url', 'media-api-token']), `${name}: worker keys`);
+    if (keysOf.has('relay')) {
+      // docs/deploying.md "PostgreSQL roles": `reaper relay` runs as the scheduler's role, and publishes as its broker user.
+      assert.deepEqual(new Set(keysOf.get('relay')), new Set(['scheduler-database-url', 'scheduler-amqp-url']), `${name}: relay keys (the scheduler's credentials; no webhook secret, no media API token)`);
+      for (const secret of ['DATABASE_URL', 'AMQP_URL']) {
+        assert.equal(secretsOf.get('relay')!.get(secret), secretsOf.get('scheduler')!.get(secret), `${name}: the relay's ${secret}_FILE is the scheduler's Secret key`);
+      }
+    }
     const scheduler = find(manifests, 'Deployment', SCHEDULER);
     assert.ok(((containersOf(scheduler)[0]!.env ?? []) as Obj[]).some((e) => e.name === 'REAPER_WEBHOOK_SECRET_FILE'), 'the scheduler gets the webhook secret (as a file)');
-    for (const [deploymentName, prefix, limit] of [[SCHEDULER], [WORKER]].map(([d]) => [d!, DEFINITIONS_PREFIX, DEFINITIONS_DELIVERY_LIMIT] as const)) {
-      const deployment = find(manifests, 'Deployment', deploymentName);
+    for (const deployment of deployments(manifests)) {
+      const deploymentName = deployment.metadata.name as string;
+      const [prefix, limit] = [DEFINITIONS_PREFIX, DEFINITIONS_DELIVERY_LIMIT];
       const { env } = checkContainerEnv(`${name} ${deploymentName}`, deployment.spec.template.spec, containersOf(deployment)[0]!, manifests);
       assert.equal(env.amqpPrefix, prefix, `${name} ${deploymentName}: REAPER_AMQP_PREFIX is the one infra/rabbitmq/definitions.json was made for`);
       assert.equal(env.deliveryLimit, limit, `${name} ${deploymentName}: REAPER_DELIVERY_LIMIT (a different x-delivery-limit is refused by the broker)`);
@@ -438,9 +488,9 @@ for (const [name, manifests] of rendered) {
 
   test(`k8s ${name}: selectors, the scheduler Service, PodDisruptionBudgets, service accounts`, () => {
     const scheduler = find(manifests, 'Deployment', SCHEDULER);
-    const worker = find(manifests, 'Deployment', WORKER);
+    find(manifests, 'Deployment', WORKER);
     const podLabels = new Map(workloads(manifests).map((w) => [w.metadata.name as string, w.spec.template.metadata.labels as Obj]));
-    for (const deployment of [scheduler, worker]) {
+    for (const deployment of deployments(manifests)) {
       assert.ok(matches(deployment.spec.selector.matchLabels, podLabels.get(deployment.metadata.name)), `${deployment.metadata.name} selects its pods`);
       for (const [other, labels] of podLabels) {
         if (other !== deployment.metadata.name) assert.ok(!matches(deployment.spec.selector.matchLabels, labels), `${deployment.metadata.name}'s selector does not take ${other}'s pods`);
@@ -448,7 +498,9 @@ for (const [name, manifests] of rendered) {
     }
     const webhook = ofKind(manifests, 'Service').find((service) => matches(service.spec.selector, podLabels.get(SCHEDULER)));
     assert.ok(webhook, 'a Service selects the scheduler pods');
-    assert.ok(!matches(webhook.spec.selector, podLabels.get(WORKER)), 'the webhook Service does not route to workers');
+    for (const other of deployments(manifests).filter((d) => d !== scheduler)) {
+      assert.ok(!matches(webhook.spec.selector, podLabels.get(other.metadata.name)), `the webhook Service does not route to ${other.metadata.name}`);
+    }
     const schedulerPorts = (containersOf(scheduler)[0]!.ports ?? []) as Obj[];
     for (const port of webhook.spec.ports as Obj[]) {
       const target = port.targetPort ?? port.port;
@@ -456,10 +508,10 @@ for (const [name, manifests] of rendered) {
     }
     const budgets = ofKind(manifests, 'PodDisruptionBudget');
     for (const budget of budgets) {
-      const covered = [scheduler, worker].filter((d) => matches(budget.spec.selector.matchLabels, podLabels.get(d.metadata.name)));
+      const covered = deployments(manifests).filter((d) => matches(budget.spec.selector.matchLabels, podLabels.get(d.metadata.name)));
       assert.equal(covered.length, 1, `PodDisruptionBudget ${budget.metadata.name} covers exactly one Deployment`);
     }
-    for (const deployment of [scheduler, worker]) {
+    for (const deployment of deployments(manifests)) {
       const matching = budgets.filter((b) => matches(b.spec.selector.matchLabels, podLabels.get(deployment.metadata.name)));
       assert.equal(matching.length, 1, `one PodDisruptionBudget covers ${deployment.metadata.name}`);
       if (matching[0]!.spec.minAvailable !== undefined && deployment.spec.replicas !== undefined) {
@@ -498,11 +550,14 @@ for (const [name, manifests] of rendered) {
       scheduler: new Set([5432, 5671, 5672]),
       worker: new Set([5432, 5671, 5672, 443, 8081]),
       migrate: new Set([5432]),
+      // reaper relay: claims outbox rows in PostgreSQL, publishes them to RabbitMQ.
+      relay: new Set([5432, 5671, 5672]),
     };
     for (const workload of workloads(manifests)) {
       const component = workload.metadata.labels['app.kubernetes.io/component'] as string;
       const where = `${name} ${workload.metadata.name}`;
       const { ingress, egress } = openedFor(policies.filter((p) => p !== denyAll[0]), workload.spec.template.metadata.labels as Obj);
+      assert.ok(allowedEgress[component], `${where}: a component whose egress this test knows (${component})`);
       const egressPorts = new Set<number>();
       for (const { policy, rule } of egress) {
         const ports = ((rule.ports ?? []) as Obj[]).map((p) => p.port as number);
@@ -514,14 +569,14 @@ for (const [name, manifests] of rendered) {
         }
         for (const port of ports) egressPorts.add(port);
         // overlays/prod says where each server is: no egress rule of its leaves the destination open.
-        if (name === 'prod') assert.ok(((rule.to ?? []) as Obj[]).length > 0, `${where} ${policy}: prod names the destination of port(s) ${ports.join(', ')}`);
+        if (isProd(name)) assert.ok(((rule.to ?? []) as Obj[]).length > 0, `${where} ${policy}: prod names the destination of port(s) ${ports.join(', ')}`);
       }
       assert.ok(egress.some(({ rule }) => ((rule.ports ?? []) as Obj[]).some((p) => p.port === 53 && p.protocol === 'UDP')), `${where}: resolves names (UDP 53)`);
       assert.deepEqual([...egressPorts].sort(), [...allowedEgress[component]!].filter((port) => egressPorts.has(port)).sort(), `${where}: egress only to PostgreSQL, RabbitMQ, DNS${component === 'worker' ? ' and the media API' : ''}`);
       assert.ok(egressPorts.has(5432), `${where}: reaches PostgreSQL`);
       if (component !== 'migrate') assert.ok(egressPorts.has(5672) && egressPorts.has(5671), `${where}: reaches RabbitMQ on 5672 and 5671 (TLS)`);
-      if (component === 'migrate') {
-        assert.equal(ingress.length, 0, `${where}: nothing connects to the migrate Job`);
+      if (component === 'migrate' || SERVES_NO_HTTP.has(workload.metadata.name)) {
+        assert.equal(ingress.length, 0, `${where}: nothing connects to it (it serves nothing)`);
         continue;
       }
       for (const { policy, rule } of ingress) {
@@ -568,8 +623,8 @@ for (const [name, manifests] of rendered) {
 for (const [name, manifests] of rendered) {
   test(`k8s ${name}: the Deployments wait for the schema in an init container, as their own role, no longer than the migrate Job may run`, () => {
     const job = find(manifests, 'Job', /^reaper-migrate/);
-    for (const deploymentName of [SCHEDULER, WORKER]) {
-      const deployment = find(manifests, 'Deployment', deploymentName);
+    for (const deployment of deployments(manifests)) {
+      const deploymentName = deployment.metadata.name as string;
       const podSpec = deployment.spec.template.spec;
       const where = `${name} ${deploymentName}`;
       const inits = (podSpec.initContainers ?? []) as Obj[];
@@ -592,9 +647,13 @@ for (const [name, manifests] of rendered) {
 test('k8s overlays: images, replicas; prod pins its tag, matches the version label, and scales workers on queue depth with KEDA', () => {
   for (const name of OVERLAYS) {
     const manifests = rendered.get(name)!;
+    const release = containersOf(find(manifests, 'Deployment', WORKER))[0]!.image as string;
     for (const workload of workloads(manifests)) {
-      const image = containersOf(workload)[0]!.image as string;
-      assert.notEqual(image, 'reaper', `${name} ${workload.metadata.name}: the overlay sets the image`);
+      const spec = workload.spec.template.spec;
+      for (const container of [...((spec.initContainers ?? []) as Obj[]), ...containersOf(workload)]) {
+        assert.notEqual(container.image, 'reaper', `${name} ${workload.metadata.name} ${container.name}: the overlay sets the image`);
+        assert.equal(container.image, release, `${name} ${workload.metadata.name} ${container.name}: one release everywhere (the workers' image)`);
+      }
     }
   }
   const prod = rendered.get('prod')!;
@@ -653,11 +712,18 @@ for (const [name, manifests] of rendered) {
     for (const workload of workloads(manifests)) {
       assert.equal(workload.spec.template.spec.enableServiceLinks, false, `${name} ${workload.metadata.name}: enableServiceLinks: false`);
     }
-    for (const deploymentName of [SCHEDULER, WORKER]) {
-      const spread = (find(manifests, 'Deployment', deploymentName).spec.template.spec.topologySpreadConstraints ?? []) as Obj[];
+    for (const deployment of deployments(manifests)) {
+      const deploymentName = deployment.metadata.name as string;
+      const spread = (deployment.spec.template.spec.topologySpreadConstraints ?? []) as Obj[];
+      const podLabels = deployment.spec.template.metadata.labels as Obj;
       assert.deepEqual(spread.map((c) => c.topologyKey).sort(), ['kubernetes.io/hostname', 'topology.kubernetes.io/zone'], `${name} ${deploymentName}: spread over hosts and zones`);
-      for (const constraint of spread) assert.equal(constraint.whenUnsatisfiable, 'ScheduleAnyway', `${name} ${deploymentName}: a single-zone cluster still schedules`);
-      const podLabels = find(manifests, 'Deployment', deploymentName).spec.template.metadata.labels as Obj;
+      for (const constraint of spread) {
+        assert.equal(constraint.whenUnsatisfiable, 'ScheduleAnyway', `${name} ${deploymentName}: a single-zone cluster still schedules`);
+        assert.ok(selects(constraint.labelSelector, podLabels), `${name} ${deploymentName}: spreads its own pods (${constraint.topologyKey})`);
+        for (const other of deployments(manifests).filter((d) => d !== deployment)) {
+          assert.ok(!selects(constraint.labelSelector, other.spec.template.metadata.labels), `${name} ${deploymentName}: does not count ${other.metadata.name}'s pods (${constraint.topologyKey})`);
+        }
+      }
       const ports = openedFor(ofKind(manifests, 'NetworkPolicy'), podLabels).egress.flatMap(({ rule }) => ((rule.ports ?? []) as Obj[]).map((port) => port.port));
       assert.ok(ports.includes(5672) && ports.includes(5671), `${name} ${deploymentName}: egress to RabbitMQ on 5672 and 5671 (TLS)`);
     }
@@ -724,6 +790,78 @@ test('k8s object-store egress: the optional component opens 443 for workers only
   ]);
   // A patch by name fails loudly when the name is gone (an index patch would change another rule).
   assert.throws(() => kustomize(scratchOverlay('object-store-missing', `resources: [k8s/overlays/prod]\npatches:\n${narrowed}`)), /reaper-egress-object-store/);
+});
+
+test('k8s events relay: off unless included; components/events-relay adds a Deployment that runs `reaper relay` as the scheduler', () => {
+  for (const name of ['base', 'dev', 'prod']) {
+    assert.ok(!rendered.get(name)!.some((m) => m.metadata?.name === RELAY), `${name}: no relay unless the component is included`);
+  }
+  assert.deepEqual(WITH_RELAY, ['dev+events-relay', 'prod+events-relay'], 'the relay is rendered next to both overlays (and every rule above ran on it)');
+  for (const name of WITH_RELAY) {
+    const manifests = rendered.get(name)!;
+    const where = `${name} ${RELAY}`;
+    const relay = find(manifests, 'Deployment', RELAY);
+    const scheduler = find(manifests, 'Deployment', SCHEDULER);
+    const container = containersOf(relay)[0]!;
+    assert.deepEqual(containersOf(relay).map((c) => c.args), [['relay']], `${where}: runs \`reaper relay\``);
+    assert.equal(container.command, undefined, `${where}: the image's ENTRYPOINT (bin/reaper) runs`);
+    for (const labels of [relay.metadata.labels, relay.spec.selector.matchLabels, relay.spec.template.metadata.labels]) {
+      assert.equal(labels['app.kubernetes.io/component'], 'relay', `${where}: component relay`);
+    }
+    assert.equal(container.image, containersOf(scheduler)[0]!.image, `${where}: the scheduler's image (the release that writes the outbox it reads)`);
+    // docs/deploying.md "PostgreSQL roles": the relay runs as reaper_scheduler (and the scheduler's broker user).
+    const fileOf = (deployment: Obj, variable: string) => ((containersOf(deployment)[0]!.env ?? []) as Obj[]).find((e) => e.name === variable)?.value as string | undefined;
+    for (const variable of ['DATABASE_URL_FILE', 'AMQP_URL_FILE']) {
+      assert.ok(fileOf(relay, variable), `${where}: ${variable}`);
+      assert.equal(fileOf(relay, variable), fileOf(scheduler, variable), `${where}: ${variable} is the scheduler's`);
+    }
+    const wait = (relay.spec.template.spec.initContainers as Obj[])[0]!;
+    assert.equal(((wait.env ?? []) as Obj[]).find((e) => e.name === 'DATABASE_URL_FILE')?.value, fileOf(scheduler, 'DATABASE_URL_FILE'), `${where}: waits for the schema as the scheduler's role`);
+    // Claims with a lease and SKIP LOCKED (shared/db/queries/outbox.ts): replicas share the outbox.
+    assert.equal(relay.spec.replicas, 2, `${where}: two relays, for availability`);
+    find(manifests, 'PodDisruptionBudget', RELAY);
+    find(manifests, 'ServiceAccount', RELAY);
+  }
+  const text = readFileSync(path.join(K8S, 'components', 'events-relay', 'relay.yaml'), 'utf8');
+  assert.match(text, /Two replicas are safe[\s\S]*SKIP LOCKED[\s\S]*claim_expires_at/, 'relay.yaml says why two replicas are safe');
+});
+
+test('k8s events relay: in the components of an overlay built on the base, it takes that overlay\'s image, labels and namespace', () => {
+  const body = [
+    'resources: [k8s/base]',
+    `components: [k8s/components/demo-policies, ${EVENTS_RELAY}]`,
+    'namespace: acme-reaper',
+    'labels:',
+    '  - pairs: {app.kubernetes.io/version: "9.9.9", acme.test/team: retention}',
+    '    includeTemplates: true',
+    'images:',
+    '  - {name: reaper, newName: registry.acme.test/reaper, newTag: "9.9.9"}',
+    '',
+  ].join('\n');
+  const manifests = kustomize(scratchOverlay('relay-inside', body));
+  const relay = find(manifests, 'Deployment', RELAY);
+  const spec = relay.spec.template.spec;
+  for (const container of [...(spec.initContainers as Obj[]), ...(spec.containers as Obj[])]) {
+    assert.equal(container.image, 'registry.acme.test/reaper:9.9.9', `${container.name}: the overlay's image`);
+  }
+  for (const object of [relay, find(manifests, 'ServiceAccount', RELAY), find(manifests, 'PodDisruptionBudget', RELAY)]) {
+    const where = `${object.kind}/${RELAY}`;
+    assert.equal(object.metadata.namespace, 'acme-reaper', `${where}: the overlay's namespace`);
+    for (const labels of [object.metadata.labels, ...(object.kind === 'Deployment' ? [object.spec.template.metadata.labels] : [])]) {
+      assert.equal(labels['app.kubernetes.io/version'], '9.9.9', `${where}: the overlay's version`);
+      assert.equal(labels['acme.test/team'], 'retention', `${where}: the overlay's own labels`);
+      assert.equal(labels['app.kubernetes.io/component'], 'relay', `${where}: its own component`);
+    }
+  }
+});
+
+test('the relay serves no HTTP, the scheduler and the worker do (what the relay\'s missing probes rest on)', () => {
+  const source = (file: string) => readFileSync(path.join(ROOT, 'services', file), 'utf8');
+  const relay = source('relay/relay.ts');
+  // When the relay gets a health server, this fails: give the relay its port and probes (SERVES_NO_HTTP).
+  assert.doesNotMatch(relay, /startHealthServer|observability\/http|createServer/, 'services/relay/relay.ts starts no HTTP server');
+  assert.match(relay, /httpPort: null/, 'startRelay reports no HTTP port');
+  for (const file of ['scheduler/scheduler.ts', 'worker/worker.ts']) assert.match(source(file), /startHealthServer\(/, `${file} serves /livez, /readyz and /metrics`);
 });
 
 test('k8s prod: the KEDA triggers it ships are generated from the policies.yaml it ships (none), never the demo queues', () => {
