@@ -1,3 +1,5 @@
+import { monitorEventLoopDelay } from 'node:perf_hooks';
+import { bucketShape } from '../../shared/admission/controller';
 import { brokerNames, DELAY_TIERS_MS } from '../../shared/amqp/topology';
 import { runsInsertIfAbsent } from '../../shared/db/queries/runs';
 import { startMediaApi, type MediaApi } from '../../tools/media-api/server';
@@ -35,12 +37,36 @@ export interface RemoteFigure {
   concurrencyRatio: number;
   calls: number;
   rateLimited: number;
+  /** When each 429 was answered, ms after the first executed call (a 429 blocks the policy for its Retry-After, 1 s here). */
+  rateLimitedAtMs: number[];
+  /**
+   * This process's event-loop delay while the figure ran (the stand-in API lives here and stamps a
+   * call's arrival when its handler runs, so a stall here bunches arrivals as the network would).
+   */
+  apiLoopDelayMs: { p99: number; max: number };
+  /**
+   * Where the concurrency cap went, sampled every 100 ms while the backlog drained: operations in
+   * flight by the ledger (live leases: what admission counts against the cap, from the claim to the
+   * outcome's write) and calls open at the API (arrival to answer); the share of samples with the
+   * ledger at the cap; the mean time of an executed call at the API (arrival to answer).
+   */
+  slots: { ledgerMean: number; apiMean: number; atCapShare: number; samples: number; apiCallMs: number };
+  /**
+   * The share of the same samples in which the admission bucket was full (its refill thrown away:
+   * nobody asked for the tokens), and in which some operation was due but not in flight (work
+   * waiting in the ledger, not just in the broker).
+   */
+  bucketFullShare: number;
+  /** Of the samples with the bucket full: those in which the ledger held due operations nobody had claimed (a worker could have asked), the rest had none due (the work was in the broker, or done). */
+  bucketFullWithDueShare: number;
   duplicates: number;
   /** The workers' reaper_operations_total by result (confirmed, rate-limited, grant-expired, ...). */
   operations: Record<string, number>;
   seconds: number;
   bounded: boolean;
 }
+
+const mean = (values: readonly number[]): number => (values.length === 0 ? 0 : values.reduce((sum, value) => sum + value, 0) / values.length);
 
 export async function runRemoteDelete(
   context: BenchContext,
@@ -51,6 +77,7 @@ export async function runRemoteDelete(
   const pool = context.databases.pool(2, OBSERVER_APPLICATION);
   let api: MediaApi | null = null;
   let services: ReaperService[] = [];
+  const loopDelay = monitorEventLoopDelay({ resolution: 5 });
   try {
     await seedExpiredAssets(pool, { prefix: 'asset-', count: options.backlog, url: true });
     api = await startMediaApi({ ratePerSecond: options.ratePerSecond, burst: options.burst });
@@ -74,8 +101,27 @@ export async function runRemoteDelete(
       { kind: 'scheduler', id: 'bench-scheduler' },
       ...Array.from({ length: options.workers }, (_, i) => ({ kind: 'worker' as const, id: `bench-worker-${i + 1}` })),
     ]);
+    loopDelay.enable();
     const run = (await runsInsertIfAbsent(pool, { policy: REMOTE_POLICY, trigger: 'manual', scheduledFor: null, cutoff: null }))!;
     const deadline = Date.now() + Math.min(context.boundMs, ((3 * options.backlog) / options.ratePerSecond + 30) * 1000);
+    const slotSamples: Array<{ ledger: number; api: number; full: boolean; due: number }> = [];
+    const capacity = bucketShape(options.ratePerSecond, options.burst).capacity;
+    let sampling = true;
+    const sampler = (async () => {
+      const openAtApi = (): number => api!.calls.filter((call) => call.finishedAt === 0).length;
+      while (sampling) {
+        const { n: ledger, tokens, due } = (
+          await pool.query<{ n: number; tokens: number | null; due: number }>(
+            `SELECT (SELECT count(*)::int FROM cleanup_ledger WHERE policy = $1 AND state = 'in_flight' AND lease_expires_at >= clock_timestamp()) AS n,
+                    (SELECT count(*)::int FROM cleanup_ledger WHERE policy = $1 AND state = 'pending' AND not_before <= clock_timestamp()) AS due,
+                    (SELECT tokens + $2 * extract(epoch FROM clock_timestamp() - refilled_at) FROM cleanup_admission WHERE policy = $1)::float8 AS tokens`,
+            [REMOTE_POLICY, options.ratePerSecond],
+          )
+        ).rows[0]!;
+        if (api!.calls.length > 0) slotSamples.push({ ledger, api: openAtApi(), full: tokens !== null && tokens >= capacity, due });
+        await new Promise((resolve) => setTimeout(resolve, 100));
+      }
+    })();
     const done = await pollUntil(
       async () => {
         const state = (await pool.query<{ state: string }>('SELECT state FROM cleanup_runs WHERE run_id = $1', [run.runId])).rows[0]!.state;
@@ -83,6 +129,9 @@ export async function runRemoteDelete(
       },
       { deadline, everyMs: 250 },
     );
+    sampling = false;
+    await sampler;
+    loopDelay.disable();
     for (const service of services) service.assertRunning();
     const operations: Record<string, number> = {};
     for (const worker of services.slice(1)) {
@@ -133,12 +182,24 @@ export async function runRemoteDelete(
       concurrencyRatio: api.maxConcurrent() / options.concurrency,
       calls: api.calls.length,
       rateLimited: api.calls.filter((call) => call.status === 429).length,
+      rateLimitedAtMs: api.calls.filter((call) => call.status === 429).map((call) => Math.round(call.startedAt - (executed[0] ?? call.startedAt))),
+      apiLoopDelayMs: { p99: loopDelay.percentile(99) / 1e6, max: loopDelay.max / 1e6 },
+      slots: {
+        ledgerMean: mean(slotSamples.map((sample) => sample.ledger)),
+        apiMean: mean(slotSamples.map((sample) => sample.api)),
+        atCapShare: slotSamples.filter((sample) => sample.ledger >= options.concurrency).length / Math.max(1, slotSamples.length),
+        samples: slotSamples.length,
+        apiCallMs: mean(api.calls.filter((call) => call.executed && call.finishedAt > 0).map((call) => call.finishedAt - call.startedAt)),
+      },
+      bucketFullShare: slotSamples.filter((sample) => sample.full).length / Math.max(1, slotSamples.length),
+      bucketFullWithDueShare: slotSamples.filter((sample) => sample.full && sample.due > 0).length / Math.max(1, slotSamples.filter((sample) => sample.full).length),
       duplicates,
       operations,
       seconds: spanSeconds,
       bounded: done === undefined,
     };
   } finally {
+    loopDelay.disable();
     await stopServices(services);
     await api?.close();
     await pool.end();
