@@ -25,7 +25,7 @@ export interface ReaperEnvironment {
 }
 
 export interface ServiceSpec {
-  /** A relay has no readiness endpoint: start it with ReaperService.start, not startServices. */
+  /** Each serves /livez, /readyz and /metrics on its HTTP_PORT (a relay too: startServices may wait for its /readyz). */
   kind: 'scheduler' | 'worker' | 'relay';
   id: string;
   prefetch?: number;

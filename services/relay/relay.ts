@@ -17,7 +17,12 @@ import {
 } from '../../shared/contracts/expiry-event';
 import { makePool, type Pool } from '../../shared/db/pool';
 import { outboxClaimOldest, outboxDeletePublished, outboxEntryEvents, outboxKeepRefused, outboxReleaseClaims, outboxReleaseClaimsOf, type OutboxEntry } from '../../shared/db/queries/outbox';
+import { runsDatabaseNow } from '../../shared/db/queries/runs';
+import { startDatabaseProbe } from '../../shared/observability/database-probe';
 import { failpoint } from '../../shared/observability/failpoint-hook';
+import { startHealthServer } from '../../shared/observability/http';
+import { makeMetrics, type Metrics } from '../../shared/observability/metrics';
+import { makeRelayMetrics, type RelayMetrics } from './metrics';
 import { testTimings } from '../../shared/config/test-timings';
 
 /**
@@ -76,6 +81,10 @@ export interface RelayPass {
   failure: string | null;
   /** Routing keys whose events the broker returned as unroutable in this pass (they wait: UnroutableKeys). */
   unroutable: string[];
+  /** `published` by the policy of their outbox rows. */
+  publishedByPolicy: Record<string, number>;
+  /** Events the broker returned as unroutable in this pass, by routing key. */
+  unroutableEvents: Record<string, number>;
 }
 
 type OutboxKind = OutboxEntry['kind'];
@@ -155,7 +164,7 @@ export async function relayOnce(deps: {
     leaseMs: deps.claimMs ?? testTimings().relayClaimMs ?? RELAY_CLAIM_MS,
     skip: deps.unroutable?.waiting() ?? [],
   });
-  if (entries.length === 0) return { taken: 0, rows: 0, published: 0, failure: null, unroutable: [] };
+  if (entries.length === 0) return { taken: 0, rows: 0, published: 0, failure: null, unroutable: [], publishedByPolicy: {}, unroutableEvents: {} };
   failpoint('relay-before-publish');
   // All events of all rows in flight at once; a row's outcome is which of its events were refused
   // (1-based, as in its arrays) and the first refusal's reason.
@@ -163,8 +172,9 @@ export async function relayOnce(deps: {
     entries.map(async (entry) => {
       const settled = await Promise.allSettled(publishEntry(deps.publisher, deps.exchange, entry));
       const refusedAt = settled.flatMap((outcome, index) => (outcome.status === 'rejected' ? [index + 1] : []));
-      const reason = settled.find((outcome): outcome is PromiseRejectedResult => outcome.status === 'rejected')?.reason as unknown;
-      return { entry, refusedAt, reason, confirmedEvents: settled.length - refusedAt.length };
+      const refusals = settled.flatMap((outcome) => (outcome.status === 'rejected' ? [outcome.reason as unknown] : []));
+      const unroutableEvents = refusals.filter((reason) => reason instanceof UnroutableError).length;
+      return { entry, refusedAt, reason: refusals[0], confirmedEvents: settled.length - refusedAt.length, unroutableEvents };
     }),
   );
   const confirmed = outcomes.filter(({ refusedAt }) => refusedAt.length === 0).map(({ entry }) => entry);
@@ -183,21 +193,34 @@ export async function relayOnce(deps: {
   for (const entry of unroutable.values()) deps.unroutable?.unroutable(entry.policy, entry.kind);
   // Without a key list to wait in, an unroutable event is a failure of the pass (the whole relay waits).
   const failed = rejected.find(({ reason }) => !(reason instanceof UnroutableError) || deps.unroutable === undefined);
+  const publishedByPolicy: Record<string, number> = {};
+  const unroutableEvents: Record<string, number> = {};
+  for (const { entry, confirmedEvents, unroutableEvents: returned } of outcomes) {
+    if (confirmedEvents > 0) publishedByPolicy[entry.policy] = (publishedByPolicy[entry.policy] ?? 0) + confirmedEvents;
+    if (returned > 0) unroutableEvents[routingKeyOf(entry)] = (unroutableEvents[routingKeyOf(entry)] ?? 0) + returned;
+  }
   return {
     taken: entries.reduce((sum, entry) => sum + outboxEntryEvents(entry), 0),
     rows: entries.length,
     published: outcomes.reduce((sum, outcome) => sum + outcome.confirmedEvents, 0),
     failure: failed ? String((failed.reason as Error).message ?? failed.reason) : null,
     unroutable: [...unroutable.keys()],
+    publishedByPolicy,
+    unroutableEvents,
   };
 }
 
 export interface RelayHandle {
-  httpPort: number | null;
+  metrics: Metrics;
+  relayMetrics: RelayMetrics;
+  /** As the scheduler's and the worker's: the port /livez, /readyz and /metrics answer on (none without HTTP_PORT). */
+  httpPort: number | undefined;
   stop(): Promise<void>;
 }
 
 export async function startRelay(env: Env, policies: PolicySet, log: Logger): Promise<RelayHandle> {
+  const metrics = makeMetrics();
+  const relayMetrics = makeRelayMetrics(metrics.registry, [...policies.keys()]);
   const pool = makePool(env.databaseUrl, 2, 'reaper-relay', env.sessionTimeouts);
   const connection = new ReconnectingConnection({
     url: env.amqpUrl,
@@ -205,11 +228,33 @@ export async function startRelay(env: Env, policies: PolicySet, log: Logger): Pr
     topology: topologyFor(env, [...policies.keys()]),
     log,
   });
+  connection.on('ready', () => metrics.amqpConnected.set(1));
+  connection.on('lost', () => metrics.amqpConnected.set(0));
   const publisher = new ConfirmingPublisher(connection);
-  await connection.start();
+  let started = false;
+  let stopping = false;
+
+  // HTTP first, as the scheduler: /livez answers while the broker is still unreachable (the relay
+  // is alive and retrying); /readyz says ready while the broker connection is up and the database
+  // answered its latest probe (the relay's passes need both).
+  const databaseProbe = startDatabaseProbe(() => runsDatabaseNow(pool), log);
+  let server: Awaited<ReturnType<typeof startHealthServer>> | undefined;
+  try {
+    server =
+      env.httpPort === undefined
+        ? undefined
+        : await startHealthServer({ port: env.httpPort, registry: metrics.registry, log, ready: () => started && !stopping && connection.connected && databaseProbe.answers() });
+    if (server) log.info({ httpPort: server.boundPort }, 'http listening');
+    await connection.start();
+  } catch (error) {
+    databaseProbe.stop();
+    server?.close();
+    await connection.close();
+    await pool.end();
+    throw error;
+  }
   const exchange = brokerNames(env.amqpPrefix).eventsExchange;
 
-  let stopping = false;
   let wake: (() => void) | null = null;
   // A wait that stop() cuts short.
   const pause = (ms: number) =>
@@ -234,17 +279,26 @@ export async function startRelay(env: Env, policies: PolicySet, log: Logger): Pr
   });
   if (reclaimed > 0) log.info({ reclaimed }, 'outbox claims of an earlier relay with this id taken back');
   const unroutable = new UnroutableKeys();
+  const countPass = (pass: RelayPass): void => {
+    for (const [policy, events] of Object.entries(pass.publishedByPolicy)) relayMetrics.eventsPublishedTotal.inc({ policy: relayMetrics.policyLabel(policy) }, events);
+    for (const [routingKey, events] of Object.entries(pass.unroutableEvents)) relayMetrics.eventsUnroutableTotal.inc({ routing_key: routingKey }, events);
+    if (pass.failure === null) relayMetrics.lastPassTimestampSeconds.set(Date.now() / 1000);
+    else relayMetrics.passesFailedTotal.inc();
+  };
   const eventsPerPass = testTimings().relayEventsPerPass ?? RELAY_EVENTS_PER_PASS;
+  started = true;
   const loop = (async () => {
     while (!stopping) {
       let pass: RelayPass;
       try {
         pass = await relayOnce({ pool, publisher, exchange, eventLimit: eventsPerPass, owner, unroutable });
       } catch (error) {
+        relayMetrics.passesFailedTotal.inc();
         log.warn({ err: (error as Error).message }, 'relay pass failed; the outbox rows stay and are published again');
         await pause(RELAY_FAILURE_BACKOFF_MS);
         continue;
       }
+      countPass(pass);
       if (pass.taken > 0) log.info({ taken: pass.taken, rows: pass.rows, published: pass.published }, 'expiry events published');
       if (pass.unroutable.length > 0) {
         log.warn({ routingKeys: pass.unroutable, exchange }, 'no queue bound for these routing keys: their events stay in the outbox and are tried again later; the other events go on');
@@ -260,11 +314,15 @@ export async function startRelay(env: Env, policies: PolicySet, log: Logger): Pr
   })();
 
   return {
-    httpPort: null,
+    metrics,
+    relayMetrics,
+    httpPort: server?.boundPort,
     async stop() {
       stopping = true;
       wake?.();
       await loop;
+      databaseProbe.stop();
+      server?.close();
       await connection.close();
       await pool.end();
     },

@@ -24,6 +24,7 @@ import {
 } from '../../shared/db/queries/runs';
 import { reply, startHealthServer, type RouteHandler } from '../../shared/observability/http';
 import { makeMetrics, type Metrics } from '../../shared/observability/metrics';
+import { startDatabaseProbe } from '../../shared/observability/database-probe';
 import { startAuditRetention } from './audit-retention';
 import { loadBatchVersionConfig } from '../../shared/config/batch-version';
 import { startHeartbeat } from '../../shared/observability/heartbeat';
@@ -55,9 +56,6 @@ const COMPLETION_BATCH = 32;
  * on the passes in a row leaves the interval to the other timers.
  */
 const COMPLETION_PASSES_IN_A_ROW = 50;
-/** /readyz: how often the database is asked, and how long an answer may take. */
-const DATABASE_PROBE_MS = 1_000;
-const DATABASE_PROBE_TIMEOUT_MS = 2_000;
 
 export interface SchedulerHandle {
   metrics: Metrics;
@@ -120,7 +118,6 @@ export async function startScheduler(env: Env, policies: PolicySet, log: Logger)
   const targets = new Map<string, ResolvedTarget>();
   let stopping = false;
   let started = false;
-  let databaseAnswers = false;
   let webhookRoutes: Record<string, RouteHandler> | null = null;
 
   // HTTP first: /livez answers from the start (an orchestrator must not kill a scheduler that is
@@ -133,7 +130,7 @@ export async function startScheduler(env: Env, policies: PolicySet, log: Logger)
           port: env.httpPort,
           registry: metrics.registry,
           log,
-          ready: () => started && !stopping && databaseAnswers && (connectionRef.current?.connected ?? false),
+          ready: () => started && !stopping && databaseProbe.answers() && (connectionRef.current?.connected ?? false),
           postRoutes: {
             '/webhooks/': async (request, body, response) => {
               const route = webhookRoutes?.['/webhooks/'];
@@ -145,35 +142,11 @@ export async function startScheduler(env: Env, policies: PolicySet, log: Logger)
         });
   if (server) log.info({ httpPort: server.boundPort }, 'http listening');
 
-  // The database answers /readyz's question (README: "database reachable"). Probed in the
-  // background: /readyz answers at once from the latest probe.
-  let probing = false;
-  const probeDatabase = (): void => {
-    if (probing) return;
-    probing = true;
-    let timer: NodeJS.Timeout | undefined;
-    const timeout = new Promise<never>((_, reject) => {
-      timer = setTimeout(() => reject(new Error(`no answer within ${DATABASE_PROBE_TIMEOUT_MS} ms`)), DATABASE_PROBE_TIMEOUT_MS);
-    });
-    Promise.race([runsDatabaseNow(pool), timeout])
-      .then(() => {
-        if (!databaseAnswers) log.info('database answers');
-        databaseAnswers = true;
-      })
-      .catch((error: Error) => {
-        if (databaseAnswers) log.warn({ err: error.message }, 'database does not answer; not ready');
-        databaseAnswers = false;
-      })
-      .finally(() => {
-        clearTimeout(timer);
-        probing = false;
-      });
-  };
-  probeDatabase();
-  const prober = setInterval(probeDatabase, DATABASE_PROBE_MS);
+  // The database answers /readyz's question (README: "database reachable"), in the background.
+  const databaseProbe = startDatabaseProbe(() => runsDatabaseNow(pool), log);
 
   const abandonStart = async (error: unknown): Promise<never> => {
-    clearInterval(prober);
+    databaseProbe.stop();
     server?.close();
     await connectionRef.current?.close().catch(() => undefined); // never fully started
     await pool.end();
@@ -381,7 +354,7 @@ export async function startScheduler(env: Env, policies: PolicySet, log: Logger)
       windows.stop();
       clearInterval(poller);
       clearInterval(completer);
-      clearInterval(prober);
+      databaseProbe.stop();
       await listener.close();
       for (const task of tasks) await task.destroy();
       await backlog.stop();

@@ -10,14 +10,14 @@ import { eventually } from '../support/eventually';
 import { combinedPoliciesYaml, rowDeletePolicyYaml } from '../support/fixtures';
 import { startMediaApi, type MediaApi } from '../../tools/media-api/server';
 import { requireTool, PROMETHEUS } from '../support/requirements';
-import { assertNoLeakedProcesses, runReaperCli, spawnOwned, type ReaperProcess } from '../support/processes';
+import { assertNoLeakedProcesses, runReaperCli, spawnOwned, startReaper, stopLeftovers, type ReaperProcess } from '../support/processes';
 import { mediaPolicyYaml, seedAssets, startRemoteServices, stopStarted } from '../support/remote-helpers';
 import { seedHolds } from '../support/seed';
 import { makeTestBed, type TestBed } from '../support/testbed';
 
 /**
- * Issue 8: a real Prometheus server (Debian's `prometheus` package) scrapes a scheduler and a
- * worker during a short run, loads infra/prometheus/reaper-rules.yaml itself, and answers every
+ * Issue 8: a real Prometheus server (Debian's `prometheus` package) scrapes a scheduler, a worker
+ * and a relay (the seat-holds policy writes expiry events) during a short run, loads infra/prometheus/reaper-rules.yaml itself, and answers every
  * dashboard and alert expression through its HTTP API: each must parse and return a series
  * (for an alert, each metric it reads must return one: an alert that is not firing is empty).
  */
@@ -47,6 +47,7 @@ describe('a real Prometheus evaluates every dashboard and alert expression', () 
   let bed: TestBed;
   let api: MediaApi;
   let folder: string;
+  let relay: ReaperProcess | undefined;
 
   before(async () => {
     bed = await makeTestBed('prometheus_real');
@@ -63,6 +64,7 @@ describe('a real Prometheus evaluates every dashboard and alert expression', () 
   after(async () => {
     try {
       await stopStarted();
+      if (relay) await stopLeftovers([relay]);
       await assertNoLeakedProcesses();
     } finally {
       await api?.close();
@@ -75,6 +77,8 @@ describe('a real Prometheus evaluates every dashboard and alert expression', () 
     if (!(await requireTool(t, PROMETHEUS))) return;
     const env = { HTTP_PORT: '0', REAPER_BACKLOG_REFRESH_MS: '500' };
     const { scheduler, workers: [worker] } = await startRemoteServices(bed, { scheduler: 'prom-scheduler', workers: ['prom-worker'], schedulerEnv: env, workerEnv: env });
+    relay = startReaper('prom-relay', ['relay'], bed.processEnv({ HTTP_PORT: '0' }));
+    await relay.waitForLine('relay started', (line) => line.msg === 'relay started');
     const portOf = (process: ReaperProcess, kind: string) => Number(process.lines.find((line) => line.msg === `${kind} started`)!.httpPort);
 
     const port = await freeLoopbackPort();
@@ -88,6 +92,8 @@ scrape_configs:
     static_configs: [{ targets: ["127.0.0.1:${portOf(scheduler, 'scheduler')}"] }]
   - job_name: reaper-worker
     static_configs: [{ targets: ["127.0.0.1:${portOf(worker, 'worker')}"] }]
+  - job_name: reaper-relay
+    static_configs: [{ targets: ["127.0.0.1:${portOf(relay, 'relay')}"] }]
 `,
     );
     const prometheus: ChildProcess = spawnOwned(
@@ -105,10 +111,10 @@ scrape_configs:
       const query = (expr: string) => get<{ result: unknown[] }>(`/api/v1/query?query=${encodeURIComponent(expr)}`);
 
       await eventually(
-        'Prometheus to scrape both services',
+        'Prometheus to scrape the three services',
         async () => {
           const targets = await get<{ activeTargets: Array<{ health: string }> }>('/api/v1/targets');
-          return targets.data.activeTargets.length === 2 && targets.data.activeTargets.every((target) => target.health === 'up');
+          return targets.data.activeTargets.length === 3 && targets.data.activeTargets.every((target) => target.health === 'up');
         },
         { timeoutMs: 20_000, describe: () => stderr.join('').slice(-2000) },
       );
@@ -158,6 +164,7 @@ scrape_configs:
       assert.deepEqual(names.sort(), alertExprs.map((rule) => rule.alert).sort());
       assert.equal((await scheduler.stop()).code, 0);
       assert.equal((await worker.stop()).code, 0);
+      assert.equal((await relay.stop()).code, 0);
     } finally {
       prometheus.kill('SIGTERM');
       const timer = setTimeout(() => prometheus.kill('SIGKILL'), 10_000);

@@ -2,8 +2,7 @@ import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
 import amqp, { type Channel, type ChannelModel, type ConsumeMessage } from 'amqplib';
 import type { PartitionRetiredEventV1 } from '../../shared/contracts/expiry-event';
-import { outboxInsertPartitionRetired } from '../../shared/db/queries/outbox';
-import { closeBedAndBroker, openBedAndBroker, rowDeletePolicyYaml, type BedAndBroker } from '../support/fixtures';
+import { closeBedAndBroker, insertPartitionRetiredEvent, openBedAndBroker, rowDeletePolicyYaml, type BedAndBroker } from '../support/fixtures';
 import { eventually } from '../support/eventually';
 import { startReaper } from '../support/processes';
 
@@ -37,16 +36,7 @@ describe('relay: an unroutable routing key does not hold back the others', () =>
 
   test("row events flow at full speed while a partition-retired event is unroutable; it is delivered once bound", async () => {
     // The partition-retired event first (the oldest row, in the first pass), then the row events.
-    await outboxInsertPartitionRetired(world.bed.pool, {
-      policy: 'seat-holds',
-      partition: 'reaper_retired.p_old',
-      upperBound: '2026-01-02T00:00:00Z',
-      runId: null,
-      policyVersion: 'v',
-      rowCount: 6,
-      bound: "FOR VALUES FROM ('2026-01-01 00:00:00+00') TO ('2026-01-02 00:00:00+00')",
-      keyChecksum: 'abc',
-    });
+    await insertPartitionRetiredEvent(world.bed.pool, 'reaper_retired.p_old', 6);
     await world.bed.pool.query(
       `INSERT INTO cleanup_outbox (policy, key, observed_expiry, cutoff, run_id, batch_id, policy_version)
        SELECT 'seat-holds', 'k' || g, now() - interval '1 hour', now(), NULL, NULL, 'v' FROM generate_series(1, $1) g`,

@@ -1,11 +1,9 @@
 import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
-import pg from 'pg';
 import { eventually } from '../support/eventually';
 import { assertNoLeakedProcesses } from '../support/processes';
-import { findServers } from '../support/servers';
 import { makeTestBed, type TestBed } from '../support/testbed';
-import { rowDeletePolicyYaml, startReaperStoppedAfterEach } from '../support/fixtures';
+import { rowDeletePolicyYaml, startReaperStoppedAfterEach, whileDatabaseRefuses } from '../support/fixtures';
 
 /**
  * The scheduler's health endpoints (issue 7 item 16): /livez answers from the start, also while
@@ -48,18 +46,10 @@ describe('scheduler /livez and /readyz', () => {
     const base = `http://127.0.0.1:${String(started.httpPort)}`;
     await eventually('ready', async () => (await status(base, '/readyz')) === 200);
 
-    const database = new URL(bed.databaseUrl).pathname.slice(1);
-    const admin = new pg.Client({ connectionString: (await findServers()).databaseUrl });
-    await admin.connect();
-    try {
-      await admin.query(`ALTER DATABASE ${pg.escapeIdentifier(database)} WITH ALLOW_CONNECTIONS false`);
-      await admin.query('SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()', [database]);
+    await whileDatabaseRefuses(bed.databaseUrl, async () => {
       await eventually('not ready while the database refuses connections', async () => (await status(base, '/readyz')) === 503, { timeoutMs: 10_000 });
       assert.equal(await status(base, '/livez'), 200, 'still alive');
-    } finally {
-      await admin.query(`ALTER DATABASE ${pg.escapeIdentifier(database)} WITH ALLOW_CONNECTIONS true`);
-      await admin.end();
-    }
+    });
     await eventually('ready again', async () => (await status(base, '/readyz')) === 200, { timeoutMs: 10_000 });
     const exit = await scheduler.stop();
     assert.equal(exit.code, 0, 'drains and exits 0');

@@ -1,17 +1,19 @@
 import assert from 'node:assert/strict';
 import { after, afterEach, before } from 'node:test';
 import { randomUUID } from 'node:crypto';
-import type pg from 'pg';
+import pg from 'pg';
 import pino, { type Logger } from 'pino';
 import type { Registry } from 'prom-client';
 import { startWorker, type WorkerHandle } from '../../services/worker/worker';
 import { brokerNames, type BrokerNames } from '../../shared/amqp/topology';
 import { loadPolicies } from '../../shared/config/policies';
 import { encodeBatch, makeBatchId, type BatchV1 } from '../../shared/contracts/batch';
+import { outboxInsertPartitionRetired } from '../../shared/db/queries/outbox';
 import { openTestBroker, type TestBroker } from './broker';
 import { eventually } from './eventually';
 import { assertNoLeakedProcesses, runReaperCli, startReaper, stopLeftovers, type ReaperProcess } from './processes';
 import { databaseNowIso, itemsFor } from './seed';
+import { findServers } from './servers';
 import { makeTestBed, type TestBed, type TestBedOptions } from './testbed';
 
 /**
@@ -414,5 +416,38 @@ export async function openWorkerWorld(label: string, options: { policiesYaml?: s
 export async function closeWorkerWorld(world: Partial<WorkerWorld>): Promise<void> {
   await closeBedAndBroker(world, async () => {
     await world.worker?.stop();
+  });
+}
+
+/**
+ * While `during` runs, the database of `databaseUrl` refuses new connections and every session it
+ * had is terminated (a database outage the services' pools see); it accepts them again afterwards,
+ * whatever `during` did. A pool of the test's own on that database needs an 'error' listener.
+ */
+export async function whileDatabaseRefuses<T>(databaseUrl: string, during: () => Promise<T>): Promise<T> {
+  const database = new URL(databaseUrl).pathname.slice(1);
+  const admin = new pg.Client({ connectionString: (await findServers()).databaseUrl });
+  await admin.connect();
+  try {
+    await admin.query(`ALTER DATABASE ${pg.escapeIdentifier(database)} WITH ALLOW_CONNECTIONS false`);
+    await admin.query('SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()', [database]);
+    return await during();
+  } finally {
+    await admin.query(`ALTER DATABASE ${pg.escapeIdentifier(database)} WITH ALLOW_CONNECTIONS true`);
+    await admin.end();
+  }
+}
+
+/** A `<policy>.partition-retired` event of seat-holds in the outbox, as retiring the partition writes it (run-less). */
+export function insertPartitionRetiredEvent(pool: pg.Pool, partition: string, rowCount: number): Promise<void> {
+  return outboxInsertPartitionRetired(pool, {
+    policy: 'seat-holds',
+    partition,
+    upperBound: '2026-01-02T00:00:00Z',
+    runId: null,
+    policyVersion: 'v',
+    rowCount,
+    bound: "FOR VALUES FROM ('2026-01-01 00:00:00+00') TO ('2026-01-02 00:00:00+00')",
+    keyChecksum: 'abc',
   });
 }

@@ -113,11 +113,6 @@ const SCHEDULER = 'reaper-scheduler';
 const WORKER = 'reaper-worker';
 const RELAY = 'reaper-relay';
 const MIGRATE = 'reaper-migrate';
-/**
- * Deployments whose process serves no HTTP at all, so no port, probe or scrape may name one: the
- * relay (services/relay/relay.ts starts no server; a test below keeps this true to the code).
- */
-const SERVES_NO_HTTP = new Set([RELAY]);
 
 function find(manifests: Obj[], kind: string, name: string | RegExp): Obj {
   const found = manifests.find((m) => m.kind === kind && (typeof name === 'string' ? m.metadata?.name === name : name.test(m.metadata?.name)));
@@ -421,17 +416,12 @@ for (const [name, manifests] of rendered) {
       const { env } = checkContainerEnv(where, podSpec, container, manifests);
       const workerId = ((container.env ?? []) as Obj[]).find((entry) => entry.name === 'REAPER_WORKER_ID');
       assert.equal(workerId?.valueFrom?.fieldRef?.fieldPath, 'metadata.name', `${where}: REAPER_WORKER_ID is the pod name`);
-      if (SERVES_NO_HTTP.has(deploymentName)) {
-        // Nothing to probe or scrape: a probe at a path the process never serves would fail forever.
-        assert.deepEqual(container.ports ?? [], [], `${where}: no port (the process serves no HTTP)`);
-        for (const probe of ['livenessProbe', 'readinessProbe', 'startupProbe']) assert.equal(container[probe], undefined, `${where}: no ${probe} (the process serves no health endpoint)`);
-        assert.equal(deployment.spec.template.metadata.annotations?.['prometheus.io/scrape'], undefined, `${where}: no scrape annotation (no /metrics)`);
-        assert.ok(deployment.spec.minReadySeconds > 0, `${where}: without a readiness probe, minReadySeconds keeps a pod that exits at start from counting as available`);
+      if (deploymentName === RELAY) {
         // SIGTERM ends the relay after its current pass, which ends within its claim's lease.
         assert.ok(podSpec.terminationGracePeriodSeconds * 1000 >= RELAY_CLAIM_MS, `${where}: terminationGracePeriodSeconds ${podSpec.terminationGracePeriodSeconds} covers a pass (its ${RELAY_CLAIM_MS} ms claim)`);
-        continue;
+      } else {
+        assert.ok(podSpec.terminationGracePeriodSeconds >= 45, `${where}: terminationGracePeriodSeconds ${podSpec.terminationGracePeriodSeconds} leaves time to drain`);
       }
-      assert.ok(podSpec.terminationGracePeriodSeconds >= 45, `${where}: terminationGracePeriodSeconds ${podSpec.terminationGracePeriodSeconds} leaves time to drain`);
       assert.equal(env.httpPort, 8080, `${where}: HTTP_PORT`);
       const portByName = new Map(((container.ports ?? []) as Obj[]).map((port) => [port.name, port.containerPort]));
       const probePort = (probe: Obj) => (typeof probe.httpGet.port === 'string' ? portByName.get(probe.httpGet.port) : probe.httpGet.port);
@@ -441,6 +431,13 @@ for (const [name, manifests] of rendered) {
       for (const probe of [container.livenessProbe, container.readinessProbe, container.startupProbe]) {
         assert.equal(probePort(probe), env.httpPort, `${where}: probes hit HTTP_PORT`);
       }
+      // Prometheus without the Operator (components/monitoring) finds every service by these.
+      const annotations = (deployment.spec.template.metadata.annotations ?? {}) as Record<string, string>;
+      assert.deepEqual(
+        { scrape: annotations['prometheus.io/scrape'], port: Number(annotations['prometheus.io/port']), path: annotations['prometheus.io/path'] },
+        { scrape: 'true', port: env.httpPort, path: '/metrics' },
+        `${where}: scrape annotations name /metrics on HTTP_PORT`,
+      );
       if (deploymentName === WORKER) {
         const memory = bytes(container.resources.requests.memory);
         assert.ok(memory >= 128 * 1024 ** 2 && memory <= 256 * 1024 ** 2, `${where}: worker memory request ~150Mi (${container.resources.requests.memory})`);
@@ -575,7 +572,7 @@ for (const [name, manifests] of rendered) {
       assert.deepEqual([...egressPorts].sort(), [...allowedEgress[component]!].filter((port) => egressPorts.has(port)).sort(), `${where}: egress only to PostgreSQL, RabbitMQ, DNS${component === 'worker' ? ' and the media API' : ''}`);
       assert.ok(egressPorts.has(5432), `${where}: reaches PostgreSQL`);
       if (component !== 'migrate') assert.ok(egressPorts.has(5672) && egressPorts.has(5671), `${where}: reaches RabbitMQ on 5672 and 5671 (TLS)`);
-      if (component === 'migrate' || SERVES_NO_HTTP.has(workload.metadata.name)) {
+      if (component === 'migrate') {
         assert.equal(ingress.length, 0, `${where}: nothing connects to it (it serves nothing)`);
         continue;
       }
@@ -821,6 +818,8 @@ test('k8s events relay: off unless included; components/events-relay adds a Depl
     assert.equal(relay.spec.replicas, 2, `${where}: two relays, for availability`);
     find(manifests, 'PodDisruptionBudget', RELAY);
     find(manifests, 'ServiceAccount', RELAY);
+    // Prometheus scrapes it: its own ingress policy (the network policy test above checks what it opens).
+    find(manifests, 'NetworkPolicy', RELAY);
   }
   const text = readFileSync(path.join(K8S, 'components', 'events-relay', 'relay.yaml'), 'utf8');
   assert.match(text, /Two replicas are safe[\s\S]*SKIP LOCKED[\s\S]*claim_expires_at/, 'relay.yaml says why two replicas are safe');
@@ -844,7 +843,7 @@ test('k8s events relay: in the components of an overlay built on the base, it ta
   for (const container of [...(spec.initContainers as Obj[]), ...(spec.containers as Obj[])]) {
     assert.equal(container.image, 'registry.acme.test/reaper:9.9.9', `${container.name}: the overlay's image`);
   }
-  for (const object of [relay, find(manifests, 'ServiceAccount', RELAY), find(manifests, 'PodDisruptionBudget', RELAY)]) {
+  for (const object of [relay, ...['ServiceAccount', 'PodDisruptionBudget', 'NetworkPolicy'].map((kind) => find(manifests, kind, RELAY))]) {
     const where = `${object.kind}/${RELAY}`;
     assert.equal(object.metadata.namespace, 'acme-reaper', `${where}: the overlay's namespace`);
     for (const labels of [object.metadata.labels, ...(object.kind === 'Deployment' ? [object.spec.template.metadata.labels] : [])]) {
@@ -855,13 +854,13 @@ test('k8s events relay: in the components of an overlay built on the base, it ta
   }
 });
 
-test('the relay serves no HTTP, the scheduler and the worker do (what the relay\'s missing probes rest on)', () => {
+test('the scheduler, the worker and the relay serve /livez, /readyz and /metrics on HTTP_PORT (what their probes and scrapes rest on)', () => {
   const source = (file: string) => readFileSync(path.join(ROOT, 'services', file), 'utf8');
-  const relay = source('relay/relay.ts');
-  // When the relay gets a health server, this fails: give the relay its port and probes (SERVES_NO_HTTP).
-  assert.doesNotMatch(relay, /startHealthServer|observability\/http|createServer/, 'services/relay/relay.ts starts no HTTP server');
-  assert.match(relay, /httpPort: null/, 'startRelay reports no HTTP port');
-  for (const file of ['scheduler/scheduler.ts', 'worker/worker.ts']) assert.match(source(file), /startHealthServer\(/, `${file} serves /livez, /readyz and /metrics`);
+  // test/integration/relay-http.test.ts asks the running relay; this keeps the three alike.
+  for (const file of ['scheduler/scheduler.ts', 'worker/worker.ts', 'relay/relay.ts']) {
+    assert.match(source(file), /startHealthServer\(\{\s*port: env\.httpPort,/, `${file} serves /livez, /readyz and /metrics on HTTP_PORT`);
+    assert.match(source(file), /httpPort: server\?\.boundPort/, `${file} reports the port it listens on (\`<service> started\`)`);
+  }
 });
 
 test('k8s prod: the KEDA triggers it ships are generated from the policies.yaml it ships (none), never the demo queues', () => {

@@ -31,7 +31,7 @@ function kustomize(dir: string): Manifest[] {
  * The overlay docs/deploying.md and the component's header tell an operator to write: the shipped
  * overlay as a resource, the component beside it, nothing else unless `extra` adds it.
  */
-function renderWithMonitoring(overlay: string, extra = ''): Manifest[] {
+function renderWithMonitoring(overlay: string, extra = '', components: readonly string[] = []): Manifest[] {
   const scratch = mkdtempSync(path.join(tmpdir(), 'reaper-k8s-monitoring-'));
   try {
     // kustomize refuses absolute paths: a link to infra/ makes the relative ones resolve.
@@ -42,7 +42,7 @@ function renderWithMonitoring(overlay: string, extra = ''): Manifest[] {
       `apiVersion: kustomize.config.k8s.io/v1beta1
 kind: Kustomization
 resources: [../infra/k8s/overlays/${overlay}]
-components: [../infra/k8s/components/monitoring]
+components: [${['monitoring', ...components].map((component) => `../infra/k8s/components/${component}`).join(', ')}]
 ${extra}`,
     );
     return kustomize(path.join(scratch, 'mine'));
@@ -92,8 +92,13 @@ test('k8s monitoring: an overlay that sets its own namespace moves the monitorin
   }
 });
 
-test('k8s monitoring: the component adds a PodMonitor selecting both Deployments on their http port', () => {
-  const manifests = renderWithMonitoring('prod');
+for (const [components, expected] of [[[], ['reaper-scheduler', 'reaper-worker']], [['events-relay'], ['reaper-relay', 'reaper-scheduler', 'reaper-worker']]] as const) {
+  test(`k8s monitoring${components.length ? ` with ${components.join(', ')}` : ''}: the component adds a PodMonitor selecting every Deployment (${expected.join(', ')}) on its http port`, () => {
+    checkPodMonitor(renderWithMonitoring('prod', '', components), expected);
+  });
+}
+
+function checkPodMonitor(manifests: Manifest[], expected: readonly string[]): void {
   const monitors = manifests.filter((manifest) => manifest.kind === 'PodMonitor');
   assert.equal(monitors.length, 1);
   const monitor = monitors[0]!;
@@ -101,10 +106,10 @@ test('k8s monitoring: the component adds a PodMonitor selecting both Deployments
   const endpoints = monitor.spec.podMetricsEndpoints as Array<{ port: string; path: string }>;
   assert.deepEqual(endpoints.map((endpoint) => [endpoint.port, endpoint.path]), [['http', '/metrics']]);
 
-  // The selector matches the pod template labels of the scheduler and the worker, and each names a port "http".
+  // The selector matches the pod template labels of every Deployment, and each names a port "http".
   const selector = monitor.spec.selector as { matchExpressions: Array<{ key: string; operator: string; values: string[] }> };
   const deployments = manifests.filter((manifest) => manifest.kind === 'Deployment');
-  assert.equal(deployments.length, 2);
+  assert.deepEqual(deployments.map((deployment) => deployment.metadata.name).sort(), expected);
   for (const deployment of deployments) {
     const template = (deployment.spec.template as { metadata: { labels: Record<string, string> }; spec: { containers: Array<{ ports?: Array<{ name: string }> }> } });
     for (const expression of selector.matchExpressions) {
@@ -113,7 +118,7 @@ test('k8s monitoring: the component adds a PodMonitor selecting both Deployments
     }
     assert.ok(template.spec.containers.some((container) => container.ports?.some((port) => port.name === 'http')), `${deployment.metadata.name} has port http`);
   }
-});
+}
 
 test('k8s monitoring: the PrometheusRule carries exactly the groups of infra/prometheus/reaper-rules.yaml', () => {
   const rules = parseYaml(readFileSync(path.join(INFRA, 'prometheus', 'reaper-rules.yaml'), 'utf8')) as { groups: unknown };
