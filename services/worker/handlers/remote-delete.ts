@@ -21,6 +21,7 @@ import {
 import type { RemoteCleanupClient, RemoteOutcome } from '../../../shared/remote/client';
 import { makeOutboxLimitCheck } from '../outbox-limit';
 import { endRemoteDelivery, outboxFullRetry, recordRemoteBatch, WAIT_IN_BROKER_MAX_MS } from './remote-delivery';
+import { bookkeepingGate } from '../bookkeeping-gate';
 import type { BatchHandler, HandlerContext } from './types';
 
 /** Upper bound of the random extra wait added to a Retry-After (bounded jitter, never negative). */
@@ -100,14 +101,15 @@ export function makeRemoteDeleteHandler(policy: RemoteDeletePolicy, target: Reso
     // Expiry events: past the outbox limit no remote call is made for the policy (no deletion) until the relay catches up.
     const outboxFull = await outboxFullRetry(outboxLimit, policy, context);
     if (outboxFull) return outboxFull;
-    const recorded = await recordRemoteBatch(policy.name, target, batch, context);
+    const bookkeeping = bookkeepingGate(context.pool);
+    const recorded = await bookkeeping.run(() => recordRemoteBatch(policy.name, target, batch, context));
     const lockWait = admissionLockWaitHistogram(context.metrics.registry);
     const results: CallResult[] = [];
     const holdUntil = Date.now() + HOLD_BATCH_MAX_MS;
     // Its place in line only matters within what a worker would wait for: counting further is waste.
     const aheadLimit = Math.ceil((rate * (WAIT_IN_BROKER_MAX_MS + WAIT_IN_WORKER_MAX_MS)) / 1000);
     const readLine = async () => {
-      const line = await ledgerDueSummary(context.pool, { policy: policy.name, keys: recorded.known, batchId: batch.batchId, aheadLimit });
+      const line = await bookkeeping.run(() => ledgerDueSummary(context.pool, { policy: policy.name, keys: recorded.known, batchId: batch.batchId, aheadLimit }));
       return { ...line, turnMs: (line.ahead / rate) * 1000 };
     };
     let grant: AdmissionGrant | null = null;

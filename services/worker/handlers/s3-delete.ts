@@ -15,6 +15,7 @@ import { objectKeyFor, type ObjectStorageClient, type S3KeyResult, type S3Reques
 import { makeOutboxLimitCheck } from '../outbox-limit';
 import { HOLD_BATCH_MAX_MS, observedExpiryOf, RETRY_AFTER_JITTER_MS, uncertainBackoffMs, WAIT_IN_WORKER_MAX_MS } from './remote-delete';
 import { endRemoteDelivery, outboxFullRetry, recordRemoteBatch, WAIT_IN_BROKER_MAX_MS } from './remote-delivery';
+import { bookkeepingGate } from '../bookkeeping-gate';
 import type { BatchHandler, HandlerContext } from './types';
 
 /** Longest sleep between two admission asks of a batch waiting for a request slot. */
@@ -45,7 +46,8 @@ export function makeS3DeleteHandler(policy: S3DeletePolicy, target: ResolvedTarg
   return async (batch, context) => {
     const outboxFull = await outboxFullRetry(outboxLimit, policy, context);
     if (outboxFull) return outboxFull;
-    const recorded = await recordRemoteBatch(policy.name, target, batch, context);
+    const bookkeeping = bookkeepingGate(context.pool);
+    const recorded = await bookkeeping.run(() => recordRemoteBatch(policy.name, target, batch, context));
     const holdUntil = Date.now() + HOLD_BATCH_MAX_MS;
     const tally: KeyTally = {};
     let grant: S3Grant | null = null;
@@ -76,12 +78,12 @@ export function makeS3DeleteHandler(policy: S3DeletePolicy, target: ResolvedTarg
     // Each confirmed key wrote an outbox event (events on): the limit check counts them before its next reading.
     outboxLimit.deleted(tally.confirmed ?? 0);
     for (const [result, count] of Object.entries(tally)) context.metrics.operationsTotal.inc({ policy: policy.name, result }, count);
-    const remaining = await ledgerDueSummary(context.pool, {
+    const remaining = await bookkeeping.run(() => ledgerDueSummary(context.pool, {
       policy: policy.name,
       keys: recorded.known,
       batchId: batch.batchId,
       aheadLimit: Math.ceil((policy.admission.keysPerSecond * (WAIT_IN_BROKER_MAX_MS + WAIT_IN_WORKER_MAX_MS)) / 1000),
-    });
+    }));
     const detail = { ...tally, recorded: recorded.inserted, superseded, notEligible: batch.items.length - recorded.known.length, requests, waitedInWorker };
     return endRemoteDelivery({
       policy,
