@@ -7,7 +7,7 @@ import type { Pool } from '../../shared/db/pool';
  * slot). When a scan's batches arrive together, eight deliveries' bookkeeping took every
  * connection and the batch at the head of the line waited for one to ask for its tokens, while
  * the admission bucket, which holds only what the rate brings in about 50 ms, threw its refill
- * away (bench figure 5 under two busy loops: 120-180 calls/s of 200 in the first seconds, the
+ * away (bench figure 5 under three busy loops: 120-180 calls/s of 200 in the first seconds, the
  * bucket full in 13-30 % of samples with due operations unclaimed). So bookkeeping runs on at
  * most all but one of the pool's connections at a time: one is always left for the rate's path.
  */

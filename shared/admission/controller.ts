@@ -30,7 +30,7 @@ export const GRANT_LIFETIME_MS = 25;
  * limiter: the client's send and the remote's own reading of it, on two event loops. Measured at
  * the stand-in API (bench figure 5, 2026-12-07, 2,000 calls a round, the check's epoch ms sent in
  * a header for the measurement only): p50 1 ms, p90 3-6 ms, p99 7-24 ms, p99.9 18-80 ms, idle and
- * under two busy loops alike. At 5 ms (before) about one call in ten arrived later than the bucket
+ * under one and three busy loops on the 2 cores alike. At 5 ms (before) about one call in ten arrived later than the bucket
  * allowed for, and 3 rounds in 31 met a 429 (each blocks the whole policy for its Retry-After, 1 s
  * there: 0.91 of R for the round). 20 covers the p99; the rarer tail meets the remote's spare
  * tokens instead (its bucket stays this much fuller than ours).
