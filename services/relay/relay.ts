@@ -188,23 +188,25 @@ export async function relayOnce(deps: {
   const wholly = rejected.filter(({ confirmedEvents }) => confirmedEvents === 0);
   if (wholly.length > 0) await outboxReleaseClaims(deps.pool, wholly.map(({ entry }) => entry.outboxId), deps.owner);
   for (const entry of confirmed) deps.unroutable?.routed(entry.policy, entry.kind);
-  const unroutable = new Map<string, OutboxEntry>();
-  for (const { entry, reason } of rejected) if (reason instanceof UnroutableError) unroutable.set(routingKeyOf(entry), entry);
-  for (const entry of unroutable.values()) deps.unroutable?.unroutable(entry.policy, entry.kind);
-  // Without a key list to wait in, an unroutable event is a failure of the pass (the whole relay waits).
-  const failed = rejected.find(({ reason }) => !(reason instanceof UnroutableError) || deps.unroutable === undefined);
+  // Per policy the events published, per routing key those returned unroutable: one pass over the
+  // outcomes; a key with any unroutable event waits (UnroutableKeys).
   const publishedByPolicy: Record<string, number> = {};
   const unroutableEvents: Record<string, number> = {};
   for (const { entry, confirmedEvents, unroutableEvents: returned } of outcomes) {
     if (confirmedEvents > 0) publishedByPolicy[entry.policy] = (publishedByPolicy[entry.policy] ?? 0) + confirmedEvents;
-    if (returned > 0) unroutableEvents[routingKeyOf(entry)] = (unroutableEvents[routingKeyOf(entry)] ?? 0) + returned;
+    if (returned === 0) continue;
+    const key = routingKeyOf(entry);
+    if (unroutableEvents[key] === undefined) deps.unroutable?.unroutable(entry.policy, entry.kind);
+    unroutableEvents[key] = (unroutableEvents[key] ?? 0) + returned;
   }
+  // Without a key list to wait in, an unroutable event is a failure of the pass (the whole relay waits).
+  const failed = rejected.find(({ reason }) => !(reason instanceof UnroutableError) || deps.unroutable === undefined);
   return {
     taken: entries.reduce((sum, entry) => sum + outboxEntryEvents(entry), 0),
     rows: entries.length,
     published: outcomes.reduce((sum, outcome) => sum + outcome.confirmedEvents, 0),
     failure: failed ? String((failed.reason as Error).message ?? failed.reason) : null,
-    unroutable: [...unroutable.keys()],
+    unroutable: Object.keys(unroutableEvents),
     publishedByPolicy,
     unroutableEvents,
   };

@@ -20,7 +20,7 @@ import {
 } from '../../../shared/db/queries/ledger';
 import type { RemoteCleanupClient, RemoteOutcome } from '../../../shared/remote/client';
 import { makeOutboxLimitCheck } from '../outbox-limit';
-import { endRemoteDelivery, outboxFullRetry, recordRemoteBatch, WAIT_IN_BROKER_MAX_MS } from './remote-delivery';
+import { countOperationOutcomes, endRemoteDelivery, outboxFullRetry, recordRemoteBatch, WAIT_IN_BROKER_MAX_MS } from './remote-delivery';
 import { bookkeepingGate } from '../bookkeeping-gate';
 import type { BatchHandler, HandlerContext } from './types';
 
@@ -202,9 +202,7 @@ export function makeRemoteDeleteHandler(policy: RemoteDeletePolicy, target: Reso
       await Promise.all(inProgress);
     }
     const tally = countResults(results);
-    // Each confirmation wrote an outbox row (events on): the limit check counts them before its next reading.
-    outboxLimit.deleted(tally.confirmed ?? 0);
-    for (const [result, count] of Object.entries(tally)) context.metrics.operationsTotal.inc({ policy: policy.name, result }, count);
+    countOperationOutcomes(tally, outboxLimit, policy, context);
     // The delivery's result is the failure's (a lock timeout is retried, an outage pauses consumption);
     // the operation stays in flight under a lease that expires, then it is claimed and called again.
     if (callErrors.length > 0) throw callErrors[0];

@@ -33,6 +33,17 @@ export async function outboxFullRetry(check: OutboxLimitCheck, policy: AnyRemote
 }
 
 /**
+ * The operations of a delivery are over: each outcome counted (reaper_operations_total) and, with
+ * events on, the confirmed ones against the outbox limit (each wrote an event), which the limit
+ * check adds to its last reading until the next one. Both handlers end their calls here, so none
+ * can count one and forget the other (the object storage handler once forgot the limit).
+ */
+export function countOperationOutcomes(tally: Readonly<Record<string, number | undefined>>, outboxLimit: OutboxLimitCheck, policy: AnyRemoteDeletePolicy, context: HandlerContext): void {
+  outboxLimit.deleted(tally.confirmed ?? 0);
+  for (const [result, count] of Object.entries(tally)) if (count !== undefined) context.metrics.operationsTotal.inc({ policy: policy.name, result }, count);
+}
+
+/**
  * Step 1 of a delivery: one pending operation per still-eligible item (insert-if-absent; the
  * delivery counted, the operations marked carried), and the batch's message kept while it has any.
  */

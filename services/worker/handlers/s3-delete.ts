@@ -14,7 +14,7 @@ import {
 import { objectKeyFor, type ObjectStorageClient, type S3KeyResult, type S3RequestOutcome } from '../../../shared/remote/s3';
 import { makeOutboxLimitCheck } from '../outbox-limit';
 import { HOLD_BATCH_MAX_MS, observedExpiryOf, RETRY_AFTER_JITTER_MS, uncertainBackoffMs, WAIT_IN_WORKER_MAX_MS } from './remote-delete';
-import { endRemoteDelivery, outboxFullRetry, recordRemoteBatch, WAIT_IN_BROKER_MAX_MS } from './remote-delivery';
+import { countOperationOutcomes, endRemoteDelivery, outboxFullRetry, recordRemoteBatch, WAIT_IN_BROKER_MAX_MS } from './remote-delivery';
 import { bookkeepingGate } from '../bookkeeping-gate';
 import type { BatchHandler, HandlerContext } from './types';
 
@@ -75,9 +75,7 @@ export function makeS3DeleteHandler(policy: S3DeletePolicy, target: ResolvedTarg
       waitedInWorker += 1;
       await sleep(napMs);
     }
-    // Each confirmed key wrote an outbox event (events on): the limit check counts them before its next reading.
-    outboxLimit.deleted(tally.confirmed ?? 0);
-    for (const [result, count] of Object.entries(tally)) context.metrics.operationsTotal.inc({ policy: policy.name, result }, count);
+    countOperationOutcomes(tally, outboxLimit, policy, context);
     const remaining = await bookkeeping.run(() => ledgerDueSummary(context.pool, {
       policy: policy.name,
       keys: recorded.known,
