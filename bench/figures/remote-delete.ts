@@ -7,7 +7,7 @@ import { check, checkFinished, reaperEnvironment, type BenchContext } from '../l
 import { seedExpiredAssets, OBSERVER_APPLICATION } from '../lib/database';
 import { REMOTE_POLICY, NEVER, writePolicies } from '../lib/policies';
 import { startServices, stopServices, type ReaperService } from '../lib/services';
-import { pollUntil } from '../lib/wait';
+import { pollUntil, sleep } from '../lib/wait';
 
 /**
  * Figure 5: remote-delete against the stand-in media API (in this process; it records every call),
@@ -78,6 +78,9 @@ export async function runRemoteDelete(
   let api: MediaApi | null = null;
   let services: ReaperService[] = [];
   const loopDelay = monitorEventLoopDelay({ resolution: 5 });
+  // The in-flight sampler (below): stopped and awaited in `finally` too, so it never queries a pool that has ended.
+  let sampling = false;
+  let sampler: Promise<void> = Promise.resolve();
   try {
     await seedExpiredAssets(pool, { prefix: 'asset-', count: options.backlog, url: true });
     api = await startMediaApi({ ratePerSecond: options.ratePerSecond, burst: options.burst });
@@ -106,8 +109,8 @@ export async function runRemoteDelete(
     const deadline = Date.now() + Math.min(context.boundMs, ((3 * options.backlog) / options.ratePerSecond + 30) * 1000);
     const slotSamples: Array<{ ledger: number; api: number; full: boolean; due: number }> = [];
     const capacity = bucketShape(options.ratePerSecond, options.burst).capacity;
-    let sampling = true;
-    const sampler = (async () => {
+    sampling = true;
+    sampler = (async () => {
       const openAtApi = (): number => api!.calls.filter((call) => call.finishedAt === 0).length;
       while (sampling) {
         const { n: ledger, tokens, due } = (
@@ -119,7 +122,7 @@ export async function runRemoteDelete(
           )
         ).rows[0]!;
         if (api!.calls.length > 0) slotSamples.push({ ledger, api: openAtApi(), full: tokens !== null && tokens >= capacity, due });
-        await new Promise((resolve) => setTimeout(resolve, 100));
+        await sleep(100);
       }
     })();
     const done = await pollUntil(
@@ -131,7 +134,6 @@ export async function runRemoteDelete(
     );
     sampling = false;
     await sampler;
-    loopDelay.disable();
     for (const service of services) service.assertRunning();
     const operations: Record<string, number> = {};
     for (const worker of services.slice(1)) {
@@ -200,6 +202,8 @@ export async function runRemoteDelete(
     };
   } finally {
     loopDelay.disable();
+    sampling = false;
+    await sampler.catch(() => undefined);
     await stopServices(services);
     await api?.close();
     await pool.end();

@@ -103,7 +103,9 @@ describe('relay /livez, /readyz and /metrics', () => {
       assert.equal(await status(base, '/livez'), 200, 'still alive');
       await eventually('a failed pass counted', async () => ((await sample(base, 'reaper_relay_passes_failed_total')) ?? 0) > 0, { timeoutMs: 10_000 });
       const stuckAt = await sample(base, 'reaper_relay_last_pass_timestamp_seconds');
-      await new Promise((resolve) => setTimeout(resolve, 1_500));
+      const failedAt = (await sample(base, 'reaper_relay_passes_failed_total'))!;
+      // Another whole pass, failed too (after the relay's back-off), and no successful one meanwhile.
+      await eventually('another failed pass', async () => ((await sample(base, 'reaper_relay_passes_failed_total')) ?? 0) > failedAt, { timeoutMs: 10_000 });
       assert.equal(await sample(base, 'reaper_relay_last_pass_timestamp_seconds'), stuckAt, 'no successful pass while the database refuses');
     });
     await eventually('ready again', async () => (await status(base, '/readyz')) === 200, { timeoutMs: 10_000 });
