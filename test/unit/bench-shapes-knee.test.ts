@@ -87,3 +87,17 @@ test('with the intervals: the lowest rate surely over leaves no knee; nothing su
   // The knee may be unthrottled at 40k: 20,000 is under 0.8 × 40k, and over 0.7 × 4k.
   assert.equal(open.adaptiveRateVerdict, 'cannot tell');
 });
+
+test('the fields read the intervals with the noise between windows, samplingOnly the narrower ones: a swap of the two would change every verdict here', () => {
+  // Sampling-only ± 1 %: decisive everywhere. With the window noise ± 60 %: decisive nowhere.
+  const contenders = ladder([1.0, 1.1, 1.2, 2.0, 3.0, 4.0], 6.0, { ratio: 3.0, rate: 20000 }).map((one) => {
+    const noisy = (w: ShapeWindow): ShapeWindow => ({ ...w, p99RatioNoiseInterval: { level: 0.9, low: w.p99Ratio * 0.4, high: w.p99Ratio * 1.6 } });
+    return { ...one, short: noisy(one.short), long: noisy(one.long) };
+  });
+  const summary = summarise(contenders, 'short', 1.25);
+  assert.deepEqual(summary.samplingOnly.kneeRange, { surelyUnder: 2000, surelyUnderIsUnthrottled: false, surelyOver: 4000, surelyOverIsUnthrottled: false });
+  assert.equal(summary.samplingOnly.adaptiveP99Verdict, 'missed');
+  assert.equal(summary.kneeRange.surelyUnder, null, 'with the noise no rate is surely under');
+  assert.equal(summary.adaptiveP99Verdict, 'cannot tell');
+  assert.ok(summary.adaptiveP99Interval!.low < 1.25 && summary.adaptiveP99Interval!.high > 1.25, 'the fields carry the noise interval');
+});
