@@ -229,16 +229,18 @@ async function main() {
     return 1;
   }
   // Files of the parallel group at once: REAPER_TEST_CONCURRENCY, else by the machine's state at
-  // the start. Each file mostly waits on its services (a file's node processes used a third to half
-  // a core on average, issue 43), so an idle machine runs 4 (the parallel group took 372 s at 3 on
-  // an idle 2-core machine; 4 was 5-20 % faster on the same files), and one already busy 3 (another
-  // job, CI's busy loops), which keeps the timing-sensitive files within their bounds. Busy means
-  // less than half of the CPU idle over one second now: the load average would still count the
-  // build that just ran (2.6 on an idle machine right after `npm ci` and tsc). The serial group runs
-  // one file at a time whatever this says.
+  // the start. An idle 2-core machine runs 4 (the parallel group took 372 s at 3; 4 was 5-20 %
+  // faster on the same files; 6 only 4 % more, 304 s against 317 s, 2026-12-07, with a longer tail).
+  // One already busy (another job, CI's busy loops) runs 5: the suite is CPU-bound (81 % of both
+  // cores idle-run, 60 % of its processes' CPU is their start-up), and beside other runnable work
+  // its share of the CPU grows with the files it runs; under two busy loops on both cores the
+  // parallel group took 537 s at 3 and 399 s at 5, every file green (2026-12-07). The timing-bound
+  // files run in the serial group. Busy means less than half of the CPU idle over one second now:
+  // the load average would still count the build that just ran (2.6 on an idle machine right after
+  // `npm ci` and tsc). The serial group runs one file at a time whatever this says.
   const idleShare = await cpuIdleShare(1_000);
   const busy = idleShare < 0.5;
-  const concurrency = Number(process.env.REAPER_TEST_CONCURRENCY || (busy ? 3 : 4));
+  const concurrency = Number(process.env.REAPER_TEST_CONCURRENCY || (busy ? 5 : 4));
   if (!Number.isInteger(concurrency) || concurrency <= 0 || concurrency > 16) {
     console.error(`REAPER_TEST_CONCURRENCY must be a whole number of files from 1 to 16, got ${JSON.stringify(process.env.REAPER_TEST_CONCURRENCY)}`);
     return 1;
