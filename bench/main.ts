@@ -16,7 +16,9 @@
  *                                 BENCH_FOREGROUND_ROWS=<n> every cleanup on n rows instead of the mode's)
  *   add --only shapes             figure 7b alone (issue 41): four foreground shapes, each with a sweep of fixed rates,
  *                                 unthrottled and adaptive reaper; written as <date>-shapes-<mode>.json and .md
- *                                 (BENCH_SHAPES=mixed-300,quiet-30 measures only those shapes;
+ *                                 (BENCH_SHAPES_ROUNDS=n repeats the sweep n times with short cleanups only, pooling each
+ *                                 contender's windows; BENCH_SHAPES_RATES=500,16000 replaces the fixed rates;
+ *                                 BENCH_SHAPES=mixed-300,quiet-30 measures only those shapes;
  *                                 BENCH_ADAPTIVE_LAW=harm|load the adaptive contender's law, issue 41)
  *   add --only s3                 figure 9 alone (object storage), written as <date>-s3-<mode>.json and .md
  *   add --only partitions         figure 10 alone (retiring day partitions vs the row path), written as <date>-partitions-<mode>.json and .md
@@ -271,15 +273,41 @@ async function measureS3(context: BenchContext, config: ModeConfig, report: Benc
   report.s3 = await runS3Delete(context, { ...S3_FIGURE, backlogSeconds });
 }
 
+/** A count of rounds from the environment: absent or empty, the default; else a whole number of at least 1. */
+function positiveWholeNumber(name: string, otherwise: number): number {
+  const text = process.env[name];
+  if (text === undefined || text === '') return otherwise;
+  const n = Number(text);
+  if (!Number.isInteger(n) || n < 1) throw new Error(`${name} must be a whole number of rounds >= 1 (got ${JSON.stringify(text)})`);
+  return n;
+}
+
 /** Figure 7b (issue 41): on a seed of its own, large enough for one shape's sweep (each shape takes a fresh copy). */
 async function measureShapes(context: BenchContext, config: ModeConfig, report: BenchReport): Promise<void> {
   if (!config.shapes) throw new Error(`figure 7b (foreground shapes) is not measured in ${config.mode} mode: use --quick or --full`);
   const only = process.env.BENCH_SHAPES?.split(',').map((key) => key.trim()).filter(Boolean);
   const law = process.env.BENCH_ADAPTIVE_LAW;
   if (law !== undefined && law !== 'load' && law !== 'harm') throw new Error(`BENCH_ADAPTIVE_LAW must be load or harm, got ${JSON.stringify(law)}`);
-  const options: ShapesOptions = { ...config.shapes, ...(only && only.length > 0 ? { onlyShapes: only } : {}), ...(law ? { adaptiveLaw: law } : {}) };
+  const rounds = positiveWholeNumber('BENCH_SHAPES_ROUNDS', 1);
+  const rates = process.env.BENCH_SHAPES_RATES?.split(',').map((rate) => rate.trim()).filter(Boolean);
+  for (const rate of rates ?? []) {
+    if (!/^[1-9][0-9]*$/.test(rate)) throw new Error(`BENCH_SHAPES_RATES must list fixed rates in rows/s, whole numbers above 0, separated by commas (got ${JSON.stringify(rate)} in ${JSON.stringify(process.env.BENCH_SHAPES_RATES)})`);
+  }
+  // Rounds measure short cleanups (issue 41: one short window beside 30 statements/s holds about 30
+  // transactions): every run takes the short window's rows, and the long window is the run's tail.
+  const short = rounds > 1 ? { maxRunRows: config.shapes.shortRows, adaptiveRows: config.shapes.shortRows, longSeconds: 1 } : {};
+  const options: ShapesOptions = {
+    ...config.shapes,
+    ...short,
+    ...(rates && rates.length > 0 ? { rates: rates.map(Number).sort((a, b) => a - b) } : {}),
+    ...(only && only.length > 0 ? { onlyShapes: only } : {}),
+    ...(law ? { adaptiveLaw: law } : {}),
+    rounds,
+  };
   const candidates = Math.max(options.candidates, shapeRowsNeeded(options) + (shapeRowsNeeded(options) % 2));
-  context.progress(`foreground shapes: ${candidates.toLocaleString('en-US')} candidates; fixed rates ${options.rates.join(', ')} rows/s, unthrottled, adaptive`);
+  context.progress(
+    `foreground shapes: ${candidates.toLocaleString('en-US')} candidates; fixed rates ${options.rates.join(', ')} rows/s, unthrottled, adaptive${rounds > 1 ? `; ${rounds} rounds of short cleanups (${options.shortRows.toLocaleString('en-US')} rows), pooled` : ''}`,
+  );
   const seed = await context.databases.seed(candidates);
   report.shapes = await runShapes(context, seed, options, loadavg);
 }
@@ -420,9 +448,7 @@ async function main(): Promise<number> {
     } else if (only === 'foreground') await measureForeground(context, config, await context.databases.seed(config.sizes[0]!), report);
     else if (only === 'remote') {
       await context.databases.seed(2);
-      const rounds = Number(process.env.BENCH_REMOTE_ROUNDS ?? 5);
-      if (!Number.isInteger(rounds) || rounds < 1) throw new Error(`BENCH_REMOTE_ROUNDS must be a whole number of rounds >= 1 (got ${JSON.stringify(process.env.BENCH_REMOTE_ROUNDS)})`);
-      await measureRemote(context, config, report, rounds);
+      await measureRemote(context, config, report, positiveWholeNumber('BENCH_REMOTE_ROUNDS', 5));
     } else if (only === 'remote-backlog') {
       // Every figure copies the bench database from a seed: a tiny one is enough for this figure.
       await context.databases.seed(2);
@@ -441,7 +467,7 @@ async function main(): Promise<number> {
   report.seconds = (Date.now() - started) / 1000;
   report.countsOk = context.checks.every((entry) => entry.ok);
   mkdirSync(RESULTS_DIR, { recursive: true });
-  const base = path.join(RESULTS_DIR, only === 's3' || only === 'partitions' ? `${report.date}-${only}-${config.mode}` : only === 'shapes' ? `${report.date}-shapes-${config.mode}${process.env.BENCH_ADAPTIVE_LAW ? `-${process.env.BENCH_ADAPTIVE_LAW}` : ''}${pin ? '-pinned' : ''}` : `${report.date}-${config.mode}${only ? `-${only}` : ''}${only === 'foreground' ? foregroundSuffix() : ''}${pin ? '-pinned' : ''}`);
+  const base = path.join(RESULTS_DIR, only === 's3' || only === 'partitions' ? `${report.date}-${only}-${config.mode}` : only === 'shapes' ? `${report.date}-shapes-${config.mode}${process.env.BENCH_ADAPTIVE_LAW ? `-${process.env.BENCH_ADAPTIVE_LAW}` : ''}${report.shapes && (report.shapes.options.rounds ?? 1) > 1 ? `-rounds${report.shapes.options.rounds}` : ''}${pin ? '-pinned' : ''}` : `${report.date}-${config.mode}${only ? `-${only}` : ''}${only === 'foreground' ? foregroundSuffix() : ''}${pin ? '-pinned' : ''}`);
   writeFileSync(`${base}.json`, `${JSON.stringify(report, null, 2)}\n`);
   writeFileSync(`${base}.md`, renderMarkdown(report));
   const shapes = report.shapes ? `\n\n${renderShapesTable(report.shapes).join('\n')}` : '';

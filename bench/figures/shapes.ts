@@ -37,6 +37,12 @@ import { checkCounts, latencyOf, Pgbench, settleWrites, TAIL_MS, WARM_UP_MS, wri
  * over every alone window of the shape (pooled: ~8x the transactions of one window), and with the
  * alone window just before (in the JSON).
  *
+ * Rounds (ShapesOptions.rounds, BENCH_SHAPES_ROUNDS): the control and the sweep again, each round
+ * with policies of its own (the adaptive run starts as a new policy every time), each contender's
+ * windows and every alone window pooled over the rounds. One short window beside 30 statements/s
+ * holds about 30 transactions when the cleanup is fast, so its "p99" is its slowest transaction;
+ * 30 rounds give about 900.
+ *
  * Each ratio to the pooled alone p99 carries a 90% bootstrap interval (bench/lib/bootstrap.ts,
  * BOOTSTRAP below): a window of a few seconds holds 100–10,000 transactions, its p99 rests on 1–100
  * of them, and on a shared 2-core machine the alone windows' own p99 spread 2.5x with no cleanup
@@ -91,11 +97,21 @@ export interface ShapesOptions {
   kneeRatio: number;
   /** Only these shapes (by key; BENCH_SHAPES), all when absent. */
   onlyShapes?: readonly string[];
+  /**
+   * Rounds of the whole sweep, the control included (BENCH_SHAPES_ROUNDS; 1 when absent). Each
+   * contender's windows, and the alone windows, are pooled over the rounds: beside 30 statements/s
+   * a short cleanup at 15k rows/s or more overlaps about 30 transactions, so one window's "p99" is
+   * its slowest transaction, and only many rounds give its p99 something to rest on.
+   */
+  rounds?: number;
 }
 
 export type ContenderKind = 'fixed' | 'unthrottled' | 'adaptive';
 
 export interface ShapeWindow {
+  /** The rounds pooled in this window (ShapesOptions.rounds), and the transactions they hold. */
+  rounds: number;
+  transactions: number;
   fromSeconds: number;
   toSeconds: number;
   rows: number;
@@ -244,11 +260,16 @@ function contenders(options: ShapesOptions): Array<{ kind: ContenderKind; rate: 
 
 /** Candidates one shape consumes (each shape starts from a fresh copy of the seed). */
 export function shapeRowsNeeded(options: ShapesOptions): number {
-  return contenders(options).reduce((sum, c) => sum + runRows(options, c.kind, c.rate), 0);
+  return roundsOf(options) * contenders(options).reduce((sum, c) => sum + runRows(options, c.kind, c.rate), 0);
 }
 
-function policyName(shape: ShapeSpec, kind: ContenderKind, rate: number | null): string {
-  return `bench-shape-${shape.key}-${kind === 'fixed' ? `fixed-${rate}` : kind}`;
+/** Each round's runs have policies of their own: the adaptive run's start is that of a new policy every round. */
+function policyName(shape: ShapeSpec, kind: ContenderKind, rate: number | null, round: number): string {
+  return `bench-shape-${shape.key}-${kind === 'fixed' ? `fixed-${rate}` : kind}${round > 0 ? `-r${round + 1}` : ''}`;
+}
+
+function roundsOf(options: ShapesOptions): number {
+  return options.rounds ?? 1;
 }
 
 function policyFor(options: ShapesOptions, name: string, kind: ContenderKind, rate: number | null): RowDeletePolicyInput {
@@ -489,7 +510,10 @@ async function runShape(context: BenchContext, seed: Seed, options: ShapesOption
   try {
     await createWriteTables(pool);
     await settleWrites(context);
-    const plan = contenders(options).map((c) => ({ ...c, policy: policyName(shape, c.kind, c.rate), rows: runRows(options, c.kind, c.rate) }));
+    const rounds = roundsOf(options);
+    const plan = Array.from({ length: rounds }, (_, round) =>
+      contenders(options).map((c) => ({ ...c, round, policy: policyName(shape, c.kind, c.rate, round), rows: runRows(options, c.kind, c.rate) })),
+    ).flat();
     await context.broker.preparePhase(plan.map((c) => c.policy));
     const policiesPath = writePolicies(context.workDir, `shapes-${shape.key}`, plan.map((c) => policyFor(options, c.policy, c.kind, c.rate)));
     services = await startServices(reaperEnvironment(context, policiesPath), [
@@ -498,30 +522,41 @@ async function runShape(context: BenchContext, seed: Seed, options: ShapesOption
       { kind: 'worker', id: 'bench-worker-2' },
     ]);
     const perContenderSeconds = options.aloneSeconds + options.longFromSeconds + options.longSeconds + context.boundMs / 1000 + 10;
-    pgbench = new Pgbench(path.join(context.workDir, `pgbench-shape-${shape.key}`), context.databases.url, shapeScripts(context, seed, shape), shape, plan.length * perContenderSeconds + 60);
+    pgbench = new Pgbench(path.join(context.workDir, `pgbench-shape-${shape.key}`), context.databases.url, shapeScripts(context, seed, shape), shape, (plan.length + rounds) * perContenderSeconds + 60);
     await sleep(WARM_UP_MS);
     pgbench.assertRunning();
-    const control = await runControl(options);
-    context.progress(`    ${shape.label}: control (no cleanup) measured`);
+    // Every window of the shape in the order measured: each round's control, then its contenders.
+    const controls: Array<Awaited<ReturnType<typeof runControl>>> = [];
     const measured: Array<(typeof plan)[number] & Awaited<ReturnType<typeof runContender>>> = [];
-    for (const c of plan) {
-      const m = await runContender(context, pool, options, c.policy, c.rows, c.kind !== 'adaptive');
-      measured.push({ ...c, ...m });
-      for (const service of services) service.assertRunning();
-      pgbench.assertRunning();
-      // The next contender starts as this one did: dead rows vacuumed, writes flushed, the checkpoint's page images written.
-      await pool.query('VACUUM seat_reservations');
-      await settleWrites(context);
-      await sleep(WARM_UP_MS);
-      const rate = (w: { rows: number; seconds: number }): string => `${Math.round(w.rows / w.seconds)} rows/s`;
-      const short = { rows: deletedAt(m.series, m.shortEndMs), seconds: (m.shortEndMs - m.startMs) / 1000 };
-      const long = { rows: deletedAt(m.series, m.longEndMs) - deletedAt(m.series, m.longFromMs), seconds: (m.longEndMs - m.longFromMs) / 1000 };
-      context.progress(`    ${shape.label}: ${c.policy}: short ${rate(short)} over ${short.seconds.toFixed(1)} s, long ${rate(long)} over ${long.seconds.toFixed(1)} s${m.finishedOffRows ? ` (${m.finishedOffRows} rows finished off)` : ''}`);
+    const aloneOrder: Array<{ aloneFromMs: number; aloneToMs: number }> = [];
+    for (let round = 0; round < rounds; round++) {
+      const control = await runControl(options);
+      controls.push(control);
+      aloneOrder.push(control);
+      const of = rounds > 1 ? `, round ${round + 1} of ${rounds}` : '';
+      context.progress(`    ${shape.label}: control (no cleanup) measured${of}`);
+      for (const c of plan.filter((one) => one.round === round)) {
+        // The adaptive run is not waited for in the last round (runContender); in the others the next
+        // round's control must not see its last batches.
+        const m = await runContender(context, pool, options, c.policy, c.rows, c.kind !== 'adaptive' || round < rounds - 1);
+        measured.push({ ...c, ...m });
+        aloneOrder.push(m);
+        for (const service of services) service.assertRunning();
+        pgbench.assertRunning();
+        // The next contender starts as this one did: dead rows vacuumed, writes flushed, the checkpoint's page images written.
+        await pool.query('VACUUM seat_reservations');
+        await settleWrites(context);
+        await sleep(WARM_UP_MS);
+        const rate = (w: { rows: number; seconds: number }): string => `${Math.round(w.rows / w.seconds)} rows/s`;
+        const short = { rows: deletedAt(m.series, m.shortEndMs), seconds: (m.shortEndMs - m.startMs) / 1000 };
+        const long = { rows: deletedAt(m.series, m.longEndMs) - deletedAt(m.series, m.longFromMs), seconds: (m.longEndMs - m.longFromMs) / 1000 };
+        context.progress(`    ${shape.label}: ${c.policy}: short ${rate(short)} over ${short.seconds.toFixed(1)} s, long ${rate(long)} over ${long.seconds.toFixed(1)} s${m.finishedOffRows ? ` (${m.finishedOffRows} rows finished off)` : ''}`);
+      }
     }
     await sleep(TAIL_MS);
     await pgbench.stop();
     const p = pgbench;
-    const aloneWindows = [control, ...measured].map((m) => ({ transactions: p.transactions(m.aloneFromMs, m.aloneToMs), ms: m.aloneToMs - m.aloneFromMs }));
+    const aloneWindows = aloneOrder.map((m) => ({ transactions: p.transactions(m.aloneFromMs, m.aloneToMs), ms: m.aloneToMs - m.aloneFromMs }));
     const aloneAll = aloneWindows.flatMap((w) => w.transactions);
     const alone = latencyOf(aloneAll);
     const bootstrap = new ShapeBootstrap();
@@ -536,18 +571,23 @@ async function runShape(context: BenchContext, seed: Seed, options: ShapesOption
       return { ratio: aloneWindowP99Ms[i]! / latencyOf(othersAll).p99Ms, interval };
     });
     const windowNoise = aloneWindowIntervals.map((w) => w.ratio);
-    const window = (m: { series: readonly Progress[]; startMs: number }, fromMs: number, toMs: number, justBefore: ForegroundLatency): ShapeWindow => {
-      const rows = deletedAt(m.series, toMs) - deletedAt(m.series, fromMs);
-      const transactions = p.transactions(fromMs, toMs);
+    /** One window of a contender (or the control), pooled over its rounds: each round's [fromMs, toMs) of its own run. */
+    const window = (segments: ReadonlyArray<{ series: readonly Progress[]; startMs: number; fromMs: number; toMs: number }>, justBefore: ForegroundLatency): ShapeWindow => {
+      const rows = segments.reduce((sum, s) => sum + deletedAt(s.series, s.toMs) - deletedAt(s.series, s.fromMs), 0);
+      const ms = segments.reduce((sum, s) => sum + s.toMs - s.fromMs, 0);
+      const transactions = segments.flatMap((s) => p.transactions(s.fromMs, s.toMs));
       const foreground = latencyOf(transactions);
-      const resampled = bootstrap.p99s(transactions, toMs - fromMs);
+      const resampled = bootstrap.p99s(transactions, ms);
       const p99RatioInterval = ratioInterval(resampled, aloneResampled, BOOTSTRAP.level);
       const p99RatioNoiseInterval = ratioInterval(resampled, aloneResampled, BOOTSTRAP.level, { ratios: windowNoise, seed: bootstrap.seed() });
+      const meanSeconds = (at: (s: (typeof segments)[number]) => number): number => segments.reduce((sum, s) => sum + (at(s) - s.startMs) / 1000, 0) / segments.length;
       return {
-        fromSeconds: (fromMs - m.startMs) / 1000,
-        toSeconds: (toMs - m.startMs) / 1000,
+        rounds: segments.length,
+        transactions: transactions.length,
+        fromSeconds: meanSeconds((s) => s.fromMs),
+        toSeconds: meanSeconds((s) => s.toMs),
         rows,
-        rowsPerSecond: rows / ((toMs - fromMs) / 1000),
+        rowsPerSecond: rows / (ms / 1000),
         foreground,
         p99Ratio: foreground.p99Ms / alone.p99Ms,
         p99RatioJustBefore: foreground.p99Ms / justBefore.p99Ms,
@@ -557,11 +597,20 @@ async function runShape(context: BenchContext, seed: Seed, options: ShapesOption
         p99VerdictSamplingOnly: verdictOf(p99RatioInterval, options.kneeRatio),
       };
     };
-    const results: ShapeContender[] = measured.map((m) => {
-      const aloneJustBefore = latencyOf(p.transactions(m.aloneFromMs, m.aloneToMs));
-      const first = m.series.find((s) => s.deleted > 0);
-      const rates = (fromMs: number, toMs: number): number | null => {
-        const values = m.series.filter((s) => s.at >= fromMs && s.at <= toMs && s.adaptiveRate !== null).map((s) => s.adaptiveRate!);
+    const aloneBefore = (runs: ReadonlyArray<{ aloneFromMs: number; aloneToMs: number }>): ForegroundLatency => latencyOf(runs.flatMap((m) => p.transactions(m.aloneFromMs, m.aloneToMs)));
+    const results: ShapeContender[] = contenders(options).map((c) => {
+      const runs = measured.filter((m) => m.kind === c.kind && m.rate === c.rate);
+      const m = runs[0]!;
+      const aloneJustBefore = aloneBefore(runs);
+      const firsts = runs.flatMap((one) => {
+        const first = one.series.find((s) => s.deleted > 0);
+        return first ? [(first.at - one.startMs) / 1000] : [];
+      });
+      const rates = (at: (one: (typeof runs)[number]) => [number, number]): number | null => {
+        const values = runs.flatMap((one) => {
+          const [fromMs, toMs] = at(one);
+          return one.series.filter((s) => s.at >= fromMs && s.at <= toMs && s.adaptiveRate !== null).map((s) => s.adaptiveRate!);
+        });
         return values.length > 0 ? median(values) : null;
       };
       return {
@@ -570,25 +619,29 @@ async function runShape(context: BenchContext, seed: Seed, options: ShapesOption
         policy: m.policy,
         runRows: m.rows,
         aloneJustBefore,
-        short: window(m, m.startMs, m.shortEndMs, aloneJustBefore),
-        long: window(m, m.longFromMs, m.longEndMs, aloneJustBefore),
-        firstRowSeconds: first ? (first.at - m.startMs) / 1000 : null,
-        finishedInWindow: m.finishedInWindow,
-        finishedOffRows: m.finishedOffRows,
+        short: window(runs.map((one) => ({ ...one, fromMs: one.startMs, toMs: one.shortEndMs })), aloneJustBefore),
+        long: window(runs.map((one) => ({ ...one, fromMs: one.longFromMs, toMs: one.longEndMs })), aloneJustBefore),
+        firstRowSeconds: firsts.length > 0 ? median(firsts) : null,
+        finishedInWindow: runs.every((one) => one.finishedInWindow),
+        finishedOffRows: runs.reduce((sum, one) => sum + one.finishedOffRows, 0),
+        // The first round's series: the others' are alike.
         deletedSeries: m.series.map((s) => [s.at - m.startMs, s.deleted] as [number, number]),
         adaptiveRate:
           m.kind === 'adaptive'
             ? {
-                shortMedian: rates(m.startMs, m.shortEndMs),
-                longMedian: rates(m.longFromMs, m.longEndMs),
+                shortMedian: rates((one) => [one.startMs, one.shortEndMs]),
+                longMedian: rates((one) => [one.longFromMs, one.longEndMs]),
                 series: m.series.filter((s) => s.adaptiveRate !== null).map((s) => [s.at - m.startMs, Math.round(s.adaptiveRate!)] as [number, number]),
               }
             : null,
       };
     });
-    const controlAlone = latencyOf(p.transactions(control.aloneFromMs, control.aloneToMs));
-    const controlRun = { series: [] as Progress[], startMs: control.startMs };
-    const controlWindows = { short: window(controlRun, control.startMs, control.shortEndMs, controlAlone), long: window(controlRun, control.longFromMs, control.longEndMs, controlAlone) };
+    const controlAlone = aloneBefore(controls);
+    const controlRuns = controls.map((control) => ({ series: [] as Progress[], startMs: control.startMs, control }));
+    const controlWindows = {
+      short: window(controlRuns.map((c) => ({ ...c, fromMs: c.control.startMs, toMs: c.control.shortEndMs })), controlAlone),
+      long: window(controlRuns.map((c) => ({ ...c, fromMs: c.control.longFromMs, toMs: c.control.longEndMs })), controlAlone),
+    };
     const aloneMedian = median(aloneWindowP99Ms);
     const noise: ShapeNoise = {
       aloneMaxOverMin: Math.max(...aloneWindowP99Ms) / Math.min(...aloneWindowP99Ms),

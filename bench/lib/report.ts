@@ -254,7 +254,7 @@ function shapesRows(f: ShapesFigure, add: (figure: string, measure: string, valu
 export function renderShapesTable(f: ShapesFigure): string[] {
   const rates = f.options.rates;
   const head = [
-    'shape (alone p99)', 'window', ...rates.map((r) => count(r)), 'unthrottled', 'control (no cleanup)', 'knee rows/s', 'adaptive rows/s', 'adaptive ÷ knee', 'adaptive p99 ÷ alone',
+    'shape (alone p99)', 'window', ...rates.map((r) => count(r)), 'unthrottled', 'control (no cleanup)', 'knee rows/s', 'adaptive rows/s', 'adaptive ÷ knee', 'adaptive p99 ÷ alone (transactions in its window)',
     'knee range [surely under, surely over] (sampling only)', 'adaptive p99 ÷ alone, 90% interval (sampling only)', `adaptive p99 ≤ ${f.options.kneeRatio} met`, 'adaptive rate met',
   ];
   const lines = [`| ${head.join(' | ')} |`, `|${head.map(() => '---').join('|')}|`];
@@ -272,7 +272,7 @@ export function renderShapesTable(f: ShapesFigure): string[] {
       const target = shapeRateTarget(summary);
       const w = result.contenders[0]![which];
       lines.push(
-        `| ${which === 'short' ? `${result.shape.label} (${number(result.alone.p99Ms, 2)} ms)` : ''} | ${which} ${number(w.fromSeconds, 1)}–${number(w.toSeconds, 1)} s | ${rates.map((rate) => cell(result, which, rate)).join(' | ')} | ${ratio(unthrottled[which].p99Ratio)} (${count(Math.round(unthrottled[which].rowsPerSecond / 1000) * 1000)}) | ${ratio(result.control[which].p99Ratio)} | ${kneeText(summary)} | ${number(summary.adaptiveRowsPerSecond)} | ${target.ratio === null ? '-' : `${ratio(target.ratio)}${summary.kneeIsUnthrottled ? ' (÷ unthrottled)' : ''}`} | ${ratio(summary.adaptiveP99Ratio)} | ${kneeRangeText(summary)} (${kneeRangeText(summary.samplingOnly)}) | ${bothIntervals(summary.adaptiveP99Interval, summary.samplingOnly.adaptiveP99Interval)} | ${targetVerdict(summary.adaptiveP99Verdict)} | ${targetVerdict(summary.adaptiveRateVerdict)} |`,
+        `| ${which === 'short' ? `${result.shape.label} (${number(result.alone.p99Ms, 2)} ms)` : ''} | ${which} ${number(w.fromSeconds, 1)}–${number(w.toSeconds, 1)} s${w.rounds > 1 ? ` × ${w.rounds} rounds` : ''} | ${rates.map((rate) => cell(result, which, rate)).join(' | ')} | ${ratio(unthrottled[which].p99Ratio)} (${count(Math.round(unthrottled[which].rowsPerSecond / 1000) * 1000)}) | ${ratio(result.control[which].p99Ratio)} | ${kneeText(summary)} | ${number(summary.adaptiveRowsPerSecond)} | ${target.ratio === null ? '-' : `${ratio(target.ratio)}${summary.kneeIsUnthrottled ? ' (÷ unthrottled)' : ''}`} | ${ratio(summary.adaptiveP99Ratio)} (${count(result.contenders.find((c) => c.kind === 'adaptive')![which].transactions)} tx) | ${kneeRangeText(summary)} (${kneeRangeText(summary.samplingOnly)}) | ${bothIntervals(summary.adaptiveP99Interval, summary.samplingOnly.adaptiveP99Interval)} | ${targetVerdict(summary.adaptiveP99Verdict)} | ${targetVerdict(summary.adaptiveRateVerdict)} |`,
       );
     }
   }

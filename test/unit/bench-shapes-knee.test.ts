@@ -14,7 +14,7 @@ const latency = { transactions: 100, p50Ms: 1, p99Ms: 2, maxMs: 3, renewalMaxMs:
 /** A window whose ratio's interval is ratio × [1 - spread, 1 + spread]. */
 function window(p99Ratio: number, rowsPerSecond: number, spread: number): ShapeWindow {
   const p99RatioInterval = { level: 0.9, low: p99Ratio * (1 - spread), high: p99Ratio * (1 + spread) };
-  return { fromSeconds: 0, toSeconds: 4, rows: rowsPerSecond * 4, rowsPerSecond, foreground: latency, p99Ratio, p99RatioJustBefore: p99Ratio, p99RatioInterval, p99RatioNoiseInterval: p99RatioInterval, p99Verdict: 'cannot tell', p99VerdictSamplingOnly: 'cannot tell' };
+  return { rounds: 1, transactions: 1200, fromSeconds: 0, toSeconds: 4, rows: rowsPerSecond * 4, rowsPerSecond, foreground: latency, p99Ratio, p99RatioJustBefore: p99Ratio, p99RatioInterval, p99RatioNoiseInterval: p99RatioInterval, p99Verdict: 'cannot tell', p99VerdictSamplingOnly: 'cannot tell' };
 }
 
 function contender(kind: ShapeContender['kind'], rate: number | null, p99Ratio: number, achieved: number, spread = 0.01): ShapeContender {
