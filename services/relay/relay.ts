@@ -70,6 +70,13 @@ export const RELAY_UNROUTABLE_MAX_MS = 30_000;
  * same REAPER_WORKER_ID takes its earlier life's claims back at once: outboxReleaseClaimsOf).
  */
 export const RELAY_CLAIM_MS = 15_000;
+/**
+ * PostgreSQL connections per relay at most, whatever REAPER_DB_POOL_SIZE says: a pass runs its
+ * statements one after another (claim, then delete or give back), beside the database probe that
+ * /readyz reads. The prod overlay's connection budget (infra/k8s/overlays/prod/worker-autoscaling.yaml)
+ * counts it per replica of components/events-relay.
+ */
+export const RELAY_DB_POOL_SIZE = 2;
 
 export interface RelayPass {
   /** Events claimed (of `rows` rows). */
@@ -223,7 +230,7 @@ export interface RelayHandle {
 export async function startRelay(env: Env, policies: PolicySet, log: Logger): Promise<RelayHandle> {
   const metrics = makeMetrics();
   const relayMetrics = makeRelayMetrics(metrics.registry, [...policies.keys()]);
-  const pool = makePool(env.databaseUrl, 2, 'reaper-relay', env.sessionTimeouts);
+  const pool = makePool(env.databaseUrl, RELAY_DB_POOL_SIZE, 'reaper-relay', env.sessionTimeouts);
   const connection = new ReconnectingConnection({
     url: env.amqpUrl,
     connectionName: `reaper-relay ${env.amqpPrefix} ${env.workerId}`,

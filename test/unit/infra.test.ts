@@ -10,7 +10,8 @@
  *    the per-service permissions of shared/amqp/permissions.ts;
  *  - docker-compose.yml validates against the compose specification's JSON schema, each reaper
  *    service gets only variables shared/config/env.ts reads, every secret as a file, and its own
- *    RabbitMQ user, whose password hash matches its secret.
+ *    RabbitMQ user, whose password hash matches its secret (the relay, under the `events` profile,
+ *    the scheduler's credentials, as infra/k8s/components/events-relay gives them).
  */
 import { test, after } from 'node:test';
 import assert from 'node:assert/strict';
@@ -245,6 +246,8 @@ test('rabbitmq.conf sets consumer_timeout and loads definitions from a local pat
 const compose = yamlOne(COMPOSE_FILE);
 const services = compose.services as Record<string, Obj>;
 const REAPER_IMAGE_TARGET = 'runtime';
+/** `reaper relay` (expiry events), under a compose profile as infra/k8s/components/events-relay is optional. */
+const RELAY_SERVICE = 'events-relay';
 
 function reaperServices(): [string, Obj][] {
   return Object.entries(services).filter(([, service]) => service.build !== undefined && service.build.target === REAPER_IMAGE_TARGET);
@@ -419,7 +422,7 @@ test('compose: reaper services use only env.ts variables, every secret from a fi
   assert.ok(composeEnv('scheduler', services.scheduler!).secretFiles.has('REAPER_WEBHOOK_SECRET'), 'the scheduler reads the webhook secret from a file');
 });
 
-test('compose: each reaper service is its own RabbitMQ user, defined with the password of its AMQP_URL and limited to the prefix', () => {
+test('compose: each reaper service is its own RabbitMQ user (the relay the scheduler\'s), defined with the password of its AMQP_URL and limited to the prefix', () => {
   const settings = rabbitmqConf();
   const definitionsDir = settings.get('definitions.local.path')!.replace(/\/$/, '');
   const mounts = composeVolumes(services.rabbitmq!);
@@ -454,7 +457,11 @@ test('compose: each reaper service is its own RabbitMQ user, defined with the pa
   }
   assert.equal(seen.get('scheduler'), brokerUserName(DEFINITIONS_PREFIX, 'scheduler'));
   assert.equal(seen.get('worker'), brokerUserName(DEFINITIONS_PREFIX, 'worker'));
-  assert.equal(new Set(seen.values()).size, seen.size, 'no two services share a broker user');
+  // The relay publishes as the scheduler's user, as infra/k8s/components/events-relay does (the
+  // relay's test below); every other service has its own.
+  assert.equal(seen.get(RELAY_SERVICE), seen.get('scheduler'), 'the relay is the scheduler\'s broker user');
+  const ownUsers = [...seen].filter(([name]) => name !== RELAY_SERVICE).map(([, username]) => username);
+  assert.equal(new Set(ownUsers).size, ownUsers.length, 'no two other services share a broker user');
 });
 
 test('compose: policies are the demo policies with the media API pointing at the media-api service, its token a mounted secret', () => {
@@ -482,7 +489,7 @@ test('compose: policies are the demo policies with the media API pointing at the
   assert.deepEqual([...seen].map(rel), [path.join('infra', 'compose', 'policies.yaml')]);
 });
 
-for (const service of ['scheduler', 'cli'] as const) {
+for (const service of ['scheduler', 'cli', 'events-relay'] as const) {
   test(`compose: the ${service} does not mount the media API token (it never calls the API); its policies file still resolves`, () => {
     const definition = services[service] as Obj;
     const tokenFile = path.resolve(ROOT, (compose.secrets as Obj)['media-api-token'].file as string);
@@ -527,22 +534,65 @@ test('Dockerfile: every stage pins the same base digest; the runtime image carri
   assert.equal(labels.get('org.opencontainers.image.version'), '${VERSION}', 'the version comes from the build argument CI sets');
 });
 
-test('compose: the scheduler and the workers run under the memory limit infra/k8s gives them (Node sizes its heap from it)', () => {
+test('compose: the scheduler, the workers and the relay run under the memory limit infra/k8s gives them (Node sizes its heap from it)', () => {
   const bytes = (value: string): number => {
     const match = /^(\d+)(Mi|Gi|m|g)$/.exec(value);
     assert.ok(match, `a memory size: ${value}`);
     return Number(match[1]) * (match[2] === 'Gi' || match[2] === 'g' ? 1024 ** 3 : 1024 ** 2);
   };
-  for (const role of ['scheduler', 'worker']) {
-    const deployment = yamlOne(path.join(ROOT, 'infra', 'k8s', 'base', `${role}.yaml`));
-    const container = (deployment.spec.template.spec.containers as Obj[]).find((c) => c.name === role);
-    assert.ok(container, `infra/k8s/base/${role}.yaml has a container named ${role}`);
+  for (const [service, role] of [['scheduler', 'scheduler'], ['worker', 'worker'], [RELAY_SERVICE, 'relay']] as const) {
+    const { container, where } = k8sContainer(role);
     const k8sLimit = container.resources?.limits?.memory as string | undefined;
-    assert.ok(k8sLimit, `infra/k8s/base/${role}.yaml sets a memory limit`);
-    const composeLimit = services[role]?.mem_limit as string | undefined;
-    assert.ok(composeLimit, `docker-compose.yml: ${role} has a mem_limit`);
-    assert.equal(bytes(composeLimit), bytes(k8sLimit), `docker-compose.yml ${role}: mem_limit ${composeLimit} is the Kubernetes limit ${k8sLimit}`);
+    assert.ok(k8sLimit, `${where} sets a memory limit`);
+    const composeLimit = services[service]?.mem_limit as string | undefined;
+    assert.ok(composeLimit, `docker-compose.yml: ${service} has a mem_limit`);
+    assert.equal(bytes(composeLimit), bytes(k8sLimit), `docker-compose.yml ${service}: mem_limit ${composeLimit} is the Kubernetes limit ${k8sLimit}`);
   }
+});
+
+/** The Deployment and container of one of reaper's services in infra/k8s: the base's, or the optional relay's component. */
+function k8sContainer(role: 'scheduler' | 'worker' | 'relay'): { deployment: Obj; container: Obj; where: string } {
+  const file = role === 'relay' ? path.join(INFRA, 'k8s', 'components', 'events-relay', 'relay.yaml') : path.join(INFRA, 'k8s', 'base', `${role}.yaml`);
+  const deployment = yamlDocuments(file).find((document) => document.kind === 'Deployment');
+  assert.ok(deployment, `${rel(file)} holds a Deployment`);
+  const container = (deployment.spec.template.spec.containers as Obj[]).find((c) => c.name === role);
+  assert.ok(container, `${rel(file)} has a container named ${role}`);
+  return { deployment, container, where: rel(file) };
+}
+
+test('compose: the events-relay runs `reaper relay` under its own profile, with the secrets and settings infra/k8s/components/events-relay gives it', () => {
+  const relay = services[RELAY_SERVICE];
+  assert.ok(relay, `docker-compose.yml has a ${RELAY_SERVICE} service`);
+  assert.deepEqual(relay.command, ['relay'], 'it runs `reaper relay`');
+  assert.ok(
+    reaperServices().some(([name]) => name === RELAY_SERVICE),
+    'from the reaper image, so the checks of every reaper service above (env.ts variables only, secrets as files, DATABASE_URL and AMQP_URL at the compose servers, the policies file) run on it',
+  );
+  // Off by default, as on Kubernetes: the demo policies write no events. The header says how to start it.
+  assert.deepEqual(relay.profiles, ['events'], 'under the `events` profile');
+  const header = readFileSync(COMPOSE_FILE, 'utf8').split(/^name:/m)[0]!;
+  assert.ok(header.includes(`docker compose --profile ${relay.profiles[0]} up -d`), 'the header says how to start it');
+
+  // The secrets the relay reads at start are those its Deployment gives it (k8s-manifests.test.ts
+  // holds that one to env.ts and to the scheduler's Secret keys), each the scheduler's own file here.
+  const { container, deployment, where } = k8sContainer('relay');
+  const k8sVariables = new Set(((container.env ?? []) as Obj[]).map((entry) => entry.name as string));
+  const k8sSecrets = [...SECRET_NAMES].filter((secret) => k8sVariables.has(`${secret}_FILE`)).sort();
+  assert.ok(k8sSecrets.includes('DATABASE_URL') && k8sSecrets.includes('AMQP_URL'), `${where}: the relay's database and broker credentials`);
+  const { env, secretFiles, policiesFile } = composeEnv(RELAY_SERVICE, relay);
+  assert.deepEqual([...secretFiles.keys()].sort(), k8sSecrets, `${RELAY_SERVICE}: the secrets of ${where}`);
+  const schedulerFiles = composeEnv('scheduler', services.scheduler!).secretFiles;
+  for (const [secret, file] of secretFiles) assert.equal(file, schedulerFiles.get(secret), `${RELAY_SERVICE}: ${secret} is the scheduler's, as in ${where}`);
+  // The policies give it the broker topology it asserts at start; HTTP_PORT its /readyz.
+  assert.ok(policiesFile && k8sVariables.has('REAPER_POLICIES'), `${RELAY_SERVICE}: a policies file, as in ${where}`);
+  assert.ok(env.httpPort !== undefined && relay.healthcheck?.test, `${RELAY_SERVICE}: HTTP_PORT and a healthcheck on its /readyz`);
+
+  assert.equal(relay.depends_on?.migrate?.condition, 'service_completed_successfully', 'it starts after migrations (it reads the outbox of the current schema)');
+  assert.equal(relay.depends_on?.rabbitmq?.condition, 'service_healthy', 'it waits for the broker');
+  assert.equal(relay.restart, services.scheduler!.restart, 'restarted as the scheduler is');
+  const grace = /^(\d+)s$/.exec(String(relay.stop_grace_period));
+  assert.ok(grace, `${RELAY_SERVICE}: stop_grace_period in seconds`);
+  assert.equal(Number(grace[1]), deployment.spec.template.spec.terminationGracePeriodSeconds, `${RELAY_SERVICE}: stop_grace_period is ${where}'s terminationGracePeriodSeconds`);
 });
 
 test('compose: every image not built here is pinned by digest like infra/Dockerfile, or names the command that reads its digest', () => {

@@ -16,7 +16,7 @@ import path from 'node:path';
 import { parse as parseYaml } from 'yaml';
 import { brokerNames, kedaTriggers, kedaTriggersPatch } from '../../shared/amqp/topology';
 import { loadEnv, type Env } from '../../shared/config/env';
-import { RELAY_CLAIM_MS } from '../../services/relay/relay';
+import { RELAY_CLAIM_MS, RELAY_DB_POOL_SIZE } from '../../services/relay/relay';
 import { type PolicySet } from '../../shared/config/policies';
 import {
   DEFINITIONS_DELIVERY_LIMIT,
@@ -685,9 +685,45 @@ test('k8s overlays: images, replicas; prod pins its tag, matches the version lab
     const host = (auth.spec.secretTargetRef as Obj[]).find((ref) => ref.parameter === 'host');
     assert.ok(host && host.name === 'reaper-secrets', 'the AMQP URL comes from reaper-secrets');
   }
-  // The connection budget the comment in worker-autoscaling.yaml derives.
   assert.ok(scaled.spec.minReplicaCount >= 2 && scaled.spec.maxReplicaCount >= scaled.spec.minReplicaCount, 'bounds');
-  assert.ok(scaled.spec.maxReplicaCount * env.dbPoolSize <= 48, `maxReplicaCount x REAPER_DB_POOL_SIZE (${scaled.spec.maxReplicaCount} x ${env.dbPoolSize}) stays within the 48 connections budgeted for workers`);
+});
+
+/**
+ * The PostgreSQL connection budget in the comment of worker-autoscaling.yaml, one `<op> <count>
+ * <what>` line each: its lines add up, and the ones that count reaper's own pods count what prod
+ * renders (the relays: what prod+events-relay renders), so a replica or pool size changed without
+ * the budget fails here.
+ */
+test('k8s prod: the connection budget in worker-autoscaling.yaml adds up and counts the schedulers, the relays and the workers prod renders', () => {
+  const text = readFileSync(path.join(K8S, 'overlays', 'prod', 'worker-autoscaling.yaml'), 'utf8');
+  const lines = [...text.matchAll(/^#\s+([-=])?\s*(\d+)\s{2}(\S.*)$/gm)].map(([, op, count, what]) => ({ op, count: Number(count), what: what! }));
+  const [total, ...rest] = lines;
+  assert.ok(total && total.op === undefined && total.what === 'max_connections', `the budget starts from max_connections: ${JSON.stringify(lines)}`);
+  const spent = rest.filter((line) => line.op === '-');
+  const forWorkers = rest.find((line) => line.op === '=');
+  assert.ok(forWorkers, 'the budget ends with `=  <n>  for workers`');
+  assert.equal(total.count - spent.reduce((sum, line) => sum + line.count, 0), forWorkers.count, 'max_connections minus every line above is what is left for workers');
+  /** The `<n>  <what>: <replicas> replicas x <pool>` line of `what`, checked against the rendered replicas and pool size. */
+  const podsLine = (what: RegExp, replicas: number, poolSize: number) => {
+    const line = spent.find((candidate) => what.test(candidate.what));
+    assert.ok(line, `the budget has a line for ${what}`);
+    const stated = /: (\d+) replicas x (\d+)\b/.exec(line.what);
+    assert.ok(stated, `${line.what}: says "<replicas> replicas x <pool>"`);
+    assert.deepEqual([Number(stated[1]), Number(stated[2])], [replicas, poolSize], `${line.what}: the rendered replicas x pool size`);
+    assert.equal(line.count, replicas * poolSize, `${line.what}: ${replicas} x ${poolSize}`);
+  };
+  const prod = rendered.get('prod')!;
+  const poolSizeOf = (deployment: Obj) => checkContainerEnv(`prod ${deployment.metadata.name}`, deployment.spec.template.spec, containersOf(deployment)[0]!, prod).env.dbPoolSize;
+  const scheduler = find(prod, 'Deployment', SCHEDULER);
+  podsLine(/^schedulers/, scheduler.spec.replicas, poolSizeOf(scheduler));
+  podsLine(/^relays, once components\/events-relay is included/, find(rendered.get('prod+events-relay')!, 'Deployment', RELAY).spec.replicas, RELAY_DB_POOL_SIZE);
+  const workerPool = poolSizeOf(find(prod, 'Deployment', WORKER));
+  const scaled = find(prod, 'ScaledObject', WORKER);
+  assert.ok(
+    scaled.spec.maxReplicaCount * workerPool <= forWorkers.count,
+    `maxReplicaCount x REAPER_DB_POOL_SIZE (${scaled.spec.maxReplicaCount} x ${workerPool}) stays within the ${forWorkers.count} connections budgeted for workers`,
+  );
+  assert.match(forWorkers.what, new RegExp(`= ${scaled.spec.maxReplicaCount} workers at most`), 'the budget names maxReplicaCount');
 });
 
 test('k8s: a missing kubectl fails with the install hint', () => {
