@@ -89,15 +89,16 @@ let sequence = 0;
 
 /** A batch naming `assetIds` with their current expiries, cut off now (database clock). */
 export async function batchFor(pool: pg.Pool, assetIds: readonly string[]): Promise<BatchV1> {
-  sequence += 1;
+  // Taken before the query: batches made at once (Promise.all) each get their own id.
+  const number = (sequence += 1);
   const result = await pool.query<{ id: string; e: string; now: string }>(
     `SELECT asset_id AS id, reaper_iso(retention_expires_at) AS e, reaper_iso(clock_timestamp()) AS now FROM media_assets WHERE asset_id = ANY($1::text[]) ORDER BY asset_id`,
     [assetIds],
   );
   return {
     version: 1,
-    runId: '00000000-0000-4000-8000-' + String(sequence).padStart(12, '0'),
-    batchId: `s3-test:${sequence}`,
+    runId: '00000000-0000-4000-8000-' + String(number).padStart(12, '0'),
+    batchId: `s3-test:${number}`,
     policy: MEDIA_POLICY,
     cutoff: result.rows[0]!.now,
     items: result.rows.map((row) => ({ id: row.id, observedExpiry: row.e })),
