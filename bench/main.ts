@@ -51,7 +51,7 @@ import { runLatency } from './figures/latency';
 import { EVENTS_ARCHIVE_CANDIDATES, runEventsArchive } from './figures/events-archive';
 import { runRemoteBacklog, runRemoteDelete } from './figures/remote-delete';
 import { runS3Delete } from './figures/s3-delete';
-import { runShapes, shapeRowsNeeded, type ShapesOptions } from './figures/shapes';
+import { runShapes, shapeRowsNeeded, type ShapesFigure, type ShapesOptions } from './figures/shapes';
 import { PARTITIONS_FIGURE, runPartitions } from './figures/partitions';
 import { runReaperEndToEnd, runStageSplit, type ReaperRun } from './figures/row-delete';
 import { BenchBroker } from './lib/broker';
@@ -273,6 +273,13 @@ async function measureS3(context: BenchContext, config: ModeConfig, report: Benc
   report.s3 = await runS3Delete(context, { ...S3_FIGURE, backlogSeconds });
 }
 
+/** The results file's mark of figure 7b's overrides, e.g. "-quiet-30-rounds20-rates500-2000" (the mode's whole figure: none). */
+function shapesSuffix(shapes: ShapesFigure | null | undefined): string {
+  if (!shapes) return '';
+  const o = shapes.options;
+  return `${o.onlyShapes ? `-${o.onlyShapes.join('-')}` : ''}${(o.rounds ?? 1) > 1 ? `-rounds${o.rounds}` : ''}${process.env.BENCH_SHAPES_RATES ? `-rates${o.rates.join('-')}` : ''}`;
+}
+
 /** A count of rounds from the environment: absent or empty, the default; else a whole number of at least 1. */
 function positiveWholeNumber(name: string, otherwise: number): number {
   const text = process.env[name];
@@ -290,8 +297,9 @@ async function measureShapes(context: BenchContext, config: ModeConfig, report: 
   if (law !== undefined && law !== 'load' && law !== 'harm') throw new Error(`BENCH_ADAPTIVE_LAW must be load or harm, got ${JSON.stringify(law)}`);
   const rounds = positiveWholeNumber('BENCH_SHAPES_ROUNDS', 1);
   const rates = process.env.BENCH_SHAPES_RATES?.split(',').map((rate) => rate.trim()).filter(Boolean);
-  for (const rate of rates ?? []) {
+  for (const [i, rate] of (rates ?? []).entries()) {
     if (!/^[1-9][0-9]*$/.test(rate)) throw new Error(`BENCH_SHAPES_RATES must list fixed rates in rows/s, whole numbers above 0, separated by commas (got ${JSON.stringify(rate)} in ${JSON.stringify(process.env.BENCH_SHAPES_RATES)})`);
+    if (rates!.indexOf(rate) !== i) throw new Error(`BENCH_SHAPES_RATES lists ${rate} twice (${JSON.stringify(process.env.BENCH_SHAPES_RATES)}): each rate is one contender`);
   }
   // Rounds measure short cleanups (issue 41: one short window beside 30 statements/s holds about 30
   // transactions): every run takes the short window's rows, and the long window is the run's tail.
@@ -467,7 +475,7 @@ async function main(): Promise<number> {
   report.seconds = (Date.now() - started) / 1000;
   report.countsOk = context.checks.every((entry) => entry.ok);
   mkdirSync(RESULTS_DIR, { recursive: true });
-  const base = path.join(RESULTS_DIR, only === 's3' || only === 'partitions' ? `${report.date}-${only}-${config.mode}` : only === 'shapes' ? `${report.date}-shapes-${config.mode}${process.env.BENCH_ADAPTIVE_LAW ? `-${process.env.BENCH_ADAPTIVE_LAW}` : ''}${report.shapes && (report.shapes.options.rounds ?? 1) > 1 ? `-rounds${report.shapes.options.rounds}` : ''}${pin ? '-pinned' : ''}` : `${report.date}-${config.mode}${only ? `-${only}` : ''}${only === 'foreground' ? foregroundSuffix() : ''}${pin ? '-pinned' : ''}`);
+  const base = path.join(RESULTS_DIR, only === 's3' || only === 'partitions' ? `${report.date}-${only}-${config.mode}` : only === 'shapes' ? `${report.date}-shapes-${config.mode}${process.env.BENCH_ADAPTIVE_LAW ? `-${process.env.BENCH_ADAPTIVE_LAW}` : ''}${shapesSuffix(report.shapes)}${pin ? '-pinned' : ''}` : `${report.date}-${config.mode}${only ? `-${only}` : ''}${only === 'foreground' ? foregroundSuffix() : ''}${pin ? '-pinned' : ''}`);
   writeFileSync(`${base}.json`, `${JSON.stringify(report, null, 2)}\n`);
   writeFileSync(`${base}.md`, renderMarkdown(report));
   const shapes = report.shapes ? `\n\n${renderShapesTable(report.shapes).join('\n')}` : '';

@@ -41,7 +41,9 @@ import { checkCounts, latencyOf, Pgbench, settleWrites, TAIL_MS, WARM_UP_MS, wri
  * with policies of its own (the adaptive run starts as a new policy every time), each contender's
  * windows and every alone window pooled over the rounds. One short window beside 30 statements/s
  * holds about 30 transactions when the cleanup is fast, so its "p99" is its slowest transaction;
- * 30 rounds give about 900.
+ * 30 rounds give about 900. Over rounds the contenders take turns in a rotated order, only the short
+ * window is reported (every run takes the short window's rows), and the noise between windows is
+ * read between slots (each slot's alone windows pooled: the scale of the windows it is folded into).
  *
  * Each ratio to the pooled alone p99 carries a 90% bootstrap interval (bench/lib/bootstrap.ts,
  * BOOTSTRAP below): a window of a few seconds holds 100–10,000 transactions, its p99 rests on 1–100
@@ -206,9 +208,10 @@ export interface ShapeNoise {
   /** Each alone window's p99 ÷ their median, in order. */
   aloneOverMedian: number[];
   /**
-   * Each alone window's p99 ÷ the pooled p99 of the other alone windows, with its interval: the
-   * truth is about 1, so the share of intervals holding 1 says whether the intervals can be
-   * trusted (about 90% if the noise were only sampling within a window).
+   * Each alone window's p99 ÷ the pooled p99 of the other alone windows, with its interval (over
+   * rounds: each slot's alone windows pooled against the other slots', noiseGroups): the truth is
+   * about 1, so the share of intervals holding 1 says whether the intervals can be trusted (about
+   * 90% if the noise were only sampling within a window).
    */
   aloneWindowIntervals: Array<{ ratio: number; interval: RatioInterval | null }>;
   aloneIntervalsHoldingOne: number;
@@ -333,10 +336,33 @@ async function candidatesLeft(pool: pg.Pool, cutoff: string): Promise<boolean> {
 }
 
 /** Rows deleted by `ms` (the last sample at or before it). */
-function deletedAt(series: readonly Progress[], ms: number): number {
+function deletedAt(series: ReadonlyArray<{ at: number; deleted: number }>, ms: number): number {
   let deleted = 0;
   for (const p of series) if (p.at <= ms) deleted = p.deleted;
   return deleted;
+}
+
+/**
+ * When the window's last row was deleted: the first sample in (fromMs, toMs] that shows the count
+ * the window ends with (toMs when none does, or the count never moved). Samples are 100 ms apart,
+ * so a rate read over a few hundred milliseconds is within a quarter or so.
+ */
+export function deletingUntil(series: ReadonlyArray<{ at: number; deleted: number }>, fromMs: number, toMs: number): number {
+  const final = deletedAt(series, toMs);
+  if (final === deletedAt(series, fromMs)) return toMs;
+  for (const p of series) if (p.at > fromMs && p.at <= toMs && p.deleted >= final) return p.at;
+  return toMs;
+}
+
+/**
+ * The groups of alone windows whose p99s are compared with each other for the noise between
+ * windows: each window alone in a single round; over rounds, the windows of one slot together.
+ */
+export function noiseGroups<W>(windows: ReadonlyArray<{ slot: string; window: W }>, rounds: number): W[][] {
+  if (rounds <= 1) return windows.map((w) => [w.window]);
+  const bySlot = new Map<string, W[]>();
+  for (const w of windows) bySlot.set(w.slot, [...(bySlot.get(w.slot) ?? []), w.window]);
+  return [...bySlot.values()];
 }
 
 async function runContender(
@@ -528,19 +554,25 @@ async function runShape(context: BenchContext, seed: Seed, options: ShapesOption
     // Every window of the shape in the order measured: each round's control, then its contenders.
     const controls: Array<Awaited<ReturnType<typeof runControl>>> = [];
     const measured: Array<(typeof plan)[number] & Awaited<ReturnType<typeof runContender>>> = [];
-    const aloneOrder: Array<{ aloneFromMs: number; aloneToMs: number }> = [];
+    // Each alone window with its slot: the control's, or the contender's it came before.
+    const aloneOrder: Array<{ aloneFromMs: number; aloneToMs: number; slot: string }> = [];
     for (let round = 0; round < rounds; round++) {
       const control = await runControl(options);
       controls.push(control);
-      aloneOrder.push(control);
+      aloneOrder.push({ ...control, slot: 'control' });
       const of = rounds > 1 ? `, round ${round + 1} of ${rounds}` : '';
       context.progress(`    ${shape.label}: control (no cleanup) measured${of}`);
-      for (const c of plan.filter((one) => one.round === round)) {
-        // The adaptive run is not waited for in the last round (runContender); in the others the next
-        // round's control must not see its last batches.
-        const m = await runContender(context, pool, options, c.policy, c.rows, c.kind !== 'adaptive' || round < rounds - 1);
+      // Rounds after the first take the contenders in a rotated order, so that none always follows
+      // the same one (a run leaves the next one its dead rows' VACUUM and a checkpoint's page images).
+      const inRound = plan.filter((one) => one.round === round);
+      const turn = round % inRound.length;
+      for (const [index, c] of [...inRound.slice(turn), ...inRound.slice(0, turn)].entries()) {
+        // The figure's very last run, if adaptive, is not waited for (runContender); any other must
+        // end before the next run's alone window.
+        const last = round === rounds - 1 && index === inRound.length - 1;
+        const m = await runContender(context, pool, options, c.policy, c.rows, c.kind !== 'adaptive' || !last);
         measured.push({ ...c, ...m });
-        aloneOrder.push(m);
+        aloneOrder.push({ ...m, slot: c.kind === 'fixed' ? `fixed-${c.rate}` : c.kind });
         for (const service of services) service.assertRunning();
         pgbench.assertRunning();
         // The next contender starts as this one did: dead rows vacuumed, writes flushed, the checkpoint's page images written.
@@ -562,19 +594,27 @@ async function runShape(context: BenchContext, seed: Seed, options: ShapesOption
     const bootstrap = new ShapeBootstrap();
     const aloneResampled = bootstrap.p99s(aloneAll, aloneWindows.reduce((sum, w) => sum + w.ms, 0));
     const aloneWindowP99Ms = aloneWindows.map((w) => latencyOf(w.transactions).p99Ms);
-    // Each alone window against the others pooled: no cleanup on either side, so an interval that
+    // Each alone group against the others pooled: no cleanup on either side, so an interval that
     // misses 1 is noise the interval did not see, and the ratios are that noise (windowNoise below).
-    const aloneWindowIntervals = aloneWindows.map((w, i) => {
-      const others = aloneWindows.filter((_, j) => j !== i);
+    // A group is what a contender's ratio pools: one alone window in a single round; over rounds,
+    // every alone window of one slot (the control's, or those before one contender), so the noise
+    // is read at the scale of the pooled windows it is folded into, not at that of a 2 s window,
+    // whose p99 beside 30 statements/s is its slowest transaction.
+    const groups = noiseGroups(aloneOrder.map((m, i) => ({ slot: m.slot, window: aloneWindows[i]! })), rounds);
+    const aloneWindowIntervals = groups.map((group, i) => {
+      const others = groups.filter((_, j) => j !== i).flat();
+      const mine = group.flatMap((w) => w.transactions);
       const othersAll = others.flatMap((o) => o.transactions);
-      const interval = ratioInterval(bootstrap.p99s(w.transactions, w.ms), bootstrap.p99s(othersAll, others.reduce((sum, o) => sum + o.ms, 0)), BOOTSTRAP.level);
-      return { ratio: aloneWindowP99Ms[i]! / latencyOf(othersAll).p99Ms, interval };
+      const interval = ratioInterval(bootstrap.p99s(mine, group.reduce((sum, w) => sum + w.ms, 0)), bootstrap.p99s(othersAll, others.reduce((sum, o) => sum + o.ms, 0)), BOOTSTRAP.level);
+      return { ratio: latencyOf(mine).p99Ms / latencyOf(othersAll).p99Ms, interval };
     });
     const windowNoise = aloneWindowIntervals.map((w) => w.ratio);
     /** One window of a contender (or the control), pooled over its rounds: each round's [fromMs, toMs) of its own run. */
     const window = (segments: ReadonlyArray<{ series: readonly Progress[]; startMs: number; fromMs: number; toMs: number }>, justBefore: ForegroundLatency): ShapeWindow => {
       const rows = segments.reduce((sum, s) => sum + deletedAt(s.series, s.toMs) - deletedAt(s.series, s.fromMs), 0);
       const ms = segments.reduce((sum, s) => sum + s.toMs - s.fromMs, 0);
+      // The rate while it deleted: a window lasts at least 1 s, and a 15k-row run may end well inside it.
+      const deletingMs = segments.reduce((sum, s) => sum + deletingUntil(s.series, s.fromMs, s.toMs) - s.fromMs, 0);
       const transactions = segments.flatMap((s) => p.transactions(s.fromMs, s.toMs));
       const foreground = latencyOf(transactions);
       const resampled = bootstrap.p99s(transactions, ms);
@@ -587,7 +627,7 @@ async function runShape(context: BenchContext, seed: Seed, options: ShapesOption
         fromSeconds: meanSeconds((s) => s.fromMs),
         toSeconds: meanSeconds((s) => s.toMs),
         rows,
-        rowsPerSecond: rows / (ms / 1000),
+        rowsPerSecond: rows / (Math.max(deletingMs, 1) / 1000),
         foreground,
         p99Ratio: foreground.p99Ms / alone.p99Ms,
         p99RatioJustBefore: foreground.p99Ms / justBefore.p99Ms,

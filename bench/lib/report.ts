@@ -220,6 +220,11 @@ const windowWithInterval = (w: ShapeWindow): string =>
 /** Both intervals of a ratio: with the noise between windows (the verdicts'), then sampling only. */
 const bothIntervals = (withNoise: RatioInterval | null, samplingOnly: RatioInterval | null): string => `${intervalText(withNoise)} (sampling only ${intervalText(samplingOnly)})`;
 
+/** The windows figure 7b reports: over rounds only the short one (every run takes the short window's rows, so the long window is a finished run's tail). */
+function shapeWindows(f: ShapesFigure): ReadonlyArray<'short' | 'long'> {
+  return (f.options.rounds ?? 1) > 1 ? ['short'] : ['short', 'long'];
+}
+
 /** Figure 7b: per shape, the knee and the adaptive contender against its targets (the per-rate table is renderShapesTable). */
 function shapesRows(f: ShapesFigure, add: (figure: string, measure: string, value: string, r?: string, target?: string, met?: string) => void): void {
   for (const result of f.shapes) {
@@ -233,7 +238,7 @@ function shapesRows(f: ShapesFigure, add: (figure: string, measure: string, valu
       '',
       `${n.aloneIntervalsHoldingOne} of ${n.aloneWindowIntervals.length}`,
     );
-    for (const which of ['short', 'long'] as const) {
+    for (const which of shapeWindows(f)) {
       const summary = result[which];
       const target = shapeRateTarget(summary);
       add('7b', `${head}, ${which}: knee (rows/s, p99 ÷ alone ≤ ${f.options.kneeRatio}); range [surely under, surely over] (sampling only)`, `${kneeText(summary)} ${kneeRangeText(summary)} (${kneeRangeText(summary.samplingOnly)})`);
@@ -267,7 +272,7 @@ export function renderShapesTable(f: ShapesFigure): string[] {
   };
   for (const result of f.shapes) {
     const unthrottled = result.contenders.find((c) => c.kind === 'unthrottled')!;
-    for (const which of ['short', 'long'] as const) {
+    for (const which of shapeWindows(f)) {
       const summary = result[which];
       const target = shapeRateTarget(summary);
       const w = result.contenders[0]![which];
@@ -278,12 +283,12 @@ export function renderShapesTable(f: ShapesFigure): string[] {
   }
   const intervalHead = ['shape', 'window', ...rates.map((r) => count(r)), 'unthrottled', 'control (no cleanup)', 'adaptive'];
   const intervals = [`| ${intervalHead.join(' | ')} |`, `|${intervalHead.map(() => '---').join('|')}|`];
-  const noiseHead = ["shape", "alone windows' p99 (ms)", 'max ÷ min', 'each ÷ median', 'alone windows: p99 ÷ the others (90% interval)', 'intervals holding 1', 'bootstrap CPU'];
+  const noiseHead = ["shape", "alone windows' p99 (ms)", 'max ÷ min', 'each ÷ median', (f.options.rounds ?? 1) > 1 ? "alone windows of each slot (control, then each contender's, pooled over the rounds): p99 ÷ the others (90% interval)" : 'alone windows: p99 ÷ the others (90% interval)', 'intervals holding 1', 'bootstrap CPU'];
   const noise = [`| ${noiseHead.join(' | ')} |`, `|${noiseHead.map(() => '---').join('|')}|`];
   for (const result of f.shapes) {
     const unthrottled = result.contenders.find((c) => c.kind === 'unthrottled')!;
     const adaptive = result.contenders.find((c) => c.kind === 'adaptive')!;
-    for (const which of ['short', 'long'] as const) {
+    for (const which of shapeWindows(f)) {
       const fixed = rates.map((rate) => result.contenders.find((c) => c.kind === 'fixed' && c.rowsPerSecond === rate));
       const cells = [...fixed.map((c) => (c ? windowWithInterval(c[which]) : '-')), windowWithInterval(unthrottled[which]), windowWithInterval(result.control[which]), windowWithInterval(adaptive[which])];
       intervals.push(`| ${which === 'short' ? result.shape.label : ''} | ${which} | ${cells.join(' | ')} |`);

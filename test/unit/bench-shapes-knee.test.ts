@@ -7,7 +7,7 @@
  */
 import { test } from 'node:test';
 import assert from 'node:assert/strict';
-import { summarise, type ShapeContender, type ShapeWindow } from '../../bench/figures/shapes';
+import { deletingUntil, noiseGroups, summarise, type ShapeContender, type ShapeWindow } from '../../bench/figures/shapes';
 
 const latency = { transactions: 100, p50Ms: 1, p99Ms: 2, maxMs: 3, renewalMaxMs: 3 };
 
@@ -100,4 +100,22 @@ test('the fields read the intervals with the noise between windows, samplingOnly
   assert.equal(summary.kneeRange.surelyUnder, null, 'with the noise no rate is surely under');
   assert.equal(summary.adaptiveP99Verdict, 'cannot tell');
   assert.ok(summary.adaptiveP99Interval!.low < 1.25 && summary.adaptiveP99Interval!.high > 1.25, 'the fields carry the noise interval');
+});
+
+test('rounds: a window reads the rate while its rows were deleted, not over the 1 s it lasts at least', () => {
+  // A 15k-row run deleting 9,500 by 418 ms and the rest by 620 ms, in a window of [0, 1000] ms.
+  const series = [{ at: 6, deleted: 0 }, { at: 309, deleted: 0 }, { at: 418, deleted: 9_500 }, { at: 519, deleted: 14_000 }, { at: 620, deleted: 15_000 }, { at: 721, deleted: 15_000 }, { at: 1000, deleted: 15_000 }];
+  assert.equal(deletingUntil(series, 0, 1000), 620, 'the first sample with the final count');
+  // A window whose rows were still being deleted at its end, and one in which nothing was deleted.
+  assert.equal(deletingUntil(series, 0, 519), 519);
+  assert.equal(deletingUntil(series, 620, 1000), 1000);
+});
+
+test("rounds: the noise between windows compares each slot's alone windows pooled; one round, each window alone", () => {
+  const windows = [
+    { slot: 'control', window: 'c1' }, { slot: 'fixed-500', window: 'f1' }, { slot: 'adaptive', window: 'a1' },
+    { slot: 'control', window: 'c2' }, { slot: 'adaptive', window: 'a2' }, { slot: 'fixed-500', window: 'f2' },
+  ];
+  assert.deepEqual(noiseGroups(windows, 2), [['c1', 'c2'], ['f1', 'f2'], ['a1', 'a2']]);
+  assert.deepEqual(noiseGroups(windows.slice(0, 3), 1), [['c1'], ['f1'], ['a1']]);
 });
