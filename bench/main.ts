@@ -51,7 +51,7 @@ import { runLatency } from './figures/latency';
 import { EVENTS_ARCHIVE_CANDIDATES, runEventsArchive } from './figures/events-archive';
 import { runRemoteBacklog, runRemoteDelete } from './figures/remote-delete';
 import { runS3Delete } from './figures/s3-delete';
-import { runShapes, shapeRowsNeeded, type ShapesFigure, type ShapesOptions } from './figures/shapes';
+import { roundsOf, runShapes, shapeRowsNeeded, withRounds, type ShapesFigure } from './figures/shapes';
 import { PARTITIONS_FIGURE, runPartitions } from './figures/partitions';
 import { runReaperEndToEnd, runStageSplit, type ReaperRun } from './figures/row-delete';
 import { BenchBroker } from './lib/broker';
@@ -231,13 +231,18 @@ const FOREGROUND_OVERRIDES = {
   rows: { name: 'BENCH_FOREGROUND_ROWS', most: 10_000_000, unit: ' of rows', mark: 'rows' },
 } as const;
 
-function foregroundOverride(which: keyof typeof FOREGROUND_OVERRIDES): number | null {
-  const { name, most, unit } = FOREGROUND_OVERRIDES[which];
+/** A whole number from 1 to `most` from the environment variable `name`; null when absent or empty. */
+function wholeNumberFromEnv(name: string, most: number, unit: string): number | null {
   const text = process.env[name];
   if (text === undefined || text === '') return null;
   const n = Number(text);
   if (!Number.isInteger(n) || n < 1 || n > most) throw new Error(`${name} must be a whole number${unit} from 1 to ${most}, got ${JSON.stringify(text)}`);
   return n;
+}
+
+function foregroundOverride(which: keyof typeof FOREGROUND_OVERRIDES): number | null {
+  const { name, most, unit } = FOREGROUND_OVERRIDES[which];
+  return wholeNumberFromEnv(name, most, unit);
 }
 
 /** The results file's mark of figure 7's overrides, e.g. "-batch100-throttle1000" (or "-some-phases" with BENCH_FOREGROUND_PHASES). */
@@ -277,16 +282,12 @@ async function measureS3(context: BenchContext, config: ModeConfig, report: Benc
 function shapesSuffix(shapes: ShapesFigure | null | undefined): string {
   if (!shapes) return '';
   const o = shapes.options;
-  return `${o.onlyShapes ? `-${o.onlyShapes.join('-')}` : ''}${(o.rounds ?? 1) > 1 ? `-rounds${o.rounds}` : ''}${process.env.BENCH_SHAPES_RATES ? `-rates${o.rates.join('-')}` : ''}`;
+  return `${o.onlyShapes ? `-${o.onlyShapes.join('-')}` : ''}${roundsOf(o) > 1 ? `-rounds${o.rounds}` : ''}${process.env.BENCH_SHAPES_RATES ? `-rates${o.rates.join('-')}` : ''}`;
 }
 
-/** A count of rounds from the environment: absent or empty, the default; else a whole number of at least 1. */
-function positiveWholeNumber(name: string, otherwise: number): number {
-  const text = process.env[name];
-  if (text === undefined || text === '') return otherwise;
-  const n = Number(text);
-  if (!Number.isInteger(n) || n < 1) throw new Error(`${name} must be a whole number of rounds >= 1 (got ${JSON.stringify(text)})`);
-  return n;
+/** A count of rounds from the environment (at most 1,000): absent or empty, `otherwise`. */
+function roundsFromEnv(name: string, otherwise: number): number {
+  return wholeNumberFromEnv(name, 1_000, ' of rounds') ?? otherwise;
 }
 
 /** Figure 7b (issue 41): on a seed of its own, large enough for one shape's sweep (each shape takes a fresh copy). */
@@ -295,23 +296,21 @@ async function measureShapes(context: BenchContext, config: ModeConfig, report: 
   const only = process.env.BENCH_SHAPES?.split(',').map((key) => key.trim()).filter(Boolean);
   const law = process.env.BENCH_ADAPTIVE_LAW;
   if (law !== undefined && law !== 'load' && law !== 'harm') throw new Error(`BENCH_ADAPTIVE_LAW must be load or harm, got ${JSON.stringify(law)}`);
-  const rounds = positiveWholeNumber('BENCH_SHAPES_ROUNDS', 1);
+  const rounds = roundsFromEnv('BENCH_SHAPES_ROUNDS', 1);
   const rates = process.env.BENCH_SHAPES_RATES?.split(',').map((rate) => rate.trim()).filter(Boolean);
   for (const [i, rate] of (rates ?? []).entries()) {
     if (!/^[1-9][0-9]*$/.test(rate)) throw new Error(`BENCH_SHAPES_RATES must list fixed rates in rows/s, whole numbers above 0, separated by commas (got ${JSON.stringify(rate)} in ${JSON.stringify(process.env.BENCH_SHAPES_RATES)})`);
     if (rates!.indexOf(rate) !== i) throw new Error(`BENCH_SHAPES_RATES lists ${rate} twice (${JSON.stringify(process.env.BENCH_SHAPES_RATES)}): each rate is one contender`);
   }
-  // Rounds measure short cleanups (issue 41: one short window beside 30 statements/s holds about 30
-  // transactions): every run takes the short window's rows, and the long window is the run's tail.
-  const short = rounds > 1 ? { maxRunRows: config.shapes.shortRows, adaptiveRows: config.shapes.shortRows, longSeconds: 1 } : {};
-  const options: ShapesOptions = {
-    ...config.shapes,
-    ...short,
-    ...(rates && rates.length > 0 ? { rates: rates.map(Number).sort((a, b) => a - b) } : {}),
-    ...(only && only.length > 0 ? { onlyShapes: only } : {}),
-    ...(law ? { adaptiveLaw: law } : {}),
+  const options = withRounds(
+    {
+      ...config.shapes,
+      ...(rates && rates.length > 0 ? { rates: rates.map(Number).sort((a, b) => a - b) } : {}),
+      ...(only && only.length > 0 ? { onlyShapes: only } : {}),
+      ...(law ? { adaptiveLaw: law } : {}),
+    },
     rounds,
-  };
+  );
   const candidates = Math.max(options.candidates, shapeRowsNeeded(options) + (shapeRowsNeeded(options) % 2));
   context.progress(
     `foreground shapes: ${candidates.toLocaleString('en-US')} candidates; fixed rates ${options.rates.join(', ')} rows/s, unthrottled, adaptive${rounds > 1 ? `; ${rounds} rounds of short cleanups (${options.shortRows.toLocaleString('en-US')} rows), pooled` : ''}`,
@@ -456,7 +455,7 @@ async function main(): Promise<number> {
     } else if (only === 'foreground') await measureForeground(context, config, await context.databases.seed(config.sizes[0]!), report);
     else if (only === 'remote') {
       await context.databases.seed(2);
-      await measureRemote(context, config, report, positiveWholeNumber('BENCH_REMOTE_ROUNDS', 5));
+      await measureRemote(context, config, report, roundsFromEnv('BENCH_REMOTE_ROUNDS', 5));
     } else if (only === 'remote-backlog') {
       // Every figure copies the bench database from a seed: a tiny one is enough for this figure.
       await context.databases.seed(2);

@@ -266,13 +266,28 @@ export function shapeRowsNeeded(options: ShapesOptions): number {
   return roundsOf(options) * contenders(options).reduce((sum, c) => sum + runRows(options, c.kind, c.rate), 0);
 }
 
-/** Each round's runs have policies of their own: the adaptive run's start is that of a new policy every round. */
-function policyName(shape: ShapeSpec, kind: ContenderKind, rate: number | null, round: number): string {
-  return `bench-shape-${shape.key}-${kind === 'fixed' ? `fixed-${rate}` : kind}${round > 0 ? `-r${round + 1}` : ''}`;
+/** A contender's name: its kind, and a fixed one's rate ("fixed-500", "unthrottled", "adaptive"). */
+function contenderKey(kind: ContenderKind, rate: number | null): string {
+  return kind === 'fixed' ? `fixed-${rate}` : kind;
 }
 
-function roundsOf(options: ShapesOptions): number {
+/** Each round's runs have policies of their own: the adaptive run's start is that of a new policy every round. */
+function policyName(shape: ShapeSpec, kind: ContenderKind, rate: number | null, round: number): string {
+  return `bench-shape-${shape.key}-${contenderKey(kind, rate)}${round > 0 ? `-r${round + 1}` : ''}`;
+}
+
+/** Rounds of the sweep (ShapesOptions.rounds; 1 when absent). */
+export function roundsOf(options: Pick<ShapesOptions, 'rounds'>): number {
   return options.rounds ?? 1;
+}
+
+/**
+ * The options of `rounds` rounds: over more than one, every run takes the short window's rows (one
+ * short window beside 30 statements/s holds about 30 transactions, so only rounds give its p99
+ * something to rest on) and the long window is a finished run's tail, reported nowhere.
+ */
+export function withRounds(options: ShapesOptions, rounds: number): ShapesOptions {
+  return rounds > 1 ? { ...options, maxRunRows: options.shortRows, adaptiveRows: options.shortRows, longSeconds: 1, rounds } : { ...options, rounds };
 }
 
 function policyFor(options: ShapesOptions, name: string, kind: ContenderKind, rate: number | null): RowDeletePolicyInput {
@@ -572,7 +587,7 @@ async function runShape(context: BenchContext, seed: Seed, options: ShapesOption
         const last = round === rounds - 1 && index === inRound.length - 1;
         const m = await runContender(context, pool, options, c.policy, c.rows, c.kind !== 'adaptive' || !last);
         measured.push({ ...c, ...m });
-        aloneOrder.push({ ...m, slot: c.kind === 'fixed' ? `fixed-${c.rate}` : c.kind });
+        aloneOrder.push({ ...m, slot: contenderKey(c.kind, c.rate) });
         for (const service of services) service.assertRunning();
         pgbench.assertRunning();
         // The next contender starts as this one did: dead rows vacuumed, writes flushed, the checkpoint's page images written.

@@ -6,7 +6,7 @@ import { partitionsRows, type PartitionsFigure } from '../figures/partitions';
 import type { RemoteBacklogFigure, RemoteFigure } from '../figures/remote-delete';
 import type { ReaperRun, StageSplit } from '../figures/row-delete';
 import type { S3Figure } from '../figures/s3-delete';
-import type { IntervalVerdicts, ShapeResult, ShapeSummary, ShapesFigure, ShapeWindow, TargetVerdict } from '../figures/shapes';
+import { roundsOf, type IntervalVerdicts, type ShapeResult, type ShapeSummary, type ShapesFigure, type ShapeWindow, type TargetVerdict } from '../figures/shapes';
 import type { RatioInterval } from './bootstrap';
 import type { CountCheck, Measured, Throughput } from './context';
 import type { CpuSplit } from './cpu';
@@ -222,7 +222,7 @@ const bothIntervals = (withNoise: RatioInterval | null, samplingOnly: RatioInter
 
 /** The windows figure 7b reports: over rounds only the short one (every run takes the short window's rows, so the long window is a finished run's tail). */
 function shapeWindows(f: ShapesFigure): ReadonlyArray<'short' | 'long'> {
-  return (f.options.rounds ?? 1) > 1 ? ['short'] : ['short', 'long'];
+  return roundsOf(f.options) > 1 ? ['short'] : ['short', 'long'];
 }
 
 /** Figure 7b: per shape, the knee and the adaptive contender against its targets (the per-rate table is renderShapesTable). */
@@ -283,7 +283,7 @@ export function renderShapesTable(f: ShapesFigure): string[] {
   }
   const intervalHead = ['shape', 'window', ...rates.map((r) => count(r)), 'unthrottled', 'control (no cleanup)', 'adaptive'];
   const intervals = [`| ${intervalHead.join(' | ')} |`, `|${intervalHead.map(() => '---').join('|')}|`];
-  const noiseHead = ["shape", "alone windows' p99 (ms)", 'max ÷ min', 'each ÷ median', (f.options.rounds ?? 1) > 1 ? "alone windows of each slot (control, then each contender's, pooled over the rounds): p99 ÷ the others (90% interval)" : 'alone windows: p99 ÷ the others (90% interval)', 'intervals holding 1', 'bootstrap CPU'];
+  const noiseHead = ["shape", "alone windows' p99 (ms)", 'max ÷ min', 'each ÷ median', roundsOf(f.options) > 1 ? "alone windows of each slot (control, then each contender's, pooled over the rounds): p99 ÷ the others (90% interval)" : 'alone windows: p99 ÷ the others (90% interval)', 'intervals holding 1', 'bootstrap CPU'];
   const noise = [`| ${noiseHead.join(' | ')} |`, `|${noiseHead.map(() => '---').join('|')}|`];
   for (const result of f.shapes) {
     const unthrottled = result.contenders.find((c) => c.kind === 'unthrottled')!;

@@ -7,7 +7,7 @@
  */
 import { test } from 'node:test';
 import assert from 'node:assert/strict';
-import { deletingUntil, noiseGroups, summarise, type ShapeContender, type ShapeWindow } from '../../bench/figures/shapes';
+import { deletingUntil, noiseGroups, shapeRowsNeeded, summarise, withRounds, type ShapeContender, type ShapesOptions, type ShapeWindow } from '../../bench/figures/shapes';
 
 const latency = { transactions: 100, p50Ms: 1, p99Ms: 2, maxMs: 3, renewalMaxMs: 3 };
 
@@ -118,4 +118,12 @@ test("rounds: the noise between windows compares each slot's alone windows poole
   ];
   assert.deepEqual(noiseGroups(windows, 2), [['c1', 'c2'], ['f1', 'f2'], ['a1', 'a2']]);
   assert.deepEqual(noiseGroups(windows.slice(0, 3), 1), [['c1'], ['f1'], ['a1']]);
+});
+
+test("rounds: every run takes the short window's rows, in each round; one round keeps the mode's run sizes", () => {
+  const quick: ShapesOptions = { candidates: 570_000, batchSize: 500, rates: [500, 16_000], aloneSeconds: 2, shortRows: 15_000, shortSeconds: 4, longFromSeconds: 3, longSeconds: 5, maxRunRows: 150_000, adaptiveRows: 100_000, kneeRatio: 1.25 };
+  // Four contenders (two fixed, unthrottled, adaptive), 15k rows each, three times.
+  assert.equal(shapeRowsNeeded(withRounds(quick, 3)), 3 * 4 * 15_000);
+  // One round: 500 rows/s takes its 15k floor, 16k its cap of 150k, unthrottled 150k, adaptive 100k.
+  assert.equal(shapeRowsNeeded(withRounds(quick, 1)), 15_000 + 150_000 + 150_000 + 100_000);
 });
