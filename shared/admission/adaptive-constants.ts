@@ -14,6 +14,14 @@ export const ADAPTIVE = {
    * the floor in three steps.
    */
   startRowsPerSecond: 32_000,
+  /**
+   * A start look that saw another client at all, quiet (others' pressure under raiseBelow): the
+   * first statements go at this rate, and the takes raise it from there (lookStartRate). The knee
+   * of a quiet application (30 statements/s, bench figure 7b over 20 rounds, two runs): 2,000
+   * rows/s read 1.00 and 1.10 x the foreground's p99 alone, 8,000 read 1.01 and 1.45, the start
+   * rate 32,000 (where such a run started before) 1.94 and 1.95.
+   */
+  presentStartRowsPerSecond: 2_000,
   /** The rate never goes below this (or the ceiling, when lower): a busy database slows a cleanup, never stops it. */
   floorRowsPerSecond: 500,
   /** No ceiling set: the rate never goes above this (the schema's largest rowsPerSecond). */
@@ -115,13 +123,14 @@ export const ADAPTIVE = {
   /**
    * A look whose first this-many samples saw nobody at all (no other client present, running,
    * waiting, nor a state change within changeWindowMs) ends there: nobody is using the database, and
-   * the other 32 samples cost about 0.15 s at every run's start for nothing (bench cost figure,
-   * 2026-12-05: a 500k run spent 0.52-0.60 s from the trigger to its first batch, of 8.8-9.6 s in
-   * all). An application at 300 statements/s is seen about 1.5 times per sample (state changes), so
-   * it never ends a look early; one at 30/s ends about one look in four early, which reads it quiet,
-   * as the whole look does.
+   * the other samples cost time at every run's start for nothing (bench cost figure, 2026-12-05: a
+   * 500k run spent 0.52-0.60 s from the trigger to its first batch, of 8.8-9.6 s in all). An
+   * application at 300 statements/s is seen about 1.5 times per sample (state changes), so it never
+   * ends a look early. One at 30/s ended about one look in four after 8 samples (each sample misses
+   * it with a chance of about 0.84), and since a look that sees somebody starts gentle (lookStartRate)
+   * a look that misses it is a burst: 24 samples (about 0.1 s) miss it in about 1.6 % of looks.
    */
-  startLookQuietSamples: 8,
+  startLookQuietSamples: 24,
   /** A latency above the baseline becomes the new baseline with this time constant (seconds): a lasting change of the table is learnt, a load is not. */
   baselineRiseSeconds: 120,
   /**

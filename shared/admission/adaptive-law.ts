@@ -12,8 +12,8 @@
  *     in between       hold (and hold with no new statement to judge by)
  *     pressure >= 2    back off: rate x 0.7, or x max(0.25, 0.7 x 2 / load) when the load alone is >= 2
  *   clamped to [min(500, ceiling), ceiling or 10,000,000]
- *   start: min(32,000, ceiling); a start look whose others' pressure is >= 2 starts at the floor,
- *     one in the band at a rate graded geometrically from the start rate (1.4) to the floor (2)
+ *   start: min(32,000, ceiling) when the start look saw nobody; one that saw somebody starts at
+ *     2,000 (pressure under 1.4), graded geometrically down to the floor at 2, the floor above
  *   a statement: one batch while others share the database, else what the rate admits in 0.1 s
  *   alone (presence < 0.005, quiet, no rate set, no brake): no rate, a probe every 0.25 s
  */
@@ -94,28 +94,33 @@ export interface LookStart {
 }
 
 /**
- * What a start look (the means of its samples) does. When the others' part of the pressure is at or
- * over backOffAbove, where the law would back off, the rate starts at the floor (where backing off
- * would take it: before the first statement instead of after three steps) and the caller keeps the
- * look as the worker's reading (othersLooked; `busy`). In the hold band (raiseBelow up to
- * backOffAbove) the start rate is graded, geometrically from the start rate at raiseBelow down to
- * the floor at backOffAbove (1.7: about 4,000 rows/s), and the takes' own samples go on deciding
- * (not busy): an application at 300 statements/s reads about 2 and a look is noisy, so an
- * all-or-nothing threshold started a run at the start rate in three runs of four, which deleted half
- * of figure 7's rows in the first three seconds (2026-12-04); a look of 30 statements/s on a slow
- * machine reads about 1.5 and starts at about 16,000 (half the start rate), and the takes raise it from there when they
- * read it quiet. Not the floor in the band: a start at the floor would stay there (the law never
- * raises in the band; 0.09 of the unthrottled rate at 30/s). Below raiseBelow: nothing (null), the
- * start rate or the stored one.
+ * What a start look (the means of its samples; `present`: the share that saw another client in a
+ * statement or a transaction) does. A look that saw nobody at all (no other client present,
+ * running, waiting, nor a state change): nothing (null), the start rate or the stored one: fast
+ * when nobody is there. A look that saw somebody starts gentle (issue 41 item 4):
+ * - others' pressure at or over backOffAbove, where the law would back off: the floor (where
+ *   backing off would take it: before the first statement instead of after three steps), and the
+ *   caller keeps the look as the worker's reading (othersLooked; `busy`);
+ * - under raiseBelow (an application seen, but quiet): presentStartRowsPerSecond, and the takes
+ *   raise it from there while they read it quiet;
+ * - in the hold band between: graded geometrically from presentStartRowsPerSecond at raiseBelow
+ *   down to the floor at backOffAbove, and the takes' own samples go on deciding (not busy): an
+ *   application at 300 statements/s reads about 2 and a look is noisy, so an all-or-nothing
+ *   threshold started a run at the start rate in three runs of four (2026-12-04).
+ * Before 2026-12-07 a quiet application (under raiseBelow) started at the start rate, 32,000: beside
+ * 30 statements/s a 15,000-row run was done in 0.3 s and the foreground's p99 read 1.94 and 1.95 x
+ * alone over 20 rounds (two runs), where fixed 2,000 rows/s read 1.00 and 1.10 (docs/performance.md).
  */
-export function lookStartRate(look: OthersLook, ceiling: number | null): LookStart | null {
+export function lookStartRate(look: OthersLook & { present?: number }, ceiling: number | null): LookStart | null {
+  const seen = look.waiting > 0 || look.active > 0 || look.changes > 0 || (look.present ?? 0) > 0;
+  if (!seen) return null;
   const othersPressure = othersPressureOf(look);
-  if (othersPressure < ADAPTIVE.raiseBelow) return null;
   const start = adaptiveStartRate(ceiling);
   const floor = Math.min(start, ADAPTIVE.floorRowsPerSecond);
   if (othersPressure >= ADAPTIVE.backOffAbove) return { rate: floor, othersPressure, busy: true };
-  const within = (othersPressure - ADAPTIVE.raiseBelow) / (ADAPTIVE.backOffAbove - ADAPTIVE.raiseBelow);
-  return { rate: Math.round(start * (floor / start) ** within), othersPressure, busy: false };
+  const gentle = Math.min(start, ADAPTIVE.presentStartRowsPerSecond);
+  const within = Math.max(0, othersPressure - ADAPTIVE.raiseBelow) / (ADAPTIVE.backOffAbove - ADAPTIVE.raiseBelow);
+  return { rate: Math.round(gentle * (floor / gentle) ** within), othersPressure, busy: false };
 }
 
 /**

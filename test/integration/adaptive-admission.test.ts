@@ -86,9 +86,9 @@ describe('adaptive row-delete admission: one shared rate', () => {
     await application.query('SELECT 1');
     try {
 
-    // No rate set: the policy starts at the start rate, stored in the shared row.
+    // No rate set, an application seen by the start look: the policy starts gentle (issue 41 item 4), stored in the shared row.
     await take(a, metricsA.registry);
-    assert.equal(await storedRate(policy.name), ADAPTIVE.startRowsPerSecond);
+    assert.equal(await storedRate(policy.name), ADAPTIVE.presentStartRowsPerSecond);
 
     // Worker A's statements slow down to 10x their quiet time: the rate backs off.
     noteRowStatement(a, policy, { ms: 10, rows: 10 });
@@ -98,7 +98,7 @@ describe('adaptive row-delete admission: one shared rate', () => {
         noteRowStatement(a, policy, { ms: 100, rows: 10 });
         await take(a, metricsA.registry);
         const rate = await storedRate(policy.name);
-        return rate < ADAPTIVE.startRowsPerSecond * 0.8 && rate;
+        return rate < ADAPTIVE.presentStartRowsPerSecond * 0.8 && rate;
       },
       { timeoutMs: 15_000, intervalMs: 50 },
     );
@@ -220,9 +220,12 @@ describe('adaptive row-delete admission: one shared rate', () => {
     const policy = policyNamed('start-look');
     const stored = async (): Promise<{ rate: number; pressure: number | null }> =>
       (await bed.pool.query<{ rate: number; pressure: number | null }>('SELECT adaptive_rate AS rate, adaptive_pressure AS pressure FROM cleanup_admission WHERE policy = $1', [policy.name])).rows[0]!;
-    // Back-date the last step: the stored rate is from another moment (between two runs).
+    // Back-date the last step: the stored rate is from another moment (between two runs). On a
+    // "reaper-" connection, which the look leaves out as reaper's own: a statement of the test's
+    // ending just before a look would read as an application seen, and start gentle.
+    const setup = workerPool('setup');
     const ageRate = (rate: number) =>
-      bed.pool.query(`UPDATE cleanup_admission SET adaptive_rate = $2, adapted_at = adapted_at - make_interval(secs => $3) WHERE policy = $1`, [policy.name, rate, ADAPTIVE.restartAfterSeconds + 5]);
+      setup.query(`UPDATE cleanup_admission SET adaptive_rate = $2, adapted_at = adapted_at - make_interval(secs => $3) WHERE policy = $1`, [policy.name, rate, ADAPTIVE.restartAfterSeconds + 5]);
     const take = async (pool: pg.Pool, now?: () => number): Promise<void> => assert.ok((await admitRows(pool, policy, 10, { holdMs: 5_000, ...(now ? { now } : {}) })).admitted);
     const busyWhile = applicationBusyWhile('application-start-look');
 
@@ -245,6 +248,21 @@ describe('adaptive row-delete admission: one shared rate', () => {
     await ageRate(ADAPTIVE.startRowsPerSecond);
     await take(workerPool('look-3'));
     assert.equal((await stored()).rate, ADAPTIVE.startRowsPerSecond, 'quiet look: the stored rate');
+
+    // A quiet application seen by the look (a connection in a transaction, no statement running:
+    // present, no load at all): gentle, the present start rate (issue 41 item 4), not the start rate.
+    await ageRate(ADAPTIVE.startRowsPerSecond);
+    const quietApplication = await bed.pool.connect();
+    try {
+      await quietApplication.query('BEGIN');
+      await take(workerPool('look-quiet'));
+    } finally {
+      await quietApplication.query('ROLLBACK');
+      quietApplication.release();
+    }
+    const seen = await stored();
+    assert.equal(seen.rate, ADAPTIVE.presentStartRowsPerSecond, 'a quiet application seen: gentle');
+    assert.equal(seen.pressure, 1, 'no load: the look read pressure 1');
 
     // A rate another worker stepped just now is in use: a new worker's busy look leaves it alone.
     await bed.pool.query('UPDATE cleanup_admission SET adaptive_rate = $2, adapted_at = clock_timestamp() WHERE policy = $1', [policy.name, ADAPTIVE.startRowsPerSecond]);

@@ -9,10 +9,14 @@ import {
   ADAPTIVE,
   adaptiveStartRate,
   adaptRate,
+  afterLook,
+  afterTake,
   latencyObserve,
   loadPressureOf,
   lookDone,
   lookStartRate,
+  NEW_WORKER,
+  NO_LOOK,
   NO_READING,
   othersActiveObserve,
   othersObserve,
@@ -22,8 +26,10 @@ import {
   othersWaitingObserve,
   pressureOf,
   statementRows,
+  workerAlone,
   type LatencyReading,
 } from '../../shared/admission/adaptive';
+import type { AdaptiveRowsState } from '../../shared/db/queries/admission';
 import { ConfigError } from '../../shared/config/errors';
 import { parsePolicies, type RowDeletePolicy } from '../../shared/config/policies';
 import { adaptiveAdmission } from '../../shared/admission/rows';
@@ -177,20 +183,22 @@ test("reaper's own latency counts in the measure others share the database: alon
   assert.ok(pressureOf(shared)! >= ADAPTIVE.backOffAbove, `an application present: pressure ${pressureOf(shared)}`);
 });
 
-test("the start look: an application busy enough that the law would back off starts the rate at the floor; in the hold band the start is graded down from the start rate to the floor; a lighter one or nobody changes nothing; the ceiling bounds both", () => {
+test("the start look: an application busy enough that the law would back off starts the rate at the floor; in the hold band the start is graded down from the present start rate to the floor; a lighter one starts at the present start rate (issue 41 item 4); nobody changes nothing; the ceiling bounds all", () => {
   // Means of the look's samples: at 300 statements/s of about 0.6 ms one running in about one sample of five.
   assert.deepEqual(lookStartRate({ waiting: 0, active: 0.2, changes: 0 }, null), { rate: ADAPTIVE.floorRowsPerSecond, othersPressure: 1 + ADAPTIVE.activePressure * 0.2, busy: true });
   // Waiting on locks or IO counts too (as in the pressure).
   assert.equal(lookStartRate({ waiting: 2, active: 0, changes: 0 }, null)?.rate, ADAPTIVE.floorRowsPerSecond);
-  // At 30 statements/s: one in about fifty samples: no change.
-  assert.equal(lookStartRate({ waiting: 0, active: 0.05, changes: 0 }, null), null);
-  assert.equal(lookStartRate({ waiting: 0, active: 0, changes: 0 }, null), null);
+  // At 30 statements/s: one in about fifty samples: gentle, not the start rate (not busy: the takes raise it from there).
+  assert.deepEqual(lookStartRate({ waiting: 0, active: 0.05, changes: 0 }, null), { rate: ADAPTIVE.presentStartRowsPerSecond, othersPressure: 1 + ADAPTIVE.activePressure * 0.05, busy: false });
+  assert.equal(lookStartRate({ waiting: 0, active: 0, changes: 0, present: 0.025 }, null)?.rate, ADAPTIVE.presentStartRowsPerSecond, 'seen in a transaction only');
+  assert.equal(lookStartRate({ waiting: 0, active: 0, changes: 0, present: 0 }, null), null, 'nobody: the start rate, fast');
+  assert.equal(lookStartRate({ waiting: 0, active: 0.05, changes: 0 }, 1_000)?.rate, 1_000, 'a ceiling below the present start rate');
   // The hold band: graded, not busy (the takes' own samples decide from there), lower the busier.
   const band = (pressure: number) => lookStartRate({ waiting: 0, active: (pressure - 1) / ADAPTIVE.activePressure, changes: 0 }, null)!;
-  assert.equal(band(ADAPTIVE.raiseBelow).rate, ADAPTIVE.startRowsPerSecond, 'the band starts at the start rate');
+  assert.equal(band(ADAPTIVE.raiseBelow).rate, ADAPTIVE.presentStartRowsPerSecond, 'the band starts at the present start rate');
   const middle = band((ADAPTIVE.raiseBelow + ADAPTIVE.backOffAbove) / 2);
   assert.equal(middle.busy, false);
-  assert.equal(middle.rate, Math.round(Math.sqrt(ADAPTIVE.startRowsPerSecond * ADAPTIVE.floorRowsPerSecond)), 'half way: the geometric mean');
+  assert.equal(middle.rate, Math.round(Math.sqrt(ADAPTIVE.presentStartRowsPerSecond * ADAPTIVE.floorRowsPerSecond)), 'half way: the geometric mean');
   assert.ok(band(1.5).rate > middle.rate && middle.rate > band(1.9).rate && band(1.9).rate > ADAPTIVE.floorRowsPerSecond, 'lower the busier');
   assert.equal(lookStartRate({ waiting: 0, active: 0.5, changes: 0 }, 200)?.rate, 200, 'a ceiling below the floor');
   assert.equal(lookStartRate({ waiting: 0, active: 0.1, changes: 0 }, 200)?.rate, 200, 'in the band, a ceiling below the floor');
@@ -217,14 +225,29 @@ test("the start look: an application busy enough that the law would back off sta
   assert.equal(presenceLooked(before, 0.01).othersPresent, before.othersPresent, 'a higher share already known stays');
 });
 
+test('a look that saw somebody (here a state change, never a client in a statement) counts them present at least presenceFull: the first take that samples nobody is not "alone", so the gentle start rate is in force', () => {
+  // 40 samples, 12 of which saw a state change (an application at 30 statements/s); none caught it in a statement.
+  const sums = { ...NO_LOOK, samples: 40, changes: 12 * 200 };
+  const looked = afterLook(NEW_WORKER, sums, null, 0);
+  assert.equal(looked.looked?.rate, ADAPTIVE.presentStartRowsPerSecond);
+  assert.equal(looked.reading.othersPresent, ADAPTIVE.presenceFull);
+  const state: AdaptiveRowsState = { rate: ADAPTIVE.presentStartRowsPerSecond, adaptedAt: '0', sinceStepSeconds: 0, admittedSinceStep: 0, pressure: null, othersWaiting: 0, othersActive: 0, othersPresent: 0, othersChanges: 0, othersFinishedMs: [], sampledAt: 0 };
+  const view = { ...NEW_WORKER, ...looked, looked: null, ...afterTake({ ...NEW_WORKER, ...looked }, state, 10) };
+  assert.equal(workerAlone(view, { rated: false, braked: false }), false, 'not alone after one take that saw nobody');
+  // A look that saw nobody: no floor, the takes decide (alone after a take that saw nobody: unthrottled).
+  const quiet = afterLook(NEW_WORKER, { ...NO_LOOK, samples: ADAPTIVE.startLookQuietSamples }, null, 0);
+  assert.equal(quiet.looked, null);
+  assert.equal(workerAlone({ ...NEW_WORKER, ...quiet, ...afterTake({ ...NEW_WORKER, ...quiet }, state, 10) }, { rated: false, braked: false }), true);
+});
+
 test("the others' statement rate (state changes per second) backs reaper off whatever their statements' latency: the same application reads a lower active share on a faster database", () => {
   // 300 statements/s of about 0.3 ms on a fast database: running in about one sample of twelve
   // (active share 0.08, hold band by itself), but about 300 state changes per second.
   const fast = { waiting: 0, active: 0.08, changes: 320 };
   assert.ok(1 + ADAPTIVE.activePressure * fast.active < ADAPTIVE.backOffAbove, 'the active share alone would hold');
   assert.deepEqual(lookStartRate(fast, null), { rate: ADAPTIVE.floorRowsPerSecond, othersPressure: 1 + 320 / ADAPTIVE.changesAtBackOff, busy: true });
-  // 30 statements/s (measured 18-47 changes/s): changes nothing, at the look or in the takes.
-  assert.equal(lookStartRate({ waiting: 0, active: 0.005, changes: 47 }, null), null);
+  // 30 statements/s (measured 18-47 changes/s): seen, so the look starts gentle (issue 41 item 4), but not busy; the takes raise.
+  assert.deepEqual(lookStartRate({ waiting: 0, active: 0.005, changes: 47 }, null), { rate: ADAPTIVE.presentStartRowsPerSecond, othersPressure: 1 + 47 / ADAPTIVE.changesAtBackOff, busy: false });
   // In the takes: one sample per admission, smoothed; the law backs off at 300/s and raises at 30/s.
   // Seen running in one sample of `activeEvery` (about 1/12 at 300/s, 1/100 at 30/s on that database).
   const takes = (changes: number, activeEvery: number) => {
