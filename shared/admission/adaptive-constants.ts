@@ -122,15 +122,23 @@ export const ADAPTIVE = {
   startLookGapMs: 4,
   /**
    * A look whose first this-many samples saw nobody at all (no other client present, running,
-   * waiting, nor a state change within changeWindowMs) ends there: nobody is using the database, and
-   * the other samples cost time at every run's start for nothing (bench cost figure, 2026-12-05: a
-   * 500k run spent 0.52-0.60 s from the trigger to its first batch, of 8.8-9.6 s in all). An
-   * application at 300 statements/s is seen about 1.5 times per sample (state changes), so it never
-   * ends a look early. One at 30/s ended about one look in four after 8 samples (each sample misses
-   * it with a chance of about 0.84), and since a look that sees somebody starts gentle (lookStartRate)
-   * a look that misses it is a burst: 24 samples (about 0.1 s) miss it in about 1.6 % of looks.
+   * waiting, a state change within changeWindowMs, nor a statement within lookRecentSeconds) ends
+   * there: nobody is using the database, and the other 32 samples cost about 0.15 s at every run's
+   * start for nothing (bench cost figure, 2026-12-05: a 500k run spent 0.52-0.60 s from the trigger
+   * to its first batch, of 8.8-9.6 s in all). An application that ran a statement within the last
+   * lookRecentSeconds is seen by the first sample, so it never ends a look early.
    */
-  startLookQuietSamples: 24,
+  startLookQuietSamples: 8,
+  /**
+   * A start look sees another client when one of its sessions started or ended a statement within
+   * this long (state_change), besides what it is doing at the sample. Since a look that sees
+   * somebody starts gentle (lookStartRate), one that misses an application is a burst: by the 5 ms
+   * change window alone an application at 30 statements/s was missed by about one look in four of
+   * 8 samples, and with 24 samples bench figure 7b (quiet shape, 2026-12-07) still read 2 runs in 16
+   * deleting their 15,000 rows in the first second. One second: the harm law's own "alone" horizon
+   * (HARM.aloneAfterSeconds); an application at one statement a second or more is seen in every look.
+   */
+  lookRecentSeconds: 1,
   /** A latency above the baseline becomes the new baseline with this time constant (seconds): a lasting change of the table is learnt, a load is not. */
   baselineRiseSeconds: 120,
   /**

@@ -95,8 +95,9 @@ export interface LookStart {
 
 /**
  * What a start look (the means of its samples; `present`: the share that saw another client in a
- * statement or a transaction) does. A look that saw nobody at all (no other client present,
- * running, waiting, nor a state change): nothing (null), the start rate or the stored one: fast
+ * statement or a transaction; `recent`: the share that saw one start or end a statement within
+ * ADAPTIVE.lookRecentSeconds) does. A look that saw nobody at all (no other client present,
+ * running, waiting, a state change, nor a recent statement): nothing (null), the start rate or the stored one: fast
  * when nobody is there. A look that saw somebody starts gentle (issue 41 item 4):
  * - others' pressure at or over backOffAbove, where the law would back off: the floor (where
  *   backing off would take it: before the first statement instead of after three steps), and the
@@ -111,8 +112,8 @@ export interface LookStart {
  * 30 statements/s a 15,000-row run was done in 0.3 s and the foreground's p99 read 1.94 and 1.95 x
  * alone over 20 rounds (two runs), where fixed 2,000 rows/s read 1.00 and 1.10 (docs/performance.md).
  */
-export function lookStartRate(look: OthersLook & { present?: number }, ceiling: number | null): LookStart | null {
-  const seen = look.waiting > 0 || look.active > 0 || look.changes > 0 || (look.present ?? 0) > 0;
+export function lookStartRate(look: OthersLook & { present?: number; recent?: number }, ceiling: number | null): LookStart | null {
+  const seen = look.waiting > 0 || look.active > 0 || look.changes > 0 || (look.present ?? 0) > 0 || (look.recent ?? 0) > 0;
   if (!seen) return null;
   const othersPressure = othersPressureOf(look);
   const start = adaptiveStartRate(ceiling);

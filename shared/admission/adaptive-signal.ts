@@ -114,8 +114,8 @@ export function othersLooked(reading: LatencyReading, look: OthersLook): Latency
  * samples that saw another client in a statement or transaction): all of startLookSamples, or
  * startLookQuietSamples that saw nobody at all.
  */
-export function lookDone(samples: number, seen: OthersLook & { present: number; harm?: HarmReading }, law: AdaptiveLaw = 'load'): boolean {
-  const quiet = seen.waiting === 0 && seen.active === 0 && seen.changes === 0 && seen.present === 0;
+export function lookDone(samples: number, seen: OthersLook & { present: number; recent?: number; harm?: HarmReading }, law: AdaptiveLaw = 'load'): boolean {
+  const quiet = seen.waiting === 0 && seen.active === 0 && seen.changes === 0 && seen.present === 0 && !seen.recent;
   if (law === 'harm' && seen.harm && seen.harm.othersAt !== null && !harmBaselineDone(seen.harm)) {
     // The harm law's baseline (adaptive-harm.ts): on until it is complete, at most HARM.baselineSeconds after the first samples.
     return samples >= ADAPTIVE.startLookSamples + (HARM.baselineSeconds * 1000) / HARM.sampleMs;
@@ -150,14 +150,17 @@ export interface OthersLook {
 export interface LookSums extends OthersLook {
   samples: number;
   present: number;
+  /** Samples that saw a session start or end a statement within ADAPTIVE.lookRecentSeconds. */
+  recent: number;
   harm: HarmReading;
 }
 
 /** A new look: every look measures the harm law's baseline afresh (the application may have changed since the last run). */
-export const NO_LOOK: LookSums = { samples: 0, waiting: 0, active: 0, changes: 0, present: 0, harm: NO_HARM };
+export const NO_LOOK: LookSums = { samples: 0, waiting: 0, active: 0, changes: 0, present: 0, recent: 0, harm: NO_HARM };
 
 /** One more sample of a start look (one pg_stat_activity read). */
-export function lookAdd(sums: LookSums, sample: OthersLook & { present: number; finishedMs?: readonly number[]; at?: number }): LookSums {
+export function lookAdd(sums: LookSums, sample: OthersLook & { present: number; recent?: number; finishedMs?: readonly number[]; at?: number }): LookSums {
   const harm = sample.at === undefined ? sums.harm : harmObserve(sums.harm, { finishedMs: sample.finishedMs ?? [], at: sample.at, present: sample.present }, true);
-  return { samples: sums.samples + 1, waiting: sums.waiting + sample.waiting, active: sums.active + sample.active, changes: sums.changes + sample.changes, present: sums.present + (sample.present > 0 ? 1 : 0), harm };
+  const recent = sums.recent + ((sample.recent ?? 0) > 0 ? 1 : 0);
+  return { samples: sums.samples + 1, waiting: sums.waiting + sample.waiting, active: sums.active + sample.active, changes: sums.changes + sample.changes, present: sums.present + (sample.present > 0 ? 1 : 0), recent, harm };
 }

@@ -40,7 +40,7 @@ export function lookDue(view: WorkerView, at: number): boolean {
 export function afterLook(view: WorkerView, sums: LookSums, ceiling: number | null, at: number, law: AdaptiveLaw = 'load'): Pick<WorkerView, 'reading' | 'looked' | 'lastTakeAt' | 'harm'> {
   const look = { waiting: sums.waiting / sums.samples, active: sums.active / sums.samples, changes: sums.changes / sums.samples };
   const present = sums.present / sums.samples;
-  const looked = law === 'harm' ? harmLookStart(sums, look, ceiling) : lookStartRate({ ...look, present }, ceiling);
+  const looked = law === 'harm' ? harmLookStart(sums, look, ceiling) : lookStartRate({ ...look, present, recent: sums.recent / sums.samples }, ceiling);
   // A look that saw somebody: present at least presenceFull, however few of its samples caught them
   // in a statement (an application at 30 statements/s of 0.6 ms is in one about 2 % of the time, so
   // most looks count none): otherwise the first take's sample of nobody read "alone" and the worker

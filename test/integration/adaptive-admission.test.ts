@@ -8,6 +8,7 @@ import { rowAdmissionWith } from '../../shared/admission/overrides';
 import { admitRows, maxRowsPerStatement, noteRowStatement } from '../../shared/admission/rows';
 import { parsePolicies, type RowDeletePolicy } from '../../shared/config/policies';
 import { makeBatchId, type BatchV1 } from '../../shared/contracts/batch';
+import { untilNobodyElse } from '../support/nobody-else';
 import { makePool } from '../../shared/db/pool';
 import { admissionOthersSample } from '../../shared/db/queries/admission';
 import { targetResolve } from '../../shared/db/queries/target';
@@ -151,6 +152,7 @@ describe('adaptive row-delete admission: one shared rate', () => {
     // A take that reached the shared row (a probe, not a group let through as alone) moves updated_at.
     const lastTake = async (): Promise<string> =>
       (await bed.pool.query<{ at: string }>('SELECT updated_at::text AS at FROM cleanup_admission WHERE policy = $1', [policy.name])).rows[0]!.at;
+    await untilNobodyElse(bed.databaseUrl); // the tests before ran statements of their own: an application to the start look
     await take();
     const firstTakeAt = performance.now();
     // The same slow statements that lower the rate when an application is there (test above).
@@ -220,12 +222,9 @@ describe('adaptive row-delete admission: one shared rate', () => {
     const policy = policyNamed('start-look');
     const stored = async (): Promise<{ rate: number; pressure: number | null }> =>
       (await bed.pool.query<{ rate: number; pressure: number | null }>('SELECT adaptive_rate AS rate, adaptive_pressure AS pressure FROM cleanup_admission WHERE policy = $1', [policy.name])).rows[0]!;
-    // Back-date the last step: the stored rate is from another moment (between two runs). On a
-    // "reaper-" connection, which the look leaves out as reaper's own: a statement of the test's
-    // ending just before a look would read as an application seen, and start gentle.
-    const setup = workerPool('setup');
+    // Back-date the last step: the stored rate is from another moment (between two runs).
     const ageRate = (rate: number) =>
-      setup.query(`UPDATE cleanup_admission SET adaptive_rate = $2, adapted_at = adapted_at - make_interval(secs => $3) WHERE policy = $1`, [policy.name, rate, ADAPTIVE.restartAfterSeconds + 5]);
+      bed.pool.query(`UPDATE cleanup_admission SET adaptive_rate = $2, adapted_at = adapted_at - make_interval(secs => $3) WHERE policy = $1`, [policy.name, rate, ADAPTIVE.restartAfterSeconds + 5]);
     const take = async (pool: pg.Pool, now?: () => number): Promise<void> => assert.ok((await admitRows(pool, policy, 10, { holdMs: 5_000, ...(now ? { now } : {}) })).admitted);
     const busyWhile = applicationBusyWhile('application-start-look');
 
@@ -246,6 +245,7 @@ describe('adaptive row-delete admission: one shared rate', () => {
 
     // A quiet look changes nothing: the stored rate stays, however old.
     await ageRate(ADAPTIVE.startRowsPerSecond);
+    await untilNobodyElse(bed.databaseUrl); // the test's own statements just before would read as an application seen
     await take(workerPool('look-3'));
     assert.equal((await stored()).rate, ADAPTIVE.startRowsPerSecond, 'quiet look: the stored rate');
 

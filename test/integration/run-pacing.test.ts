@@ -15,6 +15,7 @@ import { executeRun, type RunExecutorDeps } from '../../services/scheduler/run-e
 import { executorSuite } from '../support/executor-suite';
 import { rowDeletePolicyYaml, runRow } from '../support/fixtures';
 import { seedHolds } from '../support/seed';
+import { untilNobodyElse } from '../support/nobody-else';
 
 /**
  * Issue 18: the scheduler paces a run by its workers' adaptive rate while that rate is in force
@@ -178,6 +179,7 @@ describe('run pacing by the adaptive rate', () => {
     const policy = parsePolicies(rowDeletePolicyYaml({ name: 'first-take', batchSize: 50 }), 'first-take.yaml', {}).get('first-take') as RowDeletePolicy;
     const pool = makePool(world.bed.databaseUrl, 2, 'reaper-worker-first-take');
     try {
+      await untilNobodyElse(world.bed.databaseUrl); // alone: the test's own statements just before would read as an application
       assert.ok((await admitRows(pool, policy, 10, { holdMs: 5_000 })).admitted);
     } finally {
       await pool.end();

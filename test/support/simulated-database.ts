@@ -16,9 +16,11 @@
  * What a sample shows (pg_stat_activity, other client sessions): per session its state (active or
  * idle), wait_event_type, query_start and state_change; from those the observables the SQL computes
  * (shared/db/queries/admission.ts OTHER_CLIENTS_COUNTS): waiting, active, present, state changes
- * within the last 5 ms per second, and the durations (state_change - query_start) of the idle
+ * within the last 5 ms per second, sessions that started or ended a statement within the last second
+ * (recent), and the durations (state_change - query_start) of the idle
  * sessions' last statements that ended after `since` (null: within the last second, HARM.aloneAfterSeconds, as the SQL).
  */
+import { ADAPTIVE } from '../../shared/admission/adaptive-constants';
 import type { OthersSample } from '../../shared/db/queries/admission';
 
 export interface Foreground {
@@ -47,6 +49,8 @@ export interface SimulatedSample extends OthersSample {
 }
 
 const CHANGE_WINDOW_MS = 5;
+/** ADAPTIVE.lookRecentSeconds, as the SQL counts it. */
+const RECENT_MS = ADAPTIVE.lookRecentSeconds * 1000;
 
 export class SimulatedDatabase {
   /** Reaper's deletions: time and cumulative rows, for the rate over any second (binary search). */
@@ -127,6 +131,7 @@ export class SimulatedDatabase {
     let active = 0;
     let waiting = 0;
     let changes = 0;
+    let recent = 0;
     const finishedMs: number[] = [];
     for (const session of this.sessions) {
       this.advance(session, at);
@@ -136,15 +141,17 @@ export class SimulatedDatabase {
         const harm = this.harmAt(session.start);
         if (this.random() < (harm - 1) / harm) waiting += 1;
         if (at - session.start <= CHANGE_WINDOW_MS) changes += 1;
+        if (at - session.start <= RECENT_MS) recent += 1;
       } else {
         const start = session.start <= at ? session.start : session.lastStart;
         const end = session.start <= at ? session.end : session.lastEnd;
         if (start !== null && end !== null) {
           if (at - end <= CHANGE_WINDOW_MS) changes += 1;
+          if (at - end <= RECENT_MS) recent += 1;
           if (end > (since ?? at - 1_000)) finishedMs.push(end - start);
         }
       }
     }
-    return { waiting, active, present: active, changes: changes * (1000 / CHANGE_WINDOW_MS), finishedMs, at };
+    return { waiting, active, present: active, changes: changes * (1000 / CHANGE_WINDOW_MS), recent, finishedMs, at };
   }
 }

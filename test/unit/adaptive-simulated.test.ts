@@ -337,6 +337,19 @@ for (const seed of [41, 7, 3]) {
   });
 }
 
+test('the load law, 40 short runs beside quiet applications (30 and 5 statements/s, 20 seeds each): the start look sees every one (a statement within lookRecentSeconds), so no run deletes more than the present start rate and a batch in its first second', () => {
+  // By the 5 ms change window alone the look's first 8 samples missed 30 statements/s in about one
+  // look in four (bench: 2 runs of 16 were a burst with 24 samples); 5 statements/s in most looks.
+  const bursts: string[] = [];
+  for (const statementsPerSecond of [30, 5]) {
+    for (let seed = 1; seed <= 20; seed++) {
+      const outcome = simulate({ knee: 8_000, foreground: { ...QUIET, statementsPerSecond }, rows: 15_000, seconds: 60, law: 'load', seed });
+      if (outcome.firstSecondRows > adaptive.ADAPTIVE.presentStartRowsPerSecond + BATCH) bursts.push(`${statementsPerSecond}/s seed ${seed}: ${outcome.firstSecondRows} rows`);
+    }
+  }
+  assert.deepEqual(bursts, [], 'runs that deleted more in their first second');
+});
+
 test('the simulated database itself: the harm is 1.25 at the knee, durations show it, reaper alone reads nobody and runs unthrottled', () => {
   const database = new SimulatedDatabase(4_000, FIGURE_7, prng(7));
   database.deleted(0, 4_000);

@@ -343,6 +343,8 @@ export interface OthersSample {
   active: number;
   present: number;
   changes: number;
+  /** Sessions that started or ended a statement within the last ADAPTIVE.lookRecentSeconds (the start look's "somebody is there"). */
+  recent: number;
   /** Durations (ms) of statements that ended after the sample's `since`: sessions idle (or idle in transaction) again, state_change - query_start, their last statement. */
   finishedMs: number[];
   /** The database clock of the sample (epoch ms). */
@@ -388,6 +390,7 @@ const OTHER_CLIENTS_COUNTS = (since: string, asked: string): string => `count(*)
               count(*) FILTER (WHERE s.state IN ('active', 'idle in transaction', 'idle in transaction (aborted)') OR s.state IS NULL)::int AS present,
               count(*) FILTER (WHERE s.state_change > clock_timestamp() - interval '${ADAPTIVE.changeWindowMs} milliseconds')::float8
                 * ${1000 / ADAPTIVE.changeWindowMs} AS changes,
+              count(*) FILTER (WHERE s.state_change > clock_timestamp() - interval '${ADAPTIVE.lookRecentSeconds} seconds' OR s.state IS NULL)::int AS recent,
               ${OTHERS_FINISHED(since, asked)}`;
 
 /**

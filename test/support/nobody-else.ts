@@ -1,0 +1,27 @@
+import { admissionOthersSample } from '../../shared/db/queries/admission';
+import { makePool } from '../../shared/db/pool';
+import { eventually } from './eventually';
+
+/**
+ * Waits (a poll with a deadline) until a worker's start look would see nobody else on the test's
+ * database: no other client (as the look counts them: not reaper's own) in a statement or a
+ * transaction, and none that started or ended one within ADAPTIVE.lookRecentSeconds. The test's own
+ * statements count as an application there (the test bed's pool is not reaper's), so a test of
+ * "alone on the database" calls this after its set-up and before the worker's first take. Reads
+ * through a "reaper-" connection, which the look leaves out.
+ */
+export async function untilNobodyElse(databaseUrl: string, timeoutMs = 10_000): Promise<void> {
+  const pool = makePool(databaseUrl, 1, 'reaper-test-until-nobody-else');
+  try {
+    await eventually(
+      'no other client on the database within the start look\'s horizon',
+      async () => {
+        const others = await admissionOthersSample(pool);
+        return others.present === 0 && others.active === 0 && others.waiting === 0 && others.recent === 0;
+      },
+      { timeoutMs, intervalMs: 100 },
+    );
+  } finally {
+    await pool.end();
+  }
+}
