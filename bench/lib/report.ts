@@ -411,13 +411,16 @@ function foregroundRows(f: ForegroundFigure, add: (figure: string, measure: stri
       reaper && Number.isFinite(walRatio) ? verdict(walRatio <= 1.3) : '',
     );
   }
-  // Issue 18: adaptive with no rate set is fast when the database is quiet.
+  // Issue 18 asked adaptive with no rate set to be fast (>= 0.5 x unthrottled) beside 30 statements/s;
+  // issue 41 item 4 (gentle when any other client is there: the start look's seenStartRowsPerSecond)
+  // gave that up, since half of unthrottled was 4-16 x past that shape's knee (docs/performance.md).
+  // Reported, no longer a target.
   const quiet = (name: ForegroundPhase['name']) => f.phases.find((phase) => phase.name === name && phase.ratePerSecond === f.quietRatePerSecond && f.quietRatePerSecond !== f.ratePerSecond);
   const adaptiveQuiet = quiet('reaper adaptive');
   const unthrottledQuiet = quiet('reaper unthrottled');
   if (adaptiveQuiet && unthrottledQuiet && unthrottledQuiet.cleanup.rowsPerSecond > 0) {
     const r = adaptiveQuiet.cleanup.rowsPerSecond / unthrottledQuiet.cleanup.rowsPerSecond;
-    add('7', `reaper adaptive / reaper unthrottled, cleanup rate with the foreground at ${f.quietRatePerSecond}/s`, '', ratio(r), '>= 0.5', verdict(r >= 0.5));
+    add('7', `reaper adaptive / reaper unthrottled, cleanup rate with the foreground at ${f.quietRatePerSecond}/s`, '', ratio(r), '(reported; was >= 0.5, issue 18)');
   }
 }
 

@@ -2,7 +2,8 @@
  * The constants of the adaptive row-delete admission (issue 18), apart from the law that uses them
  * (adaptive.ts) so that the law reads short. Each says why it has its value; docs/design.md
  * "Adaptive row-delete admission" lists them with the measurement behind each (issue 41 item 3).
- * shared/db/queries/admission.ts reads changeWindowMs (the state-change count's window).
+ * shared/db/queries/admission.ts reads changeWindowMs (the state-change count's window) and
+ * lookRecentSeconds (the start look's "a statement within the last second").
  */
 
 export const ADAPTIVE = {
@@ -21,7 +22,7 @@ export const ADAPTIVE = {
    * rows/s read 1.00 and 1.10 x the foreground's p99 alone, 8,000 read 1.01 and 1.45, the start
    * rate 32,000 (where such a run started before) 1.94 and 1.95.
    */
-  presentStartRowsPerSecond: 2_000,
+  seenStartRowsPerSecond: 2_000,
   /** The rate never goes below this (or the ceiling, when lower): a busy database slows a cleanup, never stops it. */
   floorRowsPerSecond: 500,
   /** No ceiling set: the rate never goes above this (the schema's largest rowsPerSecond). */
@@ -107,10 +108,11 @@ export const ADAPTIVE = {
   statementSeconds: 0.1,
   /**
    * A worker that has not taken for this long (between two runs, or never) looks at the other
-   * clients before its first take (startLookSamples samples, startLookGapMs apart: 0.1 s); when
-   * they are busy, that take starts a new rate, or one no worker has stepped for this long (from
-   * another moment), at the floor (lookStartRate). Without the look a policy started at the start
-   * rate whatever the application was doing, and took about three steps to come down.
+   * clients before its first take (startLookSamples samples, startLookGapMs apart: 0.1 s); when it
+   * sees any, that take starts a new rate, or one no worker has stepped for this long (from another
+   * moment), at the look's rate (lookStartRate: seenStartRowsPerSecond, lower the busier, the floor
+   * when busy). Without the look a policy started at the start rate whatever the application was
+   * doing, and took about three steps to come down.
    */
   restartAfterSeconds: 30,
   /**
@@ -134,7 +136,7 @@ export const ADAPTIVE = {
    * this long (state_change), besides what it is doing at the sample. Since a look that sees
    * somebody starts gentle (lookStartRate), one that misses an application is a burst: by the 5 ms
    * change window alone an application at 30 statements/s was missed by about one look in four of
-   * 8 samples, and with 24 samples bench figure 7b (quiet shape, 2026-12-07) still read 2 runs in 16
+   * 8 samples, and with 24 samples bench figure 7b (quiet shape, 2026-12-07) still read 2 runs in 20
    * deleting their 15,000 rows in the first second. One second: the harm law's own "alone" horizon
    * (HARM.aloneAfterSeconds); an application at one statement a second or more is seen in every look.
    */

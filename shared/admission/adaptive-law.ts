@@ -18,7 +18,7 @@
  *   alone (presence < 0.005, quiet, no rate set, no brake): no rate, a probe every 0.25 s
  */
 import { ADAPTIVE } from './adaptive-constants';
-import type { LatencyReading, OthersLook } from './adaptive-signal';
+import { lookSawSomebody, type LatencyReading, type LookMeans, type OthersLook } from './adaptive-signal';
 
 /**
  * The signal the rate reacts to: 1 is the quiet time; null when this worker has no new statement to
@@ -102,9 +102,9 @@ export interface LookStart {
  * - others' pressure at or over backOffAbove, where the law would back off: the floor (where
  *   backing off would take it: before the first statement instead of after three steps), and the
  *   caller keeps the look as the worker's reading (othersLooked; `busy`);
- * - under raiseBelow (an application seen, but quiet): presentStartRowsPerSecond, and the takes
+ * - under raiseBelow (an application seen, but quiet): seenStartRowsPerSecond, and the takes
  *   raise it from there while they read it quiet;
- * - in the hold band between: graded geometrically from presentStartRowsPerSecond at raiseBelow
+ * - in the hold band between: graded geometrically from seenStartRowsPerSecond at raiseBelow
  *   down to the floor at backOffAbove, and the takes' own samples go on deciding (not busy): an
  *   application at 300 statements/s reads about 2 and a look is noisy, so an all-or-nothing
  *   threshold started a run at the start rate in three runs of four (2026-12-04).
@@ -112,14 +112,13 @@ export interface LookStart {
  * 30 statements/s a 15,000-row run was done in 0.3 s and the foreground's p99 read 1.94 and 1.95 x
  * alone over 20 rounds (two runs), where fixed 2,000 rows/s read 1.00 and 1.10 (docs/performance.md).
  */
-export function lookStartRate(look: OthersLook & { present?: number; recent?: number }, ceiling: number | null): LookStart | null {
-  const seen = look.waiting > 0 || look.active > 0 || look.changes > 0 || (look.present ?? 0) > 0 || (look.recent ?? 0) > 0;
-  if (!seen) return null;
+export function lookStartRate(look: LookMeans, ceiling: number | null): LookStart | null {
+  if (!lookSawSomebody(look)) return null;
   const othersPressure = othersPressureOf(look);
   const start = adaptiveStartRate(ceiling);
   const floor = Math.min(start, ADAPTIVE.floorRowsPerSecond);
   if (othersPressure >= ADAPTIVE.backOffAbove) return { rate: floor, othersPressure, busy: true };
-  const gentle = Math.min(start, ADAPTIVE.presentStartRowsPerSecond);
+  const gentle = Math.min(start, ADAPTIVE.seenStartRowsPerSecond);
   const within = Math.max(0, othersPressure - ADAPTIVE.raiseBelow) / (ADAPTIVE.backOffAbove - ADAPTIVE.raiseBelow);
   return { rate: Math.round(gentle * (floor / gentle) ** within), othersPressure, busy: false };
 }

@@ -114,8 +114,8 @@ export function othersLooked(reading: LatencyReading, look: OthersLook): Latency
  * samples that saw another client in a statement or transaction): all of startLookSamples, or
  * startLookQuietSamples that saw nobody at all.
  */
-export function lookDone(samples: number, seen: OthersLook & { present: number; recent?: number; harm?: HarmReading }, law: AdaptiveLaw = 'load'): boolean {
-  const quiet = seen.waiting === 0 && seen.active === 0 && seen.changes === 0 && seen.present === 0 && !seen.recent;
+export function lookDone(samples: number, seen: LookMeans & { harm?: HarmReading }, law: AdaptiveLaw = 'load'): boolean {
+  const quiet = !lookSawSomebody(seen);
   if (law === 'harm' && seen.harm && seen.harm.othersAt !== null && !harmBaselineDone(seen.harm)) {
     // The harm law's baseline (adaptive-harm.ts): on until it is complete, at most HARM.baselineSeconds after the first samples.
     return samples >= ADAPTIVE.startLookSamples + (HARM.baselineSeconds * 1000) / HARM.sampleMs;
@@ -141,17 +141,29 @@ export interface OthersLook {
   changes: number;
 }
 
+/**
+ * A start look's samples (their sums, or their means): besides OthersLook, the samples that saw
+ * another client in a statement or a transaction (present), and that saw one start or end a
+ * statement within ADAPTIVE.lookRecentSeconds (recent).
+ */
+export interface LookMeans extends OthersLook {
+  present: number;
+  recent: number;
+}
+
+/** Whether a look (its sums or its means) saw another client at all: the one test of "somebody is there" (lookDone, lookStartRate). */
+export function lookSawSomebody(look: LookMeans): boolean {
+  return look.waiting > 0 || look.active > 0 || look.changes > 0 || look.present > 0 || look.recent > 0;
+}
+
 
 /**
  * A start look's samples so far: how many, and the sums of their counts (present: the samples that
  * saw another client at all); `harm`: the others' statement durations it saw, the harm law's
  * baseline (adaptive-harm.ts: reaper has not deleted yet).
  */
-export interface LookSums extends OthersLook {
+export interface LookSums extends LookMeans {
   samples: number;
-  present: number;
-  /** Samples that saw a session start or end a statement within ADAPTIVE.lookRecentSeconds. */
-  recent: number;
   harm: HarmReading;
 }
 
@@ -159,8 +171,8 @@ export interface LookSums extends OthersLook {
 export const NO_LOOK: LookSums = { samples: 0, waiting: 0, active: 0, changes: 0, present: 0, recent: 0, harm: NO_HARM };
 
 /** One more sample of a start look (one pg_stat_activity read). */
-export function lookAdd(sums: LookSums, sample: OthersLook & { present: number; recent?: number; finishedMs?: readonly number[]; at?: number }): LookSums {
+export function lookAdd(sums: LookSums, sample: LookMeans & { finishedMs?: readonly number[]; at?: number }): LookSums {
   const harm = sample.at === undefined ? sums.harm : harmObserve(sums.harm, { finishedMs: sample.finishedMs ?? [], at: sample.at, present: sample.present }, true);
-  const recent = sums.recent + ((sample.recent ?? 0) > 0 ? 1 : 0);
+  const recent = sums.recent + (sample.recent > 0 ? 1 : 0);
   return { samples: sums.samples + 1, waiting: sums.waiting + sample.waiting, active: sums.active + sample.active, changes: sums.changes + sample.changes, present: sums.present + (sample.present > 0 ? 1 : 0), recent, harm };
 }

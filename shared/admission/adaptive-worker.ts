@@ -9,7 +9,7 @@ import type { AdaptiveRowsState, AdaptiveRowsTake, OthersSample } from '../db/qu
 import { ADAPTIVE } from './adaptive-constants';
 import { adaptiveStartRate, adaptRate, aloneOnDatabase, loadPressureOf, lookStartRate, othersPressureOf, pressureOf, type LookStart } from './adaptive-law';
 import { HARM, harmAlone, harmObserve, harmStep, NO_HARM, type AdaptiveLaw, type HarmReading } from './adaptive-harm';
-import { latencyObserve, NO_READING, othersLooked, othersObserve, presenceLooked, type LatencyReading, type LookSums, type OthersLook } from './adaptive-signal';
+import { latencyObserve, lookSawSomebody, NO_READING, othersLooked, othersObserve, presenceLooked, type LatencyReading, type LookSums, type OthersLook } from './adaptive-signal';
 
 export interface WorkerView {
   reading: LatencyReading;
@@ -19,7 +19,7 @@ export interface WorkerView {
   aloneUntil: number;
   /** When this worker last took (its clock); null before the first. Stale after ADAPTIVE.restartAfterSeconds: it looks first. */
   lastTakeAt: number | null;
-  /** A start look's rate (lookStartRate: the floor when busy, graded in the hold band), for the next take to set; null once taken, or when the look was quiet. */
+  /** A start look's rate (lookStartRate: the floor when busy, graded in the hold band, seenStartRowsPerSecond under it), for the next take to set; null once taken, or when the look saw nobody. */
   looked: LookStart | null;
   /** The harm law's reading (adaptive-harm.ts): the others' statement durations, before reaper deleted and since the last step. */
   harm: HarmReading;
@@ -57,7 +57,7 @@ export function afterLook(view: WorkerView, sums: LookSums, ceiling: number | nu
  * nobody: nothing (null), the takes decide (alone: unthrottled).
  */
 function harmLookStart(sums: LookSums, look: OthersLook, ceiling: number | null): LookStart | null {
-  if (sums.present === 0 && sums.active === 0 && sums.changes === 0 && sums.harm.othersAt === null) return null;
+  if (!lookSawSomebody(sums) && sums.harm.othersAt === null) return null;
   return { rate: Math.min(adaptiveStartRate(ceiling), ADAPTIVE.floorRowsPerSecond), othersPressure: othersPressureOf(look), busy: true };
 }
 

@@ -238,9 +238,9 @@ export function maxRowsPerStatement(pool: Pool, policy: RowDeletePolicy, inForce
  * A worker's first admission, or its first after ADAPTIVE.restartAfterSeconds without one (between
  * two runs): it looks at the other clients first (ADAPTIVE.startLookSamples samples of
  * pg_stat_activity, one autocommit statement each, so each reads it afresh; lookDone ends it after
- * ADAPTIVE.startLookQuietSamples when those saw nobody at all). When they are not quiet
+ * ADAPTIVE.startLookQuietSamples when those saw nobody at all). When it saw anybody
  * (lookStartRate), the next take starts a new rate, or one nobody stepped for that long, at the
- * look's rate: the floor when busy, graded in the hold band. About 0.2 s once per run and worker
+ * look's rate: the floor when busy, graded in the hold band, seenStartRowsPerSecond under it. About 0.2 s once per run and worker
  * (0.04 s on a database nobody else uses); concurrent admissions of the worker share the one look.
  */
 async function lookIfStale(pool: Pool, observer: Observer, ceiling: number | null, at: number, law: AdaptiveLaw): Promise<void> {

@@ -89,7 +89,7 @@ describe('adaptive row-delete admission: one shared rate', () => {
 
     // No rate set, an application seen by the start look: the policy starts gentle (issue 41 item 4), stored in the shared row.
     await take(a, metricsA.registry);
-    assert.equal(await storedRate(policy.name), ADAPTIVE.presentStartRowsPerSecond);
+    assert.equal(await storedRate(policy.name), ADAPTIVE.seenStartRowsPerSecond);
 
     // Worker A's statements slow down to 10x their quiet time: the rate backs off.
     noteRowStatement(a, policy, { ms: 10, rows: 10 });
@@ -99,7 +99,7 @@ describe('adaptive row-delete admission: one shared rate', () => {
         noteRowStatement(a, policy, { ms: 100, rows: 10 });
         await take(a, metricsA.registry);
         const rate = await storedRate(policy.name);
-        return rate < ADAPTIVE.presentStartRowsPerSecond * 0.8 && rate;
+        return rate < ADAPTIVE.seenStartRowsPerSecond * 0.8 && rate;
       },
       { timeoutMs: 15_000, intervalMs: 50 },
     );
@@ -190,7 +190,9 @@ describe('adaptive row-delete admission: one shared rate', () => {
     const pool = workerPool('busy');
     const metrics = makeMetrics();
     const take = async (): Promise<void> => assert.ok((await admitRows(pool, policy, 10, { holdMs: 5_000, registry: metrics.registry })).admitted);
+    await untilNobodyElse(bed.databaseUrl); // the tests before ran statements of their own: an application to the start look
     await take();
+    assert.equal(await storedRate(policy.name), ADAPTIVE.startRowsPerSecond, 'nobody else at the first take: the start rate, so what follows is a back-off');
     // The application's session (not reaper's): one statement running all along, seen as 'active'
     // in pg_stat_activity at every admission, neither waiting on a lock nor on IO.
     const applicationPool = makePool(bed.databaseUrl, 1, 'application-busy');
@@ -250,7 +252,7 @@ describe('adaptive row-delete admission: one shared rate', () => {
     assert.equal((await stored()).rate, ADAPTIVE.startRowsPerSecond, 'quiet look: the stored rate');
 
     // A quiet application seen by the look (a connection in a transaction, no statement running:
-    // present, no load at all): gentle, the present start rate (issue 41 item 4), not the start rate.
+    // present, no load at all): gentle, the seen start rate (issue 41 item 4), not the start rate.
     await ageRate(ADAPTIVE.startRowsPerSecond);
     const quietApplication = await bed.pool.connect();
     try {
@@ -261,7 +263,7 @@ describe('adaptive row-delete admission: one shared rate', () => {
       quietApplication.release();
     }
     const seen = await stored();
-    assert.equal(seen.rate, ADAPTIVE.presentStartRowsPerSecond, 'a quiet application seen: gentle');
+    assert.equal(seen.rate, ADAPTIVE.seenStartRowsPerSecond, 'a quiet application seen: gentle');
     assert.equal(seen.pressure, 1, 'no load: the look read pressure 1');
 
     // A rate another worker stepped just now is in use: a new worker's busy look leaves it alone.
@@ -468,6 +470,8 @@ describe('adaptive row-delete admission: one shared rate', () => {
       await application.query('SELECT pg_sleep(0.05)');
       const seen = await admissionOthersSample(bed.pool, before.at);
       assert.ok(seen.finishedMs.some((ms) => ms >= 45 && ms < 1_000), `the 50 ms statement: ${JSON.stringify(seen.finishedMs)}`);
+      // The start look's "somebody is there" (ADAPTIVE.lookRecentSeconds): a session idle again, its statement just ended, counts as recent.
+      assert.ok(seen.present === 0 && seen.recent >= 1, `idle, but a statement within the last second: ${JSON.stringify({ present: seen.present, recent: seen.recent })}`);
       assert.ok(seen.at > before.at, 'the sample carries the database clock');
       const again = await admissionOthersSample(bed.pool, seen.at);
       assert.ok(!again.finishedMs.some((ms) => ms >= 45), `counted once: ${JSON.stringify(again.finishedMs)}`);

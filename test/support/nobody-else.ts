@@ -1,3 +1,4 @@
+import { lookSawSomebody } from '../../shared/admission/adaptive';
 import { admissionOthersSample } from '../../shared/db/queries/admission';
 import { makePool } from '../../shared/db/pool';
 import { eventually } from './eventually';
@@ -15,10 +16,7 @@ export async function untilNobodyElse(databaseUrl: string, timeoutMs = 10_000): 
   try {
     await eventually(
       'no other client on the database within the start look\'s horizon',
-      async () => {
-        const others = await admissionOthersSample(pool);
-        return others.present === 0 && others.active === 0 && others.waiting === 0 && others.recent === 0;
-      },
+      async () => !lookSawSomebody(await admissionOthersSample(pool)),
       { timeoutMs, intervalMs: 100 },
     );
   } finally {

@@ -183,26 +183,27 @@ test("reaper's own latency counts in the measure others share the database: alon
   assert.ok(pressureOf(shared)! >= ADAPTIVE.backOffAbove, `an application present: pressure ${pressureOf(shared)}`);
 });
 
-test("the start look: an application busy enough that the law would back off starts the rate at the floor; in the hold band the start is graded down from the present start rate to the floor; a lighter one starts at the present start rate (issue 41 item 4); nobody changes nothing; the ceiling bounds all", () => {
+test("the start look: an application busy enough that the law would back off starts the rate at the floor; in the hold band the start is graded down from the seen start rate to the floor; a lighter one starts at the seen start rate (issue 41 item 4); nobody changes nothing; the ceiling bounds all", () => {
   // Means of the look's samples: at 300 statements/s of about 0.6 ms one running in about one sample of five.
-  assert.deepEqual(lookStartRate({ waiting: 0, active: 0.2, changes: 0 }, null), { rate: ADAPTIVE.floorRowsPerSecond, othersPressure: 1 + ADAPTIVE.activePressure * 0.2, busy: true });
+  assert.deepEqual(lookStartRate({ waiting: 0, active: 0.2, changes: 0, present: 0, recent: 0 }, null), { rate: ADAPTIVE.floorRowsPerSecond, othersPressure: 1 + ADAPTIVE.activePressure * 0.2, busy: true });
   // Waiting on locks or IO counts too (as in the pressure).
-  assert.equal(lookStartRate({ waiting: 2, active: 0, changes: 0 }, null)?.rate, ADAPTIVE.floorRowsPerSecond);
+  assert.equal(lookStartRate({ waiting: 2, active: 0, changes: 0, present: 0, recent: 0 }, null)?.rate, ADAPTIVE.floorRowsPerSecond);
   // At 30 statements/s: one in about fifty samples: gentle, not the start rate (not busy: the takes raise it from there).
-  assert.deepEqual(lookStartRate({ waiting: 0, active: 0.05, changes: 0 }, null), { rate: ADAPTIVE.presentStartRowsPerSecond, othersPressure: 1 + ADAPTIVE.activePressure * 0.05, busy: false });
-  assert.equal(lookStartRate({ waiting: 0, active: 0, changes: 0, present: 0.025 }, null)?.rate, ADAPTIVE.presentStartRowsPerSecond, 'seen in a transaction only');
-  assert.equal(lookStartRate({ waiting: 0, active: 0, changes: 0, present: 0 }, null), null, 'nobody: the start rate, fast');
-  assert.equal(lookStartRate({ waiting: 0, active: 0.05, changes: 0 }, 1_000)?.rate, 1_000, 'a ceiling below the present start rate');
+  assert.deepEqual(lookStartRate({ waiting: 0, active: 0.05, changes: 0, present: 0, recent: 0 }, null), { rate: ADAPTIVE.seenStartRowsPerSecond, othersPressure: 1 + ADAPTIVE.activePressure * 0.05, busy: false });
+  assert.equal(lookStartRate({ waiting: 0, active: 0, changes: 0, present: 0.025, recent: 0 }, null)?.rate, ADAPTIVE.seenStartRowsPerSecond, 'seen in a transaction only');
+  assert.equal(lookStartRate({ waiting: 0, active: 0, changes: 0, present: 0, recent: 0.3 }, null)?.rate, ADAPTIVE.seenStartRowsPerSecond, 'seen only by a statement it ran within the last second');
+  assert.equal(lookStartRate({ waiting: 0, active: 0, changes: 0, present: 0, recent: 0 }, null), null, 'nobody: the start rate, fast');
+  assert.equal(lookStartRate({ waiting: 0, active: 0.05, changes: 0, present: 0, recent: 0 }, 1_000)?.rate, 1_000, 'a ceiling below the seen start rate');
   // The hold band: graded, not busy (the takes' own samples decide from there), lower the busier.
-  const band = (pressure: number) => lookStartRate({ waiting: 0, active: (pressure - 1) / ADAPTIVE.activePressure, changes: 0 }, null)!;
-  assert.equal(band(ADAPTIVE.raiseBelow).rate, ADAPTIVE.presentStartRowsPerSecond, 'the band starts at the present start rate');
+  const band = (pressure: number) => lookStartRate({ waiting: 0, active: (pressure - 1) / ADAPTIVE.activePressure, changes: 0, present: 0, recent: 0 }, null)!;
+  assert.equal(band(ADAPTIVE.raiseBelow).rate, ADAPTIVE.seenStartRowsPerSecond, 'the band starts at the seen start rate');
   const middle = band((ADAPTIVE.raiseBelow + ADAPTIVE.backOffAbove) / 2);
   assert.equal(middle.busy, false);
-  assert.equal(middle.rate, Math.round(Math.sqrt(ADAPTIVE.presentStartRowsPerSecond * ADAPTIVE.floorRowsPerSecond)), 'half way: the geometric mean');
+  assert.equal(middle.rate, Math.round(Math.sqrt(ADAPTIVE.seenStartRowsPerSecond * ADAPTIVE.floorRowsPerSecond)), 'half way: the geometric mean');
   assert.ok(band(1.5).rate > middle.rate && middle.rate > band(1.9).rate && band(1.9).rate > ADAPTIVE.floorRowsPerSecond, 'lower the busier');
-  assert.equal(lookStartRate({ waiting: 0, active: 0.5, changes: 0 }, 200)?.rate, 200, 'a ceiling below the floor');
-  assert.equal(lookStartRate({ waiting: 0, active: 0.1, changes: 0 }, 200)?.rate, 200, 'in the band, a ceiling below the floor');
-  assert.ok(lookStartRate({ waiting: 0, active: 0.1, changes: 0 }, 5_000)!.rate <= 5_000, 'in the band, at most the ceiling');
+  assert.equal(lookStartRate({ waiting: 0, active: 0.5, changes: 0, present: 0, recent: 0 }, 200)?.rate, 200, 'a ceiling below the floor');
+  assert.equal(lookStartRate({ waiting: 0, active: 0.1, changes: 0, present: 0, recent: 0 }, 200)?.rate, 200, 'in the band, a ceiling below the floor');
+  assert.ok(lookStartRate({ waiting: 0, active: 0.1, changes: 0, present: 0, recent: 0 }, 5_000)!.rate <= 5_000, 'in the band, at most the ceiling');
   // A busy look replaces what the worker knew of the others' load (from another moment) and starts its latency ratio again; the baseline and the presence share stay.
   let before = latencyObserve(NO_READING, { ms: 5, rows: 500, at: 0 });
   before = latencyObserve(before, { ms: 50, rows: 500, at: 100 });
@@ -229,9 +230,9 @@ test('a look that saw somebody (here a state change, never a client in a stateme
   // 40 samples, 12 of which saw a state change (an application at 30 statements/s); none caught it in a statement.
   const sums = { ...NO_LOOK, samples: 40, changes: 12 * 200 };
   const looked = afterLook(NEW_WORKER, sums, null, 0);
-  assert.equal(looked.looked?.rate, ADAPTIVE.presentStartRowsPerSecond);
+  assert.equal(looked.looked?.rate, ADAPTIVE.seenStartRowsPerSecond);
   assert.equal(looked.reading.othersPresent, ADAPTIVE.presenceFull);
-  const state: AdaptiveRowsState = { rate: ADAPTIVE.presentStartRowsPerSecond, adaptedAt: '0', sinceStepSeconds: 0, admittedSinceStep: 0, pressure: null, othersWaiting: 0, othersActive: 0, othersPresent: 0, othersChanges: 0, othersFinishedMs: [], sampledAt: 0 };
+  const state: AdaptiveRowsState = { rate: ADAPTIVE.seenStartRowsPerSecond, adaptedAt: '0', sinceStepSeconds: 0, admittedSinceStep: 0, pressure: null, othersWaiting: 0, othersActive: 0, othersPresent: 0, othersChanges: 0, othersFinishedMs: [], sampledAt: 0 };
   const view = { ...NEW_WORKER, ...looked, looked: null, ...afterTake({ ...NEW_WORKER, ...looked }, state, 10) };
   assert.equal(workerAlone(view, { rated: false, braked: false }), false, 'not alone after one take that saw nobody');
   // A look that saw nobody: no floor, the takes decide (alone after a take that saw nobody: unthrottled).
@@ -245,9 +246,9 @@ test("the others' statement rate (state changes per second) backs reaper off wha
   // (active share 0.08, hold band by itself), but about 300 state changes per second.
   const fast = { waiting: 0, active: 0.08, changes: 320 };
   assert.ok(1 + ADAPTIVE.activePressure * fast.active < ADAPTIVE.backOffAbove, 'the active share alone would hold');
-  assert.deepEqual(lookStartRate(fast, null), { rate: ADAPTIVE.floorRowsPerSecond, othersPressure: 1 + 320 / ADAPTIVE.changesAtBackOff, busy: true });
+  assert.deepEqual(lookStartRate({ ...fast, present: 0, recent: 0 }, null), { rate: ADAPTIVE.floorRowsPerSecond, othersPressure: 1 + 320 / ADAPTIVE.changesAtBackOff, busy: true });
   // 30 statements/s (measured 18-47 changes/s): seen, so the look starts gentle (issue 41 item 4), but not busy; the takes raise.
-  assert.deepEqual(lookStartRate({ waiting: 0, active: 0.005, changes: 47 }, null), { rate: ADAPTIVE.presentStartRowsPerSecond, othersPressure: 1 + 47 / ADAPTIVE.changesAtBackOff, busy: false });
+  assert.deepEqual(lookStartRate({ waiting: 0, active: 0.005, changes: 47, present: 0, recent: 0 }, null), { rate: ADAPTIVE.seenStartRowsPerSecond, othersPressure: 1 + 47 / ADAPTIVE.changesAtBackOff, busy: false });
   // In the takes: one sample per admission, smoothed; the law backs off at 300/s and raises at 30/s.
   // Seen running in one sample of `activeEvery` (about 1/12 at 300/s, 1/100 at 30/s on that database).
   const takes = (changes: number, activeEvery: number) => {
@@ -270,13 +271,13 @@ test("the others' statement rate (state changes per second) backs reaper off wha
 });
 
 test('a start look ends early only when its first samples saw nobody at all; anything seen, it takes all its samples', () => {
-  const nobody = { waiting: 0, active: 0, changes: 0, present: 0 };
+  const nobody = { waiting: 0, active: 0, changes: 0, present: 0, recent: 0 };
   assert.equal(lookDone(0, nobody), false);
   assert.equal(lookDone(ADAPTIVE.startLookQuietSamples - 1, nobody), false);
   assert.equal(lookDone(ADAPTIVE.startLookQuietSamples, nobody), true, 'nobody in the first samples: done');
   assert.ok(ADAPTIVE.startLookQuietSamples < ADAPTIVE.startLookSamples);
-  // One state change, one session present, running or waiting, in any sample: the whole look.
-  for (const seen of [{ ...nobody, changes: 200 }, { ...nobody, present: 1 }, { ...nobody, active: 1 }, { ...nobody, waiting: 1 }]) {
+  // One state change, one session present, running or waiting, or one that ran a statement within the last second, in any sample: the whole look.
+  for (const seen of [{ ...nobody, changes: 200 }, { ...nobody, present: 1 }, { ...nobody, active: 1 }, { ...nobody, waiting: 1 }, { ...nobody, recent: 1 }]) {
     assert.equal(lookDone(ADAPTIVE.startLookQuietSamples, seen), false, JSON.stringify(seen));
     assert.equal(lookDone(ADAPTIVE.startLookSamples - 1, seen), false);
     assert.equal(lookDone(ADAPTIVE.startLookSamples, seen), true);

@@ -326,25 +326,25 @@ for (const seed of [41, 7, 3]) {
   // (72,000 rows/s). Knee 8,000: bench figure 7b read 2,000 rows/s harmless beside 30 statements/s
   // and 8,000 undecided (1.01, 1.45); at a knee of 4,000 this run reads harm 1.16-1.26 (doubling
   // per second from 2,000 overshoots within it), at 2,000 or below it is over the line.
-  test(`the load law, a short run (15,000 rows) beside a quiet application (30 statements/s), seed ${seed}: gentle first statements (at most the present start rate and a batch in the first second), harm <= 1.25 at a knee of 8,000; with nobody there, fast`, (t) => {
+  test(`the load law, a short run (15,000 rows) beside a quiet application (30 statements/s), seed ${seed}: gentle first statements (at most the seen start rate and a batch in the first second), harm <= 1.25 at a knee of 8,000; with nobody there, fast`, (t) => {
     const outcome = simulate({ knee: 8_000, foreground: QUIET, rows: 15_000, seconds: 120, law: 'load', seed });
     const summary = `${describe(outcome, 8_000)}, ${outcome.firstSecondRows} rows in the first second, done in ${(outcome.doneMs / 1000).toFixed(1)} s`;
     t.diagnostic(summary);
-    assert.ok(outcome.firstSecondRows <= adaptive.ADAPTIVE.presentStartRowsPerSecond + BATCH, `a burst at the start: ${summary}`);
+    assert.ok(outcome.firstSecondRows <= adaptive.ADAPTIVE.seenStartRowsPerSecond + BATCH, `a burst at the start: ${summary}`);
     assert.ok(outcome.harm <= 1.25, `too harmful: ${summary}`);
     const alone = simulate({ knee: 8_000, foreground: { ...QUIET, statementsPerSecond: 0 }, rows: 15_000, seconds: 120, law: 'load', seed });
     assert.equal(alone.firstSecondRows, 15_000, `nobody there: all of it in the first second (${(alone.doneMs / 1000).toFixed(2)} s)`);
   });
 }
 
-test('the load law, 40 short runs beside quiet applications (30 and 5 statements/s, 20 seeds each): the start look sees every one (a statement within lookRecentSeconds), so no run deletes more than the present start rate and a batch in its first second', () => {
+test('the load law, 40 short runs beside quiet applications (30 and 5 statements/s, 20 seeds each): the start look sees every one (a statement within lookRecentSeconds), so no run deletes more than the seen start rate and a batch in its first second', () => {
   // By the 5 ms change window alone the look's first 8 samples missed 30 statements/s in about one
   // look in four (bench: 2 runs of 16 were a burst with 24 samples); 5 statements/s in most looks.
   const bursts: string[] = [];
   for (const statementsPerSecond of [30, 5]) {
     for (let seed = 1; seed <= 20; seed++) {
       const outcome = simulate({ knee: 8_000, foreground: { ...QUIET, statementsPerSecond }, rows: 15_000, seconds: 60, law: 'load', seed });
-      if (outcome.firstSecondRows > adaptive.ADAPTIVE.presentStartRowsPerSecond + BATCH) bursts.push(`${statementsPerSecond}/s seed ${seed}: ${outcome.firstSecondRows} rows`);
+      if (outcome.firstSecondRows > adaptive.ADAPTIVE.seenStartRowsPerSecond + BATCH) bursts.push(`${statementsPerSecond}/s seed ${seed}: ${outcome.firstSecondRows} rows`);
     }
   }
   assert.deepEqual(bursts, [], 'runs that deleted more in their first second');
