@@ -258,6 +258,18 @@ async function main() {
   const timings = path.join(path.dirname(skipLog), 'timings');
   const reporters = [`--test-reporter=${process.stdout.isTTY ? 'spec' : 'tap'}`, '--test-reporter-destination=stdout', `--test-reporter=${path.join(root, 'test', 'slowest-reporter.mjs')}`, `--test-reporter-destination=${timings}`];
   const userReporter = flags.some((flag) => flag.startsWith('--test-reporter'));
+  // One migrated database the test beds copy instead of each migrating its own
+  // (test/support/template-database.ts): dropped when the files are done. Without one (the servers
+  // not reachable yet, say) every test bed migrates as before and says why it could not, if it cannot.
+  let template;
+  if (!process.env.REAPER_TEST_TEMPLATE_DATABASE && files.some((file) => !file.includes(`${path.sep}unit${path.sep}`))) {
+    const templates = require(path.join(dist, 'test', 'support', 'template-database.js'));
+    template = await templates.makeTemplateDatabase().then(
+      (name) => ({ name, drop: () => templates.dropTemplateDatabase(name) }),
+      (error) => void console.log(`# no template database (each test bed migrates its own): ${error.message}`),
+    );
+    if (template) env[templates.TEMPLATE_DATABASE_VARIABLE] = template.name;
+  }
   const byFile = new Map();
   // Each group's wall time, printed at the end (issue 43 item 4 measures npm test's time by them).
   const groupSeconds = [];
@@ -307,6 +319,7 @@ async function main() {
     // no file: nothing was skipped
   }
   rmSync(path.dirname(skipLog), { recursive: true, force: true });
+  await template?.drop().catch((error) => console.log(`# the template database ${template.name} was not dropped (the sweeper will): ${error.message}`));
   console.log(`# skipped for a missing tool: ${skips.length}${skips.length > 0 ? ' (REAPER_TEST_REQUIRE_ALL=1 makes these failures)' : ''}`);
   for (const line of skips) console.log(`#   ${line}`);
   return status;

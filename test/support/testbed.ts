@@ -7,14 +7,13 @@ import pg from 'pg';
 import { parse as parseYaml } from 'yaml';
 import { makeTopology } from '../../shared/amqp/topology';
 import { loadEnv, type Env } from '../../shared/config/env';
-import { migrate } from '../../shared/db/migrate';
 import { parsePolicies } from '../../shared/config/policies';
 import { rolesSql, type DbRoleNames } from '../../shared/db/queries/roles';
 import { AS_DEPLOYED_ROLES_VARIABLE, SUPERUSER_REASON_VARIABLE, type AsDeployedRoles } from './as-deployed';
-import { demoTablesCreate } from '../../shared/db/queries/demo-tables';
 import { deleteBrokerNames, listBrokerObjects, namesUnder } from './broker';
 import { findServers } from './servers';
 import { stampedSuffix } from './sweeper';
+import { migrateForTests, TEMPLATE_DATABASE_VARIABLE } from './template-database';
 
 /**
  * One test file's private world: its own database (migrated), its own broker name prefix and a
@@ -81,10 +80,13 @@ export async function makeTestBed(label: string, options: TestBedOptions = {}): 
       await admin.end();
     }
   };
+  // The run's migrated template (template-database.ts), when there is one and this bed wants the
+  // usual migrations on the usual server: a copy of it is what migrating would make.
+  const template = options.migrate === undefined && options.adminDatabaseUrl === undefined ? process.env[TEMPLATE_DATABASE_VARIABLE] : undefined;
   const admin = new pg.Client({ connectionString: adminDatabaseUrl });
   await admin.connect();
   try {
-    await admin.query(`CREATE DATABASE ${pg.escapeIdentifier(database)}`);
+    await admin.query(`CREATE DATABASE ${pg.escapeIdentifier(database)}${template ? ` TEMPLATE ${pg.escapeIdentifier(template)}` : ''}`);
   } finally {
     await admin.end();
   }
@@ -92,15 +94,7 @@ export async function makeTestBed(label: string, options: TestBedOptions = {}): 
   url.pathname = `/${database}`;
   const databaseUrl = url.toString();
   try {
-    await (options.migrate ?? migrate)(databaseUrl);
-    // The demo's own tables (seat_reservations, media_assets): the tests' targets, not reaper's.
-    const setup = new pg.Client({ connectionString: databaseUrl });
-    await setup.connect();
-    try {
-      await demoTablesCreate(setup);
-    } finally {
-      await setup.end();
-    }
+    if (!template) await migrateForTests(databaseUrl, options.migrate);
   } catch (error) {
     // A failed migration must not leave a half-made database behind for every later run to find.
     await dropDatabase();
