@@ -36,7 +36,7 @@
  * drops its own databases (reaper_bench_<random>, reaper_bench_<random>_seed: two runs at once never
  * touch each other's) and broker objects under a random prefix, and writes bench/results/<date>-<mode>.json and .md.
  */
-import { mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { existsSync, mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { execFileSync } from 'node:child_process';
 import { cpus, loadavg, tmpdir } from 'node:os';
 import path from 'node:path';
@@ -448,7 +448,7 @@ async function main(): Promise<number> {
         ...(memoryAt ? { memoryAt } : {}),
       });
       mkdirSync(RESULTS_DIR, { recursive: true });
-      const base = path.join(RESULTS_DIR, `${cost.date}-cost-${config.mode}${process.env.BENCH_COST_LABEL ? `-${process.env.BENCH_COST_LABEL}` : ''}`);
+      const base = unusedBase(path.join(RESULTS_DIR, `${cost.date}-cost-${config.mode}${process.env.BENCH_COST_LABEL ? `-${process.env.BENCH_COST_LABEL}` : ''}`));
       writeCostReport(base, cost);
       process.stdout.write(`${renderCostMarkdown(cost)}\nwrote ${path.relative(process.cwd(), base)}.md\n`);
       return context.checks.every((entry) => entry.ok) ? 0 : 1;
@@ -474,7 +474,7 @@ async function main(): Promise<number> {
   report.seconds = (Date.now() - started) / 1000;
   report.countsOk = context.checks.every((entry) => entry.ok);
   mkdirSync(RESULTS_DIR, { recursive: true });
-  const base = path.join(RESULTS_DIR, only === 's3' || only === 'partitions' ? `${report.date}-${only}-${config.mode}` : only === 'shapes' ? `${report.date}-shapes-${config.mode}${process.env.BENCH_ADAPTIVE_LAW ? `-${process.env.BENCH_ADAPTIVE_LAW}` : ''}${shapesSuffix(report.shapes)}${pin ? '-pinned' : ''}` : `${report.date}-${config.mode}${only ? `-${only}` : ''}${only === 'foreground' ? foregroundSuffix() : ''}${pin ? '-pinned' : ''}`);
+  const base = unusedBase(path.join(RESULTS_DIR, only === 's3' || only === 'partitions' ? `${report.date}-${only}-${config.mode}` : only === 'shapes' ? `${report.date}-shapes-${config.mode}${process.env.BENCH_ADAPTIVE_LAW ? `-${process.env.BENCH_ADAPTIVE_LAW}` : ''}${shapesSuffix(report.shapes)}${pin ? '-pinned' : ''}` : `${report.date}-${config.mode}${only ? `-${only}` : ''}${only === 'foreground' ? foregroundSuffix() : ''}${pin ? '-pinned' : ''}`));
   writeFileSync(`${base}.json`, `${JSON.stringify(report, null, 2)}\n`);
   writeFileSync(`${base}.md`, renderMarkdown(report));
   const shapes = report.shapes ? `\n\n${renderShapesTable(report.shapes).join('\n')}` : '';
@@ -490,3 +490,15 @@ main().then(
     process.exit(1);
   },
 );
+
+/**
+ * `base`, or `base-2`, `base-3` ... when a results file of that name is there: the names say the
+ * date, mode and options, not the time, and a second run of the same options on one day overwrote
+ * the first (figure 7b, 2026-12-07: two runs of the quiet shape replaced a committed one).
+ */
+function unusedBase(base: string): string {
+  const taken = (candidate: string) => existsSync(`${candidate}.json`) || existsSync(`${candidate}.md`);
+  let candidate = base;
+  for (let n = 2; taken(candidate); n++) candidate = `${base}-${n}`;
+  return candidate;
+}

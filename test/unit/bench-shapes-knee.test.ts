@@ -7,6 +7,7 @@
  */
 import { test } from 'node:test';
 import assert from 'node:assert/strict';
+import { latencyOf } from '../../bench/figures/foreground';
 import { deletingUntil, noiseGroups, shapeRowsNeeded, summarise, withRounds, type ShapeContender, type ShapesOptions, type ShapeWindow } from '../../bench/figures/shapes';
 
 const latency = { transactions: 100, p50Ms: 1, p99Ms: 2, maxMs: 3, renewalMaxMs: 3 };
@@ -126,4 +127,13 @@ test("rounds: every run takes the short window's rows, in each round; one round 
   assert.equal(shapeRowsNeeded(withRounds(quick, 3)), 3 * 4 * 15_000);
   // One round: 500 rows/s takes its 15k floor, 16k its cap of 150k, unthrottled 150k, adaptive 100k.
   assert.equal(shapeRowsNeeded(withRounds(quick, 1)), 15_000 + 150_000 + 150_000 + 100_000);
+});
+
+test("latencyOf takes a pooled busy shape's transactions (300,000: reads at 2,000/s over 10 rounds of alone windows)", () => {
+  // Script 0 is the renewal; a spread Math.max(...) over this many threw "Maximum call stack size exceeded".
+  const transactions = Array.from({ length: 300_000 }, (_, i) => ({ ms: 1 + (i % 1000) / 100, script: i % 2 }));
+  const latency = latencyOf(transactions);
+  assert.equal(latency.transactions, 300_000);
+  assert.equal(latency.renewalMaxMs, 1 + 998 / 100);
+  assert.equal(latency.maxMs, 1 + 999 / 100);
 });
