@@ -390,8 +390,14 @@ const OTHER_CLIENTS_COUNTS = (since: string, asked: string): string => `count(*)
               count(*) FILTER (WHERE s.state IN ('active', 'idle in transaction', 'idle in transaction (aborted)') OR s.state IS NULL)::int AS present,
               count(*) FILTER (WHERE s.state_change > clock_timestamp() - interval '${ADAPTIVE.changeWindowMs} milliseconds')::float8
                 * ${1000 / ADAPTIVE.changeWindowMs} AS changes,
-              count(*) FILTER (WHERE s.state_change > clock_timestamp() - interval '${ADAPTIVE.lookRecentSeconds} seconds' OR s.state IS NULL)::int AS recent,
               ${OTHERS_FINISHED(since, asked)}`;
+
+/**
+ * The start look's own count (admissionOthersSample only; the take's sample, once per admission on
+ * the hot path, has no use for it): the other client sessions that started or ended a statement
+ * within the last ADAPTIVE.lookRecentSeconds, or whose state this role may not read.
+ */
+const OTHERS_RECENT = `count(*) FILTER (WHERE s.state_change > clock_timestamp() - interval '${ADAPTIVE.lookRecentSeconds} seconds' OR s.state IS NULL)::int AS recent`;
 
 /**
  * Only when `asked` (the harm law; the load law reads no durations, so its samples do not gather
@@ -430,13 +436,13 @@ export async function admissionAdaptiveRateInForce(db: Db, policy: string, fresh
 
 /**
  * One look at the other clients (OTHER_CLIENTS_COUNTS): waiting on a lock or IO, running a statement,
- * present at all, state changes per second; with `since` given (the harm law: null for the first
+ * present at all, state changes per second, a statement within the last second (OTHERS_RECENT); with `since` given (the harm law: null for the first
  * sample), the durations of their statements that ended after it. Absent: `finishedMs` is empty.
  */
 export async function admissionOthersSample(db: Db, since?: number | null): Promise<OthersSample> {
   // Autocommit: each call reads pg_stat_activity afresh (within a transaction it is read once).
   const result = await db.query<Omit<OthersSample, 'finishedMs' | 'at'> & { finished_ms: number[]; sampled_at: number }>(
-    `SELECT ${OTHER_CLIENTS_COUNTS('$1', '$2::boolean')} FROM pg_stat_activity s WHERE ${OTHER_CLIENTS}`,
+    `SELECT ${OTHER_CLIENTS_COUNTS('$1', '$2::boolean')}, ${OTHERS_RECENT} FROM pg_stat_activity s WHERE ${OTHER_CLIENTS}`,
     [since ?? null, since !== undefined],
   );
   const { finished_ms: finishedMs, sampled_at: at, ...counts } = result.rows[0]!;
