@@ -282,7 +282,7 @@ async function measureS3(context: BenchContext, config: ModeConfig, report: Benc
 function shapesSuffix(shapes: ShapesFigure | null | undefined): string {
   if (!shapes) return '';
   const o = shapes.options;
-  return `${o.onlyShapes ? `-${o.onlyShapes.join('-')}` : ''}${roundsOf(o) > 1 ? `-rounds${o.rounds}` : ''}${process.env.BENCH_SHAPES_RATES ? `-rates${o.rates.join('-')}` : ''}`;
+  return `${o.onlyShapes ? `-${o.onlyShapes.join('-')}` : ''}${roundsOf(o) > 1 ? `-rounds${o.rounds}` : ''}${o.longRounds ? `-long${o.longSeconds}` : ''}${process.env.BENCH_SHAPES_RATES ? `-rates${o.rates.join('-')}` : ''}`;
 }
 
 /** A count of rounds from the environment (at most 1,000): absent or empty, `otherwise`. */
@@ -297,6 +297,7 @@ async function measureShapes(context: BenchContext, config: ModeConfig, report: 
   const law = process.env.BENCH_ADAPTIVE_LAW;
   if (law !== undefined && law !== 'load' && law !== 'harm') throw new Error(`BENCH_ADAPTIVE_LAW must be load or harm, got ${JSON.stringify(law)}`);
   const rounds = roundsFromEnv('BENCH_SHAPES_ROUNDS', 1);
+  const longSeconds = wholeNumberFromEnv('BENCH_SHAPES_LONG', 600, ' seconds of the long window') ?? undefined;
   const rates = process.env.BENCH_SHAPES_RATES?.split(',').map((rate) => rate.trim()).filter(Boolean);
   for (const [i, rate] of (rates ?? []).entries()) {
     if (!/^[1-9][0-9]*$/.test(rate)) throw new Error(`BENCH_SHAPES_RATES must list fixed rates in rows/s, whole numbers above 0, separated by commas (got ${JSON.stringify(rate)} in ${JSON.stringify(process.env.BENCH_SHAPES_RATES)})`);
@@ -310,10 +311,11 @@ async function measureShapes(context: BenchContext, config: ModeConfig, report: 
       ...(law ? { adaptiveLaw: law } : {}),
     },
     rounds,
+    longSeconds,
   );
   const candidates = Math.max(options.candidates, shapeRowsNeeded(options) + (shapeRowsNeeded(options) % 2));
   context.progress(
-    `foreground shapes: ${candidates.toLocaleString('en-US')} candidates; fixed rates ${options.rates.join(', ')} rows/s, unthrottled, adaptive${rounds > 1 ? `; ${rounds} rounds of short cleanups (${options.shortRows.toLocaleString('en-US')} rows), pooled` : ''}`,
+    `foreground shapes: ${candidates.toLocaleString('en-US')} candidates; fixed rates ${options.rates.join(', ')} rows/s, unthrottled, adaptive${rounds > 1 ? `; ${rounds} rounds of ${options.longRounds ? `long cleanups (long window ${options.longFromSeconds}-${options.longFromSeconds + options.longSeconds} s)` : `short cleanups (${options.shortRows.toLocaleString('en-US')} rows)`}, pooled` : ''}`,
   );
   const seed = await context.databases.seed(candidates);
   report.shapes = await runShapes(context, seed, options, loadavg);

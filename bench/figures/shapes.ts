@@ -106,6 +106,13 @@ export interface ShapesOptions {
    * its slowest transaction, and only many rounds give its p99 something to rest on.
    */
   rounds?: number;
+  /**
+   * Over rounds, long cleanups (BENCH_SHAPES_LONG, seconds of the long window): each run keeps the
+   * mode's run sizes and the long window, and both windows are reported, pooled over the rounds.
+   * Issue 41 asks for short and long cleanups: a law that starts gentle may still climb past the
+   * knee once past the start, which only a long window over many rounds can tell from the noise.
+   */
+  longRounds?: boolean;
 }
 
 export type ContenderKind = 'fixed' | 'unthrottled' | 'adaptive';
@@ -284,10 +291,18 @@ export function roundsOf(options: Pick<ShapesOptions, 'rounds'>): number {
 /**
  * The options of `rounds` rounds: over more than one, every run takes the short window's rows (one
  * short window beside 30 statements/s holds about 30 transactions, so only rounds give its p99
- * something to rest on) and the long window is a finished run's tail, reported nowhere.
+ * something to rest on) and the long window is a finished run's tail, reported nowhere; with
+ * `longSeconds` (long cleanups, BENCH_SHAPES_LONG), the mode's run sizes and a long window of that
+ * many seconds, both windows reported.
  */
-export function withRounds(options: ShapesOptions, rounds: number): ShapesOptions {
+export function withRounds(options: ShapesOptions, rounds: number, longSeconds?: number): ShapesOptions {
+  if (longSeconds !== undefined) return { ...options, longSeconds, rounds, longRounds: true };
   return rounds > 1 ? { ...options, maxRunRows: options.shortRows, adaptiveRows: options.shortRows, longSeconds: 1, rounds } : { ...options, rounds };
+}
+
+/** The windows a figure reports: over rounds of short cleanups only the short one. */
+export function reportedWindows(options: Pick<ShapesOptions, 'rounds' | 'longRounds'>): ReadonlyArray<'short' | 'long'> {
+  return roundsOf(options) > 1 && !options.longRounds ? ['short'] : ['short', 'long'];
 }
 
 function policyFor(options: ShapesOptions, name: string, kind: ContenderKind, rate: number | null): RowDeletePolicyInput {

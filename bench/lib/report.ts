@@ -6,7 +6,7 @@ import { partitionsRows, type PartitionsFigure } from '../figures/partitions';
 import type { RemoteBacklogFigure, RemoteFigure } from '../figures/remote-delete';
 import type { ReaperRun, StageSplit } from '../figures/row-delete';
 import type { S3Figure } from '../figures/s3-delete';
-import { roundsOf, type IntervalVerdicts, type ShapeResult, type ShapeSummary, type ShapesFigure, type ShapeWindow, type TargetVerdict } from '../figures/shapes';
+import { reportedWindows, roundsOf, type IntervalVerdicts, type ShapeResult, type ShapeSummary, type ShapesFigure, type ShapeWindow, type TargetVerdict } from '../figures/shapes';
 import type { RatioInterval } from './bootstrap';
 import type { CountCheck, Measured, Throughput } from './context';
 import type { CpuSplit } from './cpu';
@@ -222,7 +222,7 @@ const bothIntervals = (withNoise: RatioInterval | null, samplingOnly: RatioInter
 
 /** The windows figure 7b reports: over rounds only the short one (every run takes the short window's rows, so the long window is a finished run's tail). */
 function shapeWindows(f: ShapesFigure): ReadonlyArray<'short' | 'long'> {
-  return roundsOf(f.options) > 1 ? ['short'] : ['short', 'long'];
+  return reportedWindows(f.options);
 }
 
 /** Figure 7b: per shape, the knee and the adaptive contender against its targets (the per-rate table is renderShapesTable). */

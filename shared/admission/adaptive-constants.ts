@@ -23,6 +23,21 @@ export const ADAPTIVE = {
    * rate 32,000 (where such a run started before) 1.94 and 1.95.
    */
   seenStartRowsPerSecond: 2_000,
+  /**
+   * While other clients share the database (presence share at least aloneBelow), the rate stays at
+   * or under what keeps reaper's deleting transactions busy this share of one backend's time:
+   * sharedBusyShare / (the worker's smoothed ms per row of them), the shared ceiling
+   * (sharedCeilingOf). The load law does not see the harm it does a quiet application: beside 30
+   * statements/s every signal reads quiet, and a long cleanup doubled from the start rate to 32,000
+   * and beyond (bench figure 7b, single runs 2026-12-06: 11-46k rows/s, the foreground's p99 1.3-7.1
+   * x alone; the simulated database: harm 2.2-7.3 over 200k rows at knees 1k-8k). The knee of that
+   * shape over 20 rounds was at or above 8,000 rows/s (8,000 read 1.01-1.45, unthrottled 1.8-2.0),
+   * where this machine's deleting transactions of one batch took about 0.01 ms a row (the raw
+   * batched DELETE's 113-174k rows/s): 8,000 rows/s keep them busy about 0.08 of a backend's time.
+   * A share, not a rate: on a faster database the same share is more rows/s, and reaper's own
+   * statements slowed by a contended one lower it.
+   */
+  sharedBusyShare: 0.08,
   /** The rate never goes below this (or the ceiling, when lower): a busy database slows a cleanup, never stops it. */
   floorRowsPerSecond: 500,
   /** No ceiling set: the rate never goes above this (the schema's largest rowsPerSecond). */

@@ -11,7 +11,9 @@
  *     pressure <= 1.4  raise: rate x 2^elapsed (at most x 2), not above max(32,000, 2 x admitted rows/s)
  *     in between       hold (and hold with no new statement to judge by)
  *     pressure >= 2    back off: rate x 0.7, or x max(0.25, 0.7 x 2 / load) when the load alone is >= 2
- *   clamped to [min(500, ceiling), ceiling or 10,000,000]
+ *   clamped to [min(500, ceiling), ceiling or 10,000,000], and while others share the database
+ *     (presence >= 0.005) to at most 0.08 / (own ms per row / 1000): reaper's deleting transactions
+ *     busy at most 0.08 of a backend's time (the shared ceiling)
  *   start: min(32,000, ceiling) when the start look saw nobody; one that saw somebody starts at
  *     2,000 (pressure under 1.4), graded geometrically down to the floor at 2, the floor above
  *   a statement: one batch while others share the database, else what the rate admits in 0.1 s
@@ -61,11 +63,14 @@ export function adaptRate(input: {
   pressure: number | null;
   loadPressure?: number | null;
   ceiling: number | null;
+  /** sharedCeilingOf the reading: null alone, or before the first statement. */
+  sharedCeiling?: number | null;
   elapsedSeconds: number;
   admittedRowsPerSecond: number;
 }): { rate: number; decision: AdaptDecision } {
-  const top = input.ceiling ?? ADAPTIVE.maxRowsPerSecond;
-  const floor = Math.min(top, ADAPTIVE.floorRowsPerSecond);
+  const ceiling = input.ceiling ?? ADAPTIVE.maxRowsPerSecond;
+  const floor = Math.min(ceiling, ADAPTIVE.floorRowsPerSecond);
+  const top = Math.min(ceiling, Math.max(floor, input.sharedCeiling ?? Number.POSITIVE_INFINITY));
   const clamp = (rate: number): number => Math.min(top, Math.max(floor, rate));
   const { pressure } = input;
   if (pressure === null || (pressure > ADAPTIVE.raiseBelow && pressure < ADAPTIVE.backOffAbove)) return { rate: clamp(input.rate), decision: 'hold' };
@@ -79,6 +84,19 @@ export function adaptRate(input: {
   const factor = Math.min(ADAPTIVE.raisePerSecond, ADAPTIVE.raisePerSecond ** Math.max(0, input.elapsedSeconds));
   const demandCap = Math.max(ADAPTIVE.startRowsPerSecond, ADAPTIVE.demandHeadroom * input.admittedRowsPerSecond);
   return { rate: clamp(Math.max(input.rate, Math.min(input.rate * factor, demandCap))), decision: 'raise' };
+}
+
+/**
+ * While other clients share the database (presence share at least ADAPTIVE.aloneBelow, or not
+ * known yet): the rate that keeps this worker's deleting transactions, at their smoothed ms per row,
+ * busy ADAPTIVE.sharedBusyShare of one backend's time (the shared rate is all workers', and each
+ * worker's transactions take about as long per row). Null when nobody else is seen (alone: no
+ * rate) or before this worker's first transaction. Never under the floor (adaptRate).
+ */
+export function sharedCeilingOf(reading: LatencyReading): number | null {
+  if (reading.msPerRow === null || !(reading.msPerRow > 0)) return null;
+  if (othersAbsent(reading)) return null;
+  return Math.round((ADAPTIVE.sharedBusyShare * 1000) / reading.msPerRow);
 }
 
 /** The rate a policy starts at: the start rate, or the ceiling when lower. */
@@ -138,13 +156,25 @@ export function statementRows(reading: LatencyReading, rate: number, batchSize: 
 }
 
 /**
+ * Nobody else seen of late: the presence share below ADAPTIVE.aloneBelow, and the last sample saw no
+ * other session start or end a statement within ADAPTIVE.lookRecentSeconds. Not the presence
+ * alone: an application at 30 statements/s of 0.6 ms is in a statement about 2 % of the time, so
+ * between two samples that catch it the presence share decays under aloneBelow, and the worker read
+ * "alone" and admitted without the rate (the simulated database, 2026-12-07: seconds of 30-76k
+ * rows/s in a long run beside it, where the shared rate was 8,000); its last statement is within
+ * the last second in every sample.
+ */
+export function othersAbsent(reading: LatencyReading): boolean {
+  return reading.othersPresent !== null && reading.othersPresent < ADAPTIVE.aloneBelow && (reading.othersRecent ?? 0) === 0;
+}
+
+/**
  * Whether reaper has the database to itself (docs/design.md "Alone on the database"): no other
  * client seen (presence share below ADAPTIVE.aloneBelow) and the pressure quiet. Only with no rate
  * set and no brake, and once the worker has taken at least once (`taken`); the caller checks those.
  */
 export function aloneOnDatabase(reading: LatencyReading): boolean {
-  const present = reading.othersPresent;
-  if (present === null || present >= ADAPTIVE.aloneBelow) return false;
+  if (!othersAbsent(reading)) return false;
   const pressure = pressureOf(reading);
   return pressure === null || pressure <= ADAPTIVE.raiseBelow;
 }

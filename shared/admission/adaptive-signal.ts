@@ -14,6 +14,8 @@ export interface LatencyReading {
   baselineMs: ReadonlyMap<number, number>;
   /** Smoothed latency ÷ baseline of the recent statements; null before the first. */
   ratio: number | null;
+  /** Smoothed ms per row of this worker's deleting transactions (the shared ceiling, sharedCeilingOf); null before the first. */
+  msPerRow: number | null;
   /** Smoothed number of other backends seen waiting on a lock or on IO; null before the first sample. */
   othersWaiting: number | null;
   /** Smoothed number of other client backends seen running a statement; null before the first sample. */
@@ -22,13 +24,15 @@ export interface LatencyReading {
   othersChanges: number | null;
   /** Smoothed share of samples that saw another client in a statement or transaction; null before the first (counts as present). */
   othersPresent: number | null;
+  /** The last sample's count of other client sessions that started or ended a statement within ADAPTIVE.lookRecentSeconds (not smoothed: it spans a second already); null before the first. */
+  othersRecent: number | null;
   /** Statements observed since this worker last proposed a step (a step needs at least one). */
   fresh: number;
   /** The caller's clock (ms) at the last statement observed; null before the first. */
   lastAt: number | null;
 }
 
-export const NO_READING: LatencyReading = { baselineMs: new Map(), ratio: null, othersWaiting: null, othersActive: null, othersChanges: null, othersPresent: null, fresh: 0, lastAt: null };
+export const NO_READING: LatencyReading = { baselineMs: new Map(), ratio: null, msPerRow: null, othersWaiting: null, othersActive: null, othersChanges: null, othersPresent: null, othersRecent: null, fresh: 0, lastAt: null };
 
 const sizeClass = (rows: number): number => Math.floor(Math.log2(Math.max(1, rows)));
 
@@ -51,6 +55,7 @@ export function latencyObserve(reading: LatencyReading, sample: { ms: number; ro
     ...reading,
     baselineMs,
     ratio: smoothed(reading.ratio, ratio, ADAPTIVE.ratioWeight),
+    msPerRow: smoothed(reading.msPerRow, sample.ms / sample.rows, ADAPTIVE.waitingWeight),
     fresh: reading.fresh + 1,
     lastAt: sample.at,
   };
@@ -129,8 +134,12 @@ export function lookGapMs(samples: number): number {
   return samples < ADAPTIVE.startLookSamples ? ADAPTIVE.startLookGapMs : HARM.sampleMs;
 }
 
-/** One admission's sample of the other client backends: waiting, running a statement, changing state per second, present at all. */
-export function othersObserve(reading: LatencyReading, sample: OthersLook & { present: number }): LatencyReading {
+/** One admission's sample of the other client backends: waiting, running a statement, changing state per second, present at all, a statement within the last second. */
+export function othersObserve(reading: LatencyReading, sample: OthersLook & { present: number; recent: number }): LatencyReading {
+  return { ...othersPresentObserveAll(reading, sample), othersRecent: sample.recent };
+}
+
+function othersPresentObserveAll(reading: LatencyReading, sample: OthersLook & { present: number }): LatencyReading {
   return othersPresentObserve(othersChangesObserve(othersActiveObserve(othersWaitingObserve(reading, sample.waiting), sample.active), sample.changes), sample.present > 0);
 }
 

@@ -7,7 +7,7 @@
  */
 import type { AdaptiveRowsState, AdaptiveRowsTake, OthersSample } from '../db/queries/admission';
 import { ADAPTIVE } from './adaptive-constants';
-import { adaptiveStartRate, adaptRate, aloneOnDatabase, loadPressureOf, lookStartRate, othersPressureOf, pressureOf, type LookStart } from './adaptive-law';
+import { adaptiveStartRate, adaptRate, aloneOnDatabase, loadPressureOf, lookStartRate, othersPressureOf, pressureOf, sharedCeilingOf, type LookStart } from './adaptive-law';
 import { HARM, harmAlone, harmObserve, harmStep, NO_HARM, type AdaptiveLaw, type HarmReading } from './adaptive-harm';
 import { latencyObserve, lookSawSomebody, NO_READING, othersLooked, othersObserve, presenceLooked, type LatencyReading, type LookSums, type OthersLook } from './adaptive-signal';
 
@@ -108,14 +108,14 @@ function proposeTake(view: WorkerView, ceiling: number | null, at: number, alone
     return { take: { startRate, proposal: { rate: step.rate, pressure: step.harm, seenAdaptedAt: seen.state.adaptedAt } }, next: { harm: step.reading } };
   }
   const admittedRowsPerSecond = seen.state.admittedSinceStep / Math.max(elapsedSeconds, 0.001);
-  const step = adaptRate({ rate: seen.state.rate, pressure: pressure!, loadPressure: loadPressureOf(view.reading), ceiling, elapsedSeconds, admittedRowsPerSecond });
+  const step = adaptRate({ rate: seen.state.rate, pressure: pressure!, loadPressure: loadPressureOf(view.reading), ceiling, sharedCeiling: sharedCeilingOf(view.reading), elapsedSeconds, admittedRowsPerSecond });
   return { take: { startRate, proposal: { rate: step.rate, pressure, seenAdaptedAt: seen.state.adaptedAt } }, next: { reading: { ...view.reading, fresh: 0 } } };
 }
 
 /** A take sent at `at` came back with the shared state (null: not adaptive, or no row) and its sample of the others. */
 export function afterTake(view: WorkerView, state: AdaptiveRowsState | null, at: number): Partial<WorkerView> {
   if (!state) return { lastTakeAt: at };
-  const others = { waiting: state.othersWaiting, active: state.othersActive, changes: state.othersChanges, present: state.othersPresent };
+  const others = { waiting: state.othersWaiting, active: state.othersActive, changes: state.othersChanges, present: state.othersPresent, recent: state.othersRecent };
   const harm = harmObserve(view.harm, { finishedMs: state.othersFinishedMs, at: state.sampledAt, present: state.othersPresent }, false);
   return { lastTakeAt: at, seen: { state, at }, reading: othersObserve(view.reading, others), harm };
 }

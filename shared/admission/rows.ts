@@ -19,6 +19,7 @@ import {
   NEW_WORKER,
   NO_LOOK,
   NO_READING,
+  sharedCeilingOf,
   statementRows,
   takeToSend,
   workerAlone,
@@ -79,6 +80,7 @@ interface Gauges {
   othersWaiting: Gauge<'policy'>;
   othersActive: Gauge<'policy'>;
   othersChanges: Gauge<'policy'>;
+  sharedCeiling: Gauge<'policy'>;
 }
 const gaugesByRegistry = new WeakMap<Registry, Gauges>();
 
@@ -120,6 +122,12 @@ export function brakeGauges(registry: Registry): Gauges {
       othersActive: new Gauge({
         name: 'reaper_row_admission_others_active',
         help: "row-delete adaptive admission: smoothed count of other client backends of the database seen running a statement at admission (pg_stat_activity): the share of the database's time the application keeps it busy (the rate backs off above 0.17)",
+        labelNames: ['policy'],
+        registers: [registry],
+      }),
+      sharedCeiling: new Gauge({
+        name: 'reaper_row_admission_shared_ceiling',
+        help: "row-delete adaptive admission: the most rows/s the default law steps to while other clients share the database, as this worker last read it: its deleting transactions busy at most 0.08 of a backend's time at their smoothed ms per row (0: nobody else seen, or no transaction yet)",
         labelNames: ['policy'],
         registers: [registry],
       }),
@@ -392,6 +400,7 @@ async function admitRowsInTurn(
         gauges?.othersWaiting.set({ policy: policy.name }, observer.reading.othersWaiting ?? 0);
         gauges?.othersActive.set({ policy: policy.name }, observer.reading.othersActive ?? 0);
         gauges?.othersChanges.set({ policy: policy.name }, observer.reading.othersChanges ?? 0);
+        gauges?.sharedCeiling.set({ policy: policy.name }, sharedCeilingOf(observer.reading) ?? 0);
       }
       gauges?.rate.set({ policy: policy.name }, rate);
       if (take.admitted) {

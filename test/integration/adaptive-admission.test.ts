@@ -31,6 +31,15 @@ import { makeTestBed, type TestBed } from '../support/testbed';
 describe('adaptive row-delete admission: one shared rate', () => {
   let bed: TestBed;
   const pools: pg.Pool[] = [];
+  /**
+   * An application's connections: not "reaper"-named, so the admission counts them as another
+   * client (the test bed's own pool is reaper-named, test/support/testbed.ts).
+   */
+  const applicationConnection = async (): Promise<pg.PoolClient> => {
+    const pool = makePool(bed.databaseUrl, 1, 'application-adaptive-test');
+    pools.push(pool);
+    return pool.connect();
+  };
   const workerPool = (name: string): pg.Pool => {
     // "reaper-..." like a worker's pool: the others-waiting signal leaves reaper's own backends out.
     const pool = makePool(bed.databaseUrl, 2, `reaper-adaptive-${name}`);
@@ -82,7 +91,7 @@ describe('adaptive row-delete admission: one shared rate', () => {
     };
     const rateSeenBy = (registry: typeof metricsA.registry) => metricValue(registry, 'reaper_row_admission_rate', { policy: policy.name });
     // An application shares the database (a connection in a transaction): reaper's latency counts.
-    const application = await bed.pool.connect();
+    const application = await applicationConnection();
     await application.query('BEGIN');
     await application.query('SELECT 1');
     try {
@@ -114,12 +123,15 @@ describe('adaptive row-delete admission: one shared rate', () => {
     assert.ok(shared <= lowered, `B's take left the rate where A put it (${shared} <= ${lowered})`);
     assert.equal(await rateSeenBy(metricsB.registry), shared, 'B admits at the shared rate');
 
-    // Worker B's statements run at their quiet-time latency: B raises the shared rate again, and A reads it.
-    noteRowStatement(b, policy, { ms: 10, rows: 10 });
+    // Worker B's statements run at their quiet-time latency: B raises the shared rate again, and A
+    // reads it. 0.01 ms a row, as one batch took on the bench machine: B's shared ceiling
+    // (sharedCeilingOf) is 8,000 rows/s, above the rate it raises from (A's slow 10 ms a row would
+    // hold it at the floor).
+    noteRowStatement(b, policy, { ms: 10, rows: 1_000 });
     const raised = await eventually(
       'the shared rate raised by the fast statements',
       async () => {
-        noteRowStatement(b, policy, { ms: 10, rows: 10 });
+        noteRowStatement(b, policy, { ms: 10, rows: 1_000 });
         await take(b, metricsB.registry);
         const rate = await storedRate(policy.name);
         return rate > shared * 1.2 && rate;
@@ -147,11 +159,17 @@ describe('adaptive row-delete admission: one shared rate', () => {
     const pool = workerPool('alone');
     const metrics = makeMetrics();
     const take = async (): Promise<void> => assert.ok((await admitRows(pool, policy, 10, { holdMs: 5_000, registry: metrics.registry })).admitted);
+    // The test's own reads go through a "reaper-" connection, which the takes' samples leave out: the
+    // test bed's pool is an application to them, and a statement of it within the last second is
+    // somebody (othersAbsent), so polling through it would make the database never reaper's alone.
+    const own = workerPool('alone-reads');
     const admittedInRow = async (): Promise<number> =>
-      (await bed.pool.query<{ n: number }>('SELECT adaptive_admitted::float8 AS n FROM cleanup_admission WHERE policy = $1', [policy.name])).rows[0]!.n;
+      (await own.query<{ n: number }>('SELECT adaptive_admitted::float8 AS n FROM cleanup_admission WHERE policy = $1', [policy.name])).rows[0]!.n;
     // A take that reached the shared row (a probe, not a group let through as alone) moves updated_at.
     const lastTake = async (): Promise<string> =>
-      (await bed.pool.query<{ at: string }>('SELECT updated_at::text AS at FROM cleanup_admission WHERE policy = $1', [policy.name])).rows[0]!.at;
+      (await own.query<{ at: string }>('SELECT updated_at::text AS at FROM cleanup_admission WHERE policy = $1', [policy.name])).rows[0]!.at;
+    const rateInRow = async (): Promise<number> =>
+      (await own.query<{ rate: number }>('SELECT adaptive_rate AS rate FROM cleanup_admission WHERE policy = $1', [policy.name])).rows[0]!.rate;
     await untilNobodyElse(bed.databaseUrl); // the tests before ran statements of their own: an application to the start look
     await take();
     const firstTakeAt = performance.now();
@@ -177,7 +195,7 @@ describe('adaptive row-delete admission: one shared rate', () => {
     );
     const ratio = (await metricValue(metrics.registry, 'reaper_row_admission_latency_ratio', { policy: policy.name }))!;
     assert.ok(ratio > ADAPTIVE.backOffAbove, `the takes read reaper's own slow statements (latency ratio ${ratio})`);
-    assert.ok((await storedRate(policy.name)) >= ADAPTIVE.startRowsPerSecond, 'nobody to protect: the rate was not lowered by reaper\'s own latency');
+    assert.ok((await rateInRow()) >= ADAPTIVE.startRowsPerSecond, 'nobody to protect: the rate was not lowered by reaper\'s own latency');
     // Twenty groups at once: the first is the probe (one statement), the rest go through on it.
     const before = await admittedInRow();
     for (let i = 0; i < 20; i++) await take();
@@ -254,7 +272,7 @@ describe('adaptive row-delete admission: one shared rate', () => {
     // A quiet application seen by the look (a connection in a transaction, no statement running:
     // present, no load at all): gentle, the seen start rate (issue 41 item 4), not the start rate.
     await ageRate(ADAPTIVE.startRowsPerSecond);
-    const quietApplication = await bed.pool.connect();
+    const quietApplication = await applicationConnection();
     try {
       await quietApplication.query('BEGIN');
       await take(workerPool('look-quiet'));
@@ -375,15 +393,20 @@ describe('adaptive row-delete admission: one shared rate', () => {
       const [result] = await group([await batch()], context);
       assert.deepEqual(result, { kind: 'done', deleted: 20, noop: 0, duplicate: false });
     };
-    // Quiet time: a few groups at their own speed.
+    // Quiet time: a few groups at their own speed, reaper alone on the database (the earlier tests'
+    // applications a second quiet): the start rate, unstepped. Beside an application the rate would
+    // be at the shared ceiling, which for statements of 20 rows on a loaded machine is the floor,
+    // and nothing could back off from there.
+    await untilNobodyElse(bed.databaseUrl);
     for (let i = 0; i < 5; i++) await deleteOne();
     const before = await storedRate(policy.name);
+    assert.ok(before > ADAPTIVE.floorRowsPerSecond, `a rate to back off from: ${before}`);
 
     // The application holds one of the next batch's rows for 1.5 s: that DELETE waits for it.
     const locked = await batch();
-    const holder = await bed.pool.connect();
+    const holder = await applicationConnection();
     // And another connection of the application is in a transaction meanwhile: the database is shared.
-    const application = await bed.pool.connect();
+    const application = await applicationConnection();
     // Released in the finally below whatever fails first: a client left checked out (in a
     // transaction) would hold bed.close() until the hook's timeout (issue 43).
     let applicationReleased = false;

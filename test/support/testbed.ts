@@ -15,6 +15,9 @@ import { findServers } from './servers';
 import { stampedSuffix } from './sweeper';
 import { migrateForTests, TEMPLATE_DATABASE_VARIABLE } from './template-database';
 
+
+/** The test bed pool's application_name: reaper's prefix, so the adaptive admission does not count the test as an application. */
+export const TEST_BED_APPLICATION = 'reaper-test-bed';
 /**
  * One test file's private world: its own database (migrated), its own broker name prefix and a
  * temp folder for its policies file. `close()` drops the database and deletes every queue and
@@ -100,7 +103,12 @@ export async function makeTestBed(label: string, options: TestBedOptions = {}): 
     await dropDatabase();
     throw error;
   }
-  const pool = new pg.Pool({ connectionString: databaseUrl, max: 4 });
+  // Named as reaper's own: the adaptive admission leaves "reaper"-named sessions out of what it sees
+  // of the others (shared/db/queries/admission.ts OTHER_CLIENTS). The test's set-up, its polls and its
+  // checks are not an application: counted as one (a statement within the last second at every
+  // sample), they held every worker in every test beside a quiet application, at its shared ceiling
+  // and never alone. A test that wants an application makes one (a pool of another name).
+  const pool = new pg.Pool({ connectionString: databaseUrl, max: 4, application_name: TEST_BED_APPLICATION });
   const folder = mkdtempSync(path.join(tmpdir(), `reaper-test-${safeLabel}-`));
   const roles: DbRoleNames | null = options.superuserBecause === undefined
     ? { migrator: `reaper_t_migrator_${suffix}`, scheduler: `reaper_t_scheduler_${suffix}`, worker: `reaper_t_worker_${suffix}`, operator: `reaper_t_operator_${suffix}` }

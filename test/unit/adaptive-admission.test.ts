@@ -11,6 +11,7 @@ import {
   adaptRate,
   afterLook,
   afterTake,
+  aloneOnDatabase,
   latencyObserve,
   loadPressureOf,
   lookDone,
@@ -25,6 +26,7 @@ import {
   othersPresentObserve,
   othersWaitingObserve,
   pressureOf,
+  sharedCeilingOf,
   statementRows,
   workerAlone,
   type LatencyReading,
@@ -119,6 +121,44 @@ test('never exceeds the configured ceiling (admission.rowsPerSecond), and starts
   for (const pressure of [null, 1, 1.4, 3]) assert.ok(adaptRate({ rate: 50_000, pressure, ceiling: 3_000, elapsedSeconds: 1, admittedRowsPerSecond: 0 }).rate <= 3_000);
   // A ceiling under the floor: the ceiling wins.
   assert.equal(adaptRate({ rate: 100, pressure: 5, ceiling: 100, elapsedSeconds: 1, admittedRowsPerSecond: 0 }).rate, 100);
+});
+
+test("while others share the database the rate steps to at most the shared ceiling: reaper's transactions busy sharedBusyShare of a backend's time at their own ms per row; alone, or before a transaction, none", () => {
+  assert.equal(sharedCeilingOf(NO_READING), null, 'no transaction yet: no ceiling');
+  // 5 ms per 500 rows = 0.01 ms a row: busy 0.08 of the time at 8,000 rows/s.
+  let reading = latencyObserve(NO_READING, { ms: 5, rows: 500, at: 0 });
+  assert.equal(sharedCeilingOf(reading), Math.round((ADAPTIVE.sharedBusyShare * 1000) / 0.01), 'others not sampled yet count as present');
+  reading = othersPresentObserve(reading, true);
+  const ceiling = sharedCeilingOf(reading)!;
+  assert.equal(ceiling, 8_000);
+  // A quiet application: seen in 3 % of samples, every other signal quiet.
+  for (let i = 0; i < 200; i++) reading = othersPresentObserve(reading, i % 33 === 0);
+  assert.ok(reading.othersPresent! >= ADAPTIVE.aloneBelow && sharedCeilingOf(reading) === 8_000, `a quiet application shares the database: presence ${reading.othersPresent}`);
+  const raised = adaptRate({ rate: 6_000, pressure: 1, ceiling: null, sharedCeiling: ceiling, elapsedSeconds: 1, admittedRowsPerSecond: 6_000 });
+  assert.deepEqual(raised, { rate: 8_000, decision: 'raise' }, 'a raise stops at the shared ceiling');
+  // A rate from a time alone (32,000) comes down to it at the next step, whatever the signal; a user's lower ceiling still wins; never under the floor.
+  for (const pressure of [null, 1, 1.6]) assert.equal(adaptRate({ rate: 32_000, pressure, ceiling: null, sharedCeiling: ceiling, elapsedSeconds: 1, admittedRowsPerSecond: 0 }).rate, 8_000);
+  assert.equal(adaptRate({ rate: 6_000, pressure: 1, ceiling: 3_000, sharedCeiling: ceiling, elapsedSeconds: 1, admittedRowsPerSecond: 0 }).rate, 3_000);
+  assert.equal(adaptRate({ rate: 6_000, pressure: 1, ceiling: null, sharedCeiling: 100, elapsedSeconds: 1, admittedRowsPerSecond: 0 }).rate, ADAPTIVE.floorRowsPerSecond);
+  // Slower transactions (a contended database, or bigger rows) lower it; nobody else seen lifts it.
+  for (let i = 0; i < 30; i++) reading = latencyObserve(reading, { ms: 10, rows: 500, at: 1 + i });
+  assert.ok(Math.abs(sharedCeilingOf(reading)! - 4_000) < 50, `twice the ms per row, half the ceiling: ${sharedCeilingOf(reading)}`);
+  for (let i = 0; i < 200; i++) reading = othersPresentObserve(reading, false);
+  assert.equal(sharedCeilingOf(reading), null, `nobody else (presence ${reading.othersPresent}): alone, no ceiling`);
+});
+
+test('alone needs nobody present of late and nobody who started or ended a statement within the last second (the last sample): a quiet application between two statements is not nobody', () => {
+  let reading = latencyObserve(NO_READING, { ms: 5, rows: 500, at: 0 });
+  for (let i = 0; i < 200; i++) reading = othersObserve(reading, { waiting: 0, active: 0, changes: 0, present: 0, recent: 0 });
+  assert.equal(aloneOnDatabase(reading), true, 'nobody: alone');
+  assert.equal(sharedCeilingOf(reading), null, 'nobody: no shared ceiling');
+  // An application at 30 statements/s: almost never caught in a statement, but its last one ended within the second.
+  reading = othersObserve(reading, { waiting: 0, active: 0, changes: 0, present: 0, recent: 1 });
+  assert.ok(reading.othersPresent! < ADAPTIVE.aloneBelow, 'the presence share alone reads nobody');
+  assert.equal(aloneOnDatabase(reading), false, 'a statement within the last second: not alone');
+  assert.equal(sharedCeilingOf(reading), 8_000, 'and the shared ceiling holds');
+  reading = othersObserve(reading, { waiting: 0, active: 0, changes: 0, present: 0, recent: 0 });
+  assert.equal(aloneOnDatabase(reading), true, 'a second with no statement: alone again');
 });
 
 test('between raise and back-off the rate holds; without a new statement it holds', () => {
@@ -232,7 +272,7 @@ test('a look that saw somebody (here a state change, never a client in a stateme
   const looked = afterLook(NEW_WORKER, sums, null, 0);
   assert.equal(looked.looked?.rate, ADAPTIVE.seenStartRowsPerSecond);
   assert.equal(looked.reading.othersPresent, ADAPTIVE.presenceFull);
-  const state: AdaptiveRowsState = { rate: ADAPTIVE.seenStartRowsPerSecond, adaptedAt: '0', sinceStepSeconds: 0, admittedSinceStep: 0, pressure: null, othersWaiting: 0, othersActive: 0, othersPresent: 0, othersChanges: 0, othersFinishedMs: [], sampledAt: 0 };
+  const state: AdaptiveRowsState = { rate: ADAPTIVE.seenStartRowsPerSecond, adaptedAt: '0', sinceStepSeconds: 0, admittedSinceStep: 0, pressure: null, othersWaiting: 0, othersActive: 0, othersPresent: 0, othersChanges: 0, othersRecent: 0, othersFinishedMs: [], sampledAt: 0 };
   const view = { ...NEW_WORKER, ...looked, looked: null, ...afterTake({ ...NEW_WORKER, ...looked }, state, 10) };
   assert.equal(workerAlone(view, { rated: false, braked: false }), false, 'not alone after one take that saw nobody');
   // A look that saw nobody: no floor, the takes decide (alone after a take that saw nobody: unthrottled).
@@ -253,7 +293,7 @@ test("the others' statement rate (state changes per second) backs reaper off wha
   // Seen running in one sample of `activeEvery` (about 1/12 at 300/s, 1/100 at 30/s on that database).
   const takes = (changes: number, activeEvery: number) => {
     let reading = latencyObserve(NO_READING, { ms: 5, rows: 500, at: 0 });
-    for (let i = 1; i <= 30; i++) reading = othersObserve(reading, { waiting: 0, active: i % activeEvery === 0 ? 1 : 0, changes: i % 2 === 0 ? changes * 1.6 : changes * 0.4, present: i % 10 === 0 ? 1 : 0 });
+    for (let i = 1; i <= 30; i++) reading = othersObserve(reading, { waiting: 0, active: i % activeEvery === 0 ? 1 : 0, changes: i % 2 === 0 ? changes * 1.6 : changes * 0.4, present: i % 10 === 0 ? 1 : 0, recent: 1 });
     return reading;
   };
   const busy = takes(300, 12);

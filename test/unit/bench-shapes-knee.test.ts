@@ -8,7 +8,7 @@
 import { test } from 'node:test';
 import assert from 'node:assert/strict';
 import { latencyOf } from '../../bench/figures/foreground';
-import { deletingUntil, noiseGroups, shapeRowsNeeded, summarise, withRounds, type ShapeContender, type ShapesOptions, type ShapeWindow } from '../../bench/figures/shapes';
+import { deletingUntil, noiseGroups, reportedWindows, shapeRowsNeeded, summarise, withRounds, type ShapeContender, type ShapesOptions, type ShapeWindow } from '../../bench/figures/shapes';
 
 const latency = { transactions: 100, p50Ms: 1, p99Ms: 2, maxMs: 3, renewalMaxMs: 3 };
 
@@ -127,6 +127,17 @@ test("rounds: every run takes the short window's rows, in each round; one round 
   assert.equal(shapeRowsNeeded(withRounds(quick, 3)), 3 * 4 * 15_000);
   // One round: 500 rows/s takes its 15k floor, 16k its cap of 150k, unthrottled 150k, adaptive 100k.
   assert.equal(shapeRowsNeeded(withRounds(quick, 1)), 15_000 + 150_000 + 150_000 + 100_000);
+  assert.deepEqual(reportedWindows(withRounds(quick, 3)), ['short'], 'short cleanups over rounds: the long window is a finished run\'s tail');
+  assert.deepEqual(reportedWindows(withRounds(quick, 1)), ['short', 'long']);
+});
+
+test('rounds of long cleanups (BENCH_SHAPES_LONG): each run sized for the long window of that many seconds, in each round; both windows reported', () => {
+  const quick: ShapesOptions = { candidates: 570_000, batchSize: 500, rates: [500, 8_000], aloneSeconds: 2, shortRows: 15_000, shortSeconds: 4, longFromSeconds: 3, longSeconds: 5, maxRunRows: 150_000, adaptiveRows: 100_000, kneeRatio: 1.25 };
+  const long = withRounds(quick, 4, 10);
+  assert.equal(long.longSeconds, 10);
+  // 500 rows/s: 500 x 13 s x 1.25 = 8,125, so the short window's 15k; 8,000: 130,000; unthrottled 150k; adaptive 100k.
+  assert.equal(shapeRowsNeeded(long), 4 * (15_000 + 130_000 + 150_000 + 100_000));
+  assert.deepEqual(reportedWindows(long), ['short', 'long']);
 });
 
 test("latencyOf takes a pooled busy shape's transactions (300,000: reads at 2,000/s over 10 rounds of alone windows)", () => {

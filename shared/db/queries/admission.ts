@@ -331,6 +331,8 @@ export interface AdaptiveRowsState {
   othersPresent: number;
   /** Other client backends' state changes per second, counted over the last ADAPTIVE.changeWindowMs (0 where not readable). */
   othersChanges: number;
+  /** Other client sessions that started or ended a statement within the last ADAPTIVE.lookRecentSeconds, or whose state this role may not read. */
+  othersRecent: number;
   /** Durations (ms) of the other client backends' statements that ended after the take's `since` (idle again: state_change - query_start). */
   othersFinishedMs: number[];
   /** The database clock of the sample (epoch ms): the next sample's `since`. */
@@ -390,14 +392,8 @@ const OTHER_CLIENTS_COUNTS = (since: string, asked: string): string => `count(*)
               count(*) FILTER (WHERE s.state IN ('active', 'idle in transaction', 'idle in transaction (aborted)') OR s.state IS NULL)::int AS present,
               count(*) FILTER (WHERE s.state_change > clock_timestamp() - interval '${ADAPTIVE.changeWindowMs} milliseconds')::float8
                 * ${1000 / ADAPTIVE.changeWindowMs} AS changes,
+              count(*) FILTER (WHERE s.state_change > clock_timestamp() - interval '${ADAPTIVE.lookRecentSeconds} seconds' OR s.state IS NULL)::int AS recent,
               ${OTHERS_FINISHED(since, asked)}`;
-
-/**
- * The start look's own count (admissionOthersSample only; the take's sample, once per admission on
- * the hot path, has no use for it): the other client sessions that started or ended a statement
- * within the last ADAPTIVE.lookRecentSeconds, or whose state this role may not read.
- */
-const OTHERS_RECENT = `count(*) FILTER (WHERE s.state_change > clock_timestamp() - interval '${ADAPTIVE.lookRecentSeconds} seconds' OR s.state IS NULL)::int AS recent`;
 
 /**
  * Only when `asked` (the harm law; the load law reads no durations, so its samples do not gather
@@ -436,13 +432,13 @@ export async function admissionAdaptiveRateInForce(db: Db, policy: string, fresh
 
 /**
  * One look at the other clients (OTHER_CLIENTS_COUNTS): waiting on a lock or IO, running a statement,
- * present at all, state changes per second, a statement within the last second (OTHERS_RECENT); with `since` given (the harm law: null for the first
+ * present at all, state changes per second, a statement within the last second; with `since` given (the harm law: null for the first
  * sample), the durations of their statements that ended after it. Absent: `finishedMs` is empty.
  */
 export async function admissionOthersSample(db: Db, since?: number | null): Promise<OthersSample> {
   // Autocommit: each call reads pg_stat_activity afresh (within a transaction it is read once).
   const result = await db.query<Omit<OthersSample, 'finishedMs' | 'at'> & { finished_ms: number[]; sampled_at: number }>(
-    `SELECT ${OTHER_CLIENTS_COUNTS('$1', '$2::boolean')}, ${OTHERS_RECENT} FROM pg_stat_activity s WHERE ${OTHER_CLIENTS}`,
+    `SELECT ${OTHER_CLIENTS_COUNTS('$1', '$2::boolean')} FROM pg_stat_activity s WHERE ${OTHER_CLIENTS}`,
     [since ?? null, since !== undefined],
   );
   const { finished_ms: finishedMs, sampled_at: at, ...counts } = result.rows[0]!;
@@ -501,6 +497,7 @@ export async function admissionRowsTake(
     others_active: number;
     others_present: number;
     others_changes: number;
+    others_recent: number;
     others_finished_ms: number[] | null;
     sampled_at: number | null;
   }>(
@@ -545,7 +542,7 @@ export async function admissionRowsTake(
        $6::text[] AS standbys,
        a.adaptive_rate, reaper_iso(a.adapted_at) AS adapted_at, extract(epoch FROM d.at_now - a.adapted_at)::float8 AS since_step,
        a.adaptive_admitted AS admitted_since, a.adaptive_pressure AS pressure,
-       others.waiting AS others_waiting, others.active AS others_active, others.present AS others_present, others.changes AS others_changes,
+       others.waiting AS others_waiting, others.active AS others_active, others.present AS others_present, others.changes AS others_changes, others.recent AS others_recent,
        others.finished_ms AS others_finished_ms, others.sampled_at`,
     [
       take.policy,
@@ -576,7 +573,7 @@ export async function admissionRowsTake(
     braked: row.braked,
     adaptive:
       adaptive !== null && row.adaptive_rate !== null && row.adapted_at !== null
-        ? { rate: row.adaptive_rate, adaptedAt: row.adapted_at, sinceStepSeconds: row.since_step ?? 0, admittedSinceStep: row.admitted_since, pressure: row.pressure, othersWaiting: row.others_waiting, othersActive: row.others_active, othersPresent: row.others_present, othersChanges: row.others_changes, othersFinishedMs: row.others_finished_ms ?? [], sampledAt: row.sampled_at ?? 0 }
+        ? { rate: row.adaptive_rate, adaptedAt: row.adapted_at, sinceStepSeconds: row.since_step ?? 0, admittedSinceStep: row.admitted_since, pressure: row.pressure, othersWaiting: row.others_waiting, othersActive: row.others_active, othersPresent: row.others_present, othersChanges: row.others_changes, othersRecent: row.others_recent, othersFinishedMs: row.others_finished_ms ?? [], sampledAt: row.sampled_at ?? 0 }
         : null,
   };
 }
