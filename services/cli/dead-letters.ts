@@ -1,4 +1,4 @@
-import amqp from 'amqplib';
+import type * as amqp from 'amqplib';
 import type { GetMessage } from 'amqplib';
 import { connectBroker } from './connections';
 import { FAILURES_HEADER, headersForRepublish } from '../../shared/amqp/headers';

@@ -1,4 +1,5 @@
-import { Counter, Gauge, type Registry } from 'prom-client';
+import type { Registry } from 'prom-client';
+import { promClient } from '../../shared/lazy-modules';
 import { UNKNOWN_POLICY } from '../../shared/observability/metrics';
 
 /**
@@ -7,6 +8,7 @@ import { UNKNOWN_POLICY } from '../../shared/observability/metrics';
  * the relay registers them, so a scheduler or worker never exports a relay's last pass as 0.
  */
 export function makeRelayMetrics(registry: Registry, policies: readonly string[]) {
+  const { Counter, Gauge } = promClient();
   const configured = new Set(policies);
   const metrics = {
     /** The `policy` label of an outbox row's policy: the name if configured, else UNKNOWN_POLICY (a bounded label set). */

@@ -1,6 +1,7 @@
 import { randomBytes } from 'node:crypto';
 import type { Channel } from 'amqplib';
-import { Counter, type Registry } from 'prom-client';
+import type { Registry } from 'prom-client';
+import { promClient } from '../../shared/lazy-modules';
 import type { Logger } from 'pino';
 import { policyVersion, type PolicySet } from '../../shared/config/policies';
 import type { BatchVersion } from '../../shared/contracts/batch';
@@ -44,6 +45,7 @@ export async function announcePresence(channel: Channel, queue: string): Promise
  * a gate. Logged once per (policy, version) seen, not per batch.
  */
 export function makeBatchVersionCounter(options: { policies: PolicySet; registry: Registry; log: Logger }) {
+  const { Counter } = promClient();
   const ownVersions = new Map([...options.policies.values()].map((policy) => [policy.name, policyVersion(policy)]));
   const byVersion = new Counter({
     name: 'reaper_batches_by_version_total',

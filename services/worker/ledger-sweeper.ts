@@ -1,6 +1,7 @@
 import { randomUUID } from 'node:crypto';
 import type { Logger } from 'pino';
-import { Counter, type Registry } from 'prom-client';
+import type { Counter, Registry } from 'prom-client';
+import { promClient } from '../../shared/lazy-modules';
 import { overrideFor, remoteAdmissionWith } from '../../shared/admission/overrides';
 import type { ConfirmingPublisher } from '../../shared/amqp/publisher';
 import type { BrokerNames } from '../../shared/amqp/topology';
@@ -42,7 +43,7 @@ const counters = new WeakMap<Registry, Counter<'policy'>>();
 function publishedCounter(registry: Registry): Counter<'policy'> {
   let counter = counters.get(registry);
   if (!counter) {
-    counter = new Counter({
+    counter = new (promClient().Counter)({
       name: 'reaper_ledger_sweep_batches_published_total',
       help: 'Batches the ledger sweeper published for operations due and not carried (remote-delete)',
       labelNames: ['policy'],

@@ -1,4 +1,5 @@
-import { Histogram, type Registry } from 'prom-client';
+import type { Histogram, Registry } from 'prom-client';
+import { promClient } from '../lazy-modules';
 import type { RemoteDeletePolicy } from '../config/policies';
 import { withTransaction, type Pool } from '../db/pool';
 import { admissionBlockFor, admissionGrantAndClaim, admissionLock, admissionTakeOne } from '../db/queries/admission';
@@ -73,7 +74,7 @@ const lockWaitHistograms = new WeakMap<Registry, Histogram<'policy'>>();
 export function admissionLockWaitHistogram(registry: Registry): Histogram<'policy'> {
   let histogram = lockWaitHistograms.get(registry);
   if (!histogram) {
-    histogram = new Histogram({
+    histogram = new (promClient().Histogram)({
       name: 'reaper_admission_lock_wait_seconds',
       help: 'Time to get the policy admission row lock (remote-delete), per grant',
       labelNames: ['policy'],

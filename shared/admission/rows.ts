@@ -1,4 +1,5 @@
-import { Gauge, type Registry } from 'prom-client';
+import type { Gauge, Registry } from 'prom-client';
+import { promClient } from '../lazy-modules';
 import type { RowDeletePolicy } from '../config/policies';
 import type { Db, Pool } from '../db/pool';
 import { admissionOthersSample, admissionRowsEnsure, admissionRowsSlotTry, admissionRowsTake, type AdaptiveRowsTake } from '../db/queries/admission';
@@ -88,6 +89,7 @@ const gaugesByRegistry = new WeakMap<Registry, Gauges>();
 export function brakeGauges(registry: Registry): Gauges {
   let gauges = gaugesByRegistry.get(registry);
   if (!gauges) {
+    const { Gauge } = promClient();
     gauges = {
       lag: new Gauge({ name: 'reaper_replication_lag_seconds', help: "Largest known physical standby replay lag seen by this worker's last row-delete admission (pg_stat_replication)", registers: [registry] }),
       unknown: new Gauge({

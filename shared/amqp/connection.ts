@@ -1,5 +1,5 @@
 import { EventEmitter } from 'node:events';
-import amqp from 'amqplib';
+import { amqplib } from '../lazy-modules';
 import type { ChannelModel } from 'amqplib';
 import type { Logger } from 'pino';
 import { redactUrl } from '../observability/logger';
@@ -48,7 +48,7 @@ export async function connectAny(value: string, options: Record<string, unknown>
   let lastError: unknown;
   for (const url of splitAmqpUrls(value)) {
     try {
-      return await amqp.connect(url, options);
+      return await amqplib().connect(url, options);
     } catch (error) {
       lastError = error;
     }
@@ -126,7 +126,7 @@ export class ReconnectingConnection extends EventEmitter {
     let model: ChannelModel | null = null;
     const url = this.urls[this.next % this.urls.length]!;
     try {
-      model = await amqp.connect(url, {
+      model = await amqplib().connect(url, {
         // Batches are several KB: without noDelay, Nagle's algorithm holds each confirm ~40 ms.
         noDelay: true,
         clientProperties: { connection_name: this.options.connectionName },

@@ -1,5 +1,5 @@
-import pino from 'pino';
-import type { Logger } from 'pino';
+import type { DestinationStream, Logger } from 'pino';
+import { pinoModule } from '../lazy-modules';
 
 export type { Logger };
 
@@ -16,7 +16,8 @@ export function redactUrl(value: string): string {
 }
 
 /** JSON logs on stdout; every line of a service carries its name and worker id. */
-export function makeLogger(options: { level: string; service: string; workerId?: string }, destination?: pino.DestinationStream): Logger {
+export function makeLogger(options: { level: string; service: string; workerId?: string }, destination?: DestinationStream): Logger {
+  const pino = pinoModule().default;
   return pino(
     {
     level: options.level,

@@ -1,6 +1,6 @@
 import { existsSync, readFileSync } from 'node:fs';
 import path from 'node:path';
-import { Counter, Gauge, Histogram, Registry, collectDefaultMetrics } from 'prom-client';
+import { promClient } from '../lazy-modules';
 import type { DeadLetterReason } from '../contracts/batch';
 
 /** The policies a process serves: the only values a `policy` label may take (plus UNKNOWN_POLICY). */
@@ -60,6 +60,7 @@ function buildVersion(): string {
  * Given the configured policies, every counter with a known label set starts at 0.
  */
 export function makeMetrics(policies: readonly MetricPolicy[] = []) {
+  const { Counter, Gauge, Histogram, Registry, collectDefaultMetrics } = promClient();
   const registry = new Registry();
   collectDefaultMetrics({ register: registry });
   const policyNames = new Set(policies.map((policy) => policy.name));

@@ -1,6 +1,7 @@
 import http from 'node:http';
 import https from 'node:https';
-import CircuitBreaker from 'opossum';
+import type CircuitBreaker from 'opossum';
+import { circuitBreakerClass } from '../lazy-modules';
 import type { Logger } from 'pino';
 
 /**
@@ -208,7 +209,7 @@ export const DEFAULT_BREAKER: BreakerOptions = { errorThresholdPercentage: 50, v
  * never failed). Rate limits and rejections are answers, not failures, and do not trip it.
  */
 export function withCircuitBreaker(client: RemoteCleanupClient, options: BreakerOptions = DEFAULT_BREAKER): RemoteCleanupClient & { breaker: CircuitBreaker } {
-  const breaker = new CircuitBreaker(
+  const breaker = new (circuitBreakerClass())(
     async (id: string, key: string) => {
       const outcome = await client.delete(id, key);
       if (outcome.kind === 'uncertain') throw new UncertainOutcome(outcome);
