@@ -17,7 +17,8 @@
  *   add --only shapes             figure 7b alone (issue 41): four foreground shapes, each with a sweep of fixed rates,
  *                                 unthrottled and adaptive reaper; written as <date>-shapes-<mode>.json and .md
  *                                 (BENCH_SHAPES_ROUNDS=n repeats the sweep n times with short cleanups only, pooling each
- *                                 contender's windows; BENCH_SHAPES_RATES=500,16000 replaces the fixed rates;
+ *                                 contender's windows; with BENCH_SHAPES_LONG=<s> long cleanups instead, the long
+ *                                 window <s> seconds, both windows reported; BENCH_SHAPES_RATES=500,16000 replaces the fixed rates;
  *                                 BENCH_SHAPES=mixed-300,quiet-30 measures only those shapes;
  *                                 BENCH_ADAPTIVE_LAW=harm|load the adaptive contender's law, issue 41)
  *   add --only s3                 figure 9 alone (object storage), written as <date>-s3-<mode>.json and .md

@@ -108,7 +108,9 @@ export interface ShapesOptions {
   rounds?: number;
   /**
    * Over rounds, long cleanups (BENCH_SHAPES_LONG, seconds of the long window): each run keeps the
-   * mode's run sizes and the long window, and both windows are reported, pooled over the rounds.
+   * mode's run sizes and the long window, and both windows are reported, pooled over the rounds. The
+   * adaptive run keeps adaptiveRows (quick: 100k), so at a rate that deletes them within the window
+   * the window ends with the run.
    * Issue 41 asks for short and long cleanups: a law that starts gentle may still climb past the
    * knee once past the start, which only a long window over many rounds can tell from the noise.
    */

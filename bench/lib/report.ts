@@ -220,7 +220,7 @@ const windowWithInterval = (w: ShapeWindow): string =>
 /** Both intervals of a ratio: with the noise between windows (the verdicts'), then sampling only. */
 const bothIntervals = (withNoise: RatioInterval | null, samplingOnly: RatioInterval | null): string => `${intervalText(withNoise)} (sampling only ${intervalText(samplingOnly)})`;
 
-/** The windows figure 7b reports: over rounds only the short one (every run takes the short window's rows, so the long window is a finished run's tail). */
+/** The windows figure 7b reports: over rounds of short cleanups only the short one (every run takes the short window's rows, so the long window is a finished run's tail); of long cleanups (BENCH_SHAPES_LONG) both. */
 function shapeWindows(f: ShapesFigure): ReadonlyArray<'short' | 'long'> {
   return reportedWindows(f.options);
 }

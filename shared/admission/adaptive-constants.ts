@@ -24,20 +24,21 @@ export const ADAPTIVE = {
    */
   seenStartRowsPerSecond: 2_000,
   /**
-   * While other clients share the database (presence share at least aloneBelow), the rate stays at
-   * or under what keeps reaper's deleting transactions busy this share of one backend's time:
-   * sharedBusyShare / (the worker's smoothed ms per row of them), the shared ceiling
-   * (sharedCeilingOf). The load law does not see the harm it does a quiet application: beside 30
+   * While other clients share the database (othersAbsent false: presence share at least
+   * aloneBelow, or a statement within the last second), the rate stays at or under what keeps
+   * reaper's deleting transactions busy this share of one backend's time: sharedBusyShare / (the
+   * worker's smoothed quiet-time ms per row of them), the shared ceiling (sharedCeilingOf). The load law does not see the harm it does a quiet application: beside 30
    * statements/s every signal reads quiet, and a long cleanup doubled from the start rate to 32,000
    * and beyond (bench figure 7b, single runs 2026-12-06: 11-46k rows/s, the foreground's p99 1.3-7.1
    * x alone; the simulated database: harm 2.2-7.3 over 200k rows at knees 1k-8k). The knee of that
-   * shape over 20 rounds was at or above 8,000 rows/s (8,000 read 1.01-1.45, unthrottled 1.8-2.0),
-   * where this machine's deleting transactions of one batch took about 0.01 ms a row (the raw
-   * batched DELETE's 113-174k rows/s): 8,000 rows/s keep them busy about 0.08 of a backend's time.
-   * A share, not a rate: on a faster database the same share is more rows/s, and reaper's own
-   * statements slowed by a contended one lower it.
+   * shape was at or above 8,000 rows/s: over 20 rounds of short runs 8,000 read 1.01-1.45 and
+   * unthrottled 1.8-2.0; over 6 rounds of long ones (2026-12-07, AMD host) 8,000 read 0.97 in the
+   * long window, 16,000 1.64, unthrottled 3.54 (surely over). At 0.08 the default law ran at 3,900
+   * rows/s there (0.49 x that knee, p99 1.12 x alone): its transactions of one batch took about
+   * 0.02 ms a row. 0.12 puts it at about 5,900 (0.73 x).
+   * A share, not a rate: on a faster database the same share is more rows/s.
    */
-  sharedBusyShare: 0.08,
+  sharedBusyShare: 0.12,
   /** The rate never goes below this (or the ceiling, when lower): a busy database slows a cleanup, never stops it. */
   floorRowsPerSecond: 500,
   /** No ceiling set: the rate never goes above this (the schema's largest rowsPerSecond). */
@@ -62,7 +63,7 @@ export const ADAPTIVE = {
   demandHeadroom: 2,
   /** Smoothing of the latency ratio, per observed statement (exponential moving average weight of the newest). */
   ratioWeight: 0.5,
-  /** Smoothing of the others-waiting count, per admission sample. */
+  /** Smoothing of the others-waiting count, per admission sample (also of active, state changes, and per statement of the quiet ms per row). */
   waitingWeight: 0.2,
   /** Smoothing of "another client is in a statement or transaction now" (0 or 1), per admission sample. */
   presenceWeight: 0.05,
@@ -74,7 +75,7 @@ export const ADAPTIVE = {
    * queueing read as load). An application at 30 statements/s is seen in about 3 % of samples.
    */
   presenceFull: 0.05,
-  /** Presence share below this: reaper has the database to itself (rows.ts aloneLeaseRows). */
+  /** Presence share below this, and no other statement within lookRecentSeconds at the last sample: reaper has the database to itself (othersAbsent). */
   aloneBelow: 0.005,
   /** Alone: after an admitted take, a worker's groups of this long are admitted without a statement; then it samples again. */
   aloneProbeSeconds: 0.25,

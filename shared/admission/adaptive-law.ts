@@ -12,12 +12,13 @@
  *     in between       hold (and hold with no new statement to judge by)
  *     pressure >= 2    back off: rate x 0.7, or x max(0.25, 0.7 x 2 / load) when the load alone is >= 2
  *   clamped to [min(500, ceiling), ceiling or 10,000,000], and while others share the database
- *     (presence >= 0.005) to at most 0.08 / (own ms per row / 1000): reaper's deleting transactions
- *     busy at most 0.08 of a backend's time (the shared ceiling)
+ *     (not othersAbsent) to at most 0.12 / (own quiet ms per row / 1000): reaper's deleting
+ *     transactions busy at most 0.12 of a backend's time (the shared ceiling)
  *   start: min(32,000, ceiling) when the start look saw nobody; one that saw somebody starts at
  *     2,000 (pressure under 1.4), graded geometrically down to the floor at 2, the floor above
- *   a statement: one batch while others share the database, else what the rate admits in 0.1 s
- *   alone (presence < 0.005, quiet, no rate set, no brake): no rate, a probe every 0.25 s
+ *   a statement: one batch while others share the database (presence >= 0.05), else what the rate admits in 0.1 s
+ *   alone (othersAbsent: presence < 0.005 and no other statement within the last second; quiet,
+ *     no rate set, no brake): no rate, a probe every 0.25 s
  */
 import { ADAPTIVE } from './adaptive-constants';
 import { lookSawSomebody, type LatencyReading, type LookMeans, type OthersLook } from './adaptive-signal';
@@ -87,8 +88,8 @@ export function adaptRate(input: {
 }
 
 /**
- * While other clients share the database (presence share at least ADAPTIVE.aloneBelow, or not
- * known yet): the rate that keeps this worker's deleting transactions, at their smoothed ms per row,
+ * While other clients share the database (not othersAbsent, or not known yet): the rate that keeps
+ * this worker's deleting transactions, at their smoothed quiet-time ms per row,
  * busy ADAPTIVE.sharedBusyShare of one backend's time (the shared rate is all workers', and each
  * worker's transactions take about as long per row). Null when nobody else is seen (alone: no
  * rate) or before this worker's first transaction. Never under the floor (adaptRate).
@@ -169,8 +170,20 @@ export function othersAbsent(reading: LatencyReading): boolean {
 }
 
 /**
+ * The shared ceiling as adaptRate applies it (the gauge reaper_row_admission_shared_ceiling): never
+ * under the floor, never over the policy's own ceiling (`ceiling`: rowsPerSecond, null when none);
+ * null when there is none (alone, or before the worker's first transaction).
+ */
+export function sharedCeilingInForce(reading: LatencyReading, ceiling: number | null): number | null {
+  const shared = sharedCeilingOf(reading);
+  if (shared === null) return null;
+  const top = ceiling ?? ADAPTIVE.maxRowsPerSecond;
+  return Math.min(top, Math.max(Math.min(top, ADAPTIVE.floorRowsPerSecond), shared));
+}
+
+/**
  * Whether reaper has the database to itself (docs/design.md "Alone on the database"): no other
- * client seen (presence share below ADAPTIVE.aloneBelow) and the pressure quiet. Only with no rate
+ * client seen of late (othersAbsent) and the pressure quiet. Only with no rate
  * set and no brake, and once the worker has taken at least once (`taken`); the caller checks those.
  */
 export function aloneOnDatabase(reading: LatencyReading): boolean {

@@ -14,7 +14,14 @@ export interface LatencyReading {
   baselineMs: ReadonlyMap<number, number>;
   /** Smoothed latency ÷ baseline of the recent statements; null before the first. */
   ratio: number | null;
-  /** Smoothed ms per row of this worker's deleting transactions (the shared ceiling, sharedCeilingOf); null before the first. */
+  /**
+   * Smoothed ms per row of this worker's quiet deleting transactions (the shared ceiling,
+   * sharedCeilingOf): only those within raiseBelow of their size class's baseline count. A
+   * transaction that waited 1.5 s for a row lock, or a slow moment, is not reaper's busy time: with
+   * every transaction counted one such wait held the ceiling at the floor for about 25 of them. A
+   * lasting change (bigger rows, a slower disk) is learnt as the baseline is, in minutes. Null
+   * before the first.
+   */
   msPerRow: number | null;
   /** Smoothed number of other backends seen waiting on a lock or on IO; null before the first sample. */
   othersWaiting: number | null;
@@ -55,7 +62,7 @@ export function latencyObserve(reading: LatencyReading, sample: { ms: number; ro
     ...reading,
     baselineMs,
     ratio: smoothed(reading.ratio, ratio, ADAPTIVE.ratioWeight),
-    msPerRow: smoothed(reading.msPerRow, sample.ms / sample.rows, ADAPTIVE.waitingWeight),
+    msPerRow: sample.ms <= ADAPTIVE.raiseBelow * baseline ? smoothed(reading.msPerRow, sample.ms / sample.rows, ADAPTIVE.waitingWeight) : reading.msPerRow,
     fresh: reading.fresh + 1,
     lastAt: sample.at,
   };

@@ -20,7 +20,7 @@ import {
   NEW_WORKER,
   NO_LOOK,
   NO_READING,
-  sharedCeilingOf,
+  sharedCeilingInForce,
   statementRows,
   takeToSend,
   workerAlone,
@@ -129,7 +129,7 @@ export function brakeGauges(registry: Registry): Gauges {
       }),
       sharedCeiling: new Gauge({
         name: 'reaper_row_admission_shared_ceiling',
-        help: "row-delete adaptive admission: the most rows/s the default law steps to while other clients share the database, as this worker last read it: its deleting transactions busy at most 0.08 of a backend's time at their smoothed ms per row (0: nobody else seen, or no transaction yet)",
+        help: "row-delete adaptive admission (the default load law): the most rows/s the rate steps to while other clients share the database, as this worker last read it: its deleting transactions busy at most 0.12 of a backend's time at their quiet-time ms per row, within the floor and admission.rowsPerSecond (0: nobody else seen, no transaction yet, or the harm law)",
         labelNames: ['policy'],
         registers: [registry],
       }),
@@ -402,7 +402,7 @@ async function admitRowsInTurn(
         gauges?.othersWaiting.set({ policy: policy.name }, observer.reading.othersWaiting ?? 0);
         gauges?.othersActive.set({ policy: policy.name }, observer.reading.othersActive ?? 0);
         gauges?.othersChanges.set({ policy: policy.name }, observer.reading.othersChanges ?? 0);
-        gauges?.sharedCeiling.set({ policy: policy.name }, sharedCeilingOf(observer.reading) ?? 0);
+        gauges?.sharedCeiling.set({ policy: policy.name }, law === 'load' ? (sharedCeilingInForce(observer.reading, admission.rowsPerSecond) ?? 0) : 0);
       }
       gauges?.rate.set({ policy: policy.name }, rate);
       if (take.admitted) {

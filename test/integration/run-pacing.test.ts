@@ -179,7 +179,7 @@ describe('run pacing by the adaptive rate', () => {
     const policy = parsePolicies(rowDeletePolicyYaml({ name: 'first-take', batchSize: 50 }), 'first-take.yaml', {}).get('first-take') as RowDeletePolicy;
     const pool = makePool(world.bed.databaseUrl, 2, 'reaper-worker-first-take');
     try {
-      await untilNobodyElse(world.bed.databaseUrl); // alone: the test's own statements just before would read as an application
+      await untilNobodyElse(world.bed.databaseUrl); // alone: an earlier test's application would read as one
       assert.ok((await admitRows(pool, policy, 10, { holdMs: 5_000 })).admitted);
     } finally {
       await pool.end();

@@ -6,10 +6,10 @@ import { eventually } from './eventually';
 /**
  * Waits (a poll with a deadline) until a worker's start look would see nobody else on the test's
  * database: no other client (as the look counts them: not reaper's own) in a statement or a
- * transaction, and none that started or ended one within ADAPTIVE.lookRecentSeconds. The test's own
- * statements count as an application there (the test bed's pool is not reaper's), so a test of
- * "alone on the database" calls this after its set-up and before the worker's first take. Reads
- * through a "reaper-" connection, which the look leaves out.
+ * transaction, and none that started or ended one within ADAPTIVE.lookRecentSeconds. The test bed's
+ * own pool is reaper-named (test/support/testbed.ts), but the applications a test or the tests before
+ * it made count, so a test of "alone on the database" calls this after its set-up and before the
+ * worker's first take. Reads through a "reaper-" connection, which the look leaves out.
  */
 export async function untilNobodyElse(databaseUrl: string, timeoutMs = 10_000): Promise<void> {
   const pool = makePool(databaseUrl, 1, 'reaper-test-until-nobody-else');

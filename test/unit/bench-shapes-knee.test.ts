@@ -131,7 +131,7 @@ test("rounds: every run takes the short window's rows, in each round; one round 
   assert.deepEqual(reportedWindows(withRounds(quick, 1)), ['short', 'long']);
 });
 
-test('rounds of long cleanups (BENCH_SHAPES_LONG): each run sized for the long window of that many seconds, in each round; both windows reported', () => {
+test('rounds of long cleanups (BENCH_SHAPES_LONG): each fixed-rate run sized for the long window of that many seconds (the adaptive and unthrottled runs keep the mode\'s sizes: 100k and 150k rows in quick), in each round; both windows reported', () => {
   const quick: ShapesOptions = { candidates: 570_000, batchSize: 500, rates: [500, 8_000], aloneSeconds: 2, shortRows: 15_000, shortSeconds: 4, longFromSeconds: 3, longSeconds: 5, maxRunRows: 150_000, adaptiveRows: 100_000, kneeRatio: 1.25 };
   const long = withRounds(quick, 4, 10);
   assert.equal(long.longSeconds, 10);
