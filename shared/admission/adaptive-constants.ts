@@ -33,9 +33,10 @@ export const ADAPTIVE = {
    * x alone; the simulated database: harm 2.2-7.3 over 200k rows at knees 1k-8k). The knee of that
    * shape was at or above 8,000 rows/s: over 20 rounds of short runs 8,000 read 1.01-1.45 and
    * unthrottled 1.8-2.0; over 6 rounds of long ones (2026-12-07, AMD host) 8,000 read 0.97 in the
-   * long window, 16,000 1.64, unthrottled 3.54 (surely over). At 0.08 the default law ran at 3,900
-   * rows/s there (0.49 x that knee, p99 1.12 x alone): its transactions of one batch took about
-   * 0.02 ms a row. 0.12 puts it at about 5,900 (0.73 x).
+   * long window, 16,000 1.64, unthrottled 3.54 (surely over). At 0.08 the default law's rate rose to
+   * this ceiling, about 6,000 rows/s there (a batch's quiet transaction about 0.013 ms a row), backed
+   * off now and then, and the run averaged 3,900 (0.49 x that knee, p99 1.12 x alone); 0.12 raises
+   * the ceiling to about 9,000, for an average of about 5,900 (0.73 x) if the rest holds.
    * A share, not a rate: on a faster database the same share is more rows/s.
    */
   sharedBusyShare: 0.12,
