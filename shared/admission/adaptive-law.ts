@@ -12,8 +12,8 @@
  *     in between       hold (and hold with no new statement to judge by)
  *     pressure >= 2    back off: rate x 0.7, or x max(0.25, 0.7 x 2 / load) when the load alone is >= 2
  *   clamped to [min(500, ceiling), ceiling or 10,000,000], and while others share the database
- *     (not othersAbsent) to at most 0.12 / (own quiet ms per row / 1000): reaper's deleting
- *     transactions busy at most 0.12 of a backend's time (the shared ceiling)
+ *     (not othersAbsent) to at most 0.08 / (own quiet ms per row / 1000): reaper's deleting
+ *     transactions busy at most 0.08 of a backend's time (the shared ceiling)
  *   start: min(32,000, ceiling) when the start look saw nobody; one that saw somebody starts at
  *     2,000 (pressure under 1.4), graded geometrically down to the floor at 2, the floor above
  *   a statement: one batch while others share the database (presence >= 0.05), else what the rate admits in 0.1 s

@@ -129,7 +129,7 @@ export function brakeGauges(registry: Registry): Gauges {
       }),
       sharedCeiling: new Gauge({
         name: 'reaper_row_admission_shared_ceiling',
-        help: "row-delete adaptive admission (the default load law): the most rows/s the rate steps to while other clients share the database, as this worker last read it: its deleting transactions busy at most 0.12 of a backend's time at their quiet-time ms per row, within the floor and admission.rowsPerSecond (0: nobody else seen, no transaction yet, or the harm law)",
+        help: "row-delete adaptive admission (the default load law): the most rows/s the rate steps to while other clients share the database, as this worker last read it: its deleting transactions busy at most 0.08 of a backend's time at their quiet-time ms per row, within the floor and admission.rowsPerSecond (0: nobody else seen, no transaction yet, or the harm law)",
         labelNames: ['policy'],
         registers: [registry],
       }),

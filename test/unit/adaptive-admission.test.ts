@@ -125,7 +125,7 @@ test('never exceeds the configured ceiling (admission.rowsPerSecond), and starts
 
 test("while others share the database the rate steps to at most the shared ceiling: reaper's transactions busy sharedBusyShare of a backend's time at their own ms per row; alone, or before a transaction, none", () => {
   assert.equal(sharedCeilingOf(NO_READING), null, 'no transaction yet: no ceiling');
-  // 5 ms per 500 rows = 0.01 ms a row: busy sharedBusyShare of the time at 100,000 x that share rows/s (12,000 at 0.12).
+  // 5 ms per 500 rows = 0.01 ms a row: busy sharedBusyShare of the time at 100,000 x that share rows/s (8,000 at 0.08).
   const expected = Math.round((ADAPTIVE.sharedBusyShare * 1000) / 0.01);
   let reading = latencyObserve(NO_READING, { ms: 5, rows: 500, at: 0 });
   assert.equal(sharedCeilingOf(reading), expected, 'others not sampled yet count as present');

@@ -349,7 +349,7 @@ for (const { seed, workers } of [
 ]) {
   // The shared ceiling (ADAPTIVE.sharedBusyShare): this simulated reaper takes 5 ms per 500 rows
   // (a little more while it harms), so it keeps its transactions busy sharedBusyShare of the time
-  // at about 100,000 x that rows/s (12,000 at 0.12). Without the ceiling the load law read every
+  // at about 100,000 x that rows/s (8,000 at 0.08). Without the ceiling the load law read every
   // signal quiet beside 30 statements/s and doubled to 32,000 rows/s and past it (harm 3.5-4.1 over
   // these runs at a knee of 8,000). Whether a real quiet application's knee lies at that busy share
   // is the bench's question (figure 7b, long cleanups); the simulated knee is set there.
