@@ -69,9 +69,7 @@ export function adaptRate(input: {
   elapsedSeconds: number;
   admittedRowsPerSecond: number;
 }): { rate: number; decision: AdaptDecision } {
-  const ceiling = input.ceiling ?? ADAPTIVE.maxRowsPerSecond;
-  const floor = Math.min(ceiling, ADAPTIVE.floorRowsPerSecond);
-  const top = Math.min(ceiling, Math.max(floor, input.sharedCeiling ?? Number.POSITIVE_INFINITY));
+  const { floor, top } = rateBounds(input.ceiling, input.sharedCeiling ?? null);
   const clamp = (rate: number): number => Math.min(top, Math.max(floor, rate));
   const { pressure } = input;
   if (pressure === null || (pressure > ADAPTIVE.raiseBelow && pressure < ADAPTIVE.backOffAbove)) return { rate: clamp(input.rate), decision: 'hold' };
@@ -98,6 +96,17 @@ export function sharedCeilingOf(reading: LatencyReading): number | null {
   if (reading.msPerRow === null || !(reading.msPerRow > 0)) return null;
   if (othersAbsent(reading)) return null;
   return Math.round((ADAPTIVE.sharedBusyShare * 1000) / reading.msPerRow);
+}
+
+/**
+ * The bounds every step clamps the rate to: the floor (or the policy's ceiling, when lower) and the
+ * policy's ceiling (10,000,000 when none), lowered to the shared ceiling when there is one, never
+ * under the floor.
+ */
+function rateBounds(ceiling: number | null, sharedCeiling: number | null): { floor: number; top: number } {
+  const most = ceiling ?? ADAPTIVE.maxRowsPerSecond;
+  const floor = Math.min(most, ADAPTIVE.floorRowsPerSecond);
+  return { floor, top: sharedCeiling === null ? most : Math.min(most, Math.max(floor, sharedCeiling)) };
 }
 
 /** The rate a policy starts at: the start rate, or the ceiling when lower. */
@@ -176,9 +185,7 @@ export function othersAbsent(reading: LatencyReading): boolean {
  */
 export function sharedCeilingInForce(reading: LatencyReading, ceiling: number | null): number | null {
   const shared = sharedCeilingOf(reading);
-  if (shared === null) return null;
-  const top = ceiling ?? ADAPTIVE.maxRowsPerSecond;
-  return Math.min(top, Math.max(Math.min(top, ADAPTIVE.floorRowsPerSecond), shared));
+  return shared === null ? null : rateBounds(ceiling, shared).top;
 }
 
 /**

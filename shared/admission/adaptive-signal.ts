@@ -143,11 +143,8 @@ export function lookGapMs(samples: number): number {
 
 /** One admission's sample of the other client backends: waiting, running a statement, changing state per second, present at all, a statement within the last second. */
 export function othersObserve(reading: LatencyReading, sample: OthersLook & { present: number; recent: number }): LatencyReading {
-  return { ...othersPresentObserveAll(reading, sample), othersRecent: sample.recent };
-}
-
-function othersPresentObserveAll(reading: LatencyReading, sample: OthersLook & { present: number }): LatencyReading {
-  return othersPresentObserve(othersChangesObserve(othersActiveObserve(othersWaitingObserve(reading, sample.waiting), sample.active), sample.changes), sample.present > 0);
+  const smoothedOthers = othersPresentObserve(othersChangesObserve(othersActiveObserve(othersWaitingObserve(reading, sample.waiting), sample.active), sample.changes), sample.present > 0);
+  return { ...smoothedOthers, othersRecent: sample.recent };
 }
 
 /** What the other client backends were seen doing (one sample, or the means of a look): waiting on a lock or IO, running a statement, changing state per second. */

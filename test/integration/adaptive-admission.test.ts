@@ -146,6 +146,8 @@ describe('adaptive row-delete admission: one shared rate', () => {
     );
     await take(a, metricsA.registry);
     assert.ok((await rateSeenBy(metricsA.registry))! >= raised, 'A admits at the rate B raised');
+    // B's shared ceiling, as the gauge shows it: its transactions at 0.01 ms a row, busy sharedBusyShare of the time, while the application is there.
+    assert.equal(await metricValue(metricsB.registry, 'reaper_row_admission_shared_ceiling', { policy: policy.name }), Math.round((ADAPTIVE.sharedBusyShare * 1000) / 0.01));
 
     // `reaper status` shows the shared rate and the pressure it last reacted to.
     bed.writePolicies(rowDeletePolicyYaml({ name: policy.name, batchSize: 50 }));
