@@ -359,21 +359,25 @@ describe('adaptive row-delete admission: one shared rate', () => {
   });
 
   test("an application of many short statements, rarely seen running one, is read by its statement rate: the start look starts at the floor and the signal is shown", async (t) => {
-    // Three connections, each a short statement then about 2 ms idle: several hundred statements
+    // Eight connections, each a short statement then about 6 ms idle: several hundred statements
     // per second, each in a statement a small share of the time (the active share a fast database
     // shows for 300 statements/s, where the load term alone would start in the hold band or above
-    // it). pg_stat_activity.state_change counts them whatever their latency.
-    const applicationPool = makePool(bed.databaseUrl, 3, 'application-short-statements');
+    // it). pg_stat_activity.state_change counts them whatever their latency. Eight rather than
+    // three with a longer pause (issue 43): the rate must not depend on the machine's speed. With
+    // three connections 2 ms apart a loaded slow host, five files at once, made 142 statements/s
+    // (each round trip ~19 ms); eight connections make ~320/s at that round trip and ~1,100 idle.
+    const connections = 8;
+    const applicationPool = makePool(bed.databaseUrl, connections, 'application-short-statements');
     pools.push(applicationPool);
     let running = true;
     let statements = 0;
-    const loops = [0, 1, 2].map(async () => {
+    const loops = Array.from({ length: connections }, async () => {
       const application = await applicationPool.connect();
       try {
         while (running) {
           await application.query('SELECT 1');
           statements += 1;
-          await new Promise((resolve) => setTimeout(resolve, 2));
+          await new Promise((resolve) => setTimeout(resolve, 6));
         }
       } finally {
         application.release();
