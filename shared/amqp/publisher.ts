@@ -1,4 +1,8 @@
 import type { ChannelModel, ConfirmChannel, Options } from 'amqplib';
+import { testTimings } from '../config/test-timings';
+
+/** How long a publish waits for the broker's confirm (a test may shorten it: REAPER_TEST_CONFIRM_TIMEOUT_MS). */
+export const CONFIRM_TIMEOUT_MS = 10_000;
 
 /**
  * Where the publisher gets its connection: a ReconnectingConnection (services), or one plain
@@ -53,7 +57,7 @@ export class ConfirmingPublisher {
 
   constructor(
     private readonly connection: ConnectionSource,
-    private readonly confirmTimeoutMs = 10_000,
+    private readonly confirmTimeoutMs = testTimings().confirmTimeoutMs ?? CONFIRM_TIMEOUT_MS,
   ) {
     connection.onReady((model) => this.open(model));
   }

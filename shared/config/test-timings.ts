@@ -24,6 +24,9 @@ import { parseVariables } from './variables';
  * - REAPER_TEST_RUN_RETRY_MAX_MS: the longest wait of a scheduler's backoff after a retryable run
  *   error (production RETRY_MAX_MS in services/scheduler/run-executor.ts, 10 s; the backoff starts
  *   at 0.5 s and doubles up to it).
+ * - REAPER_TEST_CONFIRM_TIMEOUT_MS: how long a publish waits for the broker's confirm before it
+ *   fails and its window is retried (production CONFIRM_TIMEOUT_MS in shared/amqp/publisher.ts,
+ *   10 s): a test of a blocked broker sees the timeout and the retry without sitting out 10 s.
  */
 const timingsSchema = z.object({
   REAPER_TEST_RELAY_CLAIM_MS: z.coerce.number().int().min(500).max(3_600_000).optional(),
@@ -32,6 +35,7 @@ const timingsSchema = z.object({
   REAPER_TEST_OUTBOX_FULL_RETRY_MS: z.coerce.number().int().min(100).max(600_000).optional(),
   REAPER_TEST_BREAKER_RESET_MS: z.coerce.number().int().min(100).max(600_000).optional(),
   REAPER_TEST_RUN_RETRY_MAX_MS: z.coerce.number().int().min(500).max(600_000).optional(),
+  REAPER_TEST_CONFIRM_TIMEOUT_MS: z.coerce.number().int().min(500).max(600_000).optional(),
 });
 
 /** The variables (each also in TEST_ONLY_VARIABLES, shared/observability/failpoint-hook.ts: the runtime image refuses them). */
@@ -45,6 +49,7 @@ export interface TestTimings {
   outboxFullRetryMs: number | undefined;
   breakerResetMs: number | undefined;
   runRetryMaxMs: number | undefined;
+  confirmTimeoutMs: number | undefined;
 }
 
 export function loadTestTimings(source: NodeJS.ProcessEnv = process.env): TestTimings {
@@ -56,6 +61,7 @@ export function loadTestTimings(source: NodeJS.ProcessEnv = process.env): TestTi
     outboxFullRetryMs: values.REAPER_TEST_OUTBOX_FULL_RETRY_MS,
     breakerResetMs: values.REAPER_TEST_BREAKER_RESET_MS,
     runRetryMaxMs: values.REAPER_TEST_RUN_RETRY_MAX_MS,
+    confirmTimeoutMs: values.REAPER_TEST_CONFIRM_TIMEOUT_MS,
   };
 }
 

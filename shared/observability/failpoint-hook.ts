@@ -35,7 +35,7 @@ export function failpoint(name: FailpointName): void {
  * the batch-version cap and the test timings (shared/config/test-timings.ts; named here rather than
  * imported, so this hook loads no dependency: its unit test checks the two lists agree).
  */
-export const TEST_ONLY_VARIABLES = [VARIABLE, 'REAPER_TEST_MAX_BATCH_VERSION', 'REAPER_TEST_RELAY_CLAIM_MS', 'REAPER_TEST_RELAY_UNROUTABLE_MAX_MS', 'REAPER_TEST_RELAY_EVENTS_PER_PASS', 'REAPER_TEST_OUTBOX_FULL_RETRY_MS', 'REAPER_TEST_BREAKER_RESET_MS', 'REAPER_TEST_RUN_RETRY_MAX_MS'] as const;
+export const TEST_ONLY_VARIABLES = [VARIABLE, 'REAPER_TEST_MAX_BATCH_VERSION', 'REAPER_TEST_RELAY_CLAIM_MS', 'REAPER_TEST_RELAY_UNROUTABLE_MAX_MS', 'REAPER_TEST_RELAY_EVENTS_PER_PASS', 'REAPER_TEST_OUTBOX_FULL_RETRY_MS', 'REAPER_TEST_BREAKER_RESET_MS', 'REAPER_TEST_RUN_RETRY_MAX_MS', 'REAPER_TEST_CONFIRM_TIMEOUT_MS'] as const;
 
 /** Whether shared/testing is present (the source tree, test runs), not the runtime image. */
 function testModulePresent(): boolean {

@@ -18,6 +18,8 @@ import { makeTestBed, type TestBed } from '../support/testbed';
  * The alarm blocks publishers of every test on the machine for its ~15 s: one short serial test,
  * and the watermark is restored (and the alarm awaited gone) in `finally`.
  */
+const CONFIRM_TIMEOUT_MS = 3_000;
+
 describe('broker memory alarm mid-run', () => {
   let bed: TestBed;
   let broker: TestBroker;
@@ -39,13 +41,16 @@ describe('broker memory alarm mid-run', () => {
 
   test('publishers blocked: the window times out, is retried after the alarm, the run completes, nothing published twice; checker at zero', async () => {
     let retriesDuringAlarm = 0;
+    let retryReason = '';
     await runUnderFault({
       bed,
       broker,
       expired: 8_000,
       batchSize: 50,
       services: [
-        { label: 'scheduler', kind: 'scheduler' },
+        // The blocked window's publish gives up after 3 s instead of the production 10 s: the test
+        // waits on that timeout and the retry, not on the production timer (issue 43 item 4).
+        { label: 'scheduler', kind: 'scheduler', env: { REAPER_TEST_CONFIRM_TIMEOUT_MS: String(CONFIRM_TIMEOUT_MS) } },
         { label: 'worker-1', kind: 'worker' },
         { label: 'worker-2', kind: 'worker' },
       ],
@@ -71,7 +76,9 @@ describe('broker memory alarm mid-run', () => {
             () => scheduler.lines.some((line) => line.msg === 'run publish failed; retrying'),
             { timeoutMs: 40_000, intervalMs: 100, describe: () => scheduler.output.slice(-4) },
           );
-          retriesDuringAlarm = scheduler.lines.filter((line) => line.msg === 'run publish failed; retrying').length;
+          const retries = scheduler.lines.filter((line) => line.msg === 'run publish failed; retrying');
+          retriesDuringAlarm = retries.length;
+          retryReason = String(retries[0]?.err);
         } finally {
           await restoreMemoryWatermark();
           endedAt = Date.now();
@@ -80,5 +87,6 @@ describe('broker memory alarm mid-run', () => {
       },
     });
     assert.ok(retriesDuringAlarm >= 1, 'the window timed out at least once during the alarm');
+    assert.match(retryReason, new RegExp(`no confirm within ${CONFIRM_TIMEOUT_MS} ms`), 'the publish gave up after the test timing (REAPER_TEST_CONFIRM_TIMEOUT_MS), not the production 10 s');
   });
 });

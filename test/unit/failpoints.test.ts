@@ -67,14 +67,16 @@ test('the test timings (issue 43) are test-only too, validated once, and unset t
   assert.throws(() => refuseTestOnlyVariables({ REAPER_TEST_RUN_RETRY_MAX_MS: '2000' }, absent), /REAPER_TEST_RUN_RETRY_MAX_MS="2000": test-only/);
   assert.throws(() => refuseTestOnlyVariables({ REAPER_TEST_RELAY_UNROUTABLE_MAX_MS: '1000' }, absent), /REAPER_TEST_RELAY_UNROUTABLE_MAX_MS="1000": test-only/);
   assert.throws(() => refuseTestOnlyVariables({ REAPER_TEST_RELAY_EVENTS_PER_PASS: '200' }, absent), /REAPER_TEST_RELAY_EVENTS_PER_PASS="200": test-only/);
-  assert.deepEqual(loadTestTimings({}), { relayClaimMs: undefined, relayUnroutableMaxMs: undefined, relayEventsPerPass: undefined, outboxFullRetryMs: undefined, breakerResetMs: undefined, runRetryMaxMs: undefined });
-  assert.deepEqual(loadTestTimings({ REAPER_TEST_RELAY_CLAIM_MS: '3000', REAPER_TEST_OUTBOX_FULL_RETRY_MS: '', REAPER_TEST_BREAKER_RESET_MS: '2000', REAPER_TEST_RUN_RETRY_MAX_MS: '2000' }), {
+  assert.throws(() => refuseTestOnlyVariables({ REAPER_TEST_CONFIRM_TIMEOUT_MS: '3000' }, absent), /REAPER_TEST_CONFIRM_TIMEOUT_MS="3000": test-only/);
+  assert.deepEqual(loadTestTimings({}), { relayClaimMs: undefined, relayUnroutableMaxMs: undefined, relayEventsPerPass: undefined, outboxFullRetryMs: undefined, breakerResetMs: undefined, runRetryMaxMs: undefined, confirmTimeoutMs: undefined });
+  assert.deepEqual(loadTestTimings({ REAPER_TEST_RELAY_CLAIM_MS: '3000', REAPER_TEST_OUTBOX_FULL_RETRY_MS: '', REAPER_TEST_BREAKER_RESET_MS: '2000', REAPER_TEST_RUN_RETRY_MAX_MS: '2000', REAPER_TEST_CONFIRM_TIMEOUT_MS: '3000' }), {
     relayClaimMs: 3000,
     relayUnroutableMaxMs: undefined,
     relayEventsPerPass: undefined,
     outboxFullRetryMs: undefined,
     breakerResetMs: 2000,
     runRetryMaxMs: 2000,
+    confirmTimeoutMs: 3000,
   });
   assert.throws(() => loadTestTimings({ REAPER_TEST_RELAY_CLAIM_MS: '3s' }), /REAPER_TEST_RELAY_CLAIM_MS="3s": /);
   assert.throws(() => loadTestTimings({ REAPER_TEST_OUTBOX_FULL_RETRY_MS: '10' }), /REAPER_TEST_OUTBOX_FULL_RETRY_MS="10": .*100/);
