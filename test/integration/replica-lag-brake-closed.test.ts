@@ -16,7 +16,7 @@ import { makeTestBed, type TestBed } from '../support/testbed';
 
 /**
  * The replica-lag brake fails closed (issue 17 item 9), tested without a real standby (the
- * standby test, row-delete-brake.serial.test.ts, needs a pg_hba replication entry):
+ * standby test, row-delete-brake.timed.test.ts, needs a pg_hba replication entry):
  * - the rule, over walsender rows no test server can produce (a logical walsender, a hidden row, a
  *   delayed standby), through the very SQL text the worker runs (replicationLagEvaluate);
  * - a real worker against this server's pg_stat_replication: a standby that is gone (an inactive
