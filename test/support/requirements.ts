@@ -39,6 +39,12 @@ export const PROMETHEUS: Requirement = {
 /** Where Debian (and a source build) keep PostgreSQL's server programs, which are not on PATH. */
 export const POSTGRES_BIN_DIRS = ['/usr/lib/postgresql/15/bin', '/usr/local/pgsql/bin'];
 
+/** `pgbench` (Debian: in the postgresql-15 package, beside the server's programs; elsewhere on PATH). */
+export const PGBENCH: Requirement = {
+  what: '`pgbench` (an application whose rate does not depend on the test process)',
+  missing: async () => (findExecutable('pgbench', POSTGRES_BIN_DIRS) ? undefined : '`pgbench` not found; install it with: apt-get install -y postgresql-15'),
+};
+
 /**
  * A streaming standby made on this machine (test/support/standby.ts): the server's programs, and
  * a pg_hba.conf entry that lets `pg_basebackup` connect for replication from 127.0.0.1 (the `all`
