@@ -376,22 +376,20 @@ describe('adaptive row-delete admission: one shared rate', () => {
     writeFileSync(script, 'SELECT 1;\n');
     const application = spawnOwned(findExecutable('pgbench', POSTGRES_BIN_DIRS)!, ['-n', '-f', script, '-c', '3', '-j', '1', '-R', '600', '-T', '60', '-P', '1', bed.databaseUrl], { stdio: ['ignore', 'ignore', 'pipe'] });
     const exited = new Promise<void>((resolve) => application.once('exit', () => resolve()));
-    // "progress: 2.0 s, 598.9 tps, lat 0.254 ms stddev 0.140, 0 failed, lag 0.061 ms": one line a second.
-    const perSecond: number[] = [];
+    // "progress: 2.0 s, 598.9 tps, lat 0.254 ms stddev 0.140, 0 failed, lag 0.061 ms": one line a
+    // second, read from the whole output (a line can arrive split over two chunks).
     let output = '';
-    application.stderr!.setEncoding('utf8').on('data', (chunk: string) => {
-      output += chunk;
-      for (const match of chunk.matchAll(/progress: [\d.]+ s, ([\d.]+) tps/g)) perSecond.push(Number(match[1]));
-    });
+    application.stderr!.setEncoding('utf8').on('data', (chunk: string) => void (output += chunk));
+    const progressRates = (): number[] => [...output.matchAll(/progress: [\d.]+ s, ([\d.]+) tps/g)].map((match) => Number(match[1]));
     try {
-      await eventually('the application under way', () => perSecond.length >= 1, { timeoutMs: 20_000, intervalMs: 20, describe: () => output.slice(-500) });
+      await eventually('the application under way', () => progressRates().length >= 1, { timeoutMs: 20_000, intervalMs: 20, describe: () => output.slice(-500) });
       const policy = policyNamed('short-statements');
       const metrics = makeMetrics();
-      const seenBefore = perSecond.length;
+      const seenBefore = progressRates().length;
       assert.ok((await admitRows(workerPool('short-statements'), policy, 10, { holdMs: 5_000, registry: metrics.registry })).admitted);
       // The application's rate over the seconds around the look: the one it was in and the next.
-      await eventually('a second of the application after the look', () => perSecond.length >= seenBefore + 2, { timeoutMs: 20_000, intervalMs: 20, describe: () => output.slice(-500) });
-      const around = perSecond.slice(seenBefore - 1, seenBefore + 2);
+      await eventually('a second of the application after the look', () => progressRates().length >= seenBefore + 2, { timeoutMs: 20_000, intervalMs: 20, describe: () => output.slice(-500) });
+      const around = progressRates().slice(seenBefore - 1, seenBefore + 2);
       const statementsPerSecond = around.reduce((sum, n) => sum + n, 0) / around.length;
       const changes = (await metricValue(metrics.registry, 'reaper_row_admission_others_changes_per_second', { policy: policy.name }))!;
       const stored = (await bed.pool.query<{ rate: number; pressure: number }>('SELECT adaptive_rate AS rate, adaptive_pressure AS pressure FROM cleanup_admission WHERE policy = $1', [policy.name])).rows[0]!;
