@@ -164,6 +164,12 @@ export interface ShapeContender {
   deletedSeries: Array<[number, number]>;
   /** Adaptive: the shared rate (cleanup_admission.adaptive_rate) sampled every 100 ms in each window. */
   adaptiveRate: { shortMedian: number | null; longMedian: number | null; series: Array<[number, number]> } | null;
+  /**
+   * The foreground's p99 ÷ alone in each whole second from the trigger (second 1 is [0, 1 s)), pooled
+   * over the rounds: where in a run the harm lies. A run's start (the scan, the publish, the workers'
+   * first takes) costs the same at any rate; only what follows scales with it.
+   */
+  p99RatioBySecond: number[];
 }
 
 /** The knee and the adaptive contender read from the point ratios (the first result files' columns). */
@@ -237,7 +243,7 @@ export interface ShapeResult {
    * after it. Its ratios are the noise of this measurement at this moment of the machine: a
    * contender's ratio means something only where it stands clear of these.
    */
-  control: { short: ShapeWindow; long: ShapeWindow };
+  control: { short: ShapeWindow; long: ShapeWindow; p99RatioBySecond: number[] };
   /** The adaptive contender: the foreground's p99 (ms) in each whole second from its trigger to the long window's end. */
   adaptiveP99BySecond: number[];
   /** The p99 of each alone window, in order (their spread is the ratio's noise). */
@@ -669,6 +675,14 @@ async function runShape(context: BenchContext, seed: Seed, options: ShapesOption
         p99VerdictSamplingOnly: verdictOf(p99RatioInterval, options.kneeRatio),
       };
     };
+    /** The p99 ÷ alone of each whole second from the trigger, each second pooled over the runs (up to the last run's window end). */
+    const p99RatioBySecond = (runs: ReadonlyArray<{ startMs: number; longEndMs: number }>): number[] => {
+      const seconds = Math.floor(Math.min(...runs.map((one) => one.longEndMs - one.startMs)) / 1000);
+      return Array.from({ length: seconds }, (_, k) => {
+        const transactions = runs.flatMap((one) => p.transactions(one.startMs + k * 1000, one.startMs + (k + 1) * 1000));
+        return Number((latencyOf(transactions).p99Ms / alone.p99Ms).toFixed(2));
+      });
+    };
     const aloneBefore = (runs: ReadonlyArray<{ aloneFromMs: number; aloneToMs: number }>): ForegroundLatency => latencyOf(runs.flatMap((m) => p.transactions(m.aloneFromMs, m.aloneToMs)));
     const results: ShapeContender[] = contenders(options).map((c) => {
       const runs = measured.filter((m) => m.kind === c.kind && m.rate === c.rate);
@@ -706,6 +720,7 @@ async function runShape(context: BenchContext, seed: Seed, options: ShapesOption
                 series: m.series.filter((s) => s.adaptiveRate !== null).map((s) => [s.at - m.startMs, Math.round(s.adaptiveRate!)] as [number, number]),
               }
             : null,
+        p99RatioBySecond: p99RatioBySecond(runs),
       };
     });
     const controlAlone = aloneBefore(controls);
@@ -713,6 +728,7 @@ async function runShape(context: BenchContext, seed: Seed, options: ShapesOption
     const controlWindows = {
       short: window(controlRuns.map((c) => ({ ...c, fromMs: c.control.startMs, toMs: c.control.shortEndMs })), controlAlone),
       long: window(controlRuns.map((c) => ({ ...c, fromMs: c.control.longFromMs, toMs: c.control.longEndMs })), controlAlone),
+      p99RatioBySecond: p99RatioBySecond(controls),
     };
     const aloneMedian = median(aloneWindowP99Ms);
     const noise: ShapeNoise = {

@@ -285,6 +285,13 @@ export function renderShapesTable(f: ShapesFigure): string[] {
   const intervals = [`| ${intervalHead.join(' | ')} |`, `|${intervalHead.map(() => '---').join('|')}|`];
   const noiseHead = ["shape", "alone windows' p99 (ms)", 'max ÷ min', 'each ÷ median', roundsOf(f.options) > 1 ? "alone windows of each slot (control, then each contender's, pooled over the rounds): p99 ÷ the others (90% interval)" : 'alone windows: p99 ÷ the others (90% interval)', 'intervals holding 1', 'bootstrap CPU'];
   const noise = [`| ${noiseHead.join(' | ')} |`, `|${noiseHead.map(() => '---').join('|')}|`];
+  const bySecond = ['| shape | contender | p99 ÷ alone in each second from the trigger (pooled over the rounds) |', '|---|---|---|'];
+  for (const result of f.shapes) {
+    const name = (c: ShapeResult['contenders'][number]): string => (c.kind === 'fixed' ? `${count(c.rowsPerSecond ?? 0)} rows/s` : c.kind);
+    const rows: Array<[string, readonly number[] | undefined]> = [['control (no cleanup)', result.control.p99RatioBySecond], ...result.contenders.map((c) => [name(c), c.p99RatioBySecond] as [string, readonly number[] | undefined])];
+    // Result files written before the per-second ratios were kept have none: no row for them.
+    for (const [i, [who, ratios]] of rows.entries()) if (ratios?.length) bySecond.push(`| ${i === 0 ? result.shape.label : ''} | ${who} | ${ratios.map(ratio).join(' ')} |`);
+  }
   for (const result of f.shapes) {
     const unthrottled = result.contenders.find((c) => c.kind === 'unthrottled')!;
     const adaptive = result.contenders.find((c) => c.kind === 'adaptive')!;
@@ -312,6 +319,7 @@ export function renderShapesTable(f: ShapesFigure): string[] {
     "Noise floor: the p99 of each alone window (the control's first, then each contender's in order) and each alone window's p99 ÷ the pooled p99 of the other alone windows, with its interval: no cleanup on either side, so the truth is about 1, and an interval that misses it is noise slower than a window (the machine between one window and the next), which no interval inside one window sees.",
     '',
     ...noise,
+    ...(bySecond.length > 2 ? ['', "Where in a run the harm lies: the foreground's p99 in each whole second from the trigger ÷ its p99 alone, each second pooled over the rounds (a run's start, the scan, the publish and the workers' first takes, costs alike at any rate).", '', ...bySecond] : []),
   );
   return lines;
 }
