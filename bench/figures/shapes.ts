@@ -8,6 +8,7 @@ import { reaperEnvironment, type BenchContext } from '../lib/context';
 import { cutoffAfterCandidates, OBSERVER_APPLICATION, type Seed } from '../lib/database';
 import { seatHoldsPolicy, writePolicies, type RowDeletePolicyInput } from '../lib/policies';
 import { startServices, stopServices, type ReaperService } from '../lib/services';
+import { CpuMeter } from '../lib/cpu';
 import { blockLengthFor, bootstrapQuantiles, ratioInterval, verdictOf, type RatioInterval, type Verdict } from '../lib/bootstrap';
 import { median } from '../lib/stats';
 import { sleep } from '../lib/wait';
@@ -62,6 +63,26 @@ import { checkCounts, latencyOf, Pgbench, settleWrites, TAIL_MS, WARM_UP_MS, wri
 export const BOOTSTRAP = { resamples: 1000, level: 0.9, blockMs: 100, seed: 41 } as const;
 
 export type ShapeScripts = 'mixed' | 'read' | 'write';
+
+/**
+ * What one stretch of a run cost the machine, summed over the rounds: CPU seconds by part (each
+ * reaper service; the PostgreSQL backends by application_name, pgbench's and reaper's apart; the
+ * RabbitMQ server) and the WAL written (pg_current_wal_lsn: exact at once, where pg_stat_wal lags
+ * up to a second). Read for the run's first second and for the rest of its short window: the
+ * foreground's p99 doubles in a run's first second at any rate, 1 row/s included (issue 41), and
+ * this says which part of the machine the start keeps busy.
+ */
+export interface StretchCost {
+  seconds: number;
+  cpuSeconds: Record<string, number>;
+  walBytes: number;
+}
+
+/** The cost of a run's first second and of the rest of its short window (null: too short to read). */
+export interface StartCost {
+  first: StretchCost;
+  rest: StretchCost | null;
+}
 
 export interface ShapeSpec {
   key: string;
@@ -170,6 +191,8 @@ export interface ShapeContender {
    * first takes) costs the same at any rate; only what follows scales with it.
    */
   p99RatioBySecond: number[];
+  /** The machine's CPU and WAL in the run's first second against the rest of the short window, summed over the rounds. */
+  startCost: StartCost | null;
 }
 
 /** The knee and the adaptive contender read from the point ratios (the first result files' columns). */
@@ -243,7 +266,7 @@ export interface ShapeResult {
    * after it. Its ratios are the noise of this measurement at this moment of the machine: a
    * contender's ratio means something only where it stands clear of these.
    */
-  control: { short: ShapeWindow; long: ShapeWindow; p99RatioBySecond: number[] };
+  control: { short: ShapeWindow; long: ShapeWindow; p99RatioBySecond: number[]; startCost: StartCost | null };
   /** The adaptive contender: the foreground's p99 (ms) in each whole second from its trigger to the long window's end. */
   adaptiveP99BySecond: number[];
   /** The p99 of each alone window, in order (their spread is the ratio's noise). */
@@ -403,10 +426,61 @@ export function noiseGroups<W>(windows: ReadonlyArray<{ slot: string; window: W 
   return [...bySlot.values()];
 }
 
+/** One stretch's meter: CPU by part and WAL from now until finish. */
+async function stretchMeter(pool: pg.Pool, services: readonly ReaperService[]): Promise<() => Promise<StretchCost>> {
+  const meter = new CpuMeter(pool, { services, backends: '%', includeRabbitmq: true });
+  const lsn = async (): Promise<string> => (await pool.query<{ lsn: string }>('SELECT pg_current_wal_lsn()::text AS lsn')).rows[0]!.lsn;
+  const fromLsn = await lsn();
+  await meter.start();
+  return async () => {
+    const split = await meter.finish();
+    const walBytes = Number((await pool.query<{ bytes: string }>('SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), $1::pg_lsn)::bigint AS bytes', [fromLsn])).rows[0]!.bytes);
+    const cpuSeconds: Record<string, number> = { ...split.processSeconds, rabbitmq: split.rabbitmqSeconds };
+    for (const [application, seconds] of Object.entries(split.postgresByApplication)) cpuSeconds[`postgres ${application || '(unnamed)'}`] = seconds;
+    return { seconds: split.wallSeconds, cpuSeconds, walBytes };
+  };
+}
+
+/**
+ * Meters a run's first second, then the rest of its short window: `startCost()` right before the
+ * trigger, and the returned `endOfShort()` when the short window ends (the first second's meter is
+ * read at 1 s whatever the window does in between).
+ */
+async function startCostMeter(pool: pg.Pool, services: readonly ReaperService[]): Promise<{ endOfShort: () => Promise<StartCost> }> {
+  const firstStretch = await stretchMeter(pool, services);
+  const startedAt = Date.now();
+  const firstDone = (async () => {
+    await sleep(Math.max(0, startedAt + 1000 - Date.now()));
+    const first = await firstStretch();
+    return { first, rest: await stretchMeter(pool, services) };
+  })();
+  return {
+    endOfShort: async () => {
+      const { first, rest } = await firstDone;
+      const after = await rest();
+      return { first, rest: after.seconds >= 0.5 ? after : null };
+    },
+  };
+}
+
+/** Start costs summed over the rounds (a stretch's seconds and CPU and WAL add up; a missing rest leaves the others'). */
+function sumStartCosts(costs: ReadonlyArray<StartCost | null>): StartCost | null {
+  const present = costs.filter((c): c is StartCost => c !== null);
+  if (present.length === 0) return null;
+  const add = (stretches: StretchCost[]): StretchCost | null => {
+    if (stretches.length === 0) return null;
+    const cpuSeconds: Record<string, number> = {};
+    for (const stretch of stretches) for (const [part, seconds] of Object.entries(stretch.cpuSeconds)) cpuSeconds[part] = (cpuSeconds[part] ?? 0) + seconds;
+    return { seconds: stretches.reduce((sum, x) => sum + x.seconds, 0), cpuSeconds, walBytes: stretches.reduce((sum, x) => sum + x.walBytes, 0) };
+  };
+  return { first: add(present.map((c) => c.first))!, rest: add(present.flatMap((c) => (c.rest ? [c.rest] : []))) };
+}
+
 async function runContender(
   context: BenchContext,
   pool: pg.Pool,
   options: ShapesOptions,
+  services: readonly ReaperService[],
   policy: string,
   rows: number,
   waitForRun: boolean,
@@ -421,11 +495,13 @@ async function runContender(
   finishedInWindow: boolean;
   finishedOffRows: number;
   runId: string;
+  startCost: StartCost;
 }> {
   const aloneFromMs = Date.now();
   await sleep(options.aloneSeconds * 1000);
   const aloneToMs = Date.now();
   const cutoff = await cutoffAfterCandidates(pool, rows);
+  const cost = await startCostMeter(pool, services);
   const startMs = Date.now();
   const run = (await runsInsertIfAbsent(pool, { policy, trigger: 'manual', scheduledFor: null, cutoff }))!;
   const series: Progress[] = [];
@@ -441,6 +517,7 @@ async function runContender(
     p = await sample();
   }
   const shortEndMs = Math.max(p.at, startMs + 1000);
+  const startCost = await cost.endOfShort();
   const longFromMs = Math.min(startMs + options.longFromSeconds * 1000, shortEndMs);
   while (p.state !== 'completed' && p.at < longFromMs + options.longSeconds * 1000) {
     await sleep(100);
@@ -472,19 +549,27 @@ async function runContender(
       if (!gone.rowCount) await sleep(100);
     }
   }
-  return { aloneFromMs, aloneToMs, startMs, shortEndMs, longFromMs, longEndMs, series, finishedInWindow, finishedOffRows, runId: run.runId };
+  return { aloneFromMs, aloneToMs, startMs, shortEndMs, longFromMs, longEndMs, series, finishedInWindow, finishedOffRows, runId: run.runId, startCost };
 }
 
 /** The control's windows: the foreground alone, then as long as a contender's windows with nothing triggered. */
-async function runControl(options: ShapesOptions): Promise<{ aloneFromMs: number; aloneToMs: number; startMs: number; shortEndMs: number; longFromMs: number; longEndMs: number }> {
+async function runControl(
+  pool: pg.Pool,
+  services: readonly ReaperService[],
+  options: ShapesOptions,
+): Promise<{ aloneFromMs: number; aloneToMs: number; startMs: number; shortEndMs: number; longFromMs: number; longEndMs: number; startCost: StartCost }> {
   const aloneFromMs = Date.now();
   await sleep(options.aloneSeconds * 1000);
   const aloneToMs = Date.now();
+  const cost = await startCostMeter(pool, services);
   const startMs = Date.now();
+  const shortEndMs = startMs + options.shortSeconds * 1000;
   const longFromMs = startMs + options.longFromSeconds * 1000;
   const longEndMs = longFromMs + options.longSeconds * 1000;
-  await sleep(longEndMs - startMs);
-  return { aloneFromMs, aloneToMs, startMs, shortEndMs: startMs + options.shortSeconds * 1000, longFromMs, longEndMs };
+  await sleep(shortEndMs - startMs);
+  const startCost = await cost.endOfShort();
+  await sleep(Math.max(0, longEndMs - Date.now()));
+  return { aloneFromMs, aloneToMs, startMs, shortEndMs, longFromMs, longEndMs, startCost };
 }
 
 /**
@@ -595,7 +680,7 @@ async function runShape(context: BenchContext, seed: Seed, options: ShapesOption
     // Each alone window with its slot: the control's, or the contender's it came before.
     const aloneOrder: Array<{ aloneFromMs: number; aloneToMs: number; slot: string }> = [];
     for (let round = 0; round < rounds; round++) {
-      const control = await runControl(options);
+      const control = await runControl(pool, services, options);
       controls.push(control);
       aloneOrder.push({ ...control, slot: 'control' });
       const of = rounds > 1 ? `, round ${round + 1} of ${rounds}` : '';
@@ -608,7 +693,7 @@ async function runShape(context: BenchContext, seed: Seed, options: ShapesOption
         // The figure's very last run, if adaptive, is not waited for (runContender); any other must
         // end before the next run's alone window.
         const last = round === rounds - 1 && index === inRound.length - 1;
-        const m = await runContender(context, pool, options, c.policy, c.rows, c.kind !== 'adaptive' || !last);
+        const m = await runContender(context, pool, options, services, c.policy, c.rows, c.kind !== 'adaptive' || !last);
         measured.push({ ...c, ...m });
         aloneOrder.push({ ...m, slot: contenderKey(c.kind, c.rate) });
         for (const service of services) service.assertRunning();
@@ -721,6 +806,7 @@ async function runShape(context: BenchContext, seed: Seed, options: ShapesOption
               }
             : null,
         p99RatioBySecond: p99RatioBySecond(runs),
+        startCost: sumStartCosts(runs.map((one) => one.startCost)),
       };
     });
     const controlAlone = aloneBefore(controls);
@@ -729,6 +815,7 @@ async function runShape(context: BenchContext, seed: Seed, options: ShapesOption
       short: window(controlRuns.map((c) => ({ ...c, fromMs: c.control.startMs, toMs: c.control.shortEndMs })), controlAlone),
       long: window(controlRuns.map((c) => ({ ...c, fromMs: c.control.longFromMs, toMs: c.control.longEndMs })), controlAlone),
       p99RatioBySecond: p99RatioBySecond(controls),
+      startCost: sumStartCosts(controls.map((control) => control.startCost)),
     };
     const aloneMedian = median(aloneWindowP99Ms);
     const noise: ShapeNoise = {

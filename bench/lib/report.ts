@@ -6,7 +6,7 @@ import { partitionsRows, type PartitionsFigure } from '../figures/partitions';
 import type { RemoteBacklogFigure, RemoteFigure } from '../figures/remote-delete';
 import type { ReaperRun, StageSplit } from '../figures/row-delete';
 import type { S3Figure } from '../figures/s3-delete';
-import { reportedWindows, roundsOf, type IntervalVerdicts, type ShapeResult, type ShapeSummary, type ShapesFigure, type ShapeWindow, type TargetVerdict } from '../figures/shapes';
+import { reportedWindows, roundsOf, type IntervalVerdicts, type ShapeResult, type ShapeSummary, type ShapesFigure, type ShapeWindow, type StartCost, type StretchCost, type TargetVerdict } from '../figures/shapes';
 import type { RatioInterval } from './bootstrap';
 import type { CountCheck, Measured, Throughput } from './context';
 import type { CpuSplit } from './cpu';
@@ -286,11 +286,14 @@ export function renderShapesTable(f: ShapesFigure): string[] {
   const noiseHead = ["shape", "alone windows' p99 (ms)", 'max ÷ min', 'each ÷ median', roundsOf(f.options) > 1 ? "alone windows of each slot (control, then each contender's, pooled over the rounds): p99 ÷ the others (90% interval)" : 'alone windows: p99 ÷ the others (90% interval)', 'intervals holding 1', 'bootstrap CPU'];
   const noise = [`| ${noiseHead.join(' | ')} |`, `|${noiseHead.map(() => '---').join('|')}|`];
   const bySecond = ['| shape | contender | p99 ÷ alone in each second from the trigger (pooled over the rounds) |', '|---|---|---|'];
+  const startCosts = ['| shape | contender | WAL (MB/s) and CPU (share of one core) by part: the first second → the rest of the short window |', '|---|---|---|'];
   for (const result of f.shapes) {
     const name = (c: ShapeResult['contenders'][number]): string => (c.kind === 'fixed' ? `${count(c.rowsPerSecond ?? 0)} rows/s` : c.kind);
     const rows: Array<[string, readonly number[] | undefined]> = [['control (no cleanup)', result.control.p99RatioBySecond], ...result.contenders.map((c) => [name(c), c.p99RatioBySecond] as [string, readonly number[] | undefined])];
     // Result files written before the per-second ratios were kept have none: no row for them.
     for (const [i, [who, ratios]] of rows.entries()) if (ratios?.length) bySecond.push(`| ${i === 0 ? result.shape.label : ''} | ${who} | ${ratios.map(ratio).join(' ')} |`);
+    const costs: Array<[string, StartCost | null | undefined]> = [['control (no cleanup)', result.control.startCost], ...result.contenders.map((c) => [name(c), c.startCost] as [string, StartCost | null | undefined])];
+    for (const [i, [who, cost]] of costs.entries()) if (cost) startCosts.push(`| ${i === 0 ? result.shape.label : ''} | ${who} | ${startCostText(cost)} |`);
   }
   for (const result of f.shapes) {
     const unthrottled = result.contenders.find((c) => c.kind === 'unthrottled')!;
@@ -320,8 +323,23 @@ export function renderShapesTable(f: ShapesFigure): string[] {
     '',
     ...noise,
     ...(bySecond.length > 2 ? ['', "Where in a run the harm lies: the foreground's p99 in each whole second from the trigger ÷ its p99 alone, each second pooled over the rounds (a run's start, the scan, the publish and the workers' first takes, costs alike at any rate).", '', ...bySecond] : []),
+    ...(startCosts.length > 2
+      ? ['', "What a run's start keeps busy: the WAL written and the CPU of each part of the machine (reaper's services, the PostgreSQL backends by application_name, the RabbitMQ server; parts under 1% of a core in both stretches left out) in the run's first second → the rest of its short window, summed over the rounds.", '', ...startCosts]
+      : []),
   );
   return lines;
+}
+
+/** Figure 7b: a start cost's WAL rate and each part's CPU share, first second → rest. */
+function startCostText(cost: StartCost): string {
+  const perSecond = (x: number, stretch: StretchCost | null): number | null => (stretch && stretch.seconds > 0 ? x / stretch.seconds : null);
+  const share = (stretch: StretchCost | null, part: string): number | null => perSecond(stretch?.cpuSeconds[part] ?? 0, stretch);
+  const text = (x: number | null, digits: number): string => (x === null ? '-' : x.toFixed(digits));
+  const wal = `WAL ${text(perSecond(cost.first.walBytes / 1e6, cost.first), 2)} → ${text(cost.rest ? perSecond(cost.rest.walBytes / 1e6, cost.rest) : null, 2)}`;
+  const parts = [...new Set([...Object.keys(cost.first.cpuSeconds), ...Object.keys(cost.rest?.cpuSeconds ?? {})])]
+    .filter((part) => Math.max(share(cost.first, part) ?? 0, share(cost.rest, part) ?? 0) >= 0.01)
+    .sort();
+  return [wal, ...parts.map((part) => `${part} ${text(share(cost.first, part), 2)} → ${text(share(cost.rest, part), 2)}`)].join('; ');
 }
 
 /** Figure 7: the share of samples that saw each wait event, alone → during the cleanup. */

@@ -20,7 +20,7 @@ function window(p99Ratio: number, rowsPerSecond: number, spread: number): ShapeW
 
 function contender(kind: ShapeContender['kind'], rate: number | null, p99Ratio: number, achieved: number, spread = 0.01): ShapeContender {
   const w = window(p99Ratio, achieved, spread);
-  return { kind, rowsPerSecond: rate, policy: 'p', runRows: 1, aloneJustBefore: latency, short: w, long: w, firstRowSeconds: 0.1, finishedInWindow: false, finishedOffRows: 0, deletedSeries: [], adaptiveRate: null, p99RatioBySecond: [] };
+  return { kind, rowsPerSecond: rate, policy: 'p', runRows: 1, aloneJustBefore: latency, short: w, long: w, firstRowSeconds: 0.1, finishedInWindow: false, finishedOffRows: 0, deletedSeries: [], adaptiveRate: null, p99RatioBySecond: [], startCost: null };
 }
 
 /** Fixed rates 500 … 16k at `ratios`, unthrottled at 40k; each interval ± `spreads[i]` (1% unless given; the last two: unthrottled, adaptive). */
