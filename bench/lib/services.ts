@@ -172,6 +172,8 @@ export class ReaperService extends ChildService {
         REAPER_DB_POOL_SIZE: String(spec.poolSize ?? 4),
         LOG_LEVEL: process.env.BENCH_LOG_LEVEL ?? 'warn',
         HTTP_PORT: String(httpPort),
+        // A diagnosis aid, e.g. '--cpu-prof --cpu-prof-dir=/tmp/prof' (a profile per service, written when it stops).
+        ...(process.env.BENCH_SERVICE_NODE_OPTIONS ? { NODE_OPTIONS: process.env.BENCH_SERVICE_NODE_OPTIONS } : {}),
         ...environment.extraEnv,
       },
       stdio: ['ignore', 'pipe', 'pipe'],
