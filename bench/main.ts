@@ -29,7 +29,7 @@
  *
  *   BENCH_ECHO=1 prints every reaper process's log lines (prefixed with its name); BENCH_LOG_LEVEL=debug
  *   sets their LOG_LEVEL (warn otherwise), e.g. to see each object storage request leave and each batch park.
- *   BENCH_SERVICE_NODE_OPTIONS is every reaper process's NODE_OPTIONS, e.g. '--cpu-prof --cpu-prof-dir=/tmp/prof'
+ *   BENCH_SERVICE_NODE_ARGS are node arguments for every reaper process, e.g. '--cpu-prof --cpu-prof-dir=/tmp/prof'
  *   (one CPU profile per service, written when the bench stops it).
  *
  * Figure 10's standby replay lag needs a server with a streaming standby: bench/standby-cluster.sh

@@ -158,7 +158,10 @@ export class ReaperService extends ChildService {
 
   static async start(environment: ReaperEnvironment, spec: ServiceSpec): Promise<ReaperService> {
     const httpPort = await freePort();
-    const child = spawn(process.execPath, [...(spec.nodeArgs ?? []), environment.bin ?? REAPER_BIN, spec.kind], {
+    // BENCH_SERVICE_NODE_ARGS, a diagnosis aid: e.g. '--cpu-prof --cpu-prof-dir=/tmp/prof' (a profile per
+    // service, written when it stops; Node refuses --cpu-prof in NODE_OPTIONS, hence arguments).
+    const diagnosis = process.env.BENCH_SERVICE_NODE_ARGS?.split(' ').filter(Boolean) ?? [];
+    const child = spawn(process.execPath, [...(spec.nodeArgs ?? []), ...diagnosis, environment.bin ?? REAPER_BIN, spec.kind], {
       env: {
         PATH: process.env.PATH,
         HOME: process.env.HOME,
@@ -172,8 +175,6 @@ export class ReaperService extends ChildService {
         REAPER_DB_POOL_SIZE: String(spec.poolSize ?? 4),
         LOG_LEVEL: process.env.BENCH_LOG_LEVEL ?? 'warn',
         HTTP_PORT: String(httpPort),
-        // A diagnosis aid, e.g. '--cpu-prof --cpu-prof-dir=/tmp/prof' (a profile per service, written when it stops).
-        ...(process.env.BENCH_SERVICE_NODE_OPTIONS ? { NODE_OPTIONS: process.env.BENCH_SERVICE_NODE_OPTIONS } : {}),
         ...environment.extraEnv,
       },
       stdio: ['ignore', 'pipe', 'pipe'],
