@@ -163,6 +163,8 @@ interface Pace {
   readonly rate: AdmittedRate | null;
   /** When the rows published at a known rate would all be admitted (ms, this process's clock). */
   dueAt: number;
+  /** The rate dueAt was reckoned at: a different rate read later moves what is still due (paceWindow). */
+  dueRate: number | null;
   /** Rows published before a rate was in force, and when the first of them went out: counted in dueAt once one is. */
   unpacedRows: number;
   unpacedSince: number | null;
@@ -263,7 +265,7 @@ async function executeClaimed(context: RunContext, run: Run, policy: Policy, tar
     if (lease.lost) return lostLease(log);
     retiredRows = retired.value.retiredRows;
   }
-  const pace: Pace = { rate: deps.paceBy?.(policy) ?? null, dueAt: 0, unpacedRows: 0, unpacedSince: null, firstWait: null, told: false };
+  const pace: Pace = { rate: deps.paceBy?.(policy) ?? null, dueAt: 0, dueRate: null, unpacedRows: 0, unpacedSince: null, firstWait: null, told: false };
   for (;;) {
     if (deps.stopping()) return 'stopped';
     // At each window, like the claim: outside the policy's schedule window nothing more goes out.
@@ -581,13 +583,19 @@ async function failRun({ deps, log, claim, policy }: RunContext, what: string, r
 /**
  * The size of the next window (in batches), after waiting, when paced, until the run is at most
  * PACE_AHEAD_SECONDS ahead of its workers' admitted rate. Unpaced (no paceBy for the policy): the
- * full window (windowBatches, default CONFIRM_WINDOW) at once. Paced:
+ * full window (windowBatches, default CONFIRM_WINDOW) at once. Paced (row-delete policies, adaptive
+ * or at a fixed rate: scheduler.ts paceBy):
  *  - the rate in force: windows of about PACE_AHEAD_SECONDS of it (at least one batch), each one
  *    published when the rows before it would all be admitted within PACE_AHEAD_SECONDS. At the
  *    adaptive floor (500 rows/s) and batch 500 that is a 500-row scan every second instead of
  *    16,000-row scans back to back at the run's start, while the application is at its busiest
  *    relative to reaper (bench figure 7: the foreground's worst seconds were a run's first).
- *  - no rate in force (alone on the database, between runs, or before the workers' first take of
+ *    A fixed rate is in force from the start, so its first window is paced too: unpaced, a 15k-row
+ *    run at any fixed rate was scanned, encoded and published whole in its first second, and that
+ *    second doubled a 300 statements/s foreground's p99 even at 1 row/s (bench figure 7b,
+ *    2026-12-07: the scheduler's Node process 0.08-0.10 of a core, each worker's 0.05-0.07, in
+ *    that second; the seconds after it near 1).
+ *  - no rate in force (adaptive: alone on the database, between runs, or before the workers' first take of
  *    this run has decided one): the full window at once, as unpaced; but after the first window
  *    the scheduler waits a little for a rate (PACE_FIRST_WAIT_MS), and when one comes in force the rows
  *    published before it count as published at that rate (a 16,000-row first window at the floor
@@ -612,6 +620,12 @@ async function paceWindow(context: RunContext, policy: Policy, pace: Pace): Prom
       }
       return { ok: true, value: { batches: full, rate: null } };
     }
+    // A rate that changed (an operator's override, a step of the adaptive law) moves what is still
+    // due: the rows published and not yet admitted are admitted at the new rate from now on. Without
+    // this an override raising a fixed rate left the run waiting out the old rate's schedule.
+    const now = Date.now();
+    if (pace.dueRate !== null && pace.dueRate !== rate && pace.dueAt > now) pace.dueAt = now + ((pace.dueAt - now) * pace.dueRate) / rate;
+    pace.dueRate = rate;
     if (pace.unpacedSince !== null && pace.unpacedRows > 0) {
       pace.dueAt = Math.max(pace.dueAt, pace.unpacedSince) + (pace.unpacedRows / rate) * 1000;
       pace.unpacedRows = 0;

@@ -8,7 +8,8 @@ import { ConfirmingPublisher } from '../../shared/amqp/publisher';
 import { brokerNames, topologyFor } from '../../shared/amqp/topology';
 import { adaptiveAdmission } from '../../shared/admission/rows';
 import { assertSchemaCurrent } from '../../shared/db/migrate';
-import { admissionAdaptiveRateInForce } from '../../shared/db/queries/admission';
+import { admissionAdaptiveRateInForce, admissionOverridesRead } from '../../shared/db/queries/admission';
+import { rowAdmissionWith } from '../../shared/admission/overrides';
 import { makePool, warmPool } from '../../shared/db/pool';
 import { partitionRetirePrivilegesMissing } from '../../shared/db/queries/partitions';
 import { targetResolve, type ResolvedTarget } from '../../shared/db/queries/target';
@@ -30,7 +31,7 @@ import { loadBatchVersionConfig } from '../../shared/config/batch-version';
 import { startHeartbeat } from '../../shared/observability/heartbeat';
 import { startBacklogGauges } from './backlog-gauges';
 import { makeBatchVersionGate } from './batch-version-gate';
-import { executeRun, type RunExecutorDeps } from './run-executor';
+import { executeRun, type AdmittedRate, type RunExecutorDeps } from './run-executor';
 import { CRON_TIMEZONE, latestMissedTick, truncateToSecond } from './ticks';
 import { loadSchedulerTuning } from './tuning';
 import { makeWebhookRoutes, WEBHOOK_MAX_BODY_BYTES } from './webhooks';
@@ -41,6 +42,19 @@ import { startWindowWatch } from './windows';
  * (they step it every 250 ms or so while other clients share the database; alone they do not).
  */
 const PACE_RATE_FRESH_SECONDS = 5;
+
+/**
+ * The rate a run of `policy` is paced by (run-executor.ts paceWindow): for row-delete policies, the
+ * workers' adaptive rate while it is in force, or a fixed one (the file's, or an operator's
+ * override) from the start. A policy with no rate in its file is not paced: an override adding one
+ * later does not pace its runs (their windows go out whole, as before overrides existed).
+ */
+export function paceRateFor(pool: pg.Pool, policy: Policy): AdmittedRate | null {
+  if (policy.kind !== 'row-delete') return null;
+  if (adaptiveAdmission(policy)) return () => admissionAdaptiveRateInForce(pool, policy.name, PACE_RATE_FRESH_SECONDS);
+  if (policy.admission?.rowsPerSecond === undefined) return null;
+  return async () => rowAdmissionWith(policy, (await admissionOverridesRead(pool, [policy.name]))[0] ?? null).rowsPerSecond;
+}
 
 /** How often a scheduler looks for runs made elsewhere (CLI, webhooks, crashed replicas). */
 const CLAIM_POLL_MS = 1_000;
@@ -209,9 +223,7 @@ export async function startScheduler(env: Env, policies: PolicySet, log: Logger)
     stopping: () => stopping,
     batchVersion: gate.versionFor,
     now: windows.now,
-    // Adaptive row-delete policies: the run's windows follow the workers' rate (run-executor.ts paceWindow).
-    paceBy: (policy) =>
-      policy.kind === 'row-delete' && adaptiveAdmission(policy) ? () => admissionAdaptiveRateInForce(pool, policy.name, PACE_RATE_FRESH_SECONDS) : null,
+    paceBy: (policy) => paceRateFor(pool, policy),
   };
 
   /**

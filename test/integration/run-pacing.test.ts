@@ -7,13 +7,14 @@ import { parsePolicies, type RowDeletePolicy } from '../../shared/config/policie
 import { ADAPTIVE } from '../../shared/admission/adaptive';
 import { admitRows } from '../../shared/admission/rows';
 import { makePool } from '../../shared/db/pool';
-import { admissionAdaptiveRateInForce, admissionRowsEnsure } from '../../shared/db/queries/admission';
+import { admissionAdaptiveRateInForce, admissionOverrideSet, admissionRowsEnsure } from '../../shared/db/queries/admission';
 import { targetResolve } from '../../shared/db/queries/target';
 import { runsClaimNext, runsInsertIfAbsent } from '../../shared/db/queries/runs';
 import { makeMetrics } from '../../shared/observability/metrics';
 import { executeRun, type RunExecutorDeps } from '../../services/scheduler/run-executor';
+import { paceRateFor } from '../../services/scheduler/scheduler';
 import { executorSuite } from '../support/executor-suite';
-import { rowDeletePolicyYaml, runRow } from '../support/fixtures';
+import { combinedPoliciesYaml, rowDeletePolicyYaml, runRow } from '../support/fixtures';
 import { seedHolds } from '../support/seed';
 import { untilNobodyElse } from '../support/nobody-else';
 
@@ -138,6 +139,29 @@ describe('run pacing by the adaptive rate', () => {
     assert.equal((await runRow(world.bed.pool, paced.runId)).candidates, 80);
   });
 
+  test('a rate raised while the scheduler waits (an operator\'s override) moves what is still due to the new rate: the next window goes out at the first read of it', async () => {
+    // 10 rows/s, batch 2: windows of 10 batches, the first two at once (then 4 s of the rate are
+    // published). After the second window the rate reads 10,000: what is still due, about 4 s at 10
+    // rows/s, is 4 ms at the new rate, so the third window goes at the first read that sees it, in
+    // windows of 16 batches (windowBatches). Before, the run waited out the old rate's schedule,
+    // reading the rate again every second (the bench's override to finish a run off waited minutes).
+    let windowsSoFar = 0;
+    const readsBeforeThird: number[] = [];
+    const paced = await pacedRun(100, () => {
+      const rate = windowsSoFar >= 2 ? 10_000 : 10;
+      if (windowsSoFar === 2) readsBeforeThird.push(rate);
+      return rate;
+    }, {
+      onWindow: (count) => {
+        windowsSoFar = count;
+      },
+    });
+    assert.equal(paced.outcome, 'published');
+    assert.deepEqual(readsBeforeThird, [10_000], 'one read of the raised rate, then the third window at once');
+    assert.deepEqual(paced.windows.map((window) => window.batches), [10, 10, 16, 14]);
+    assert.equal((await runRow(world.bed.pool, paced.runId)).candidates, 100);
+  });
+
   test('a slow rate: windows of one batch; a shutdown during the wait stops at once, the cursor at the last window confirmed', async () => {
     // 0.1 rows/s: each 2-row window is 20 s of the rate ahead; the second would wait 18 s.
     // The shutdown comes during that wait: at the scheduler's fifth look at the flag after the first
@@ -163,6 +187,30 @@ describe('run pacing by the adaptive rate', () => {
     assert.equal(stopsSeen, 1, `the run ended at the first look that saw the shutdown (${stopsSeen} looks saw it)`);
     assert.deepEqual(paced.windows.map((window) => window.batches), [1]);
     assert.equal((await runRow(world.bed.pool, paced.runId)).candidates, 2);
+  });
+
+  test("the rate the scheduler paces a fixed-rate policy by: the file's rate from a run's start, an operator's override once set; a policy with no rate is not paced", async () => {
+    // Issue 41: a fixed-rate run was not paced, so its first window (windowBatches, 16,000 rows at
+    // batch 500) was scanned, encoded and published whole in its first second at any rate, and that
+    // second doubled a 300 statements/s foreground's p99 even at 1 row/s (bench figure 7b).
+    const policies = parsePolicies(
+      combinedPoliciesYaml(
+        rowDeletePolicyYaml({ name: 'fixed-pace' }).replace(/\n$/, '\n    admission: { adaptive: false, rowsPerSecond: 250 }\n'),
+        rowDeletePolicyYaml({ name: 'unthrottled-pace' }).replace(/\n$/, '\n    admission: { adaptive: false }\n'),
+        rowDeletePolicyYaml({ name: 'adaptive-pace' }),
+      ),
+      'fixed-pace.yaml',
+      {},
+    );
+    const fixed = paceRateFor(world.bed.pool, policies.get('fixed-pace')!);
+    assert.ok(fixed, 'a fixed-rate policy is paced');
+    assert.equal(await fixed(), 250, "the file's rate, before any worker took");
+    await admissionOverrideSet(world.bed.pool, { policy: 'fixed-pace', rate: 4_000, setBy: 'run-pacing test' });
+    assert.equal(await fixed(), 4_000, "an operator's override, read afresh");
+    assert.equal(paceRateFor(world.bed.pool, policies.get('unthrottled-pace')!), null, 'no rate: not paced');
+    const adaptive = paceRateFor(world.bed.pool, policies.get('adaptive-pace')!);
+    assert.ok(adaptive, 'an adaptive policy is paced by its rate in force');
+    assert.equal(await adaptive(), null, 'no rate in force before its workers step it');
   });
 
   test('the rate the scheduler paces by: the policy\'s adaptive rate while workers stepped it lately; none when never stepped or not lately', async () => {

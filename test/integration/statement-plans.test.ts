@@ -120,7 +120,11 @@ describe('statement plans: named statements keep good generic plans', () => {
         await admissionRowsEnsure(pool, policy, 1_000);
         for (let i = 0; i < 7; i++) {
           const take = await admissionRowsTake(pool, { policy, rowsPerSecond: 1_000_000, capacity: 1_000, rows: 1, maxLagSeconds, standbys: [], unknownBrakes: false });
-          assert.deepEqual([take.admitted, take.braked, take.replicationLagSeconds, take.unknownStandbys], [true, false, 0, []]);
+          // Not the standbys it saw: replication slots are the cluster's, and a test file running
+          // beside this one (replica-lag-brake-closed) makes one with no standby, which this take
+          // lists as unknown (unknownBrakes false: it does not brake). Seen failing 2026-12-07 with
+          // the two files run together; this test is about the take's plans, not the lag.
+          assert.deepEqual([take.admitted, take.braked], [true, false]);
         }
       }
       const plans = (await plansOf(pool, 'admission')).map((entry) => [entry.name, entry.generic]).sort();
