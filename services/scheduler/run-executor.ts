@@ -635,7 +635,7 @@ async function paceWindow(context: RunContext, policy: Policy, pace: Pace): Prom
       const batches = Math.min(full, Math.max(1, Math.ceil((rate * PACE_AHEAD_SECONDS) / policy.batchSize)));
       if (!pace.told && batches < full) {
         pace.told = true;
-        context.log.info({ rowsPerSecond: Math.round(rate), windowBatches: batches }, "run paced by its workers' adaptive rate (others share the database)");
+        context.log.info({ rowsPerSecond: Math.round(rate), windowBatches: batches }, 'run paced by its admitted rate (a fixed rowsPerSecond, or the adaptive rate while others share the database)');
       }
       return { ok: true, value: { batches, rate } };
     }
