@@ -266,16 +266,20 @@ async function executeClaimed(context: RunContext, run: Run, policy: Policy, tar
     retiredRows = retired.value.retiredRows;
   }
   const pace: Pace = { rate: deps.paceBy?.(policy) ?? null, dueAt: 0, dueRate: null, unpacedRows: 0, unpacedSince: null, firstWait: null, told: false };
+  /** Outside the policy's schedule window nothing more goes out: the run stops at a batch boundary. */
+  const scheduleWindowClosed = (): boolean => {
+    const inWindow = windowStateAt(policy.window, (deps.now ?? (() => new Date()))());
+    if (!inWindow.open) log.info({ opensAt: inWindow.opensAt, cursor: progress.cursor, candidates: progress.candidates }, 'schedule window closed: run stops here and continues in the next window');
+    return !inWindow.open;
+  };
   for (;;) {
     if (deps.stopping()) return 'stopped';
-    // At each window, like the claim: outside the policy's schedule window nothing more goes out.
-    const inWindow = windowStateAt(policy.window, (deps.now ?? (() => new Date()))());
-    if (!inWindow.open) {
-      log.info({ opensAt: inWindow.opensAt, cursor: progress.cursor, candidates: progress.candidates }, 'schedule window closed: run stops here and continues in the next window');
-      return 'window-closed';
-    }
+    // At each window, like the claim.
+    if (scheduleWindowClosed()) return 'window-closed';
     const paced = await paceWindow(context, policy, pace);
     if (!paced.ok) return paced.outcome;
+    // Again after the pace's wait, which at a low fixed rate can outlast the window (batch ÷ rate seconds).
+    if (scheduleWindowClosed()) return 'window-closed';
     const scanned = await attempt('scan', async () => {
       await deps.beforeStep?.('scan');
       return scanWindow(deps, run, policy, target, progress, paced.value.batches);
@@ -629,6 +633,8 @@ async function paceWindow(context: RunContext, policy: Policy, pace: Pace): Prom
     if (pace.unpacedSince !== null && pace.unpacedRows > 0) {
       pace.dueAt = Math.max(pace.dueAt, pace.unpacedSince) + (pace.unpacedRows / rate) * 1000;
       pace.unpacedRows = 0;
+      // Counted: rows published unpaced later (the rate stale again) start a stretch of their own.
+      pace.unpacedSince = null;
     }
     const aheadMs = pace.dueAt - Date.now() - PACE_AHEAD_SECONDS * 1000;
     if (aheadMs <= 0) {

@@ -52,8 +52,10 @@ const PACE_RATE_FRESH_SECONDS = 5;
 export function paceRateFor(pool: pg.Pool, policy: Policy): AdmittedRate | null {
   if (policy.kind !== 'row-delete') return null;
   if (adaptiveAdmission(policy)) return () => admissionAdaptiveRateInForce(pool, policy.name, PACE_RATE_FRESH_SECONDS);
-  if (policy.admission?.rowsPerSecond === undefined) return null;
-  return async () => rowAdmissionWith(policy, (await admissionOverridesRead(pool, [policy.name]))[0] ?? null).rowsPerSecond;
+  const fileRate = policy.admission?.rowsPerSecond;
+  if (fileRate === undefined) return null;
+  // A failed read of the overrides paces by the file's rate: no rate would publish a full window at once.
+  return async () => rowAdmissionWith(policy, (await admissionOverridesRead(pool, [policy.name]).catch(() => []))[0] ?? null).rowsPerSecond ?? fileRate;
 }
 
 /** How often a scheduler looks for runs made elsewhere (CLI, webhooks, crashed replicas). */

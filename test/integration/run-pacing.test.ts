@@ -28,7 +28,7 @@ import { untilNobodyElse } from '../support/nobody-else';
  */
 const POLICY = 'seat-holds';
 
-describe('run pacing by the adaptive rate', () => {
+describe('run pacing by the admitted rate (adaptive, or fixed)', () => {
   const world = executorSuite('run_pacing', [POLICY]);
   const names = () => brokerNames(world.bed.prefix);
 
@@ -40,10 +40,10 @@ describe('run pacing by the adaptive rate', () => {
   async function pacedRun(
     rows: number,
     rate: () => number | null,
-    options: { batchSize?: number; leaseMs?: number; onScan?: (windowsSoFar: number) => Promise<void>; onWindow?: (windowsSoFar: number) => void; stopping?: () => boolean } = {},
+    options: { batchSize?: number; leaseMs?: number; policyYaml?: string; now?: () => Date; onScan?: (windowsSoFar: number) => Promise<void>; onWindow?: (windowsSoFar: number) => void; stopping?: () => boolean } = {},
   ): Promise<{ windows: Array<{ batches: number; atMs: number }>; outcome: string; runId: string }> {
     await world.bed.pool.query('DELETE FROM seat_reservations');
-    const policy = parsePolicies(rowDeletePolicyYaml({ batchSize: options.batchSize ?? 2 }), 'pacing.yaml', {}).get(POLICY)!;
+    const policy = parsePolicies(`${rowDeletePolicyYaml({ batchSize: options.batchSize ?? 2 })}${options.policyYaml ?? ''}`, 'pacing.yaml', {}).get(POLICY)!;
     const target = await targetResolve(world.bed.pool, policy);
     await seedHolds(world.bed.pool, { expiredHeld: rows });
     const windows: Array<{ batches: number; atMs: number }> = [];
@@ -60,6 +60,7 @@ describe('run pacing by the adaptive rate', () => {
       stopping: options.stopping ?? (() => false),
       batchVersion: async () => 1,
       windowBatches: 16,
+      ...(options.now ? { now: options.now } : {}),
       paceBy: () => async () => rate(),
       beforeStep: async (step) => {
         if (step === 'scan') await options.onScan?.(windows.length);
@@ -160,6 +161,29 @@ describe('run pacing by the adaptive rate', () => {
     assert.deepEqual(readsBeforeThird, [10_000], 'one read of the raised rate, then the third window at once');
     assert.deepEqual(paced.windows.map((window) => window.batches), [10, 10, 16, 14]);
     assert.equal((await runRow(world.bed.pool, paced.runId)).candidates, 100);
+  });
+
+  test('a schedule window that closes while the scheduler waits for the rate: the run stops there, nothing more goes out', async () => {
+    // 1 row/s, batch 2: windows of one batch, the first two at once, the third after about 2 s.
+    // The policy's window is 00:00-12:00 UTC on a clock the test sets: open until the scheduler's
+    // first read of the rate after the second window (made after the loop's own window check),
+    // closed from then on, so only a check after the pace's wait can see it. Before, the third
+    // window was scanned and published after the close (at a low fixed rate the wait is batch ÷ rate).
+    let windowsSoFar = 0;
+    let clock = new Date('2026-01-05T11:59:00Z');
+    const paced = await pacedRun(10, () => {
+      if (windowsSoFar === 2) clock = new Date('2026-01-05T12:00:01Z');
+      return 1;
+    }, {
+      policyYaml: '    window: { start: "00:00", end: "12:00", timeZone: UTC }\n',
+      now: () => clock,
+      onWindow: (count) => {
+        windowsSoFar = count;
+      },
+    });
+    assert.equal(paced.outcome, 'window-closed');
+    assert.deepEqual(paced.windows.map((window) => window.batches), [1, 1], 'nothing published once the window closed');
+    assert.equal((await runRow(world.bed.pool, paced.runId)).candidates, 4);
   });
 
   test('a slow rate: windows of one batch; a shutdown during the wait stops at once, the cursor at the last window confirmed', async () => {
