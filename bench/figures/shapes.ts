@@ -267,8 +267,6 @@ export interface ShapeResult {
    * contender's ratio means something only where it stands clear of these.
    */
   control: { short: ShapeWindow; long: ShapeWindow; p99RatioBySecond: number[]; startCost: StartCost | null };
-  /** The adaptive contender: the foreground's p99 (ms) in each whole second from its trigger to the long window's end. */
-  adaptiveP99BySecond: number[];
   /** The p99 of each alone window, in order (their spread is the ratio's noise). */
   aloneWindowP99Ms: number[];
   noise: ShapeNoise;
@@ -826,9 +824,6 @@ async function runShape(context: BenchContext, seed: Seed, options: ShapesOption
       bootstrapCpuMs: bootstrap.cpuMs,
       bootstraps: bootstrap.count,
     };
-    const adaptive = measured.find((m) => m.kind === 'adaptive')!;
-    const adaptiveP99BySecond: number[] = [];
-    for (let from = adaptive.startMs; from + 1000 <= adaptive.longEndMs; from += 1000) adaptiveP99BySecond.push(Number(latencyOf(p.transactions(from, from + 1000)).p99Ms.toFixed(2)));
     await stopServices(services);
     const consumed = plan.reduce((sum, c) => sum + c.rows, 0);
     // Receipts once every worker has stopped: the adaptive run's last batches included.
@@ -843,7 +838,6 @@ async function runShape(context: BenchContext, seed: Seed, options: ShapesOption
       aloneWindowP99Ms,
       noise,
       control: controlWindows,
-      adaptiveP99BySecond,
       contenders: results,
       short: summarise(results, 'short', options.kneeRatio),
       long: summarise(results, 'long', options.kneeRatio),

@@ -288,12 +288,17 @@ export function renderShapesTable(f: ShapesFigure): string[] {
   const bySecond = ['| shape | contender | p99 ÷ alone in each second from the trigger (pooled over the rounds) |', '|---|---|---|'];
   const startCosts = ['| shape | contender | WAL (MB/s) and CPU (share of one core) by part: the first second → the rest of the short window |', '|---|---|---|'];
   for (const result of f.shapes) {
-    const name = (c: ShapeResult['contenders'][number]): string => (c.kind === 'fixed' ? `${count(c.rowsPerSecond ?? 0)} rows/s` : c.kind);
-    const rows: Array<[string, readonly number[] | undefined]> = [['control (no cleanup)', result.control.p99RatioBySecond], ...result.contenders.map((c) => [name(c), c.p99RatioBySecond] as [string, readonly number[] | undefined])];
-    // Result files written before the per-second ratios were kept have none: no row for them.
-    for (const [i, [who, ratios]] of rows.entries()) if (ratios?.length) bySecond.push(`| ${i === 0 ? result.shape.label : ''} | ${who} | ${ratios.map(ratio).join(' ')} |`);
-    const costs: Array<[string, StartCost | null | undefined]> = [['control (no cleanup)', result.control.startCost], ...result.contenders.map((c) => [name(c), c.startCost] as [string, StartCost | null | undefined])];
-    for (const [i, [who, cost]] of costs.entries()) if (cost) startCosts.push(`| ${i === 0 ? result.shape.label : ''} | ${who} | ${startCostText(cost)} |`);
+    // The control, then each contender, by name. Result files written before these were kept have
+    // neither (undefined): no row for them.
+    const rows = [
+      { who: 'control (no cleanup)', bySecond: result.control.p99RatioBySecond, cost: result.control.startCost },
+      ...result.contenders.map((c) => ({ who: c.kind === 'fixed' ? `${count(c.rowsPerSecond ?? 0)} rows/s` : c.kind, bySecond: c.p99RatioBySecond, cost: c.startCost })),
+    ];
+    for (const [i, row] of rows.entries()) {
+      const shape = i === 0 ? result.shape.label : '';
+      if (row.bySecond?.length) bySecond.push(`| ${shape} | ${row.who} | ${row.bySecond.map(ratio).join(' ')} |`);
+      if (row.cost) startCosts.push(`| ${shape} | ${row.who} | ${startCostText(row.cost)} |`);
+    }
   }
   for (const result of f.shapes) {
     const unthrottled = result.contenders.find((c) => c.kind === 'unthrottled')!;
