@@ -47,19 +47,10 @@ export const CARRIED_BY_BROKER_MAX_MS = 10 * 60_000;
  * about that many rows, so the scan's work on the database is spread over the run like the
  * deletion's instead of all at its start.
  */
-const PACE_AHEAD_SECONDS = 2;
+export const PACE_AHEAD_SECONDS = 2;
 /** While ahead, the rate is read again this often (it may rise, or stop being in force). */
 const PACE_POLL_MS = 1_000;
-/**
- * After a run's first window, with no rate in force yet, the scheduler waits for the workers' first
- * take to put one in force (their start look takes about 0.2 s), reading it every
- * PACE_FIRST_POLL_MS, at most PACE_FIRST_WAIT_MS and at most the first window's rows at
- * PACE_FIRST_WAIT_ROWS_PER_SECOND: about what two workers alone take for them after their own look,
- * so alone the wait is hidden behind the workers' look and work (16,000 rows at batch 500: 0.4 s;
- * 3,200 at batch 100: 0.08 s).
- */
-const PACE_FIRST_WAIT_MS = 500;
-const PACE_FIRST_WAIT_ROWS_PER_SECOND = 40_000;
+/** While a run's first window waits for its workers' first take (PaceSource.firstTake), the pace is read this often. */
 const PACE_FIRST_POLL_MS = 50;
 /** Backoff after a retryable error: 0.5 s doubling to 10 s (a test may lower the cap: REAPER_TEST_RUN_RETRY_MAX_MS). */
 const RETRY_FIRST_MS = 500;
@@ -98,16 +89,32 @@ export interface RunExecutorDeps {
   /** The clock a policy's schedule window is read with (default: this process's). */
   now?: () => Date;
   /**
-   * Pacing (issue 18), for a policy whose workers adapt their rate: how to read the rows/s they are
-   * admitted at now while that rate is in force (other clients share the database), null when it is
-   * not (alone, or nobody stepped it lately). Null or absent: every window is published at once.
-   * See paceWindow.
+   * Pacing (issues 18, 41), for a row-delete policy with a rate: how to read the rows/s its workers
+   * are admitted at now (a fixed rate, or the adaptive one while in force). Null or absent: every
+   * window is published at once. See paceWindow.
    */
-  paceBy?: (policy: Policy) => AdmittedRate | null;
+  paceBy?: (policy: Policy) => PaceSource | null;
 }
 
-/** The rows/s a policy's workers are admitted at now, while an adaptive rate is in force; null otherwise. */
-export type AdmittedRate = () => Promise<number | null>;
+/** One read of a run's pace, before a window. */
+export interface PaceReading {
+  /** The rows/s the policy's workers are admitted at now; null when no rate is in force (adaptive: alone, or nobody stepped it lately). */
+  rate: number | null;
+  /** Adaptive: a stamp of the policy's last admission take (null: none yet); a different one means a worker took since. */
+  lastTakeAt?: string | null;
+}
+
+/**
+ * How a policy's runs are paced: `read` before each window. `firstTake` (adaptive policies): with no
+ * rate in force at a run's start nothing is known yet of the others, so the run's first window is
+ * PACE_AHEAD_SECONDS of `rowsPerSecond` (the law's floor: what the workers start at when their look
+ * finds the database busy) and the scheduler waits, at most `withinMs`, for a take after it
+ * (paceWindow).
+ */
+export interface PaceSource {
+  read: () => Promise<PaceReading>;
+  firstTake: { rowsPerSecond: number; withinMs: number } | null;
+}
 
 /**
  * 'window-closed': the policy's schedule window closed; the run stopped at a batch boundary with its
@@ -160,7 +167,7 @@ interface RunContext {
 
 /** A claim's pacing so far: when the rows it published at a known rate would all be admitted. */
 interface Pace {
-  readonly rate: AdmittedRate | null;
+  readonly source: PaceSource | null;
   /** When the rows published at a known rate would all be admitted (ms, this process's clock). */
   dueAt: number;
   /** The rate dueAt was reckoned at: a different rate read later moves what is still due (paceWindow). */
@@ -168,8 +175,11 @@ interface Pace {
   /** Rows published before a rate was in force, and when the first of them went out: counted in dueAt once one is. */
   unpacedRows: number;
   unpacedSince: number | null;
-  /** The wait for a rate after the first window: when it began and how long it may last; null before it. */
-  firstWait: { from: number; ms: number } | null;
+  /**
+   * The wait for the workers' first take (source.firstTake): null before the first window; then the
+   * last take read before it and when that was; 'decided' once a take came, or the wait ran out.
+   */
+  firstTake: { before: string | null; since: number } | 'decided' | null;
   /** Whether the log said this claim is paced (once per claim). */
   told: boolean;
 }
@@ -265,7 +275,7 @@ async function executeClaimed(context: RunContext, run: Run, policy: Policy, tar
     if (lease.lost) return lostLease(log);
     retiredRows = retired.value.retiredRows;
   }
-  const pace: Pace = { rate: deps.paceBy?.(policy) ?? null, dueAt: 0, dueRate: null, unpacedRows: 0, unpacedSince: null, firstWait: null, told: false };
+  const pace: Pace = { source: deps.paceBy?.(policy) ?? null, dueAt: 0, dueRate: null, unpacedRows: 0, unpacedSince: null, firstTake: null, told: false };
   /** Outside the policy's schedule window nothing more goes out: the run stops at a batch boundary. */
   const scheduleWindowClosed = (): boolean => {
     const inWindow = windowStateAt(policy.window, (deps.now ?? (() => new Date()))());
@@ -599,31 +609,50 @@ async function failRun({ deps, log, claim, policy }: RunContext, what: string, r
  *    second doubled a 300 statements/s foreground's p99 even at 1 row/s (bench figure 7b,
  *    2026-12-07: the scheduler's Node process 0.08-0.10 of a core, each worker's 0.05-0.07, in
  *    that second; the seconds after it near 1).
- *  - no rate in force (adaptive: alone on the database, between runs, or before the workers' first take of
- *    this run has decided one): the full window at once, as unpaced; but after the first window
- *    the scheduler waits a little for a rate (PACE_FIRST_WAIT_MS), and when one comes in force the rows
- *    published before it count as published at that rate (a 16,000-row first window at the floor
- *    is 32 s of work: the second waits about 30 s). Not smaller first windows: the first window
- *    goes out before the workers have looked, and alone small windows cost round trips for nothing.
+ *  - no rate in force, adaptive, at a run's start (nobody stepped the rate lately): nothing is known
+ *    yet of the others, and the first window is only PACE_AHEAD_SECONDS of the law's floor (1,000
+ *    rows: two batches at batch 500). The scheduler then waits for a take after it (reading the pace
+ *    every PACE_FIRST_POLL_MS, at most firstTake.withinMs: the workers' start look and a margin):
+ *    others present, their first take puts the floor, or the look's rate, in force and the run is
+ *    paced from there, the first window's rows counted at it; alone, the take puts none in force and
+ *    full windows follow at once. A full first window went out before the workers had looked: the
+ *    scan of 16,000 rows, their encoding and publishing, and the workers' decoding of a prefetch of
+ *    them, all in a run's first second, which doubled a 300 statements/s foreground's p99 in it
+ *    (bench figure 7b, 2026-12-07: 2.17 for the default law, 1.03-1.40 for fixed rates paced from the
+ *    start). Alone the cost is the workers' short look (about 0.04 s) before the full windows.
+ *  - no rate in force otherwise (adaptive: alone on the database, or the rate went stale during the
+ *    run; the first take's wait ran out): full windows at once, and when a rate comes in force the
+ *    rows published without one count as published at it.
  * The workers never wait for the scheduler: it stays PACE_AHEAD_SECONDS ahead of what they may take.
- * Reading the rate is best effort: a failed read counts as no rate (the scan that follows meets
- * the same error and retries).
+ * Reading the pace is best effort: a failed read counts as no rate and no take (the scan that follows
+ * meets the same error and retries).
  */
 async function paceWindow(context: RunContext, policy: Policy, pace: Pace): Promise<Step<{ batches: number; rate: number | null }>> {
   const full = context.deps.windowBatches ?? CONFIRM_WINDOW;
-  if (pace.rate === null) return { ok: true, value: { batches: full, rate: null } };
+  const source = pace.source;
+  if (source === null) return { ok: true, value: { batches: full, rate: null } };
   for (;;) {
-    const rate = await pace.rate().catch(() => null);
+    const reading = await source.read().catch(() => null);
+    const rate = reading?.rate ?? null;
     if (rate === null || !(rate > 0)) {
-      if (pace.unpacedSince !== null) pace.firstWait ??= { from: Date.now(), ms: Math.min(PACE_FIRST_WAIT_MS, (pace.unpacedRows / PACE_FIRST_WAIT_ROWS_PER_SECOND) * 1000) };
-      const firstWaitLeftMs = pace.firstWait === null ? 0 : pace.firstWait.from + pace.firstWait.ms - Date.now();
-      if (firstWaitLeftMs > 0) {
-        const waited = await waitWhileLeased(context, Math.min(PACE_FIRST_POLL_MS, firstWaitLeftMs));
+      const first = source.firstTake;
+      if (first === null || pace.firstTake === 'decided') return { ok: true, value: { batches: full, rate: null } };
+      if (pace.firstTake === null) {
+        pace.firstTake = { before: reading?.lastTakeAt ?? null, since: Date.now() };
+        return { ok: true, value: { batches: Math.min(full, batchesFor(first.rowsPerSecond, policy.batchSize)), rate: null } };
+      }
+      const taken = reading !== null && (reading.lastTakeAt ?? null) !== pace.firstTake.before;
+      const leftMs = pace.firstTake.since + first.withinMs - Date.now();
+      if (!taken && leftMs > 0) {
+        const waited = await waitWhileLeased(context, Math.min(PACE_FIRST_POLL_MS, leftMs));
         if (waited !== 'held') return { ok: false, outcome: waited };
         continue;
       }
+      // A take with no rate in force: the workers are alone (or the wait ran out); full windows from here.
+      pace.firstTake = 'decided';
       return { ok: true, value: { batches: full, rate: null } };
     }
+    pace.firstTake = 'decided';
     // A rate that changed (an operator's override, a step of the adaptive law) moves what is still
     // due: the rows published and not yet admitted are admitted at the new rate from now on. Without
     // this an override raising a fixed rate left the run waiting out the old rate's schedule.
@@ -638,7 +667,7 @@ async function paceWindow(context: RunContext, policy: Policy, pace: Pace): Prom
     }
     const aheadMs = pace.dueAt - Date.now() - PACE_AHEAD_SECONDS * 1000;
     if (aheadMs <= 0) {
-      const batches = Math.min(full, Math.max(1, Math.ceil((rate * PACE_AHEAD_SECONDS) / policy.batchSize)));
+      const batches = Math.min(full, batchesFor(rate, policy.batchSize));
       if (!pace.told && batches < full) {
         pace.told = true;
         context.log.info({ rowsPerSecond: Math.round(rate), windowBatches: batches }, 'run paced by its admitted rate (a fixed rowsPerSecond, or the adaptive rate while others share the database)');
@@ -648,6 +677,11 @@ async function paceWindow(context: RunContext, policy: Policy, pace: Pace): Prom
     const waited = await waitWhileLeased(context, Math.min(PACE_POLL_MS, aheadMs));
     if (waited !== 'held') return { ok: false, outcome: waited };
   }
+}
+
+/** Batches of PACE_AHEAD_SECONDS at `rowsPerSecond`: at least one. */
+function batchesFor(rowsPerSecond: number, batchSize: number): number {
+  return Math.max(1, Math.ceil((rowsPerSecond * PACE_AHEAD_SECONDS) / batchSize));
 }
 
 /**

@@ -6,9 +6,10 @@ import { retiresPartitions, type Policy, type PolicySet } from '../../shared/con
 import { ReconnectingConnection } from '../../shared/amqp/connection';
 import { ConfirmingPublisher } from '../../shared/amqp/publisher';
 import { brokerNames, topologyFor } from '../../shared/amqp/topology';
+import { ADAPTIVE, lookLongestMs } from '../../shared/admission/adaptive';
 import { adaptiveAdmission } from '../../shared/admission/rows';
 import { assertSchemaCurrent } from '../../shared/db/migrate';
-import { admissionAdaptiveRateInForce, admissionOverridesRead } from '../../shared/db/queries/admission';
+import { admissionAdaptivePaceRead, admissionOverridesRead } from '../../shared/db/queries/admission';
 import { rowAdmissionWith } from '../../shared/admission/overrides';
 import { makePool, warmPool } from '../../shared/db/pool';
 import { partitionRetirePrivilegesMissing } from '../../shared/db/queries/partitions';
@@ -31,7 +32,7 @@ import { loadBatchVersionConfig } from '../../shared/config/batch-version';
 import { startHeartbeat } from '../../shared/observability/heartbeat';
 import { startBacklogGauges } from './backlog-gauges';
 import { makeBatchVersionGate } from './batch-version-gate';
-import { executeRun, type AdmittedRate, type RunExecutorDeps } from './run-executor';
+import { executeRun, type PaceSource, type RunExecutorDeps } from './run-executor';
 import { CRON_TIMEZONE, latestMissedTick, truncateToSecond } from './ticks';
 import { loadSchedulerTuning } from './tuning';
 import { makeWebhookRoutes, WEBHOOK_MAX_BODY_BYTES } from './webhooks';
@@ -42,20 +43,38 @@ import { startWindowWatch } from './windows';
  * (they step it every 250 ms or so while other clients share the database; alone they do not).
  */
 const PACE_RATE_FRESH_SECONDS = 5;
+/**
+ * A run's first window waits for its workers' first take at most their start look's length and
+ * this much (the message's way to a worker, its first statement's turn; a busy CI host's pauses):
+ * with no take by then the full windows go (no worker running: nobody to be gentle for).
+ */
+const PACE_FIRST_TAKE_MARGIN_MS = 1_000;
 
 /**
- * The rate a run of `policy` is paced by (run-executor.ts paceWindow): for row-delete policies, the
- * workers' adaptive rate while it is in force, or a fixed one (the file's, or an operator's
- * override) from the start. A policy with no rate in its file is not paced: an override adding one
- * later does not pace its runs (their windows go out whole, as before overrides existed).
+ * How a run of `policy` is paced (run-executor.ts paceWindow): for row-delete policies, the
+ * workers' adaptive rate while it is in force, its first window the floor's until their first take;
+ * or a fixed one (the file's, or an operator's override) from the start. A policy with no rate in
+ * its file is not paced: an override adding one later does not pace its runs (their windows go out
+ * whole, as before overrides existed).
  */
-export function paceRateFor(pool: pg.Pool, policy: Policy): AdmittedRate | null {
+export function paceFor(pool: pg.Pool, policy: Policy): PaceSource | null {
   if (policy.kind !== 'row-delete') return null;
-  if (adaptiveAdmission(policy)) return () => admissionAdaptiveRateInForce(pool, policy.name, PACE_RATE_FRESH_SECONDS);
   const fileRate = policy.admission?.rowsPerSecond;
+  if (adaptiveAdmission(policy)) {
+    return {
+      read: () => admissionAdaptivePaceRead(pool, policy.name, PACE_RATE_FRESH_SECONDS),
+      firstTake: {
+        rowsPerSecond: Math.min(ADAPTIVE.floorRowsPerSecond, fileRate ?? Number.POSITIVE_INFINITY),
+        withinMs: lookLongestMs(policy.admission?.law) + PACE_FIRST_TAKE_MARGIN_MS,
+      },
+    };
+  }
   if (fileRate === undefined) return null;
-  // A failed read of the overrides paces by the file's rate: no rate would publish a full window at once.
-  return async () => rowAdmissionWith(policy, (await admissionOverridesRead(pool, [policy.name]).catch(() => []))[0] ?? null).rowsPerSecond ?? fileRate;
+  return {
+    // A failed read of the overrides paces by the file's rate: no rate would publish a full window at once.
+    read: async () => ({ rate: rowAdmissionWith(policy, (await admissionOverridesRead(pool, [policy.name]).catch(() => []))[0] ?? null).rowsPerSecond ?? fileRate }),
+    firstTake: null,
+  };
 }
 
 /** How often a scheduler looks for runs made elsewhere (CLI, webhooks, crashed replicas). */
@@ -225,7 +244,7 @@ export async function startScheduler(env: Env, policies: PolicySet, log: Logger)
     stopping: () => stopping,
     batchVersion: gate.versionFor,
     now: windows.now,
-    paceBy: (policy) => paceRateFor(pool, policy),
+    paceBy: (policy) => paceFor(pool, policy),
   };
 
   /**

@@ -136,6 +136,15 @@ export function lookDone(samples: number, seen: LookMeans & { harm?: HarmReading
   return samples >= ADAPTIVE.startLookQuietSamples && quiet;
 }
 
+/**
+ * The longest a worker's start look lasts (lookDone, lookGapMs), its samples' own time left out:
+ * the load law's ADAPTIVE.startLookSamples gaps (0.16 s), the harm law's baseline after them. The
+ * scheduler waits about this long, and a margin, for a run's first take (run-executor.ts paceWindow).
+ */
+export function lookLongestMs(law: AdaptiveLaw = 'load'): number {
+  return ADAPTIVE.startLookSamples * ADAPTIVE.startLookGapMs + (law === 'harm' ? HARM.baselineSeconds * 1000 : 0);
+}
+
 /** The pause before a start look's next sample: ADAPTIVE.startLookGapMs, then HARM.sampleMs while the harm law's baseline fills. */
 export function lookGapMs(samples: number): number {
   return samples < ADAPTIVE.startLookSamples ? ADAPTIVE.startLookGapMs : HARM.sampleMs;

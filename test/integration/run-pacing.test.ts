@@ -1,18 +1,19 @@
 import assert from 'node:assert/strict';
 import { describe, test } from 'node:test';
+import pg from 'pg';
 import pino from 'pino';
 import { ConfirmingPublisher } from '../../shared/amqp/publisher';
 import { brokerNames } from '../../shared/amqp/topology';
 import { parsePolicies, type RowDeletePolicy } from '../../shared/config/policies';
-import { ADAPTIVE } from '../../shared/admission/adaptive';
+import { ADAPTIVE, lookLongestMs } from '../../shared/admission/adaptive';
 import { admitRows } from '../../shared/admission/rows';
 import { makePool } from '../../shared/db/pool';
-import { admissionAdaptiveRateInForce, admissionOverrideSet, admissionRowsEnsure } from '../../shared/db/queries/admission';
+import { admissionAdaptivePaceRead, admissionOverrideSet, admissionRowsEnsure } from '../../shared/db/queries/admission';
 import { targetResolve } from '../../shared/db/queries/target';
 import { runsClaimNext, runsInsertIfAbsent } from '../../shared/db/queries/runs';
 import { makeMetrics } from '../../shared/observability/metrics';
-import { executeRun, type RunExecutorDeps } from '../../services/scheduler/run-executor';
-import { paceRateFor } from '../../services/scheduler/scheduler';
+import { executeRun, type PaceSource, type RunExecutorDeps } from '../../services/scheduler/run-executor';
+import { paceFor } from '../../services/scheduler/scheduler';
 import { executorSuite } from '../support/executor-suite';
 import { combinedPoliciesYaml, rowDeletePolicyYaml, runRow } from '../support/fixtures';
 import { seedHolds } from '../support/seed';
@@ -36,11 +37,24 @@ describe('run pacing by the admitted rate (adaptive, or fixed)', () => {
    * Runs one run of `rows` expired holds (batch size 2 unless given) with `rate()` as the admitted rate; returns
    * each window as published (its batches, and the ms since the first window's checkpoint) and the
    * outcome. `onScan` runs before each scan (after any wait), `onWindow` after each window is recorded.
+   * `firstTake` (an adaptive policy's): `lastTakeAt()` is the stamp of the policy's last take the
+   * scheduler reads; `source` replaces the test's pace altogether (the scheduler's own, paceFor).
    */
   async function pacedRun(
     rows: number,
     rate: () => number | null,
-    options: { batchSize?: number; leaseMs?: number; policyYaml?: string; now?: () => Date; onScan?: (windowsSoFar: number) => Promise<void>; onWindow?: (windowsSoFar: number) => void; stopping?: () => boolean } = {},
+    options: {
+      batchSize?: number;
+      leaseMs?: number;
+      policyYaml?: string;
+      now?: () => Date;
+      firstTake?: PaceSource['firstTake'];
+      lastTakeAt?: () => string | null;
+      source?: (policy: RowDeletePolicy) => PaceSource | null;
+      onScan?: (windowsSoFar: number) => Promise<void>;
+      onWindow?: (windowsSoFar: number) => void;
+      stopping?: () => boolean;
+    } = {},
   ): Promise<{ windows: Array<{ batches: number; atMs: number }>; outcome: string; runId: string }> {
     await world.bed.pool.query('DELETE FROM seat_reservations');
     const policy = parsePolicies(`${rowDeletePolicyYaml({ batchSize: options.batchSize ?? 2 })}${options.policyYaml ?? ''}`, 'pacing.yaml', {}).get(POLICY)!;
@@ -61,7 +75,11 @@ describe('run pacing by the admitted rate (adaptive, or fixed)', () => {
       batchVersion: async () => 1,
       windowBatches: 16,
       ...(options.now ? { now: options.now } : {}),
-      paceBy: () => async () => rate(),
+      paceBy: (paced) =>
+        options.source?.(paced as RowDeletePolicy) ?? {
+          read: async () => ({ rate: rate(), ...(options.lastTakeAt ? { lastTakeAt: options.lastTakeAt() } : {}) }),
+          firstTake: options.firstTake ?? null,
+        },
       beforeStep: async (step) => {
         if (step === 'scan') await options.onScan?.(windows.length);
         if (step !== 'checkpoint') return;
@@ -83,39 +101,70 @@ describe('run pacing by the admitted rate (adaptive, or fixed)', () => {
     return { windows, outcome, runId: inserted.runId };
   }
 
-  test('no rate in force (alone): full windows, none paced; every row once', async () => {
+  test('no rate in force and no first take to wait for: full windows, none paced; every row once', async () => {
     const paced = await pacedRun(100, () => null);
     assert.equal(paced.outcome, 'published');
-    // 50 batches in windows of 16 (windowBatches here). After the first, a wait of at most its 32
-    // rows at 40,000 rows/s (under a millisecond): alone the workers are still in their own look.
+    // 50 batches in windows of 16 (windowBatches here), one after the other.
     assert.deepEqual(paced.windows.map((window) => window.batches), [16, 16, 16, 2]);
     assert.equal((await runRow(world.bed.pool, paced.runId)).candidates, 100);
   });
 
-  test('a rate that comes in force while the scheduler waits after the first window paces the rest, the first window counted at it', async () => {
-    // Batch 500: a full first window is 8,000 rows, so the scheduler waits up to 0.2 s (8,000 rows
-    // at 40,000 rows/s) for a rate, reading it every 50 ms. The rate is not a timer's (a slow
-    // machine's late timer would come after the wait): the scheduler's first read after the first
-    // window finds none (it waits), its next one finds 3,000 rows/s. At 3,000 rows/s windows are 12
-    // batches (2 s of it) and the first window's 8,000 rows are 2.67 s of it: the second waits until 0.67 s.
+  /**
+   * An adaptive policy's run with no rate in force (issue 41): its first window is two seconds of
+   * the floor (here 2 rows/s: 4 rows, two batches), then the scheduler waits for its workers' first
+   * take. `takeAt`: the scheduler's read after the first window (1 = the first) that sees a new
+   * take, and `rateAfterTake` what is in force from then on. The wait's bound is a minute: a run
+   * that ends sooner ended its wait at the take, never at the bound.
+   */
+  async function firstTakeRun(rows: number, takeAt: number, rateAfterTake: number | null, options: { batchSize?: number; withinMs?: number } = {}) {
     let windowsSoFar = 0;
-    const readsAfterFirst: Array<number | null> = [];
-    const paced = await pacedRun(14_000, () => {
-      if (windowsSoFar === 0) return null;
-      const rate = readsAfterFirst.length === 0 ? null : 3_000;
-      readsAfterFirst.push(rate);
-      return rate;
-    }, {
-      batchSize: 500,
+    const readsAfterFirst: Array<string | null> = [];
+    // Read first in each read of the pace (before lastTakeAt records it): this read's number is length + 1.
+    const taken = () => windowsSoFar > 0 && readsAfterFirst.length + 1 >= takeAt;
+    const paced = await pacedRun(rows, () => (taken() ? rateAfterTake : null), {
+      ...(options.batchSize ? { batchSize: options.batchSize } : {}),
+      firstTake: { rowsPerSecond: options.batchSize ? 500 : 2, withinMs: options.withinMs ?? 60_000 },
+      lastTakeAt: () => {
+        if (windowsSoFar === 0) return '2026-12-07T18:00:00.000000Z';
+        const stamp = taken() ? '2026-12-07T18:00:01.000000Z' : '2026-12-07T18:00:00.000000Z';
+        readsAfterFirst.push(stamp);
+        return stamp;
+      },
       onWindow: (count) => {
         windowsSoFar = count;
       },
     });
+    return { ...paced, readsAfterFirst };
+  }
+
+  test('adaptive, alone: the first window is the floor\'s, and a first take that puts no rate in force lets full windows follow at once', async () => {
+    // Before, the first window was full (16,000 rows at batch 500) and went out before the workers
+    // had looked: a run's first second doubled a 300 statements/s foreground's p99 (bench figure 7b).
+    const paced = await firstTakeRun(100, 3, null);
     assert.equal(paced.outcome, 'published');
-    assert.deepEqual(readsAfterFirst.slice(0, 2), [null, 3_000], 'the scheduler waited after the first window (no rate) and read the rate again');
-    assert.deepEqual(paced.windows.map((window) => window.batches), [16, 12]);
-    assert.ok(paced.windows[1]!.atMs >= 667 - 150, `the second window waited for the first one's rows at the rate: at ${paced.windows[1]!.atMs} ms`);
-    assert.equal((await runRow(world.bed.pool, paced.runId)).candidates, 14_000);
+    assert.deepEqual(paced.readsAfterFirst.slice(0, 3), ['2026-12-07T18:00:00.000000Z', '2026-12-07T18:00:00.000000Z', '2026-12-07T18:00:01.000000Z'], 'the scheduler waited after the first window until a take came');
+    assert.deepEqual(paced.windows.map((window) => window.batches), [2, 16, 16, 16]);
+    assert.equal((await runRow(world.bed.pool, paced.runId)).candidates, 100);
+  });
+
+  test('adaptive, others present: the first take puts a rate in force; the run is paced from there, the first window counted at it', async () => {
+    // Batch 500: the first window is the floor's two seconds, 1,000 rows (two batches). The take
+    // comes at the scheduler's second read after it with 1,500 rows/s in force: windows of 6
+    // batches (two seconds of it); the first window's 1,000 rows are 0.67 s of it, so the second
+    // window goes at once (what was published is then 2.67 s of the rate) and the third waits
+    // until 0.67 s, when it is two seconds ahead again.
+    const paced = await firstTakeRun(7_000, 2, 1_500, { batchSize: 500 });
+    assert.equal(paced.outcome, 'published');
+    assert.deepEqual(paced.windows.map((window) => window.batches), [2, 6, 6]);
+    assert.ok(paced.windows[2]!.atMs >= 667 - 150, `the third window waited for the first two's rows at the rate: at ${paced.windows[2]!.atMs} ms`);
+    assert.equal((await runRow(world.bed.pool, paced.runId)).candidates, 7_000);
+  });
+
+  test('adaptive, no take within the bound (no worker running): full windows once it has passed', async () => {
+    const paced = await firstTakeRun(100, Number.POSITIVE_INFINITY, null, { withinMs: 300 });
+    assert.equal(paced.outcome, 'published');
+    assert.deepEqual(paced.windows.map((window) => window.batches), [2, 16, 16, 16]);
+    assert.ok(paced.windows[1]!.atMs >= 300 - 150, `the second window waited out the bound: at ${paced.windows[1]!.atMs} ms`);
   });
 
   test('a rate in force: windows of two seconds of it, each published no more than two seconds ahead of it; the lease is kept while waiting', async () => {
@@ -226,29 +275,98 @@ describe('run pacing by the admitted rate (adaptive, or fixed)', () => {
       'fixed-pace.yaml',
       {},
     );
-    const fixed = paceRateFor(world.bed.pool, policies.get('fixed-pace')!);
+    const fixed = paceFor(world.bed.pool, policies.get('fixed-pace')!);
     assert.ok(fixed, 'a fixed-rate policy is paced');
-    assert.equal(await fixed(), 250, "the file's rate, before any worker took");
+    assert.equal(fixed.firstTake, null, 'a fixed rate is known before any take: no first take to wait for');
+    assert.equal((await fixed.read()).rate, 250, "the file's rate, before any worker took");
     await admissionOverrideSet(world.bed.pool, { policy: 'fixed-pace', rate: 4_000, setBy: 'run-pacing test' });
-    assert.equal(await fixed(), 4_000, "an operator's override, read afresh");
-    assert.equal(paceRateFor(world.bed.pool, policies.get('unthrottled-pace')!), null, 'no rate: not paced');
-    const adaptive = paceRateFor(world.bed.pool, policies.get('adaptive-pace')!);
+    assert.equal((await fixed.read()).rate, 4_000, "an operator's override, read afresh");
+    assert.equal(paceFor(world.bed.pool, policies.get('unthrottled-pace')!), null, 'no rate: not paced');
+    const adaptive = paceFor(world.bed.pool, policies.get('adaptive-pace')!);
     assert.ok(adaptive, 'an adaptive policy is paced by its rate in force');
-    assert.equal(await adaptive(), null, 'no rate in force before its workers step it');
+    assert.deepEqual(adaptive.firstTake, { rowsPerSecond: ADAPTIVE.floorRowsPerSecond, withinMs: lookLongestMs('load') + 1_000 }, "its first window is the floor's, and waits for a take");
+    assert.equal((await adaptive.read()).rate, null, 'no rate in force before its workers step it');
   });
 
   test('the rate the scheduler paces by: the policy\'s adaptive rate while workers stepped it lately; none when never stepped or not lately', async () => {
+    const rateOf = async (policy: string) => (await admissionAdaptivePaceRead(world.bed.pool, policy, 5)).rate;
     await admissionRowsEnsure(world.bed.pool, 'paced-policy', 1_000);
-    assert.equal(await admissionAdaptiveRateInForce(world.bed.pool, 'paced-policy', 5), null, 'never stepped');
-    assert.equal(await admissionAdaptiveRateInForce(world.bed.pool, 'no-such-policy', 5), null, 'no admission row');
+    assert.equal(await rateOf('paced-policy'), null, 'never stepped');
+    assert.equal((await admissionAdaptivePaceRead(world.bed.pool, 'paced-policy', 5)).lastTakeAt, null, 'a row made for a take not yet sent is no take');
+    assert.deepEqual(await admissionAdaptivePaceRead(world.bed.pool, 'no-such-policy', 5), { rate: null, lastTakeAt: null }, 'no admission row');
     // A policy's very first take stores the start rate and its time, with no pressure, alone too.
     await world.bed.pool.query(`UPDATE cleanup_admission SET adaptive_rate = ${ADAPTIVE.startRowsPerSecond}, adapted_at = clock_timestamp() WHERE policy = 'paced-policy'`);
-    assert.equal(await admissionAdaptiveRateInForce(world.bed.pool, 'paced-policy', 5), null, 'the first take only: not a step');
+    assert.equal(await rateOf('paced-policy'), null, 'the first take only: not a step');
+    assert.ok((await admissionAdaptivePaceRead(world.bed.pool, 'paced-policy', 5)).lastTakeAt, 'but a take');
     await world.bed.pool.query(`UPDATE cleanup_admission SET adaptive_rate = 750, adaptive_pressure = 2.4, adapted_at = clock_timestamp() WHERE policy = 'paced-policy'`);
-    assert.equal(await admissionAdaptiveRateInForce(world.bed.pool, 'paced-policy', 5), 750, 'stepped just now');
+    assert.equal(await rateOf('paced-policy'), 750, 'stepped just now');
     await world.bed.pool.query(`UPDATE cleanup_admission SET adapted_at = clock_timestamp() - interval '6 seconds' WHERE policy = 'paced-policy'`);
-    assert.equal(await admissionAdaptiveRateInForce(world.bed.pool, 'paced-policy', 5), null, 'stepped 6 s ago: not in force');
+    assert.equal(await rateOf('paced-policy'), null, 'stepped 6 s ago: not in force');
   });
+
+  /**
+   * The scheduler's own pace (paceFor, its real read of the admission row) and a real worker's
+   * first take (admitRows through a reaper-named pool, started when the first window is recorded),
+   * batch 500: the first window is the floor's two seconds (1,000 rows, two batches). The bound on
+   * the wait is a minute here: a run that goes on sooner went on at the take.
+   */
+  async function withRealFirstTake(rows: number): Promise<{ windows: Array<{ batches: number; atMs: number }>; outcome: string; runId: string; stored: { rate: number; inForce: number | null } }> {
+    const workerPool = makePool(world.bed.databaseUrl, 2, 'reaper-worker-run-pacing');
+    let take: Promise<unknown> | null = null;
+    try {
+      const paced = await pacedRun(rows, () => null, {
+        batchSize: 500,
+        source: (policy) => {
+          const real = paceFor(world.bed.pool, policy)!;
+          return { ...real, firstTake: { ...real.firstTake!, withinMs: 60_000 } };
+        },
+        onWindow: (count) => {
+          if (count === 1) {
+            const policy = parsePolicies(rowDeletePolicyYaml({ batchSize: 500 }), 'pacing.yaml', {}).get(POLICY) as RowDeletePolicy;
+            take = admitRows(workerPool, policy, 500, { holdMs: 10_000 });
+          }
+        },
+      });
+      assert.ok(take, 'the worker took');
+      assert.equal(((await take) as { admitted: boolean }).admitted, true);
+      const stored = (await world.bed.pool.query<{ rate: number }>(`SELECT adaptive_rate AS rate FROM cleanup_admission WHERE policy = $1`, [POLICY])).rows[0]!;
+      return { ...paced, stored: { rate: stored.rate, inForce: (await admissionAdaptivePaceRead(world.bed.pool, POLICY, 5)).rate } };
+    } finally {
+      await workerPool.end();
+    }
+  }
+
+  test("the scheduler's own pace, a real worker alone: its first take ends the wait, full windows follow", async () => {
+    await world.bed.pool.query('DELETE FROM cleanup_admission WHERE policy = $1', [POLICY]); // a new policy
+    await untilNobodyElse(world.bed.databaseUrl);
+    const paced = await withRealFirstTake(20_000);
+    assert.equal(paced.outcome, 'published');
+    assert.equal(paced.stored.inForce, null, 'alone: no rate in force');
+    assert.deepEqual(paced.windows.map((window) => window.batches), [2, 16, 16, 6]);
+  });
+
+  test("the scheduler's own pace, a real worker beside an application: its first take puts a rate in force and the run is paced by it", async () => {
+    await world.bed.pool.query('DELETE FROM cleanup_admission WHERE policy = $1', [POLICY]);
+    // An application in a transaction (not reaper-named): the worker's look sees somebody.
+    const application = new pg.Client({ connectionString: world.bed.databaseUrl, application_name: 'seat-app-run-pacing' });
+    await application.connect();
+    try {
+      await application.query('BEGIN');
+      await application.query('SELECT 1');
+      const paced = await withRealFirstTake(10_000);
+      assert.equal(paced.outcome, 'published');
+      assert.ok(paced.stored.inForce !== null && paced.stored.inForce <= ADAPTIVE.startRowsPerSecond / 4, `a gentle rate in force: ${JSON.stringify(paced.stored)}`);
+      const perWindow = Math.min(16, Math.ceil((paced.stored.inForce * 2) / 500));
+      assert.equal(paced.windows[0]!.batches, 2, "the first window: the floor's two seconds");
+      assert.ok(perWindow < 16, `windows of two seconds of ${paced.stored.inForce} rows/s are less than full`);
+      assert.deepEqual(paced.windows.slice(1, -1).map((window) => window.batches), paced.windows.slice(1, -1).map(() => perWindow), `paced windows: ${JSON.stringify(paced.windows)}`);
+      assert.equal((await runRow(world.bed.pool, paced.runId)).candidates, 10_000);
+    } finally {
+      await application.query('ROLLBACK').catch(() => undefined);
+      await application.end();
+    }
+  });
+
   test("a worker's real first take of a new policy, alone on the database, does not put a rate in force (it stores the start rate and its time, no step)", async () => {
     // The defect a1b2c4b fixed: the scheduler read this as 20,000 rows/s in force and held two
     // workers alone to it (cost figure: end to end / pg-boss 0.55 instead of 1.11).
@@ -264,6 +382,6 @@ describe('run pacing by the admitted rate (adaptive, or fixed)', () => {
       `SELECT adaptive_rate AS rate, adapted_at > clock_timestamp() - interval '5 seconds' AS fresh FROM cleanup_admission WHERE policy = 'first-take'`,
     )).rows[0]!;
     assert.deepEqual(stored, { rate: ADAPTIVE.startRowsPerSecond, fresh: true }, 'the first take stored the start rate just now');
-    assert.equal(await admissionAdaptiveRateInForce(world.bed.pool, 'first-take', 5), null, 'not a rate in force');
+    assert.equal((await admissionAdaptivePaceRead(world.bed.pool, 'first-take', 5)).rate, null, 'not a rate in force');
   });
 });

@@ -409,25 +409,41 @@ const OTHERS_FINISHED = (since: string, asked: string): string => `coalesce(arra
                   AND s.state_change > coalesce(to_timestamp(${since}::float8 / 1000), clock_timestamp() - interval '${HARM.aloneAfterSeconds} seconds')), '{}') AS finished_ms,
               extract(epoch FROM clock_timestamp())::float8 * 1000 AS sampled_at`;
 
-/**
- * The policy's adaptive rate (rows/s) while workers are stepping it: stepped within `freshSeconds`
- * with a pressure (they step it at most every ADAPTIVE.stepMs while other clients share the
- * database; alone, or between runs, nobody does). Null otherwise: no row, not lately, or only the
- * policy's very first take, which stores the start rate and its time with no pressure, alone too
- * (paced by that, two workers alone ran the cost figure's end to end at 0.56 of its speed). The
- * scheduler paces its scan windows by it (run-executor.ts); a primary-key read, no lock.
- */
-export async function admissionAdaptiveRateInForce(db: Db, policy: string, freshSeconds: number): Promise<number | null> {
-  const result = await db.query<{ rate: number }>(
+/** What the scheduler paces a run of an adaptive policy by (admissionAdaptivePaceRead). */
+export interface AdaptivePaceReading {
+  /**
+   * The policy's adaptive rate (rows/s) while workers are stepping it: stepped within `freshSeconds`
+   * with a pressure (they step it at most every ADAPTIVE.stepMs while other clients share the
+   * database; alone, or between runs, nobody does). Null otherwise: no row, not lately, or only the
+   * policy's very first take, which stores the start rate and its time with no pressure, alone too
+   * (paced by that, two workers alone ran the cost figure's end to end at 0.56 of its speed).
+   */
+  rate: number | null;
+  /**
+   * When the admission row last changed (updated_at), once an adaptive take has been made on it
+   * (adapted_at: the policy's first take sets it; null before, or no row): every take writes it, so
+   * a value other than one read before means a worker has taken since, and decided whether others
+   * share the database (a run's first window waits for that: run-executor.ts paceWindow). Not
+   * before: a worker creates a new policy's row (admissionRowsEnsure) after its look and before
+   * its first take, and the scheduler read that row's creation as the take (no rate in force:
+   * "alone") one run in six beside an application (run-pacing.test.ts).
+   */
+  lastTakeAt: string | null;
+}
+
+/** The policy's adaptive rate in force and its last take (AdaptivePaceReading); a primary-key read, no lock. */
+export async function admissionAdaptivePaceRead(db: Db, policy: string, freshSeconds: number): Promise<AdaptivePaceReading> {
+  const result = await db.query<AdaptivePaceReading>(
     prepared(
-      'admission_rate_in_force',
-      `SELECT adaptive_rate AS rate FROM cleanup_admission
-       WHERE policy = $1 AND adaptive_rate IS NOT NULL AND adaptive_pressure IS NOT NULL
-         AND adapted_at > clock_timestamp() - make_interval(secs => $2::float8)`,
+      'admission_pace_read',
+      `SELECT CASE WHEN adaptive_rate IS NOT NULL AND adaptive_pressure IS NOT NULL
+                     AND adapted_at > clock_timestamp() - make_interval(secs => $2::float8) THEN adaptive_rate END AS rate,
+              CASE WHEN adapted_at IS NOT NULL THEN reaper_iso(updated_at) END AS "lastTakeAt"
+       FROM cleanup_admission WHERE policy = $1`,
       [policy, freshSeconds],
     ),
   );
-  return result.rows[0]?.rate ?? null;
+  return result.rows[0] ?? { rate: null, lastTakeAt: null };
 }
 
 /**
