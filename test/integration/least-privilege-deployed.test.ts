@@ -22,11 +22,14 @@ import { tmpdir } from 'node:os';
 import path from 'node:path';
 import type { DbRoleNames } from '../../shared/db/queries/roles';
 import { webhookSignaturesDeleteExpired } from '../../shared/db/queries/webhooks';
-import { admissionOthersSample } from '../../shared/db/queries/admission';
+import { admissionOthersSample, admissionOverrideSet, admissionRowsEnsure } from '../../shared/db/queries/admission';
+import { makePool } from '../../shared/db/pool';
+import { parsePolicies } from '../../shared/config/policies';
+import { paceFor } from '../../services/scheduler/scheduler';
 import { eventually } from '../support/eventually';
 import { assertNoLeakedProcesses, runReaperCli, startReaper, stopLeftovers, type ReaperProcess } from '../support/processes';
 import { makeTestBed, type TestBed } from '../support/testbed';
-import { rowDeletePolicyYaml } from '../support/fixtures';
+import { combinedPoliciesYaml, rowDeletePolicyYaml } from '../support/fixtures';
 import { seedHolds, countReservations } from '../support/seed';
 import { databaseUrlAs, dropTestRoles } from '../support/db-roles';
 import { TcpProxy } from '../support/tcp-proxy';
@@ -150,6 +153,28 @@ test('the scheduler role prunes expired webhook signatures', async () => {
   }
   const left = await bed.pool.query<{ signature: string }>('SELECT signature FROM cleanup_webhook_signatures ORDER BY 1');
   assert.deepEqual(left.rows.map((row) => row.signature), ['new-1']);
+});
+
+test("the scheduler role reads what it paces runs by: an operator's override of a fixed rate, and the adaptive rate's row", async () => {
+  // paceFor's override read falls back to the file's rate on any error, a refused SELECT included:
+  // only the override's own rate (4,000, not the file's 250) shows the read went through.
+  const policies = parsePolicies(
+    combinedPoliciesYaml(
+      rowDeletePolicyYaml({ name: 'paced-fixed' }).replace(/\n$/, '\n    admission: { adaptive: false, rowsPerSecond: 250 }\n'),
+      rowDeletePolicyYaml({ name: 'paced-adaptive' }),
+    ),
+    'paced.yaml',
+    {},
+  );
+  await admissionOverrideSet(bed.pool, { policy: 'paced-fixed', rate: 4_000, setBy: 'least-privilege test' });
+  await admissionRowsEnsure(bed.pool, 'paced-adaptive', 500);
+  const schedulerPool = makePool(urlAs(roles.scheduler), 1, 'reaper-scheduler-pace-test');
+  try {
+    assert.equal((await paceFor(schedulerPool, policies.get('paced-fixed')!)!.read()).rate, 4_000, "the override, read as the scheduler's role");
+    assert.deepEqual(await paceFor(schedulerPool, policies.get('paced-adaptive')!)!.read(), { rate: null, lastTakeAt: null }, "the adaptive row, read as the scheduler's role");
+  } finally {
+    await schedulerPool.end();
+  }
 });
 
 test('adaptive admission as deployed: the worker refuses to start when it cannot see other sessions, and an unseen session is present', async () => {
