@@ -175,6 +175,15 @@ test("the scheduler role reads what it paces runs by: an operator's override of 
   } finally {
     await schedulerPool.end();
   }
+  // A role that may not read the overrides (the application's: no grant on reaper's tables): the
+  // read is refused, and the run is paced by the file's rate, not published in full windows at once.
+  const refusedPool = makePool(urlAs(application), 1, 'reaper-scheduler-pace-refused');
+  try {
+    await assert.rejects(refusedPool.query('SELECT 1 FROM cleanup_admission_overrides'), /permission denied/, 'the role cannot read the overrides');
+    assert.equal((await paceFor(refusedPool, policies.get('paced-fixed')!)!.read()).rate, 250, "a failed read of the overrides paces by the file's rate");
+  } finally {
+    await refusedPool.end();
+  }
 });
 
 test('adaptive admission as deployed: the worker refuses to start when it cannot see other sessions, and an unseen session is present', async () => {
