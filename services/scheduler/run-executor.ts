@@ -102,6 +102,8 @@ export interface PaceReading {
   rate: number | null;
   /** Adaptive: a stamp of the policy's last admission take (null: none yet); a different one means a worker took since. */
   lastTakeAt?: string | null;
+  /** Adaptive: whether that take's own sample saw another client on the database. */
+  lastTakeSawOthers?: boolean | null;
 }
 
 /**
@@ -177,9 +179,11 @@ interface Pace {
   unpacedSince: number | null;
   /**
    * The wait for the workers' first take (source.firstTake): null before the first window; then the
-   * last take read before it and when that was; 'decided' once a take came, or the wait ran out.
+   * last take read before it (undefined: that read failed, the next good one is the baseline) and
+   * when the wait began (the first read after the first window went out); 'decided' once a take
+   * decided, or the wait ran out.
    */
-  firstTake: { before: string | null; since: number } | 'decided' | null;
+  firstTake: { before: string | null | undefined; since: number | null } | 'decided' | null;
   /** Whether the log said this claim is paced (once per claim). */
   told: boolean;
 }
@@ -612,10 +616,11 @@ async function failRun({ deps, log, claim, policy }: RunContext, what: string, r
  *  - no rate in force, adaptive, at a run's start (nobody stepped the rate lately): nothing is known
  *    yet of the others, and the first window is only PACE_AHEAD_SECONDS of the law's floor (1,000
  *    rows: two batches at batch 500). The scheduler then waits for a take after it (reading the pace
- *    every PACE_FIRST_POLL_MS, at most firstTake.withinMs: the workers' start look and a margin):
- *    others present, their first take puts the floor, or the look's rate, in force and the run is
- *    paced from there, the first window's rows counted at it; alone, the take puts none in force and
- *    full windows follow at once. A full first window went out before the workers had looked: the
+ *    every PACE_FIRST_POLL_MS, at most firstTake.withinMs from the first read after the window went
+ *    out: the workers' start look and a margin): others present, their first take (or the step
+ *    after it) puts the floor, or the look's rate, in force and the run is paced from there, the
+ *    first window's rows counted at it; a take whose own sample saw nobody means alone, and full
+ *    windows follow at once. A full first window went out before the workers had looked: the
  *    scan of 16,000 rows, their encoding and publishing, and the workers' decoding of a prefetch of
  *    them, all in a run's first second, which doubled a 300 statements/s foreground's p99 in it
  *    (bench figure 7b, 2026-12-07: 2.17 for the default law, 1.03-1.40 for fixed rates paced from the
@@ -638,17 +643,24 @@ async function paceWindow(context: RunContext, policy: Policy, pace: Pace): Prom
       const first = source.firstTake;
       if (first === null || pace.firstTake === 'decided') return { ok: true, value: { batches: full, rate: null } };
       if (pace.firstTake === null) {
-        pace.firstTake = { before: reading?.lastTakeAt ?? null, since: Date.now() };
+        pace.firstTake = { before: reading === null ? undefined : (reading.lastTakeAt ?? null), since: null };
         return { ok: true, value: { batches: Math.min(full, batchesFor(first.rowsPerSecond, policy.batchSize)), rate: null } };
       }
-      const taken = reading !== null && (reading.lastTakeAt ?? null) !== pace.firstTake.before;
-      const leftMs = pace.firstTake.since + first.withinMs - Date.now();
-      if (!taken && leftMs > 0) {
+      const wait = pace.firstTake;
+      wait.since ??= Date.now();
+      if (wait.before === undefined && reading !== null) wait.before = reading.lastTakeAt ?? null;
+      const taken = reading !== null && wait.before !== undefined && (reading.lastTakeAt ?? null) !== wait.before;
+      // A take that saw nobody decides "alone". One that saw others but put no rate in force (a rate
+      // stepped 5-30 s ago is neither in force nor restarted; the harm law holds until it has
+      // durations; a worker that took lately skips its look) is followed by a step: wait for it.
+      const alone = taken && reading.lastTakeSawOthers !== true;
+      const leftMs = wait.since + first.withinMs - Date.now();
+      if (!alone && leftMs > 0) {
         const waited = await waitWhileLeased(context, Math.min(PACE_FIRST_POLL_MS, leftMs));
         if (waited !== 'held') return { ok: false, outcome: waited };
         continue;
       }
-      // A take with no rate in force: the workers are alone (or the wait ran out); full windows from here.
+      // Alone (or the wait ran out): full windows from here.
       pace.firstTake = 'decided';
       return { ok: true, value: { batches: full, rate: null } };
     }

@@ -171,7 +171,7 @@ test("the scheduler role reads what it paces runs by: an operator's override of 
   const schedulerPool = makePool(urlAs(roles.scheduler), 1, 'reaper-scheduler-pace-test');
   try {
     assert.equal((await paceFor(schedulerPool, policies.get('paced-fixed')!)!.read()).rate, 4_000, "the override, read as the scheduler's role");
-    assert.deepEqual(await paceFor(schedulerPool, policies.get('paced-adaptive')!)!.read(), { rate: null, lastTakeAt: null }, "the adaptive row, read as the scheduler's role");
+    assert.deepEqual(await paceFor(schedulerPool, policies.get('paced-adaptive')!)!.read(), { rate: null, lastTakeAt: null, lastTakeSawOthers: null }, "the adaptive row, read as the scheduler's role");
   } finally {
     await schedulerPool.end();
   }

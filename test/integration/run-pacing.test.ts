@@ -37,8 +37,8 @@ describe('run pacing by the admitted rate (adaptive, or fixed)', () => {
    * Runs one run of `rows` expired holds (batch size 2 unless given) with `rate()` as the admitted rate; returns
    * each window as published (its batches, and the ms since the first window's checkpoint) and the
    * outcome. `onScan` runs before each scan (after any wait), `onWindow` after each window is recorded.
-   * `firstTake` (an adaptive policy's): `lastTakeAt()` is the stamp of the policy's last take the
-   * scheduler reads; `source` replaces the test's pace altogether (the scheduler's own, paceFor).
+   * `firstTake` (an adaptive policy's): `lastTake()` is the policy's last take as the scheduler reads
+   * it (read after `rate()`); `source` replaces the test's pace altogether (the scheduler's own, paceFor).
    */
   async function pacedRun(
     rows: number,
@@ -49,7 +49,7 @@ describe('run pacing by the admitted rate (adaptive, or fixed)', () => {
       policyYaml?: string;
       now?: () => Date;
       firstTake?: PaceSource['firstTake'];
-      lastTakeAt?: () => string | null;
+      lastTake?: () => { lastTakeAt: string | null; lastTakeSawOthers: boolean | null };
       source?: (policy: RowDeletePolicy) => PaceSource | null;
       onScan?: (windowsSoFar: number) => Promise<void>;
       onWindow?: (windowsSoFar: number) => void;
@@ -77,7 +77,7 @@ describe('run pacing by the admitted rate (adaptive, or fixed)', () => {
       ...(options.now ? { now: options.now } : {}),
       paceBy: (paced) =>
         options.source?.(paced as RowDeletePolicy) ?? {
-          read: async () => ({ rate: rate(), ...(options.lastTakeAt ? { lastTakeAt: options.lastTakeAt() } : {}) }),
+          read: async () => ({ rate: rate(), ...(options.lastTake ? options.lastTake() : {}) }),
           firstTake: options.firstTake ?? null,
         },
       beforeStep: async (step) => {
@@ -112,37 +112,61 @@ describe('run pacing by the admitted rate (adaptive, or fixed)', () => {
   /**
    * An adaptive policy's run with no rate in force (issue 41): its first window is two seconds of
    * the floor (here 2 rows/s: 4 rows, two batches), then the scheduler waits for its workers' first
-   * take. `takeAt`: the scheduler's read after the first window (1 = the first) that sees a new
-   * take, and `rateAfterTake` what is in force from then on. The wait's bound is a minute: a run
-   * that ends sooner ended its wait at the take, never at the bound.
+   * take. Counted in the scheduler's reads of the pace after the first window (1 = the first):
+   * `takeAt`, the read that first sees a new take (`sawOthers`: what that take's sample saw);
+   * `rateAt` (default `takeAt`), the first read with `rate` in force. `failFirstRead`: the read
+   * before the first window fails. The wait's bound is a minute unless given: a run that ends sooner
+   * ended its wait at a take, never at the bound. Each read records how many windows were out then.
    */
-  async function firstTakeRun(rows: number, takeAt: number, rateAfterTake: number | null, options: { batchSize?: number; withinMs?: number } = {}) {
+  async function firstTakeRun(
+    rows: number,
+    take: { takeAt: number; sawOthers: boolean; rate: number | null; rateAt?: number },
+    options: { batchSize?: number; withinMs?: number; failFirstRead?: boolean } = {},
+  ) {
     let windowsSoFar = 0;
-    const readsAfterFirst: Array<string | null> = [];
-    // Read first in each read of the pace (before lastTakeAt records it): this read's number is length + 1.
-    const taken = () => windowsSoFar > 0 && readsAfterFirst.length + 1 >= takeAt;
-    const paced = await pacedRun(rows, () => (taken() ? rateAfterTake : null), {
-      ...(options.batchSize ? { batchSize: options.batchSize } : {}),
-      firstTake: { rowsPerSecond: options.batchSize ? 500 : 2, withinMs: options.withinMs ?? 60_000 },
-      lastTakeAt: () => {
-        if (windowsSoFar === 0) return '2026-12-07T18:00:00.000000Z';
-        const stamp = taken() ? '2026-12-07T18:00:01.000000Z' : '2026-12-07T18:00:00.000000Z';
-        readsAfterFirst.push(stamp);
-        return stamp;
+    let readsBeforeFirst = 0;
+    const readsAfterFirst: Array<{ stamp: string | null; windows: number }> = [];
+    // rate() comes first in each read (then lastTake() records it): this read's number is length + 1.
+    const readNumber = () => readsAfterFirst.length + 1;
+    const paced = await pacedRun(
+      rows,
+      () => {
+        if (windowsSoFar === 0 && options.failFirstRead && readsBeforeFirst++ === 0) throw new Error('the pace read failed');
+        return windowsSoFar > 0 && readNumber() >= (take.rateAt ?? take.takeAt) ? take.rate : null;
       },
-      onWindow: (count) => {
-        windowsSoFar = count;
+      {
+        ...(options.batchSize ? { batchSize: options.batchSize } : {}),
+        firstTake: { rowsPerSecond: options.batchSize ? 500 : 2, withinMs: options.withinMs ?? 60_000 },
+        lastTake: () => {
+          // The policy took before this run (an earlier run): the stamp the wait starts from.
+          if (windowsSoFar === 0) return { lastTakeAt: '2026-12-07T18:00:00.000000Z', lastTakeSawOthers: false };
+          const taken = readNumber() >= take.takeAt;
+          const stamp = taken ? '2026-12-07T18:00:01.000000Z' : '2026-12-07T18:00:00.000000Z';
+          readsAfterFirst.push({ stamp, windows: windowsSoFar });
+          return { lastTakeAt: stamp, lastTakeSawOthers: taken ? take.sawOthers : false };
+        },
+        onWindow: (count) => {
+          windowsSoFar = count;
+        },
       },
-    });
+    );
     return { ...paced, readsAfterFirst };
   }
 
-  test('adaptive, alone: the first window is the floor\'s, and a first take that puts no rate in force lets full windows follow at once', async () => {
+  test('adaptive, alone: the first window is the floor\'s, and a first take that saw nobody lets full windows follow at once', async () => {
     // Before, the first window was full (16,000 rows at batch 500) and went out before the workers
     // had looked: a run's first second doubled a 300 statements/s foreground's p99 (bench figure 7b).
-    const paced = await firstTakeRun(100, 3, null);
+    const paced = await firstTakeRun(100, { takeAt: 3, sawOthers: false, rate: null });
     assert.equal(paced.outcome, 'published');
-    assert.deepEqual(paced.readsAfterFirst.slice(0, 3), ['2026-12-07T18:00:00.000000Z', '2026-12-07T18:00:00.000000Z', '2026-12-07T18:00:01.000000Z'], 'the scheduler waited after the first window until a take came');
+    assert.deepEqual(
+      paced.readsAfterFirst.slice(0, 3),
+      [
+        { stamp: '2026-12-07T18:00:00.000000Z', windows: 1 },
+        { stamp: '2026-12-07T18:00:00.000000Z', windows: 1 },
+        { stamp: '2026-12-07T18:00:01.000000Z', windows: 1 },
+      ],
+      'the scheduler read the pace three times with only the first window out: it waited until a take came',
+    );
     assert.deepEqual(paced.windows.map((window) => window.batches), [2, 16, 16, 16]);
     assert.equal((await runRow(world.bed.pool, paced.runId)).candidates, 100);
   });
@@ -153,18 +177,38 @@ describe('run pacing by the admitted rate (adaptive, or fixed)', () => {
     // batches (two seconds of it); the first window's 1,000 rows are 0.67 s of it, so the second
     // window goes at once (what was published is then 2.67 s of the rate) and the third waits
     // until 0.67 s, when it is two seconds ahead again.
-    const paced = await firstTakeRun(7_000, 2, 1_500, { batchSize: 500 });
+    const paced = await firstTakeRun(7_000, { takeAt: 2, sawOthers: true, rate: 1_500 }, { batchSize: 500 });
     assert.equal(paced.outcome, 'published');
     assert.deepEqual(paced.windows.map((window) => window.batches), [2, 6, 6]);
     assert.ok(paced.windows[2]!.atMs >= 667 - 150, `the third window waited for the first two's rows at the rate: at ${paced.windows[2]!.atMs} ms`);
     assert.equal((await runRow(world.bed.pool, paced.runId)).candidates, 7_000);
   });
 
+  test('adaptive, a first take that saw others but put no rate in force: the scheduler waits on for the step that does', async () => {
+    // A take that decides nothing yet (a rate stepped 5-30 s ago is neither in force nor restarted;
+    // the harm law holds until it has durations): before, any take ended the wait, and with no rate
+    // in force full windows followed beside a busy application. The take at the second read saw
+    // others, the rate (1,500) comes at the fourth: paced from there, as in the test above.
+    const paced = await firstTakeRun(7_000, { takeAt: 2, sawOthers: true, rate: 1_500, rateAt: 4 }, { batchSize: 500 });
+    assert.equal(paced.outcome, 'published');
+    assert.deepEqual(paced.readsAfterFirst.slice(0, 4).map((read) => read.windows), [1, 1, 1, 1], 'four reads with only the first window out');
+    assert.deepEqual(paced.windows.map((window) => window.batches), [2, 6, 6]);
+  });
+
   test('adaptive, no take within the bound (no worker running): full windows once it has passed', async () => {
-    const paced = await firstTakeRun(100, Number.POSITIVE_INFINITY, null, { withinMs: 300 });
+    const paced = await firstTakeRun(100, { takeAt: Number.POSITIVE_INFINITY, sawOthers: false, rate: null }, { withinMs: 300 });
     assert.equal(paced.outcome, 'published');
     assert.deepEqual(paced.windows.map((window) => window.batches), [2, 16, 16, 16]);
     assert.ok(paced.windows[1]!.atMs >= 300 - 150, `the second window waited out the bound: at ${paced.windows[1]!.atMs} ms`);
+  });
+
+  test('adaptive, the read before the first window failed: the first good read is the baseline, not a take', async () => {
+    // Before, a failed first read left "no take yet" as the baseline, and the policy's existing
+    // stamp (an earlier run's take) read as this run's first take at the next good read: "alone".
+    const paced = await firstTakeRun(100, { takeAt: 3, sawOthers: false, rate: null }, { failFirstRead: true });
+    assert.equal(paced.outcome, 'published');
+    assert.deepEqual(paced.readsAfterFirst.slice(0, 3).map((read) => read.windows), [1, 1, 1], 'it waited for the take at the third read');
+    assert.deepEqual(paced.windows.map((window) => window.batches), [2, 16, 16, 16]);
   });
 
   test('a rate in force: windows of two seconds of it, each published no more than two seconds ahead of it; the lease is kept while waiting', async () => {
@@ -293,11 +337,10 @@ describe('run pacing by the admitted rate (adaptive, or fixed)', () => {
     await admissionRowsEnsure(world.bed.pool, 'paced-policy', 1_000);
     assert.equal(await rateOf('paced-policy'), null, 'never stepped');
     assert.equal((await admissionAdaptivePaceRead(world.bed.pool, 'paced-policy', 5)).lastTakeAt, null, 'a row made for a take not yet sent is no take');
-    assert.deepEqual(await admissionAdaptivePaceRead(world.bed.pool, 'no-such-policy', 5), { rate: null, lastTakeAt: null }, 'no admission row');
+    assert.deepEqual(await admissionAdaptivePaceRead(world.bed.pool, 'no-such-policy', 5), { rate: null, lastTakeAt: null, lastTakeSawOthers: null }, 'no admission row');
     // A policy's very first take stores the start rate and its time, with no pressure, alone too.
     await world.bed.pool.query(`UPDATE cleanup_admission SET adaptive_rate = ${ADAPTIVE.startRowsPerSecond}, adapted_at = clock_timestamp() WHERE policy = 'paced-policy'`);
     assert.equal(await rateOf('paced-policy'), null, 'the first take only: not a step');
-    assert.ok((await admissionAdaptivePaceRead(world.bed.pool, 'paced-policy', 5)).lastTakeAt, 'but a take');
     await world.bed.pool.query(`UPDATE cleanup_admission SET adaptive_rate = 750, adaptive_pressure = 2.4, adapted_at = clock_timestamp() WHERE policy = 'paced-policy'`);
     assert.equal(await rateOf('paced-policy'), 750, 'stepped just now');
     await world.bed.pool.query(`UPDATE cleanup_admission SET adapted_at = clock_timestamp() - interval '6 seconds' WHERE policy = 'paced-policy'`);
@@ -321,10 +364,9 @@ describe('run pacing by the admitted rate (adaptive, or fixed)', () => {
           return { ...real, firstTake: { ...real.firstTake!, withinMs: 60_000 } };
         },
         onWindow: (count) => {
-          if (count === 1) {
-            const policy = parsePolicies(rowDeletePolicyYaml({ batchSize: 500 }), 'pacing.yaml', {}).get(POLICY) as RowDeletePolicy;
-            take = admitRows(workerPool, policy, 500, { holdMs: 10_000 });
-          }
+          if (count !== 1) return;
+          const policy = parsePolicies(rowDeletePolicyYaml({ batchSize: 500 }), 'pacing.yaml', {}).get(POLICY) as RowDeletePolicy;
+          take = admitRows(workerPool, policy, 500, { holdMs: 10_000 });
         },
       });
       assert.ok(take, 'the worker took');
@@ -343,6 +385,7 @@ describe('run pacing by the admitted rate (adaptive, or fixed)', () => {
     assert.equal(paced.outcome, 'published');
     assert.equal(paced.stored.inForce, null, 'alone: no rate in force');
     assert.deepEqual(paced.windows.map((window) => window.batches), [2, 16, 16, 6]);
+    assert.ok(paced.windows[1]!.atMs < 10_000, `the second window went at the take, far within the minute's bound: at ${paced.windows[1]!.atMs} ms`);
   });
 
   test("the scheduler's own pace, a real worker beside an application: its first take puts a rate in force and the run is paced by it", async () => {
@@ -353,14 +396,15 @@ describe('run pacing by the admitted rate (adaptive, or fixed)', () => {
     try {
       await application.query('BEGIN');
       await application.query('SELECT 1');
-      const paced = await withRealFirstTake(10_000);
+      // 6,000 rows: at the look's rate (2,000 rows/s beside a session in a transaction) the run is out
+      // well within the 5 s its one step stays in force.
+      const paced = await withRealFirstTake(6_000);
       assert.equal(paced.outcome, 'published');
       assert.ok(paced.stored.inForce !== null && paced.stored.inForce <= ADAPTIVE.startRowsPerSecond / 4, `a gentle rate in force: ${JSON.stringify(paced.stored)}`);
-      const perWindow = Math.min(16, Math.ceil((paced.stored.inForce * 2) / 500));
       assert.equal(paced.windows[0]!.batches, 2, "the first window: the floor's two seconds");
-      assert.ok(perWindow < 16, `windows of two seconds of ${paced.stored.inForce} rows/s are less than full`);
-      assert.deepEqual(paced.windows.slice(1, -1).map((window) => window.batches), paced.windows.slice(1, -1).map(() => perWindow), `paced windows: ${JSON.stringify(paced.windows)}`);
-      assert.equal((await runRow(world.bed.pool, paced.runId)).candidates, 10_000);
+      assert.ok(paced.windows.length >= 3, `more than two windows: ${JSON.stringify(paced.windows)}`);
+      assert.ok(paced.windows.every((window) => window.batches < 16), `every window paced (less than full): ${JSON.stringify(paced.windows)}`);
+      assert.equal((await runRow(world.bed.pool, paced.runId)).candidates, 6_000);
     } finally {
       await application.query('ROLLBACK').catch(() => undefined);
       await application.end();
@@ -382,6 +426,8 @@ describe('run pacing by the admitted rate (adaptive, or fixed)', () => {
       `SELECT adaptive_rate AS rate, adapted_at > clock_timestamp() - interval '5 seconds' AS fresh FROM cleanup_admission WHERE policy = 'first-take'`,
     )).rows[0]!;
     assert.deepEqual(stored, { rate: ADAPTIVE.startRowsPerSecond, fresh: true }, 'the first take stored the start rate just now');
-    assert.equal((await admissionAdaptivePaceRead(world.bed.pool, 'first-take', 5)).rate, null, 'not a rate in force');
+    const read = await admissionAdaptivePaceRead(world.bed.pool, 'first-take', 5);
+    assert.equal(read.rate, null, 'not a rate in force');
+    assert.ok(read.lastTakeAt !== null && read.lastTakeSawOthers === false, `but a take, which saw nobody: ${JSON.stringify(read)}`);
   });
 });

@@ -420,15 +420,16 @@ export interface AdaptivePaceReading {
    */
   rate: number | null;
   /**
-   * When the admission row last changed (updated_at), once an adaptive take has been made on it
-   * (adapted_at: the policy's first take sets it; null before, or no row): every take writes it, so
-   * a value other than one read before means a worker has taken since, and decided whether others
-   * share the database (a run's first window waits for that: run-executor.ts paceWindow). Not
-   * before: a worker creates a new policy's row (admissionRowsEnsure) after its look and before
-   * its first take, and the scheduler read that row's creation as the take (no rate in force:
-   * "alone") one run in six beside an application (run-pacing.test.ts).
+   * When a worker last took (taken_at; null: never, or no row). A value other than one read before
+   * means a worker has taken since (a run's first window waits for that: run-executor.ts
+   * paceWindow). Only the take writes it: a worker creates a new policy's row (admissionRowsEnsure)
+   * after its look and just before its first take, and with updated_at as the stamp the scheduler
+   * read that row's creation as the take ("alone") one run in six beside an application
+   * (run-pacing.test.ts); a pause or a resume changed updated_at too.
    */
   lastTakeAt: string | null;
+  /** Whether that take's own sample saw another client (present, or a statement within the last second); null: no take, or not adaptive. */
+  lastTakeSawOthers: boolean | null;
 }
 
 /** The policy's adaptive rate in force and its last take (AdaptivePaceReading); a primary-key read, no lock. */
@@ -438,12 +439,12 @@ export async function admissionAdaptivePaceRead(db: Db, policy: string, freshSec
       'admission_pace_read',
       `SELECT CASE WHEN adaptive_rate IS NOT NULL AND adaptive_pressure IS NOT NULL
                      AND adapted_at > clock_timestamp() - make_interval(secs => $2::float8) THEN adaptive_rate END AS rate,
-              CASE WHEN adapted_at IS NOT NULL THEN reaper_iso(updated_at) END AS "lastTakeAt"
+              reaper_iso(taken_at) AS "lastTakeAt", taken_saw_others AS "lastTakeSawOthers"
        FROM cleanup_admission WHERE policy = $1`,
       [policy, freshSeconds],
     ),
   );
-  return result.rows[0] ?? { rate: null, lastTakeAt: null };
+  return result.rows[0] ?? { rate: null, lastTakeAt: null, lastTakeSawOthers: null };
 }
 
 /**
@@ -540,6 +541,8 @@ export async function admissionRowsTake(
        SELECT b.*, NOT b.paused AND NOT b.braked AND b.tokens >= least($4::float8, $2::float8) AS admitted FROM b
      )
      UPDATE cleanup_admission a SET tokens = d.tokens - CASE WHEN d.admitted THEN $4::float8 ELSE 0 END, refilled_at = d.at, updated_at = clock_timestamp(),
+       taken_at = clock_timestamp(),
+       taken_saw_others = CASE WHEN $8::boolean THEN others.present > 0 OR others.recent > 0 END,
        adaptive_rate = d.next_rate,
        adapted_at = CASE WHEN d.stepped THEN d.at_now ELSE d.adapted_at END,
        adaptive_admitted = CASE WHEN d.stepped THEN 0 ELSE d.adaptive_admitted END + CASE WHEN $8::boolean AND d.admitted THEN $4::float8 ELSE 0 END,
