@@ -47,7 +47,7 @@ export const CARRIED_BY_BROKER_MAX_MS = 10 * 60_000;
  * about that many rows, so the scan's work on the database is spread over the run like the
  * deletion's instead of all at its start.
  */
-export const PACE_AHEAD_SECONDS = 2;
+const PACE_AHEAD_SECONDS = 2;
 /** While ahead, the rate is read again this often (it may rise, or stop being in force). */
 const PACE_POLL_MS = 1_000;
 /** While a run's first window waits for its workers' first take (PaceSource.firstTake), the pace is read this often. */
@@ -691,8 +691,8 @@ async function paceWindow(context: RunContext, policy: Policy, pace: Pace): Prom
   }
 }
 
-/** Batches of PACE_AHEAD_SECONDS at `rowsPerSecond`: at least one. */
-function batchesFor(rowsPerSecond: number, batchSize: number): number {
+/** Batches of PACE_AHEAD_SECONDS at `rowsPerSecond`: at least one (a paced window, and an adaptive run's first at the floor). */
+export function batchesFor(rowsPerSecond: number, batchSize: number): number {
   return Math.max(1, Math.ceil((rowsPerSecond * PACE_AHEAD_SECONDS) / batchSize));
 }
 

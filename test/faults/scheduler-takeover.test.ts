@@ -2,7 +2,7 @@ import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
 import { brokerNames } from '../../shared/amqp/topology';
 import { ADAPTIVE } from '../../shared/admission/adaptive';
-import { PACE_AHEAD_SECONDS } from '../../services/scheduler/run-executor';
+import { batchesFor } from '../../services/scheduler/run-executor';
 import type { FailpointName } from '../../shared/testing/failpoints';
 import { type TestBroker } from '../support/broker';
 import { closeBedAndBroker, openBedAndBroker, readyAtRest, rowDeletePolicyYaml, runRow, startServices, stopAllCleanly, triggerRunId } from '../support/fixtures';
@@ -24,11 +24,11 @@ import { type TestBed } from '../support/testbed';
 const BATCH_SIZE = 50;
 /**
  * The run's first window, confirmed together, then checkpointed: the policy is adaptive (the
- * default) and no rate is in force at its start, so the first window is PACE_AHEAD_SECONDS of the
+ * default) and no rate is in force at its start, so the first window is two seconds (batchesFor) of the
  * law's floor (run-executor.ts paceWindow, issue 41): 20 batches here. The windows after it are
  * full (32 batches) once a worker's first take found nobody else, or no take came in time.
  */
-const WINDOW_BATCHES = Math.min(32, Math.ceil((ADAPTIVE.floorRowsPerSecond * PACE_AHEAD_SECONDS) / BATCH_SIZE));
+const WINDOW_BATCHES = Math.min(32, batchesFor(ADAPTIVE.floorRowsPerSecond, BATCH_SIZE));
 const EXPIRED = 4_000; // 80 batches: 20 + 32 + 28
 const FUTURE = 100;
 const CONFIRMED = 100;

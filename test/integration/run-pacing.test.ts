@@ -256,6 +256,29 @@ describe('run pacing by the admitted rate (adaptive, or fixed)', () => {
     assert.equal((await runRow(world.bed.pool, paced.runId)).candidates, 100);
   });
 
+  test('rows published unpaced after a rate went stale count from when they went out, not from an earlier unpaced stretch', async () => {
+    // Batch 2, windows of 16. The rate read before each window: none (the first window goes out
+    // unpaced), 1,000 (counted, the second paced), none again (the third unpaced, published 1.5 s
+    // later: the test holds its scan), then 10 rows/s. The third window's 32 rows are 3.2 s at 10
+    // rows/s from when they went out, so the fourth waits about 1.2 s (two seconds ahead). Counted
+    // from the first stretch's start (the unpaced stretch was never reset), they were due 1.5 s
+    // earlier and the fourth went at once.
+    let windowsSoFar = 0;
+    const rates = [null, 1_000, null, 10];
+    const paced = await pacedRun(110, () => rates[Math.min(windowsSoFar, rates.length - 1)] ?? null, {
+      onScan: async (count) => {
+        if (count === 2) await new Promise((resolve) => setTimeout(resolve, 1_500));
+      },
+      onWindow: (count) => {
+        windowsSoFar = count;
+      },
+    });
+    assert.equal(paced.outcome, 'published');
+    assert.deepEqual(paced.windows.map((window) => window.batches), [16, 16, 16, 7]);
+    const gapMs = paced.windows[3]!.atMs - paced.windows[2]!.atMs;
+    assert.ok(gapMs >= 1_200 - 200, `the fourth window waited for the third's rows at 10 rows/s from when they went out: ${gapMs} ms after it`);
+  });
+
   test('a schedule window that closes while the scheduler waits for the rate: the run stops there, nothing more goes out', async () => {
     // 1 row/s, batch 2: windows of one batch, the first two at once, the third after about 2 s.
     // The policy's window is 00:00-12:00 UTC on a clock the test sets: open until the scheduler's
