@@ -184,7 +184,11 @@ export interface ShapeContender {
   /** [ms since the trigger, rows deleted so far (receipts)], sampled every 100 ms until the long window's end. */
   deletedSeries: Array<[number, number]>;
   /** Adaptive: the shared rate (cleanup_admission.adaptive_rate) sampled every 100 ms in each window. */
-  adaptiveRate: { shortMedian: number | null; longMedian: number | null; series: Array<[number, number]> } | null;
+  /**
+   * The stored rate every 100 ms of the first round: [ms from the trigger, rows/s, the last step's
+   * adaptive_pressure (the load law's pressure, the harm law's harm; null before a step)].
+   */
+  adaptiveRate: { shortMedian: number | null; longMedian: number | null; series: Array<[number, number, number | null]> } | null;
   /**
    * The foreground's p99 ÷ alone in each whole second from the trigger (second 1 is [0, 1 s)), pooled
    * over the rounds: where in a run the harm lies. A run's start (the scan, the publish, the workers'
@@ -369,24 +373,26 @@ COMMIT;
   return [`${file}@1`];
 }
 
-/** One reaper run's progress, read every 100 ms: rows deleted (receipts), its state, the adaptive rate. */
+/** One reaper run's progress, read every 100 ms: rows deleted (receipts), its state, the adaptive rate and the last step's pressure (or harm). */
 interface Progress {
   at: number;
   deleted: number;
   state: string | null;
   adaptiveRate: number | null;
+  adaptivePressure: number | null;
 }
 
 async function readProgress(pool: pg.Pool, runId: string, policy: string): Promise<Progress> {
   const row = (
-    await pool.query<{ deleted: number; state: string | null; rate: number | null }>(
+    await pool.query<{ deleted: number; state: string | null; rate: number | null; pressure: number | null }>(
       `SELECT (SELECT coalesce(sum(deleted), 0)::int FROM cleanup_batches WHERE run_id = $1) AS deleted,
               (SELECT state FROM cleanup_runs WHERE run_id = $1) AS state,
-              (SELECT adaptive_rate FROM cleanup_admission WHERE policy = $2) AS rate`,
+              a.adaptive_rate AS rate, a.adaptive_pressure AS pressure
+         FROM (SELECT 1) AS one LEFT JOIN cleanup_admission AS a ON a.policy = $2`,
       [runId, policy],
     )
   ).rows[0]!;
-  return { at: Date.now(), deleted: row.deleted, state: row.state, adaptiveRate: row.rate };
+  return { at: Date.now(), deleted: row.deleted, state: row.state, adaptiveRate: row.rate, adaptivePressure: row.pressure };
 }
 
 /** Whether a candidate at or before `cutoff` is left (one a worker's batch held when the bench deleted the rest). */
@@ -800,7 +806,9 @@ async function runShape(context: BenchContext, seed: Seed, options: ShapesOption
             ? {
                 shortMedian: rates((one) => [one.startMs, one.shortEndMs]),
                 longMedian: rates((one) => [one.longFromMs, one.longEndMs]),
-                series: m.series.filter((s) => s.adaptiveRate !== null).map((s) => [s.at - m.startMs, Math.round(s.adaptiveRate!)] as [number, number]),
+                series: m.series
+                  .filter((s) => s.adaptiveRate !== null)
+                  .map((s) => [s.at - m.startMs, Math.round(s.adaptiveRate!), s.adaptivePressure === null ? null : Number(s.adaptivePressure.toFixed(3))] as [number, number, number | null]),
               }
             : null,
         p99RatioBySecond: p99RatioBySecond(runs),

@@ -8,7 +8,7 @@ import { parsePolicies, type RowDeletePolicy } from '../../shared/config/policie
 import { ADAPTIVE, lookLongestMs } from '../../shared/admission/adaptive';
 import { admitRows } from '../../shared/admission/rows';
 import { makePool } from '../../shared/db/pool';
-import { admissionAdaptivePaceRead, admissionOverrideSet, admissionRowsEnsure } from '../../shared/db/queries/admission';
+import { admissionAdaptivePaceRead, admissionOverrideSet, admissionRowsEnsure, admissionSetPaused } from '../../shared/db/queries/admission';
 import { targetResolve } from '../../shared/db/queries/target';
 import { runsClaimNext, runsInsertIfAbsent } from '../../shared/db/queries/runs';
 import { makeMetrics } from '../../shared/observability/metrics';
@@ -121,7 +121,7 @@ describe('run pacing by the admitted rate (adaptive, or fixed)', () => {
   async function firstTakeRun(
     rows: number,
     take: { takeAt: number; sawOthers: boolean; rate: number | null; rateAt?: number },
-    options: { batchSize?: number; withinMs?: number; failFirstRead?: boolean } = {},
+    options: { batchSize?: number; withinMs?: number; failFirstRead?: boolean; holdFirstScanMs?: number } = {},
   ) {
     let windowsSoFar = 0;
     let readsBeforeFirst = 0;
@@ -148,6 +148,9 @@ describe('run pacing by the admitted rate (adaptive, or fixed)', () => {
         onWindow: (count) => {
           windowsSoFar = count;
         },
+        ...(options.holdFirstScanMs
+          ? { onScan: async (windowsBefore: number) => (windowsBefore === 0 ? await new Promise<void>((resolve) => setTimeout(resolve, options.holdFirstScanMs)) : undefined) }
+          : {}),
       },
     );
     return { ...paced, readsAfterFirst };
@@ -200,6 +203,16 @@ describe('run pacing by the admitted rate (adaptive, or fixed)', () => {
     assert.equal(paced.outcome, 'published');
     assert.deepEqual(paced.windows.map((window) => window.batches), [2, 16, 16, 16]);
     assert.ok(paced.windows[1]!.atMs >= 300 - 150, `the second window waited out the bound: at ${paced.windows[1]!.atMs} ms`);
+  });
+
+  test("adaptive, a first window slow to go out (a slow or retried scan) does not use up the take's bound: its clock starts after the window", async () => {
+    // The first scan is held 600 ms, longer than the bound (300 ms); the take comes at the third read
+    // after the window (about 100 ms later) with 1,500 rows/s in force. Before, the bound ran from the
+    // read before the window: spent at the first read after it, full windows followed ([2, 12]).
+    const paced = await firstTakeRun(7_000, { takeAt: 3, sawOthers: true, rate: 1_500 }, { batchSize: 500, withinMs: 300, holdFirstScanMs: 600 });
+    assert.equal(paced.outcome, 'published');
+    assert.deepEqual(paced.readsAfterFirst.slice(0, 3).map((read) => read.windows), [1, 1, 1], 'it waited for the take at the third read');
+    assert.deepEqual(paced.windows.map((window) => window.batches), [2, 6, 6]);
   });
 
   test('adaptive, the read before the first window failed: the first good read is the baseline, not a take', async () => {
@@ -452,5 +465,13 @@ describe('run pacing by the admitted rate (adaptive, or fixed)', () => {
     const read = await admissionAdaptivePaceRead(world.bed.pool, 'first-take', 5);
     assert.equal(read.rate, null, 'not a rate in force');
     assert.ok(read.lastTakeAt !== null && read.lastTakeSawOthers === false, `but a take, which saw nobody: ${JSON.stringify(read)}`);
+
+    // A pause and a resume write the row too (updated_at), and are not takes: a run waiting for its
+    // workers' first take must not read them as one (before migration 32 the stamp was updated_at,
+    // and an operator's pause during the wait ended it as "alone").
+    await admissionSetPaused(world.bed.pool, ['first-take'], true, new Map([['first-take', 10]]));
+    await admissionSetPaused(world.bed.pool, ['first-take'], false, new Map([['first-take', 10]]));
+    const afterPause = await admissionAdaptivePaceRead(world.bed.pool, 'first-take', 5);
+    assert.equal(afterPause.lastTakeAt, read.lastTakeAt, 'a pause and a resume leave the last take as it was');
   });
 });
