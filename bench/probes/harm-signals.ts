@@ -1,0 +1,199 @@
+/**
+ * What PostgreSQL shows of the harm a cleanup does a foreground (issue 41 item 3): a probe, not a
+ * figure. The harm law (shared/admission/adaptive-harm.ts) reads the others' statement durations
+ * from pg_stat_activity; beside bench figure 7b's 2,000 point reads/s it read harm 0.95-1.11 all the
+ * way from 500 to 64,000 rows/s while the foreground's p99 rose to 4.7 x alone (2026-12-07), so it
+ * climbed without bound. This probe asks why, with nothing of reaper's pipeline in the way: pgbench
+ * point reads at a fixed rate (the foreground, its per-transaction log: the harm as the client
+ * sees it), and a bare DELETE loop at a few paces (2 connections, 500 rows a transaction, a pause
+ * after each commit), each pace in rounds of a window alone then a window deleting. Three signals
+ * are read in every window:
+ *  - the others' statement durations as the harm law reads them (admissionOthersSample every
+ *    100 ms: state_change - query_start of sessions idle again, each counted once);
+ *  - the round trip of `SELECT 1` every 20 ms on a connection of its own (a scheduling-latency
+ *    probe: the wait for a backend to be woken and run, which no statement duration contains);
+ *  - the foreground's own latencies (pgbench), the truth the others are judged against.
+ * Run: `npm run bench:harm-signals` (HARM_PROBE_ROUNDS, HARM_PROBE_PAUSES
+ * as comma-separated ms, HARM_PROBE_RATE reads/s, HARM_PROBE_WINDOW seconds); writes
+ * bench/results/<date>-harm-signals.{md,json}. Needs the local PostgreSQL and pgbench; creates and
+ * drops its own database.
+ */
+import { mkdtempSync, mkdirSync, writeFileSync } from 'node:fs';
+import os from 'node:os';
+import path from 'node:path';
+import pg from 'pg';
+import { admissionOthersSample } from '../../shared/db/queries/admission';
+import { Pgbench, percentile } from '../figures/foreground';
+import { SAMPLER_APPLICATION, databaseUrl, withAdmin } from '../lib/database';
+
+const DATABASE = 'reaper_harm_probe';
+const adminUrl = process.env.DATABASE_URL ?? 'postgres://postgres@127.0.0.1:5432/postgres';
+const rounds = Number(process.env.HARM_PROBE_ROUNDS ?? 3);
+const pausesMs = (process.env.HARM_PROBE_PAUSES ?? '0,25,100,400').split(',').map(Number);
+const readsPerSecond = Number(process.env.HARM_PROBE_RATE ?? 2000);
+const windowSeconds = Number(process.env.HARM_PROBE_WINDOW ?? 6);
+const BATCH = 500;
+const DELETERS = 2;
+/** Rows the junk table is refilled to before each window that deletes (the unthrottled loop deletes about 120k rows/s on a 2-core machine). */
+const JUNK_ROWS = 1_200_000;
+
+interface Window {
+  client: number[];
+  server: number[];
+  roundTrip: number[];
+}
+
+interface PaceResult {
+  pauseMs: number;
+  rowsPerSecond: number;
+  alone: Window;
+  deleting: Window;
+  /** Each round's foreground p99 deleting / alone. */
+  clientP99ByRound: number[];
+}
+
+const sleep = (ms: number) => new Promise<void>((resolve) => setTimeout(resolve, ms));
+const sorted = (values: readonly number[]) => [...values].sort((a, b) => a - b);
+const geometricMean = (values: readonly number[]) => Math.exp(values.reduce((sum, value) => sum + Math.log(value), 0) / values.length);
+const p = (values: readonly number[], q: number) => percentile(sorted(values), q);
+const emptyWindow = (): Window => ({ client: [], server: [], roundTrip: [] });
+
+async function prepare(url: string): Promise<void> {
+  await withAdmin(adminUrl, async (admin) => {
+    await admin.query(`DROP DATABASE IF EXISTS ${DATABASE} WITH (FORCE)`);
+    await admin.query(`CREATE DATABASE ${DATABASE}`);
+  });
+  const db = new pg.Client({ connectionString: url, application_name: SAMPLER_APPLICATION });
+  await db.connect();
+  await db.query(`CREATE TABLE app (id int PRIMARY KEY, v text)`);
+  await db.query(`INSERT INTO app SELECT i, md5(i::text) FROM generate_series(1, 200000) AS i`);
+  await db.query(`CREATE TABLE junk (id bigserial PRIMARY KEY, expires_at timestamptz NOT NULL, payload text)`);
+  await db.query(`CREATE INDEX ON junk (expires_at)`);
+  await db.query('VACUUM ANALYZE app');
+  await db.end();
+}
+
+/** One pace, one round: `windowSeconds` alone, then as long deleting; the three signals in each. */
+async function measure(url: string, directory: string, pauseMs: number, round: number): Promise<{ alone: Window; deleting: Window; rows: number }> {
+  // A pool of one: admissionOthersSample takes a pool or a pool's client, as the workers' do.
+  const sampler = new pg.Pool({ connectionString: url, application_name: SAMPLER_APPLICATION, max: 1 });
+  await sampler.query(`TRUNCATE junk`);
+  await sampler.query(`INSERT INTO junk (expires_at, payload) SELECT now() - i * interval '1 ms', md5(i::text) FROM generate_series(1, ${JUNK_ROWS}) AS i`);
+  await sampler.query('VACUUM ANALYZE junk');
+  await sampler.query('CHECKPOINT');
+  writeFileSync(path.join(directory, 'read.sql'), '\\set k random(1, 200000)\nSELECT v FROM app WHERE id = :k;\n');
+  const startMs = Date.now();
+  const warmMs = 1_000;
+  const aloneFrom = startMs + warmMs;
+  const deletingFrom = aloneFrom + windowSeconds * 1000;
+  const deletingTo = deletingFrom + windowSeconds * 1000;
+  const bench = new Pgbench(path.join(directory, `log-${pauseMs}-${round}`), url, [path.join(directory, 'read.sql')], { ratePerSecond: readsPerSecond, clients: 4 }, (warmMs + 2 * windowSeconds * 1000 + 2_000) / 1000);
+  const server: Array<[number, number]> = [];
+  const roundTrips: Array<[number, number]> = [];
+  let done = false;
+  const sampling = (async () => {
+    let since: number | null = null;
+    while (!done) {
+      const sample = await admissionOthersSample(sampler, since);
+      if (since !== null) for (const ms of sample.finishedMs) if (ms > 0) server.push([Date.now(), ms]);
+      since = sample.at;
+      await sleep(100);
+    }
+  })();
+  const probe = new pg.Client({ connectionString: url, application_name: 'reaper bench round trip' });
+  await probe.connect();
+  const probing = (async () => {
+    while (!done) {
+      const before = process.hrtime.bigint();
+      await probe.query('SELECT 1');
+      roundTrips.push([Date.now(), Number(process.hrtime.bigint() - before) / 1e6]);
+      await sleep(20);
+    }
+  })();
+  await sleep(deletingFrom - Date.now());
+  let rows = 0;
+  await Promise.all(
+    Array.from({ length: DELETERS }, async (_, index) => {
+      const deleter = new pg.Client({ connectionString: url, application_name: `reaper-worker-probe-${index}` });
+      await deleter.connect();
+      while (Date.now() < deletingTo) {
+        await deleter.query('BEGIN');
+        const result = await deleter.query(`DELETE FROM junk WHERE id IN (SELECT id FROM junk ORDER BY expires_at LIMIT ${BATCH} FOR UPDATE SKIP LOCKED)`);
+        await deleter.query('COMMIT');
+        rows += result.rowCount ?? 0;
+        if (pauseMs > 0) await sleep(pauseMs);
+      }
+      await deleter.end();
+    }),
+  );
+  await sleep(500);
+  done = true;
+  await Promise.all([sampling, probing]);
+  await bench.stop();
+  await Promise.all([sampler.end(), probe.end()]);
+  const inWindow = (from: number, to: number): Window => ({
+    client: bench.transactions(from, to).map((t) => t.ms),
+    server: server.filter(([at]) => at >= from && at < to).map(([, ms]) => ms),
+    roundTrip: roundTrips.filter(([at]) => at >= from && at < to).map(([, ms]) => ms),
+  });
+  return { alone: inWindow(aloneFrom, deletingFrom), deleting: inWindow(deletingFrom, deletingTo), rows };
+}
+
+function ratio(deleting: readonly number[], alone: readonly number[], of: (values: readonly number[]) => number): string {
+  return deleting.length > 0 && alone.length > 0 ? (of(deleting) / of(alone)).toFixed(2) : '-';
+}
+
+async function main(): Promise<void> {
+  const url = databaseUrl(adminUrl, DATABASE);
+  const directory = mkdtempSync(path.join(os.tmpdir(), 'reaper-harm-probe-'));
+  await prepare(url);
+  const results: PaceResult[] = pausesMs.map((pauseMs) => ({ pauseMs, rowsPerSecond: 0, alone: emptyWindow(), deleting: emptyWindow(), clientP99ByRound: [] }));
+  const started = Date.now();
+  for (let round = 0; round < rounds; round += 1) {
+    // Each round visits the paces in another order: the machine's slow drift falls on all alike.
+    const order = results.map((_, index) => (index + round) % results.length);
+    for (const index of order) {
+      const result = results[index]!;
+      const one = await measure(url, directory, result.pauseMs, round);
+      for (const key of ['client', 'server', 'roundTrip'] as const) {
+        result.alone[key].push(...one.alone[key]);
+        result.deleting[key].push(...one.deleting[key]);
+      }
+      result.rowsPerSecond += one.rows / windowSeconds / rounds;
+      result.clientP99ByRound.push(p(one.deleting.client, 0.99) / p(one.alone.client, 0.99));
+      process.stdout.write(`round ${round + 1}, pause ${result.pauseMs} ms: ${Math.round(one.rows / windowSeconds)} rows/s, foreground p99 ${(p(one.deleting.client, 0.99) / p(one.alone.client, 0.99)).toFixed(2)} x alone\n`);
+    }
+  }
+  await withAdmin(adminUrl, (admin) => admin.query(`DROP DATABASE IF EXISTS ${DATABASE} WITH (FORCE)`));
+  const gm = geometricMean;
+  const q = (quantile: number) => (values: readonly number[]) => p(values, quantile);
+  const lines = [
+    `# What PostgreSQL shows of a cleanup's harm (bench/probes/harm-signals.ts), ${new Date().toISOString().slice(0, 16)}Z`,
+    '',
+    `${os.cpus().length} cores, load average ${os.loadavg().map((value) => value.toFixed(2)).join(' ')} at the end; ${rounds} rounds of ${windowSeconds} s alone then ${windowSeconds} s deleting per pace, each ratio pooled over the rounds (deleting ÷ alone); pgbench ${readsPerSecond} point reads/s on 4 clients; a bare DELETE loop on ${DELETERS} connections, ${BATCH} rows a transaction, a pause after each commit; ${Math.round((Date.now() - started) / 1000)} s.`,
+    '',
+    '| pause after each commit | rows/s | foreground (pgbench) p50 / p90 / p99 | p99 by round | others\' statement durations, as the harm law reads them: geometric mean / p90 / p99 (count alone, deleting) | `SELECT 1` round trip: p50 / p90 / p99 |',
+    '|---|---|---|---|---|---|',
+    ...results.map(
+      (r) =>
+        `| ${r.pauseMs} ms | ${Math.round(r.rowsPerSecond).toLocaleString('en-US')} | ${ratio(r.deleting.client, r.alone.client, q(0.5))} / ${ratio(r.deleting.client, r.alone.client, q(0.9))} / **${ratio(r.deleting.client, r.alone.client, q(0.99))}** | ${r.clientP99ByRound.map((value) => value.toFixed(2)).join(' ')} | **${ratio(r.deleting.server, r.alone.server, gm)}** / ${ratio(r.deleting.server, r.alone.server, q(0.9))} / ${ratio(r.deleting.server, r.alone.server, q(0.99))} (${r.alone.server.length}, ${r.deleting.server.length}) | ${ratio(r.deleting.roundTrip, r.alone.roundTrip, q(0.5))} / ${ratio(r.deleting.roundTrip, r.alone.roundTrip, q(0.9))} / ${ratio(r.deleting.roundTrip, r.alone.roundTrip, q(0.99))} |`,
+    ),
+    '',
+    `Alone (pooled): foreground p99 ${results.map((r) => p(r.alone.client, 0.99).toFixed(2)).join(' / ')} ms; others' statements geometric mean ${results.map((r) => gm(r.alone.server).toFixed(3)).join(' / ')} ms; round trip p50 ${results.map((r) => p(r.alone.roundTrip, 0.5).toFixed(2)).join(' / ')} ms (in the order of the table).`,
+    '',
+  ];
+  const resultsDirectory = path.join(process.cwd(), 'bench', 'results');
+  mkdirSync(resultsDirectory, { recursive: true });
+  const base = path.join(resultsDirectory, `${new Date().toISOString().slice(0, 10)}-harm-signals`);
+  writeFileSync(`${base}.md`, lines.join('\n'));
+  writeFileSync(
+    `${base}.json`,
+    JSON.stringify({ rounds, windowSeconds, readsPerSecond, paces: results.map((r) => ({ pauseMs: r.pauseMs, rowsPerSecond: r.rowsPerSecond, clientP99ByRound: r.clientP99ByRound })) }, null, 1),
+  );
+  process.stdout.write(`${lines.join('\n')}\nwrote ${base}.md and .json\n`);
+}
+
+main().catch((error: unknown) => {
+  process.stderr.write(`harm-signals: ${error instanceof Error ? error.message : String(error)}\n`);
+  process.exit(1);
+});
