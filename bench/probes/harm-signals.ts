@@ -14,8 +14,8 @@
  *    probe: the wait for a backend to be woken and run, which no statement duration contains);
  *  - the foreground's own latencies (pgbench), the truth the others are judged against.
  * Run: `npm run bench:harm-signals` (HARM_PROBE_ROUNDS, HARM_PROBE_PAUSES
- * as comma-separated ms, HARM_PROBE_RATE reads/s, HARM_PROBE_WINDOW seconds); writes
- * bench/results/<date>-harm-signals.{md,json}. Needs the local PostgreSQL and pgbench; creates and
+ * as comma-separated ms, HARM_PROBE_SCRIPT read or write, HARM_PROBE_RATE transactions/s,
+ * HARM_PROBE_WINDOW seconds); writes bench/results/<date>-harm-signals-<script>-<rate>.{md,json}. Needs the local PostgreSQL and pgbench; creates and
  * drops its own database.
  */
 import { mkdtempSync, mkdirSync, writeFileSync } from 'node:fs';
@@ -32,6 +32,27 @@ const rounds = Number(process.env.HARM_PROBE_ROUNDS ?? 3);
 const pausesMs = (process.env.HARM_PROBE_PAUSES ?? '0,25,100,400').split(',').map(Number);
 const readsPerSecond = Number(process.env.HARM_PROBE_RATE ?? 2000);
 const windowSeconds = Number(process.env.HARM_PROBE_WINDOW ?? 6);
+/**
+ * The foreground's transaction (HARM_PROBE_SCRIPT): `read`, a point read; `write`, an update by key and
+ * a 20-row insert in one transaction (its commit waits for a WAL flush, inside a statement: the COMMIT).
+ */
+const SCRIPTS = {
+  read: '\\set k random(1, 200000)\nSELECT v FROM app WHERE id = :k;\n',
+  write:
+    '\\set k random(1, 200000)\nBEGIN;\nUPDATE app SET v = md5(random()::text) WHERE id = :k;\n' +
+    'INSERT INTO app_log (app_id, v) SELECT :k, md5(i::text) FROM generate_series(1, 20) AS i;\nCOMMIT;\n',
+} as const;
+const scriptName = (process.env.HARM_PROBE_SCRIPT ?? 'read') as keyof typeof SCRIPTS;
+for (const [name, value] of Object.entries({ HARM_PROBE_ROUNDS: rounds, HARM_PROBE_RATE: readsPerSecond, HARM_PROBE_WINDOW: windowSeconds })) {
+  if (!(Number.isInteger(value) && value > 0)) usage(`${name} must be a positive whole number; got ${JSON.stringify(process.env[name])}`);
+}
+if (pausesMs.some((pause) => !(Number.isInteger(pause) && pause >= 0))) usage(`HARM_PROBE_PAUSES must be whole ms >= 0, comma-separated; got ${JSON.stringify(process.env.HARM_PROBE_PAUSES)}`);
+if (!(scriptName in SCRIPTS)) usage(`HARM_PROBE_SCRIPT must be one of ${Object.keys(SCRIPTS).join(', ')}; got ${JSON.stringify(scriptName)}`);
+
+function usage(message: string): never {
+  process.stderr.write(`harm-signals: ${message}\n`);
+  process.exit(2);
+}
 const BATCH = 500;
 const DELETERS = 2;
 /** Rows the junk table is refilled to before each window that deletes (the unthrottled loop deletes about 120k rows/s on a 2-core machine). */
@@ -67,6 +88,7 @@ async function prepare(url: string): Promise<void> {
   await db.connect();
   await db.query(`CREATE TABLE app (id int PRIMARY KEY, v text)`);
   await db.query(`INSERT INTO app SELECT i, md5(i::text) FROM generate_series(1, 200000) AS i`);
+  await db.query(`CREATE TABLE app_log (id bigserial PRIMARY KEY, app_id int NOT NULL, v text, at timestamptz NOT NULL DEFAULT now())`);
   await db.query(`CREATE TABLE junk (id bigserial PRIMARY KEY, expires_at timestamptz NOT NULL, payload text)`);
   await db.query(`CREATE INDEX ON junk (expires_at)`);
   await db.query('VACUUM ANALYZE app');
@@ -81,13 +103,13 @@ async function measure(url: string, directory: string, pauseMs: number, round: n
   await sampler.query(`INSERT INTO junk (expires_at, payload) SELECT now() - i * interval '1 ms', md5(i::text) FROM generate_series(1, ${JUNK_ROWS}) AS i`);
   await sampler.query('VACUUM ANALYZE junk');
   await sampler.query('CHECKPOINT');
-  writeFileSync(path.join(directory, 'read.sql'), '\\set k random(1, 200000)\nSELECT v FROM app WHERE id = :k;\n');
+  writeFileSync(path.join(directory, 'foreground.sql'), SCRIPTS[scriptName]);
   const startMs = Date.now();
   const warmMs = 1_000;
   const aloneFrom = startMs + warmMs;
   const deletingFrom = aloneFrom + windowSeconds * 1000;
   const deletingTo = deletingFrom + windowSeconds * 1000;
-  const bench = new Pgbench(path.join(directory, `log-${pauseMs}-${round}`), url, [path.join(directory, 'read.sql')], { ratePerSecond: readsPerSecond, clients: 4 }, (warmMs + 2 * windowSeconds * 1000 + 2_000) / 1000);
+  const bench = new Pgbench(path.join(directory, `log-${pauseMs}-${round}`), url, [path.join(directory, 'foreground.sql')], { ratePerSecond: readsPerSecond, clients: 4 }, (warmMs + 2 * windowSeconds * 1000 + 2_000) / 1000);
   const server: Array<[number, number]> = [];
   const roundTrips: Array<[number, number]> = [];
   let done = false;
@@ -170,7 +192,7 @@ async function main(): Promise<void> {
   const lines = [
     `# What PostgreSQL shows of a cleanup's harm (bench/probes/harm-signals.ts), ${new Date().toISOString().slice(0, 16)}Z`,
     '',
-    `${os.cpus().length} cores, load average ${os.loadavg().map((value) => value.toFixed(2)).join(' ')} at the end; ${rounds} rounds of ${windowSeconds} s alone then ${windowSeconds} s deleting per pace, each ratio pooled over the rounds (deleting ÷ alone); pgbench ${readsPerSecond} point reads/s on 4 clients; a bare DELETE loop on ${DELETERS} connections, ${BATCH} rows a transaction, a pause after each commit; ${Math.round((Date.now() - started) / 1000)} s.`,
+    `${os.cpus().length} cores, load average ${os.loadavg().map((value) => value.toFixed(2)).join(' ')} at the end; ${rounds} rounds of ${windowSeconds} s alone then ${windowSeconds} s deleting per pace, each ratio pooled over the rounds (deleting ÷ alone); pgbench ${readsPerSecond} transactions/s (${scriptName}) on 4 clients; a bare DELETE loop on ${DELETERS} connections, ${BATCH} rows a transaction, a pause after each commit; ${Math.round((Date.now() - started) / 1000)} s.`,
     '',
     '| pause after each commit | rows/s | foreground (pgbench) p50 / p90 / p99 | p99 by round | others\' statement durations, as the harm law reads them: geometric mean / p90 / p99 (count alone, deleting) | `SELECT 1` round trip: p50 / p90 / p99 |',
     '|---|---|---|---|---|---|',
@@ -184,11 +206,11 @@ async function main(): Promise<void> {
   ];
   const resultsDirectory = path.join(process.cwd(), 'bench', 'results');
   mkdirSync(resultsDirectory, { recursive: true });
-  const base = path.join(resultsDirectory, `${new Date().toISOString().slice(0, 10)}-harm-signals`);
+  const base = path.join(resultsDirectory, `${new Date().toISOString().slice(0, 10)}-harm-signals-${scriptName}-${readsPerSecond}`);
   writeFileSync(`${base}.md`, lines.join('\n'));
   writeFileSync(
     `${base}.json`,
-    JSON.stringify({ rounds, windowSeconds, readsPerSecond, paces: results.map((r) => ({ pauseMs: r.pauseMs, rowsPerSecond: r.rowsPerSecond, clientP99ByRound: r.clientP99ByRound })) }, null, 1),
+    JSON.stringify({ rounds, windowSeconds, script: scriptName, readsPerSecond, paces: results.map((r) => ({ pauseMs: r.pauseMs, rowsPerSecond: r.rowsPerSecond, clientP99ByRound: r.clientP99ByRound })) }, null, 1),
   );
   process.stdout.write(`${lines.join('\n')}\nwrote ${base}.md and .json\n`);
 }
