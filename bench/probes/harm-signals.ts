@@ -10,13 +10,16 @@
  * are read in every window:
  *  - the others' statement durations as the harm law reads them (admissionOthersSample every
  *    100 ms: state_change - query_start of sessions idle again, each counted once);
- *  - the round trip of `SELECT 1` every 20 ms on a connection of its own (a scheduling-latency
- *    probe: the wait for a backend to be woken and run, which no statement duration contains);
+ *  - the round trip of `SELECT 1` every 20 ms (HARM_PROBE_PROBE_MS) on a connection of its own
+ *    (a scheduling-latency probe: the wait for a backend to be woken and run, which no statement
+ *    duration contains);
  *  - the foreground's own latencies (pgbench), the truth the others are judged against.
- * Run: `npm run bench:harm-signals` (HARM_PROBE_ROUNDS, HARM_PROBE_PAUSES
- * as comma-separated ms, HARM_PROBE_SCRIPT read or write, HARM_PROBE_RATE transactions/s,
- * HARM_PROBE_WINDOW seconds); writes bench/results/<date>-harm-signals-<script>-<rate>.{md,json}. Needs the local PostgreSQL and pgbench; creates and
- * drops its own database.
+ * Run: `npm run bench:harm-signals`. Settings: HARM_PROBE_ROUNDS, HARM_PROBE_PAUSES (comma-separated
+ * ms), HARM_PROBE_SCRIPT (read or write), HARM_PROBE_RATE (transactions/s), HARM_PROBE_WINDOW
+ * (seconds), HARM_PROBE_PROBE_MS (the round-trip probe's period). Writes
+ * bench/results/<date>-harm-signals-<script>-<rate>-paces<ms>-probe<ms>ms.{md,json} (a run with
+ * the same settings on the same day replaces it). Needs the local PostgreSQL and
+ * pgbench; creates and drops its own database.
  */
 import { mkdtempSync, mkdirSync, writeFileSync } from 'node:fs';
 import os from 'node:os';
@@ -32,6 +35,8 @@ const rounds = Number(process.env.HARM_PROBE_ROUNDS ?? 3);
 const pausesMs = (process.env.HARM_PROBE_PAUSES ?? '0,25,100,400').split(',').map(Number);
 const readsPerSecond = Number(process.env.HARM_PROBE_RATE ?? 2000);
 const windowSeconds = Number(process.env.HARM_PROBE_WINDOW ?? 6);
+/** The round-trip probe's period (ms): a `SELECT 1` this often. */
+const probeEveryMs = Number(process.env.HARM_PROBE_PROBE_MS ?? 20);
 /**
  * The foreground's transaction (HARM_PROBE_SCRIPT): `read`, a point read; `write`, an update by key and
  * a 20-row insert in one transaction (its commit waits for a WAL flush, inside a statement: the COMMIT).
@@ -43,7 +48,7 @@ const SCRIPTS = {
     'INSERT INTO app_log (app_id, v) SELECT :k, md5(i::text) FROM generate_series(1, 20) AS i;\nCOMMIT;\n',
 } as const;
 const scriptName = (process.env.HARM_PROBE_SCRIPT ?? 'read') as keyof typeof SCRIPTS;
-for (const [name, value] of Object.entries({ HARM_PROBE_ROUNDS: rounds, HARM_PROBE_RATE: readsPerSecond, HARM_PROBE_WINDOW: windowSeconds })) {
+for (const [name, value] of Object.entries({ HARM_PROBE_ROUNDS: rounds, HARM_PROBE_RATE: readsPerSecond, HARM_PROBE_WINDOW: windowSeconds, HARM_PROBE_PROBE_MS: probeEveryMs })) {
   if (!(Number.isInteger(value) && value > 0)) usage(`${name} must be a positive whole number; got ${JSON.stringify(process.env[name])}`);
 }
 if (pausesMs.some((pause) => !(Number.isInteger(pause) && pause >= 0))) usage(`HARM_PROBE_PAUSES must be whole ms >= 0, comma-separated; got ${JSON.stringify(process.env.HARM_PROBE_PAUSES)}`);
@@ -62,6 +67,8 @@ interface Window {
   client: number[];
   server: number[];
   roundTrip: number[];
+  /** The mean round trip of each whole second of the window (ms): what a law stepping once a second would read. */
+  roundTripBySecond: number[];
 }
 
 interface PaceResult {
@@ -77,7 +84,7 @@ const sleep = (ms: number) => new Promise<void>((resolve) => setTimeout(resolve,
 const sorted = (values: readonly number[]) => [...values].sort((a, b) => a - b);
 const geometricMean = (values: readonly number[]) => Math.exp(values.reduce((sum, value) => sum + Math.log(value), 0) / values.length);
 const p = (values: readonly number[], q: number) => percentile(sorted(values), q);
-const emptyWindow = (): Window => ({ client: [], server: [], roundTrip: [] });
+const emptyWindow = (): Window => ({ client: [], server: [], roundTrip: [], roundTripBySecond: [] });
 
 async function prepare(url: string): Promise<void> {
   await withAdmin(adminUrl, async (admin) => {
@@ -129,7 +136,7 @@ async function measure(url: string, directory: string, pauseMs: number, round: n
       const before = process.hrtime.bigint();
       await probe.query('SELECT 1');
       roundTrips.push([Date.now(), Number(process.hrtime.bigint() - before) / 1e6]);
-      await sleep(20);
+      await sleep(probeEveryMs);
     }
   })();
   await sleep(deletingFrom - Date.now());
@@ -157,6 +164,10 @@ async function measure(url: string, directory: string, pauseMs: number, round: n
     client: bench.transactions(from, to).map((t) => t.ms),
     server: server.filter(([at]) => at >= from && at < to).map(([, ms]) => ms),
     roundTrip: roundTrips.filter(([at]) => at >= from && at < to).map(([, ms]) => ms),
+    roundTripBySecond: Array.from({ length: Math.floor((to - from) / 1000) }, (_, second) => {
+      const slice = roundTrips.filter(([at]) => at >= from + second * 1000 && at < from + (second + 1) * 1000).map(([, ms]) => ms);
+      return slice.reduce((sum, ms) => sum + ms, 0) / Math.max(1, slice.length);
+    }),
   });
   return { alone: inWindow(aloneFrom, deletingFrom), deleting: inWindow(deletingFrom, deletingTo), rows };
 }
@@ -177,7 +188,7 @@ async function main(): Promise<void> {
     for (const index of order) {
       const result = results[index]!;
       const one = await measure(url, directory, result.pauseMs, round);
-      for (const key of ['client', 'server', 'roundTrip'] as const) {
+      for (const key of ['client', 'server', 'roundTrip', 'roundTripBySecond'] as const) {
         result.alone[key].push(...one.alone[key]);
         result.deleting[key].push(...one.deleting[key]);
       }
@@ -201,12 +212,26 @@ async function main(): Promise<void> {
         `| ${r.pauseMs} ms | ${Math.round(r.rowsPerSecond).toLocaleString('en-US')} | ${ratio(r.deleting.client, r.alone.client, q(0.5))} / ${ratio(r.deleting.client, r.alone.client, q(0.9))} / **${ratio(r.deleting.client, r.alone.client, q(0.99))}** | ${r.clientP99ByRound.map((value) => value.toFixed(2)).join(' ')} | **${ratio(r.deleting.server, r.alone.server, gm)}** / ${ratio(r.deleting.server, r.alone.server, q(0.9))} / ${ratio(r.deleting.server, r.alone.server, q(0.99))} (${r.alone.server.length}, ${r.deleting.server.length}) | ${ratio(r.deleting.roundTrip, r.alone.roundTrip, q(0.5))} / ${ratio(r.deleting.roundTrip, r.alone.roundTrip, q(0.9))} / ${ratio(r.deleting.roundTrip, r.alone.roundTrip, q(0.99))} |`,
     ),
     '',
+    `The round trip as a law stepping once a second would read it: each whole second's mean round trip (a \`SELECT 1\` every ${probeEveryMs} ms) ÷ the mean of all the pace's alone round trips; the alone seconds are the control (how often a second reads over a line with no cleanup).`,
+    '',
+    '| pause | foreground p99 ÷ alone | seconds deleting: median, 10th–90th percentile | share over 1.1 / 1.2 | seconds alone: median, 10th–90th | share over 1.1 / 1.2 |',
+    '|---|---|---|---|---|---|',
+    ...results.map((r) => {
+      const base = r.alone.roundTrip.reduce((sum, ms) => sum + ms, 0) / Math.max(1, r.alone.roundTrip.length);
+      const read = (seconds: readonly number[]) => {
+        const ratios = seconds.map((ms) => ms / base);
+        const share = (line: number) => (ratios.filter((value) => value > line).length / Math.max(1, ratios.length)).toFixed(2);
+        return `${p(ratios, 0.5).toFixed(2)}, ${p(ratios, 0.1).toFixed(2)}–${p(ratios, 0.9).toFixed(2)} | ${share(1.1)} / ${share(1.2)}`;
+      };
+      return `| ${r.pauseMs} ms | ${ratio(r.deleting.client, r.alone.client, q(0.99))} | ${read(r.deleting.roundTripBySecond)} | ${read(r.alone.roundTripBySecond)} |`;
+    }),
+    '',
     `Alone (pooled): foreground p99 ${results.map((r) => p(r.alone.client, 0.99).toFixed(2)).join(' / ')} ms; others' statements geometric mean ${results.map((r) => gm(r.alone.server).toFixed(3)).join(' / ')} ms; round trip p50 ${results.map((r) => p(r.alone.roundTrip, 0.5).toFixed(2)).join(' / ')} ms (in the order of the table).`,
     '',
   ];
   const resultsDirectory = path.join(process.cwd(), 'bench', 'results');
   mkdirSync(resultsDirectory, { recursive: true });
-  const base = path.join(resultsDirectory, `${new Date().toISOString().slice(0, 10)}-harm-signals-${scriptName}-${readsPerSecond}`);
+  const base = path.join(resultsDirectory, `${new Date().toISOString().slice(0, 10)}-harm-signals-${scriptName}-${readsPerSecond}-paces${pausesMs.join('-')}-probe${probeEveryMs}ms`);
   writeFileSync(`${base}.md`, lines.join('\n'));
   writeFileSync(
     `${base}.json`,
