@@ -1,8 +1,8 @@
 /**
  * What PostgreSQL shows of the harm a cleanup does a foreground (issue 41 item 3): a probe, not a
  * figure. The harm law (shared/admission/adaptive-harm.ts) reads the others' statement durations
- * from pg_stat_activity; beside bench figure 7b's 2,000 point reads/s it read harm 0.95-1.11 all the
- * way from 500 to 64,000 rows/s while the foreground's p99 rose to 4.7 x alone (2026-12-07), so it
+ * from pg_stat_activity; beside bench figure 7b's 2,000 point reads/s its steps read harm 0.87-1.11 all
+ * the way from 1,000 to 64,000 rows/s while the foreground's p99 rose to 4.7 x alone (2026-12-07), so it
  * climbed without bound. This probe asks why, with nothing of reaper's pipeline in the way: pgbench
  * point reads at a fixed rate (the foreground, its per-transaction log: the harm as the client
  * sees it), and a bare DELETE loop at a few paces (2 connections, 500 rows a transaction, a pause
@@ -17,8 +17,8 @@
  * Run: `npm run bench:harm-signals`. Settings: HARM_PROBE_ROUNDS, HARM_PROBE_PAUSES (comma-separated
  * ms), HARM_PROBE_SCRIPT (read or write), HARM_PROBE_RATE (transactions/s), HARM_PROBE_WINDOW
  * (seconds), HARM_PROBE_PROBE_MS (the round-trip probe's period). Writes
- * bench/results/<date>-harm-signals-<script>-<rate>-paces<ms>-probe<ms>ms.{md,json} (a run with
- * the same settings on the same day replaces it). Needs the local PostgreSQL and
+ * bench/results/<date>-harm-signals-<script>-<rate>-paces<ms>-probe<ms>ms-rounds<n>-window<s>s.{md,json}
+ * (a run with the same settings on the same day replaces it). Needs the local PostgreSQL and
  * pgbench; creates and drops its own database.
  */
 import { mkdtempSync, mkdirSync, writeFileSync } from 'node:fs';
@@ -32,7 +32,7 @@ import { SAMPLER_APPLICATION, databaseUrl, withAdmin } from '../lib/database';
 const DATABASE = 'reaper_harm_probe';
 const adminUrl = process.env.DATABASE_URL ?? 'postgres://postgres@127.0.0.1:5432/postgres';
 const rounds = Number(process.env.HARM_PROBE_ROUNDS ?? 3);
-const pausesMs = (process.env.HARM_PROBE_PAUSES ?? '0,25,100,400').split(',').map(Number);
+const pausesMs = (process.env.HARM_PROBE_PAUSES ?? '0,25,100,400').split(',').map((pause) => (pause.trim() === '' ? Number.NaN : Number(pause)));
 const readsPerSecond = Number(process.env.HARM_PROBE_RATE ?? 2000);
 const windowSeconds = Number(process.env.HARM_PROBE_WINDOW ?? 6);
 /** The round-trip probe's period (ms): a `SELECT 1` this often. */
@@ -52,7 +52,7 @@ for (const [name, value] of Object.entries({ HARM_PROBE_ROUNDS: rounds, HARM_PRO
   if (!(Number.isInteger(value) && value > 0)) usage(`${name} must be a positive whole number; got ${JSON.stringify(process.env[name])}`);
 }
 if (pausesMs.some((pause) => !(Number.isInteger(pause) && pause >= 0))) usage(`HARM_PROBE_PAUSES must be whole ms >= 0, comma-separated; got ${JSON.stringify(process.env.HARM_PROBE_PAUSES)}`);
-if (!(scriptName in SCRIPTS)) usage(`HARM_PROBE_SCRIPT must be one of ${Object.keys(SCRIPTS).join(', ')}; got ${JSON.stringify(scriptName)}`);
+if (!Object.hasOwn(SCRIPTS, scriptName)) usage(`HARM_PROBE_SCRIPT must be one of ${Object.keys(SCRIPTS).join(', ')}; got ${JSON.stringify(scriptName)}`);
 
 function usage(message: string): never {
   process.stderr.write(`harm-signals: ${message}\n`);
@@ -60,8 +60,8 @@ function usage(message: string): never {
 }
 const BATCH = 500;
 const DELETERS = 2;
-/** Rows the junk table is refilled to before each window that deletes (the unthrottled loop deletes about 120k rows/s on a 2-core machine). */
-const JUNK_ROWS = 1_200_000;
+/** Rows the junk table is refilled to before each window that deletes: the unthrottled loop deleted 143-164k rows/s on a 2-core machine, so 200k for each second of the window. */
+const JUNK_ROWS = 200_000 * windowSeconds;
 
 interface Window {
   client: number[];
@@ -133,9 +133,11 @@ async function measure(url: string, directory: string, pauseMs: number, round: n
   await probe.connect();
   const probing = (async () => {
     while (!done) {
+      // Stamped when sent: a round trip that spans a stall counts in the second it began.
+      const sentAt = Date.now();
       const before = process.hrtime.bigint();
       await probe.query('SELECT 1');
-      roundTrips.push([Date.now(), Number(process.hrtime.bigint() - before) / 1e6]);
+      roundTrips.push([sentAt, Number(process.hrtime.bigint() - before) / 1e6]);
       await sleep(probeEveryMs);
     }
   })();
@@ -164,10 +166,11 @@ async function measure(url: string, directory: string, pauseMs: number, round: n
     client: bench.transactions(from, to).map((t) => t.ms),
     server: server.filter(([at]) => at >= from && at < to).map(([, ms]) => ms),
     roundTrip: roundTrips.filter(([at]) => at >= from && at < to).map(([, ms]) => ms),
+    // A second in which no round trip began (one longer than a second was under way) has no mean: left out.
     roundTripBySecond: Array.from({ length: Math.floor((to - from) / 1000) }, (_, second) => {
       const slice = roundTrips.filter(([at]) => at >= from + second * 1000 && at < from + (second + 1) * 1000).map(([, ms]) => ms);
-      return slice.reduce((sum, ms) => sum + ms, 0) / Math.max(1, slice.length);
-    }),
+      return slice.length === 0 ? Number.NaN : slice.reduce((sum, ms) => sum + ms, 0) / slice.length;
+    }).filter((mean) => Number.isFinite(mean)),
   });
   return { alone: inWindow(aloneFrom, deletingFrom), deleting: inWindow(deletingFrom, deletingTo), rows };
 }
@@ -231,7 +234,7 @@ async function main(): Promise<void> {
   ];
   const resultsDirectory = path.join(process.cwd(), 'bench', 'results');
   mkdirSync(resultsDirectory, { recursive: true });
-  const base = path.join(resultsDirectory, `${new Date().toISOString().slice(0, 10)}-harm-signals-${scriptName}-${readsPerSecond}-paces${pausesMs.join('-')}-probe${probeEveryMs}ms`);
+  const base = path.join(resultsDirectory, `${new Date().toISOString().slice(0, 10)}-harm-signals-${scriptName}-${readsPerSecond}-paces${pausesMs.join('-')}-probe${probeEveryMs}ms-rounds${rounds}-window${windowSeconds}s`);
   writeFileSync(`${base}.md`, lines.join('\n'));
   writeFileSync(
     `${base}.json`,
