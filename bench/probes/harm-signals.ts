@@ -28,6 +28,8 @@ import pg from 'pg';
 import { admissionOthersSample } from '../../shared/db/queries/admission';
 import { Pgbench, percentile } from '../figures/foreground';
 import { SAMPLER_APPLICATION, databaseUrl, withAdmin } from '../lib/database';
+import { meansBySecond } from '../lib/stats';
+import { sleep } from '../lib/wait';
 
 const DATABASE = 'reaper_harm_probe';
 const adminUrl = process.env.DATABASE_URL ?? 'postgres://postgres@127.0.0.1:5432/postgres';
@@ -80,7 +82,6 @@ interface PaceResult {
   clientP99ByRound: number[];
 }
 
-const sleep = (ms: number) => new Promise<void>((resolve) => setTimeout(resolve, ms));
 const sorted = (values: readonly number[]) => [...values].sort((a, b) => a - b);
 const geometricMean = (values: readonly number[]) => Math.exp(values.reduce((sum, value) => sum + Math.log(value), 0) / values.length);
 const p = (values: readonly number[], q: number) => percentile(sorted(values), q);
@@ -110,7 +111,6 @@ async function measure(url: string, directory: string, pauseMs: number, round: n
   await sampler.query(`INSERT INTO junk (expires_at, payload) SELECT now() - i * interval '1 ms', md5(i::text) FROM generate_series(1, ${JUNK_ROWS}) AS i`);
   await sampler.query('VACUUM ANALYZE junk');
   await sampler.query('CHECKPOINT');
-  writeFileSync(path.join(directory, 'foreground.sql'), SCRIPTS[scriptName]);
   const startMs = Date.now();
   const warmMs = 1_000;
   const aloneFrom = startMs + warmMs;
@@ -166,11 +166,7 @@ async function measure(url: string, directory: string, pauseMs: number, round: n
     client: bench.transactions(from, to).map((t) => t.ms),
     server: server.filter(([at]) => at >= from && at < to).map(([, ms]) => ms),
     roundTrip: roundTrips.filter(([at]) => at >= from && at < to).map(([, ms]) => ms),
-    // A second in which no round trip began (one longer than a second was under way) has no mean: left out.
-    roundTripBySecond: Array.from({ length: Math.floor((to - from) / 1000) }, (_, second) => {
-      const slice = roundTrips.filter(([at]) => at >= from + second * 1000 && at < from + (second + 1) * 1000).map(([, ms]) => ms);
-      return slice.length === 0 ? Number.NaN : slice.reduce((sum, ms) => sum + ms, 0) / slice.length;
-    }).filter((mean) => Number.isFinite(mean)),
+    roundTripBySecond: meansBySecond(roundTrips, from, to),
   });
   return { alone: inWindow(aloneFrom, deletingFrom), deleting: inWindow(deletingFrom, deletingTo), rows };
 }
@@ -182,6 +178,7 @@ function ratio(deleting: readonly number[], alone: readonly number[], of: (value
 async function main(): Promise<void> {
   const url = databaseUrl(adminUrl, DATABASE);
   const directory = mkdtempSync(path.join(os.tmpdir(), 'reaper-harm-probe-'));
+  writeFileSync(path.join(directory, 'foreground.sql'), SCRIPTS[scriptName]);
   await prepare(url);
   const results: PaceResult[] = pausesMs.map((pauseMs) => ({ pauseMs, rowsPerSecond: 0, alone: emptyWindow(), deleting: emptyWindow(), clientP99ByRound: [] }));
   const started = Date.now();

@@ -375,8 +375,12 @@ describe('run pacing by the admitted rate (adaptive, or fixed)', () => {
     assert.equal((await admissionAdaptivePaceRead(world.bed.pool, 'paced-policy', 5)).lastTakeAt, null, 'a row made for a take not yet sent is no take');
     assert.deepEqual(await admissionAdaptivePaceRead(world.bed.pool, 'no-such-policy', 5), { rate: null, lastTakeAt: null, lastTakeSawOthers: null }, 'no admission row');
     // A policy's very first take stores the start rate and its time, with no pressure, alone too.
-    await world.bed.pool.query(`UPDATE cleanup_admission SET adaptive_rate = ${ADAPTIVE.startRowsPerSecond}, adapted_at = clock_timestamp() WHERE policy = 'paced-policy'`);
+    // (As the take statement writes it: the rate, its time, and the take's own stamp, taken_at.)
+    await world.bed.pool.query(
+      `UPDATE cleanup_admission SET adaptive_rate = ${ADAPTIVE.startRowsPerSecond}, adapted_at = clock_timestamp(), taken_at = clock_timestamp(), taken_saw_others = false WHERE policy = 'paced-policy'`,
+    );
     assert.equal(await rateOf('paced-policy'), null, 'the first take only: not a step');
+    assert.ok((await admissionAdaptivePaceRead(world.bed.pool, 'paced-policy', 5)).lastTakeAt, 'but a take');
     await world.bed.pool.query(`UPDATE cleanup_admission SET adaptive_rate = 750, adaptive_pressure = 2.4, adapted_at = clock_timestamp() WHERE policy = 'paced-policy'`);
     assert.equal(await rateOf('paced-policy'), 750, 'stepped just now');
     await world.bed.pool.query(`UPDATE cleanup_admission SET adapted_at = clock_timestamp() - interval '6 seconds' WHERE policy = 'paced-policy'`);
